@@ -1,0 +1,123 @@
+"""Tree attention backends, plugged in through transformers' attention interface.
+
+The engine always hands the model an additive float 4D mask (see
+`tree.additive_mask`) and explicit position ids, so a backend only has to
+honour an arbitrary additive bias:
+
+- "sdpa": transformers' own torch `scaled_dot_product_attention` path. A 4D
+  float mask passes through it unchanged. Works on every device.
+- "xformers": `xformers.ops.memory_efficient_attention` with the mask as a
+  tensor `attn_bias`, registered under the name "mcsd_xformers" with
+  `AttentionInterface` (and the sdpa mask builder under the same name, so the
+  model still behaves for ordinary callers such as `generate`). CUDA only.
+- "auto": xformers when CUDA is present and a probe call succeeds, else sdpa.
+
+The choice is applied with the model's public `set_attn_implementation`; no
+modeling file is forked and no attribute is patched onto the model.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .config import ConfigError
+
+BACKENDS = ("auto", "sdpa", "xformers", "eager")
+XFORMERS_NAME = "mcsd_xformers"
+
+
+def _xformers_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention-interface function backed by xformers.
+
+    Args:
+        query: (B, H, Q, D); key, value: (B, H_kv, K, D).
+        attention_mask: (B or 1, 1, Q, K) additive float mask, or None (causal).
+    Returns:
+        ((B, Q, H, D) attention output, None).
+    """
+    import xformers.ops as xops
+
+    b, h, q_len, d = query.shape
+    h_kv = key.shape[1]
+    q = query.transpose(1, 2)                                                  # (B, Q, H, D)
+    k = key.transpose(1, 2)                                                    # (B, K, H_kv, D)
+    v = value.transpose(1, 2)
+    if h_kv != h:  # grouped-query attention: xformers takes (B, M, G, H/G, D)
+        g = h_kv
+        q = q.reshape(b, q_len, g, h // g, d)
+        k = k.unsqueeze(3).expand(b, k.shape[1], g, h // g, d)
+        v = v.unsqueeze(3).expand(b, v.shape[1], g, h // g, d)
+    if attention_mask is None:
+        bias = xops.LowerTriangularFromBottomRightMask() if q_len > 1 else None
+    else:
+        bias = _aligned_bias(attention_mask.to(query.dtype), b, h, h_kv)
+    out = xops.memory_efficient_attention(q, k, v, attn_bias=bias, p=dropout, scale=scaling)
+    return out.reshape(b, q_len, h, d), None
+
+
+def _aligned_bias(mask: torch.Tensor, b: int, h: int, h_kv: int) -> torch.Tensor:
+    # xformers wants the bias's last dimension padded to a multiple of 8 in memory;
+    # allocate padded storage and hand it a view of the real width.
+    q_len, k_len = mask.shape[-2:]
+    padded = (k_len + 7) // 8 * 8
+    store = torch.empty(b, h, q_len, padded, dtype=mask.dtype, device=mask.device)
+    view = store[..., :k_len]
+    view.copy_(mask.expand(b, h, q_len, k_len))
+    if h_kv != h:
+        view = view.reshape(b, h_kv, h // h_kv, q_len, k_len)
+    return view
+
+
+@functools.lru_cache(maxsize=None)
+def _register_xformers() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(XFORMERS_NAME, _xformers_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(XFORMERS_NAME, sdpa_mask)
+
+
+def xformers_unavailable_reason(device) -> str | None:
+    """None if the xformers backend can run on `device`, else a sentence saying why not."""
+    if torch.device(device).type != "cuda":
+        return f"xformers kernels run only on CUDA devices, not on {torch.device(device).type!r}"
+    try:
+        import xformers.ops as xops
+    except Exception as exc:  # ImportError, or a broken build raising at import
+        return f"xformers is not importable ({exc.__class__.__name__}: {exc}); install mcsd[gpu]"
+    try:
+        x = torch.zeros(1, 8, 1, 64, device=device, dtype=torch.float16)
+        xops.memory_efficient_attention(x, x, x)
+    except Exception as exc:
+        return f"xformers failed a probe call on {device} ({exc.__class__.__name__}: {exc})"
+    return None
+
+
+def resolve_backend(name: str, device) -> str:
+    """Map "auto" | "sdpa" | "xformers" | "eager" to a transformers implementation name.
+
+    Raises:
+        ConfigError: unknown name, or xformers requested where it cannot run.
+    """
+    if name not in BACKENDS:
+        raise ConfigError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    if name in ("sdpa", "eager"):
+        return name
+    reason = xformers_unavailable_reason(device)
+    if reason is None:
+        _register_xformers()
+        return XFORMERS_NAME
+    if name == "xformers":
+        raise ConfigError(f"attention='xformers' cannot run here: {reason}")
+    return "sdpa"
+
+
+def set_backend(model: torch.nn.Module, name: str) -> str:
+    """Switch `model` to the resolved backend through its public API; returns the name used."""
+    device = next(model.parameters()).device
+    impl = resolve_backend(name, device)
+    if getattr(model.config, "_attn_implementation", None) != impl:
+        model.set_attn_implementation(impl)
+    return impl

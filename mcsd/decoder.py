@@ -1,0 +1,343 @@
+"""`TreeDecoder`: the speculative decoding loop.
+
+Each round:
+  1. the root is the token the target itself chose last round (exact by construction);
+  2. the drafter grows a tree beneath it, one forward per level;
+  3. the target scores every tree node in one forward (sliced tree mask);
+  4. greedy matching or multi-candidate rejection sampling picks the accepted
+     path and the target's own next token;
+  5. both KV caches keep the accepted path and drop the rest;
+  6. the accepted tokens are emitted, and generation stops on EOS, a stop
+     string or `max_new_tokens`.
+
+Limitations: one sequence at a time (batch size 1); models must use
+transformers' DynamicCache (no sliding-window or quantised caches); under
+bfloat16/float16 the tree forward's different batch shapes change rounding, so
+greedy output can differ from plain decoding where two logits nearly tie
+(float32 is exact).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from .attention import set_backend
+from .config import ConfigError, DecodeConfig, SamplingConfig
+from .draft import Drafter, GrownTree, ModelDrafter, grow_tree
+from .lm import CachedLM
+from .policies import TreePolicy, make_policy
+from .sampling import logits_to_probs, make_generator, sample
+from .tree import DraftTree
+from .verify import Acceptance, accept_greedy, accept_sampling
+
+
+@dataclass
+class GenerationStats:
+    """Counters and timings of one generation."""
+
+    new_tokens: int = 0
+    target_forwards: int = 0          # prefill included: plain decoding has one per token
+    draft_forwards: int = 0
+    rounds: int = 0
+    tree_nodes: int = 0               # draft nodes verified, summed over rounds
+    wall_s: float = 0.0
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    accepted_per_round: list[int] = field(default_factory=list)
+    offered_by_depth: list[int] = field(default_factory=list)   # rounds that could accept depth d+1
+    accepted_by_depth: list[int] = field(default_factory=list)  # rounds that did
+
+    @property
+    def mean_accepted(self) -> float:
+        """tau: tokens emitted per target forward (plain decoding = 1.0)."""
+        return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def accept_by_depth(self) -> list[float]:
+        """P(depth d accepted | depth d-1 accepted and the tree reached depth d), d = 1, 2, ..."""
+        return [a / o if o else 0.0 for a, o in zip(self.accepted_by_depth, self.offered_by_depth)]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def other_s(self) -> float:
+        return max(self.wall_s - self.prefill_s - self.draft_s - self.verify_s, 0.0)
+
+    def record_round(self, tree: DraftTree, n_accepted: int) -> None:
+        drafted_depth = int(tree.depth.max())
+        self.rounds += 1
+        self.tree_nodes += tree.size - 1
+        self.accepted_per_round.append(n_accepted)
+        for d in range(min(drafted_depth, n_accepted + 1)):
+            if d >= len(self.offered_by_depth):
+                self.offered_by_depth.append(0)
+                self.accepted_by_depth.append(0)
+            self.offered_by_depth[d] += 1
+            self.accepted_by_depth[d] += int(d < n_accepted)
+
+    def as_dict(self) -> dict:
+        return {"new_tokens": self.new_tokens, "target_forwards": self.target_forwards,
+                "draft_forwards": self.draft_forwards, "rounds": self.rounds,
+                "mean_accepted": self.mean_accepted, "accept_by_depth": self.accept_by_depth,
+                "tree_nodes": self.tree_nodes, "tokens_per_s": self.tokens_per_s, "wall_s": self.wall_s,
+                "prefill_s": self.prefill_s, "draft_s": self.draft_s, "verify_s": self.verify_s,
+                "other_s": self.other_s}
+
+
+@dataclass
+class GenerationOutput:
+    """Result of `TreeDecoder.generate`.
+
+    Attributes:
+        tokens: the new tokens only (EOS included when generation ended on it).
+        text: decoded new text (special tokens skipped), or None without a tokenizer.
+        stats: counters and timings.
+        finish_reason: "eos", "stop_string" or "length".
+    """
+
+    tokens: list[int]
+    text: str | None
+    stats: GenerationStats
+    finish_reason: str
+
+
+class TreeDecoder:
+    """Lossless multi-candidate tree speculative decoding for one target and one drafter.
+
+    Args:
+        target: a transformers causal LM (eval mode).
+        draft: a draft causal LM sharing the target's tokenizer, any object
+            implementing the `Drafter` protocol, or None (only
+            `generate_baseline` is then available).
+        tokenizer: used for string prompts, decoding, EOS and stop strings.
+        tree: tree spec ("4,2,2", "1,1,1,1", or a list of rank paths); the
+            largest tree the policy may grow.
+        policy: policy name ("static", "heuristic", "confidence", ...) or a TreePolicy.
+        attention: "auto" | "sdpa" | "xformers" | "eager".
+    """
+
+    def __init__(self, target, draft=None, tokenizer=None, tree="4,2,2", policy="static",
+                 attention: str = "auto", policy_options: dict | None = None):
+        self.target = CachedLM(target)
+        self.attention = set_backend(target, attention)
+        if draft is None:
+            self.drafter = None
+        elif isinstance(draft, torch.nn.Module):
+            set_backend(draft, attention)
+            self.drafter = ModelDrafter(draft)
+        elif all(hasattr(draft, m) for m in ("begin_round", "step", "commit", "reset")):
+            self.drafter = draft
+        else:
+            raise ConfigError(f"draft must be a causal LM or a Drafter, got {type(draft).__name__}")
+        self.tokenizer = tokenizer
+        self.policy = make_policy(policy, tree, **(policy_options or {}))
+        self._baseline_policy = make_policy("static", "")
+        self.context_window = getattr(target.config, "max_position_embeddings", None)
+
+    # ------------------------------------------------------------------ public API
+
+    def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int | None = None, stop_strings=(), ignore_eos: bool = False,
+                 streamer: Callable[[list[int]], None] | None = None) -> GenerationOutput:
+        """Generate with tree speculative decoding.
+
+        Args:
+            prompt: a string (tokenised as is; apply a chat template first if
+                wanted), a list of token ids, or a (T,) / (1, T) tensor.
+            max_new_tokens, temperature, top_k, top_p, seed: as in plain sampling;
+                temperature 0 is greedy.
+            stop_strings: stop once the decoded new text contains one of them.
+            ignore_eos: keep generating past EOS.
+            streamer: called with each round's newly emitted tokens.
+        Returns:
+            GenerationOutput. Its tokens follow exactly the target's own
+            distribution under these settings (token-identical to plain greedy
+            decoding when temperature is 0, in float32).
+        """
+        if self.drafter is None:
+            raise ConfigError("this TreeDecoder has no draft; pass draft=... or use generate_baseline()")
+        return self._collect(self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed,
+                                         stop_strings, ignore_eos), streamer)
+
+    def generate_baseline(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+                          top_p: float = 1.0, seed: int | None = None, stop_strings=(), ignore_eos: bool = False,
+                          streamer: Callable[[list[int]], None] | None = None) -> GenerationOutput:
+        """Plain target-only decoding through the same loop (a tree of just the root)."""
+        return self._collect(self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed,
+                                         stop_strings, ignore_eos, baseline=True), streamer)
+
+    def stream(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, seed: int | None = None, stop_strings=(), ignore_eos: bool = False,
+               baseline: bool = False) -> Iterator[list[int]]:
+        """Generator over the same loop: yields each round's new tokens; returns the GenerationOutput."""
+        cfg = DecodeConfig(max_new_tokens=max_new_tokens, sampling=SamplingConfig(temperature, top_k, top_p),
+                           seed=seed, stop_strings=tuple(stop_strings), ignore_eos=ignore_eos)
+        prompt_ids = self.encode(prompt)
+        self._check_length(prompt_ids.numel(), cfg.max_new_tokens)
+        policy = self._baseline_policy if baseline else self.policy
+        drafter = None if baseline else self.drafter
+        return (yield from self._decode(prompt_ids, cfg, policy, drafter))
+
+    def encode(self, prompt) -> torch.Tensor:
+        """Prompt (str, list of ids, or tensor) -> (T,) long ids on the target's device."""
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise ConfigError("the prompt is empty")
+            if self.tokenizer is None:
+                raise ConfigError("a string prompt needs a tokenizer; pass tokenizer=... or token ids")
+            ids = self.tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+        else:
+            ids = torch.as_tensor(prompt, dtype=torch.long)
+            if ids.dim() == 2:
+                if ids.shape[0] != 1:
+                    raise ConfigError(f"batched prompts are not supported (got batch size {ids.shape[0]})")
+                ids = ids[0]
+            if ids.dim() != 1:
+                raise ConfigError(f"prompt ids must be 1-D or (1, T), got shape {tuple(ids.shape)}")
+        if ids.numel() == 0:
+            raise ConfigError("the prompt is empty")
+        vocab = self.target.model.get_input_embeddings().weight.shape[0]
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise ConfigError(f"prompt token ids must lie in [0, {vocab}); got {int(ids.min())}..{int(ids.max())}")
+        return ids.to(self.target.device)
+
+    # ------------------------------------------------------------------ the loop
+
+    @torch.inference_mode()
+    def _decode(self, prompt_ids: torch.Tensor, cfg: DecodeConfig, policy: TreePolicy,
+                drafter: Drafter | None) -> Iterator[list[int]]:
+        stats, gen = GenerationStats(), make_generator(cfg.seed, self.target.device)
+        eos = self._eos_ids(cfg)
+        t_start = time.perf_counter()
+        policy.reset()
+        if drafter is not None:
+            drafter.reset()
+
+        # Prefill: the target reads the prompt and chooses the first token itself.
+        self.target.reset()
+        logits = self.target.extend(prompt_ids)[-1]
+        root = self._choose(logits, cfg.sampling, gen)
+        stats.target_forwards += 1
+        stats.prefill_s = time.perf_counter() - t_start
+        sequence = torch.cat([prompt_ids, root.reshape(1)])
+        out: list[int] = []
+        finish = self._emit(out, [int(root)], cfg, eos)
+        yield out[:]
+
+        while finish is None:
+            remaining = cfg.max_new_tokens - len(out)
+            depth = min(policy.begin_round(), remaining - 1) if drafter is not None else 0
+            # 1-2. draft a tree under the target-initialised root
+            t0 = time.perf_counter()
+            grown = (grow_tree(drafter, policy, sequence, depth, cfg.sampling, gen) if depth > 0
+                     else GrownTree(DraftTree.root_only(policy.topology, sequence[-1]), None))
+            t1 = time.perf_counter()
+            # 3-4. verify every node in one target forward, then accept
+            acc = self._verify(grown, cfg.sampling, gen)
+            t2 = time.perf_counter()
+            # 5. commit the accepted path into both caches
+            if drafter is not None and depth > 0:
+                drafter.commit(acc.path)
+            stats.draft_s += t1 - t0
+            stats.verify_s += t2 - t1
+            stats.target_forwards += 1
+            stats.record_round(grown.tree, acc.n_accepted)
+            policy.observe(acc.n_accepted, grown.tree)
+            # 6. emit
+            new = torch.cat([grown.tree.tokens[acc.path[1:]], acc.next_token.reshape(1)])
+            sequence = torch.cat([sequence, new])
+            before = len(out)
+            finish = self._emit(out, new.tolist(), cfg, eos)
+            yield out[before:]
+
+        if drafter is not None:
+            stats.draft_forwards = drafter.forwards
+        stats.new_tokens = len(out)
+        stats.wall_s = time.perf_counter() - t_start
+        text = self.tokenizer.decode(out, skip_special_tokens=True) if self.tokenizer is not None else None
+        return GenerationOutput(tokens=out, text=text, stats=stats, finish_reason=finish)
+
+    def _verify(self, grown: GrownTree, sampling: SamplingConfig, gen) -> Acceptance:
+        """One target forward over all tree nodes, the acceptance rule, and the target cache commit."""
+        tree = grown.tree
+        prefix = self.target.length
+        anc = tree.mask()                                                  # (N, N), sliced from the topology
+        logits = self.target.forward(tree.tokens, tree.positions(prefix), anc)   # (N, V)
+        if sampling.greedy:
+            acc = accept_greedy(tree.tokens, tree.parents, tree.depth, anc, logits.argmax(-1))
+        else:
+            p_target = logits_to_probs(logits, sampling)
+            q_draft = grown.q_draft if grown.q_draft is not None else torch.zeros_like(p_target)
+            acc = accept_sampling(tree.tokens, tree.parents, p_target, q_draft.to(p_target.device), gen)
+        self.target.commit(prefix, acc.path)
+        return acc
+
+    # ------------------------------------------------------------------ helpers
+
+    @staticmethod
+    def _choose(logits: torch.Tensor, sampling: SamplingConfig, gen) -> torch.Tensor:
+        if sampling.greedy:
+            return logits.argmax(-1)
+        return sample(logits_to_probs(logits, sampling), gen)
+
+    def _emit(self, out: list[int], new: list[int], cfg: DecodeConfig, eos: set[int]) -> str | None:
+        """Append new tokens, cut at EOS / stop string / length. Returns the finish reason or None."""
+        start = len(out)
+        out.extend(new)
+        if not cfg.ignore_eos:
+            for i in range(start, len(out)):
+                if out[i] in eos:
+                    del out[i + 1:]
+                    return "eos"
+        if cfg.stop_strings and self.tokenizer is not None:
+            cut = self._stop_string_cut(out, start, cfg.stop_strings)
+            if cut is not None:
+                del out[cut:]
+                return "stop_string"
+        if len(out) >= cfg.max_new_tokens:
+            del out[cfg.max_new_tokens:]
+            return "length"
+        return None
+
+    def _stop_string_cut(self, out: list[int], start: int, stops: tuple[str, ...]) -> int | None:
+        # Find the first new token whose arrival completes a stop string.
+        for end in range(start + 1, len(out) + 1):
+            text = self.tokenizer.decode(out[:end], skip_special_tokens=False)
+            if any(s in text for s in stops):
+                return end
+        return None
+
+    def _eos_ids(self, cfg: DecodeConfig) -> set[int]:
+        if cfg.eos_token_ids:
+            return set(cfg.eos_token_ids)
+        ids: set[int] = set()
+        gen_cfg = getattr(self.target.model, "generation_config", None)
+        for source in (getattr(gen_cfg, "eos_token_id", None), getattr(self.tokenizer, "eos_token_id", None)):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source is not None:
+                ids.update(int(i) for i in source)
+        return ids
+
+    def _check_length(self, prompt_len: int, max_new_tokens: int) -> None:
+        if self.context_window is not None and prompt_len + max_new_tokens > self.context_window:
+            raise ConfigError(
+                f"prompt ({prompt_len} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the target's "
+                f"context window of {self.context_window} tokens")
+
+    @staticmethod
+    def _collect(rounds: Iterator[list[int]], streamer) -> GenerationOutput:
+        while True:
+            try:
+                new = next(rounds)
+            except StopIteration as done:
+                return done.value
+            if streamer is not None and new:
+                streamer(new)

@@ -1,0 +1,171 @@
+"""Growing a round's draft tree, level by level, under the target-initialised root.
+
+`Drafter` is the small protocol a draft source implements; `ModelDrafter` is a
+standalone Hugging Face causal LM with its own KV cache. `grow_tree` runs one
+draft forward per level over every node of that level, with the topology's
+precomputed mask sliced to the nodes in play, and asks the policy how many
+children each node gets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .config import SamplingConfig
+from .lm import CachedLM
+from .policies.base import Frontier, TreePolicy
+from .sampling import logits_to_probs, sample_without_replacement
+from .tree import DraftTree
+
+
+class Drafter(Protocol):
+    """What the decoder needs from a draft source (one sequence at a time).
+
+    Cache contract: between rounds the drafter has consumed some prefix of the
+    committed sequence; `begin_round` feeds it whatever is missing (the new
+    root included) and `step` appends tree nodes after that; `commit` keeps the
+    accepted path and drops the other nodes.
+    """
+
+    forwards: int  # draft forward passes so far (for stats)
+
+    def reset(self) -> None: ...
+
+    def begin_round(self, sequence: torch.Tensor) -> torch.Tensor:
+        """sequence: (T,) committed tokens ending with the root. Returns (V,) logits after the root."""
+
+    def step(self, tree: DraftTree, rows: torch.Tensor) -> torch.Tensor:
+        """Run tree nodes `rows` (M,) (all one depth); returns (M, V) logits after each."""
+
+    def commit(self, path: torch.Tensor) -> None:
+        """path: (k+1,) accepted tree node indices, root first."""
+
+
+class ModelDrafter:
+    """A standalone draft model (any causal LM sharing the target's tokenizer)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.lm = CachedLM(model)
+        self.forwards = 0
+        self._base = 0                          # cache position of this round's root
+        self._slots = torch.zeros(0, dtype=torch.long)  # tree node held at cache offset i after _base
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.lm.model
+
+    def reset(self) -> None:
+        self.lm.reset()
+        self.forwards = 0
+
+    def begin_round(self, sequence: torch.Tensor) -> torch.Tensor:
+        pending = sequence[self.lm.length:]                 # the root, plus any accepted leaf not yet seen
+        logits = self.lm.extend(pending)                    # (P, V)
+        self.forwards += 1
+        self._base = sequence.numel() - 1
+        self._slots = torch.zeros(1, dtype=torch.long, device=pending.device)   # node 0 = root
+        return logits[-1]
+
+    def step(self, tree: DraftTree, rows: torch.Tensor) -> torch.Tensor:
+        cols = torch.cat([self._slots, rows])               # keys: nodes already cached, then these
+        logits = self.lm.forward(tree.tokens[rows], tree.positions(self._base, rows), tree.mask(rows, cols))
+        self.forwards += 1
+        self._slots = cols
+        return logits
+
+    def commit(self, path: torch.Tensor) -> None:
+        # Offsets of the accepted nodes the draft has processed (a prefix of the path).
+        slot_of = torch.full((int(path.max()) + 1,), -1, dtype=torch.long, device=path.device)
+        in_range = self._slots <= path.max()
+        slot_of[self._slots[in_range]] = torch.arange(self._slots.numel(), device=path.device)[in_range]
+        offsets = slot_of[path]
+        self.lm.commit(self._base, offsets[offsets >= 0])
+
+
+@dataclass
+class GrownTree:
+    """A drafted tree plus what verification needs from the draft.
+
+    Attributes:
+        tree: the draft tree (root = target-initialised token).
+        q_draft: (N, V) float draft distribution that each node's children were
+            drawn from (rows of childless nodes are zero). Only kept when sampling.
+    """
+
+    tree: DraftTree
+    q_draft: torch.Tensor | None
+
+
+def _draft_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    if sampling.greedy:
+        return logits.float().softmax(-1)
+    return logits_to_probs(logits, sampling)
+
+
+@torch.inference_mode()
+def grow_tree(drafter: Drafter, policy: TreePolicy, sequence: torch.Tensor, depth_limit: int,
+              sampling: SamplingConfig, generator: torch.Generator | None) -> GrownTree:
+    """Grow one round's tree under the root `sequence[-1]`.
+
+    Args:
+        drafter: the draft source (its cache is extended; commit after verification).
+        policy: decides depth and fan-out; owns the topology.
+        sequence: (T,) committed tokens, the last being the target-chosen root.
+        depth_limit: deepest level to draft this round (0 = no drafting).
+        sampling: greedy -> children are the draft's top-k; otherwise drawn
+            without replacement from q_draft (processed like p_target).
+        generator: randomness for sampling.
+    Returns:
+        GrownTree. One draft forward per level actually expanded.
+    """
+    topo = policy.topology
+    tree = DraftTree.root_only(topo, sequence[-1])
+    if depth_limit < 1 or topo.max_depth < 1:
+        return GrownTree(tree, None)
+    device = tree.tokens.device
+    logits = drafter.begin_round(sequence)[None].to(device)               # (1, V)
+    frontier = torch.zeros(1, dtype=torch.long, device=device)
+    q_rows: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    for depth in range(depth_limit):
+        probs = _draft_probs(logits, sampling)                             # (F, V)
+        max_children = topo.n_children[tree.topo_ids[frontier]]           # (F,)
+        n_children = policy.expand(Frontier(depth, frontier, max_children, probs, tree))
+        n_children = max_children if n_children is None else torch.minimum(n_children, max_children)
+        k = int(n_children.max())
+        if k == 0:
+            break
+        if sampling.greedy:
+            top = torch.topk(probs, k, dim=-1)
+            cand, valid = top.indices, torch.ones_like(top.indices, dtype=torch.bool)
+        else:
+            cand, valid = sample_without_replacement(probs, k, generator)  # (F, k) in draw order
+        rank = torch.arange(k, device=device).expand_as(cand)
+        # A rank-r child exists if the policy allows r+1 children and the draft had r+1 tokens to
+        # offer (ranks are contiguous: an invalid draw is always last among its siblings).
+        keep = (rank < n_children[:, None]) & valid                        # (F, k)
+        parents = frontier[:, None].expand_as(cand)[keep]                  # (M,)
+        tokens, ranks = cand[keep], rank[keep]
+        q_token = probs.gather(1, cand)[keep]
+        if sampling.greedy is False:
+            q_rows.append((frontier, probs))
+        start = tree.size
+        tree.append_level(tokens, parents, tree.logp[parents] + q_token.log(),
+                          topo.child_table[tree.topo_ids[parents], ranks])
+        if depth + 1 == depth_limit:
+            break
+        new = torch.arange(start, tree.size, device=device)
+        frontier = new[topo.n_children[tree.topo_ids[new]] > 0]
+        if frontier.numel() == 0:
+            break
+        logits = drafter.step(tree, frontier).to(device)                   # (F', V)
+
+    q_draft = None
+    if q_rows:
+        q_draft = torch.zeros(tree.size, q_rows[0][1].shape[-1], device=device)
+        for nodes, probs in q_rows:
+            q_draft[nodes] = probs
+    return GrownTree(tree, q_draft)

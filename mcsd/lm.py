@@ -1,0 +1,72 @@
+"""A causal LM together with its KV cache: run a block of tokens under a tree mask, commit a path.
+
+Target and standalone draft use the same wrapper. A block is either a run of
+ordinary tokens (causal among themselves) or a set of tree nodes (each sees
+its ancestors); either way the model receives an explicit additive 4D mask and
+explicit position ids as forward arguments. Nothing is set on the model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import kv_cache
+from .tree import additive_mask, causal_allowed
+
+
+class CachedLM:
+    """One sequence's view of a Hugging Face causal LM.
+
+    Attributes:
+        model: the transformers model (eval mode).
+        cache: its DynamicCache; holds `length` committed positions between rounds.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.dtype = model.get_input_embeddings().weight.dtype
+        self.device = model.get_input_embeddings().weight.device
+        self.cache = None
+
+    def reset(self) -> None:
+        from transformers import DynamicCache
+        self.cache = DynamicCache(config=self.model.config)
+
+    @property
+    def length(self) -> int:
+        return kv_cache.cache_length(self.cache)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
+                hidden: bool = False):
+        """Append a block to the cache and return its logits.
+
+        Args:
+            tokens: (Q,) long.
+            positions: (Q,) long absolute positions.
+            allowed: (Q, K) bool visibility among the block's keys already in the
+                cache *after the committed prefix* plus the block itself
+                (K = entries after the prefix once this block is appended).
+            hidden: also return the last hidden states.
+        Returns:
+            logits (Q, V) float in the model dtype; with hidden=True also (Q, H).
+        """
+        prefix = self.length - (allowed.shape[1] - tokens.numel())
+        mask = additive_mask(allowed.to(self.device), prefix, self.dtype)          # (1, 1, Q, prefix+K)
+        out = self.model(input_ids=tokens.to(self.device)[None], position_ids=positions.to(self.device)[None],
+                         attention_mask=mask, past_key_values=self.cache, use_cache=True,
+                         output_hidden_states=hidden)
+        logits = out.logits[0]
+        return (logits, out.hidden_states[-1][0]) if hidden else logits
+
+    def extend(self, tokens: torch.Tensor, hidden: bool = False):
+        """Feed ordinary tokens (causal) after everything in the cache; returns their logits (Q, V)."""
+        start = self.length
+        n = tokens.numel()
+        pos = torch.arange(start, start + n, device=self.device)
+        return self.forward(tokens, pos, causal_allowed(n, self.device), hidden=hidden)
+
+    @torch.inference_mode()
+    def commit(self, prefix_len: int, keep: torch.Tensor) -> None:
+        """Keep `prefix_len` positions plus the block entries at offsets `keep` (ascending)."""
+        kv_cache.commit(self.cache, prefix_len, keep)

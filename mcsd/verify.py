@@ -1,0 +1,115 @@
+"""Deciding which drafted tokens the target accepts. Pure functions over one tree.
+
+Both rules return an `Acceptance`: the accepted root-to-node path and the one
+extra token the target contributes (its bonus token after a fully accepted
+path, or the residual token after a rejection). That extra token becomes the
+next round's target-initialised root.
+
+Greedy: a node is accepted when its token equals the target's argmax at its
+parent and its parent is accepted; the deepest accepted node wins (siblings
+hold distinct tokens, so there is at most one such path). Vectorised: no loop
+over nodes.
+
+Sampling: multi-candidate rejection sampling without replacement (MCSD). At
+the current node the children are tried in the order the draft drew them; a
+child with token x is accepted with probability min(1, p(x) / q(x)); on
+rejection p <- normalise(max(p - q, 0)), q(x) <- 0, q <- normalise(q). If no
+child is accepted, one token is drawn from the final p. The emitted tokens are
+then distributed exactly as plain sampling from p_target. The walk down the
+tree is inherently sequential (each decision changes the next p), so it loops
+over the accepted depth and the siblings tried, not over all nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sampling import sample
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """Outcome of verifying one tree.
+
+    Attributes:
+        path: (k+1,) long node indices from the root down to the deepest accepted node.
+        next_token: () long, the target's own token after the path (next round's root).
+    """
+
+    path: torch.Tensor
+    next_token: torch.Tensor
+
+    @property
+    def n_accepted(self) -> int:
+        """Draft tokens accepted (the root is the previous round's token, not counted)."""
+        return self.path.numel() - 1
+
+
+def accept_greedy(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor,
+                  anc_mask: torch.Tensor, target_argmax: torch.Tensor) -> Acceptance:
+    """Longest path whose tokens all equal the target's argmax.
+
+    Args:
+        tokens: (N,) node tokens; parents: (N,) (root -1); depth: (N,).
+        anc_mask: (N, N) bool ancestor-or-self mask.
+        target_argmax: (N,) the target's argmax next token after each node.
+    Returns:
+        Acceptance; next_token = target_argmax at the deepest accepted node.
+    """
+    match = torch.ones_like(tokens, dtype=torch.bool)
+    match[1:] = tokens[1:] == target_argmax[parents[1:]]                       # (N,)
+    # A node is accepted iff no node on its root path (itself included) mismatches.
+    accepted = ~(anc_mask & ~match.unsqueeze(0)).any(-1)                       # (N,)
+    best = torch.argmax(torch.where(accepted, depth, -1))                      # deepest; root at worst
+    path = anc_mask[best].nonzero().squeeze(1)                                 # breadth-first = root first
+    return Acceptance(path=path, next_token=target_argmax[best])
+
+
+def accept_sampling(tokens: torch.Tensor, parents: torch.Tensor, p_target: torch.Tensor,
+                    q_draft: torch.Tensor, generator: torch.Generator | None) -> Acceptance:
+    """Multi-candidate rejection sampling without replacement.
+
+    Args:
+        tokens: (N,) node tokens, breadth-first; siblings stored in draw order.
+        parents: (N,) parent indices, root -1.
+        p_target: (N, V) processed target distribution after each node.
+        q_draft: (N, V) processed draft distribution each node's children were
+            drawn from (rows of childless nodes are never read).
+        generator: randomness for the accept tests and the final draw.
+    Returns:
+        Acceptance with the accepted path and the emitted extra token.
+    """
+    children: dict[int, list[int]] = {}
+    for child, parent in enumerate(parents.tolist()[1:], start=1):            # one host copy per round
+        children.setdefault(parent, []).append(child)
+    toks = tokens.tolist()
+
+    node, path = 0, [0]
+    while True:
+        kids = children.get(node)
+        p = p_target[node]
+        if not kids:                                   # leaf, or every child accepted so far: bonus token
+            return Acceptance(torch.tensor(path, device=tokens.device), sample(p, generator))
+        q = q_draft[node].clone()
+        u = torch.rand(len(kids), generator=generator, device=p.device)
+        for i, child in enumerate(kids):
+            x = toks[child]
+            if bool(u[i] * q[x] < p[x]):               # u < min(1, p/q) without dividing by q
+                node = child
+                path.append(child)
+                break
+            p = _normalise(torch.clamp(p - q, min=0.0), fallback=p)
+            q[x] = 0.0
+            q = _normalise(q, fallback=q)
+        else:                                          # every sibling rejected: draw from the residual
+            return Acceptance(torch.tensor(path, device=tokens.device), sample(p, generator))
+
+
+def _normalise(v: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    # The residual max(p - q, 0) has positive mass whenever a rejection is possible
+    # (p(x) < q(x) for the rejected x); an all-zero vector only arises from float
+    # round-off when p == q, where keeping the previous distribution is the limit.
+    total = v.sum()
+    return torch.where(total > 0, v / total.clamp(min=torch.finfo(v.dtype).tiny), fallback)

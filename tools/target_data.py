@@ -1,0 +1,609 @@
+"""Target-generated training data for draft models.
+
+A draft model is only useful if it predicts what *the target* will say, so
+we train it on text the target writes itself, labelled with the target's own
+next-token distribution (self-distillation). This module builds that data in
+resumable stages, all recorded in one `manifest.json`:
+
+    selfinstruct  the target writes new instructions in the style of the
+                  fitting split's categories (more varied prompts than the
+                  384 we have) -> prompts/selfinstruct.jsonl
+    generate      batched target responses (greedy or sampled) to a prompt
+                  source -> responses/<run>/NNNNN.pt
+    teacher       teacher-forced target pass over prompt + response, storing
+                  the target's top-k next-token distribution (and optionally
+                  its last hidden state) per response position
+                  -> teacher/<run>/NNNNN.pt
+    status        print what is there
+
+Each record is keyed "<prompt_id>/<sample>". Prompt ids are "sb-<question_id>"
+for Spec-Bench and "si-<n>" for self-instruct prompts. The split is by
+Spec-Bench question id: `question_id % 5 == 0` is held out, the rest is the
+fitting split; self-instruct prompts are written only from fitting examples,
+so they belong to the fitting split too.
+
+`generate` also keeps the target's top-k at every generated position (the
+logits are computed anyway, so this is free). For those runs the `teacher`
+stage is only needed when hidden states are wanted; `load_examples` takes the
+teacher's labels when present and the generation-time ones otherwise. The
+two agree up to bfloat16 rounding (padding and KV-cache order differ).
+
+Layout (default root `~/.cache/mcsd`, or `$MCSD_CACHE`):
+
+    <root>/data/<target-name>/manifest.json
+    <root>/data/<target-name>/prompts/selfinstruct.jsonl
+    <root>/data/<target-name>/responses/<run>/00000.pt   list of records
+    <root>/data/<target-name>/teacher/<run>/00000.pt     list of records
+
+Kill any stage and rerun the same command: finished keys are skipped.
+
+Limitations: one process at a time per stage and run (the manifest is
+locked while written, but two runs of the same stage would both do the same
+pending prompts). Records of an interrupted batch are lost and redone.
+
+Example:
+    python tools/target_data.py generate --run fit-greedy --split fit
+    python tools/target_data.py generate --run fit-t08 --split fit --temperature 0.8 --samples 2
+    python tools/target_data.py selfinstruct --count 2000
+    python tools/target_data.py generate --run si-t07 --source selfinstruct --temperature 0.7
+    python tools/target_data.py status
+"""
+
+import argparse
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import random
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+DEFAULT_TARGET = "/work/cache/smollm2-135m-fp32"
+DEFAULT_QUESTIONS = "/work/shared/data/spec_bench/question.jsonl"
+TOPK = 8  # the target's top-8 covers almost all of its mass on chat text
+
+
+# -----------------------------------------------------------------------------
+# Paths, target loading, prompts
+
+
+def default_data_dir(target_path: str) -> Path:
+    """Cache folder for one target's data, outside the repository."""
+    root = Path(os.environ.get("MCSD_CACHE", Path.home() / ".cache" / "mcsd"))
+    return root / "data" / Path(target_path).name
+
+
+def pick_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def pick_dtype(name: str = "auto") -> torch.dtype:
+    """"auto" is bfloat16 on CUDA and float32 on CPU: a CPU without AVX512-BF16
+    (AVX2 only, like the one this was built on) runs *batched* bfloat16 matmuls
+    3-5x slower than float32, so bulk data generation is faster in float32.
+    The bfloat16 target is the float32 checkpoint rounded, and its next-token
+    distribution is the same up to that rounding."""
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+
+
+def load_target(path: str, device: str | None = None, dtype=torch.bfloat16):
+    """Load the target model and tokenizer. The one place that knows how;
+    swap it for the package's preset loader when that exists."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = device or pick_device()
+    dtype = pick_dtype(dtype) if isinstance(dtype, str) else dtype
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    return model, tokenizer
+
+
+def chat_prompt_ids(tokenizer, user_text: str) -> list[int]:
+    """The user message wrapped in the target's chat template, ready for the
+    assistant's reply."""
+    out = tokenizer.apply_chat_template(
+        [{"role": "user", "content": user_text}], add_generation_prompt=True, tokenize=True
+    )
+    # transformers 5 returns a BatchEncoding; older versions a plain list
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def load_spec_bench(path: str = DEFAULT_QUESTIONS, split: str = "fit") -> list[dict]:
+    """Spec-Bench first turns as prompt dicts {id, category, text}.
+
+    split: "fit" (question_id % 5 != 0), "heldout" (== 0) or "all".
+    """
+    rows = [json.loads(line) for line in open(path)]
+    keep = {
+        "fit": lambda q: q % 5 != 0,
+        "heldout": lambda q: q % 5 == 0,
+        "all": lambda q: True,
+    }[split]
+    return [
+        {"id": f"sb-{r['question_id']}", "category": r["category"], "text": r["turns"][0]}
+        for r in rows
+        if keep(r["question_id"])
+    ]
+
+
+def load_prompts(data_dir: Path, source: str, split: str, questions: str) -> list[dict]:
+    """Prompt dicts from a source: "specbench" (with split) or "selfinstruct"."""
+    if source == "specbench":
+        return load_spec_bench(questions, split)
+    if source == "selfinstruct":
+        path = data_dir / "prompts" / "selfinstruct.jsonl"
+        return [json.loads(line) for line in open(path)] if path.exists() else []
+    raise ValueError(f"unknown prompt source {source!r}")
+
+
+# -----------------------------------------------------------------------------
+# Manifest: one JSON file, updated under a lock, written atomically
+
+
+def read_manifest(data_dir: Path) -> dict:
+    path = data_dir / "manifest.json"
+    if not path.exists():
+        return {"runs": {}, "teacher": {}, "selfinstruct": {}}
+    return json.loads(path.read_text())
+
+
+@contextlib.contextmanager
+def manifest_update(data_dir: Path):
+    """Yield the freshly read manifest; write it back when the block ends.
+    The lock keeps a `status` reader or a second stage from seeing half a file."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with open(data_dir / ".manifest.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        manifest = read_manifest(data_dir)
+        yield manifest
+        tmp = data_dir / "manifest.json.tmp"
+        tmp.write_text(json.dumps(manifest, indent=1))
+        os.replace(tmp, data_dir / "manifest.json")
+
+
+def save_shard(data_dir: Path, section: str, run: str, records: list[dict], stats: dict):
+    """Write one shard and record it (and its keys) in the manifest."""
+    with manifest_update(data_dir) as manifest:
+        entry = manifest[section][run]
+        rel = f"{section_folder(section)}/{run}/{len(entry['shards']):05d}.pt"
+        (data_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        torch.save(records, data_dir / rel)
+        entry["shards"].append(rel)
+        entry["done"].extend(r["key"] for r in records)
+        for name, value in stats.items():
+            entry[name] = entry.get(name, 0) + value
+
+
+def section_folder(section: str) -> str:
+    return {"runs": "responses", "teacher": "teacher"}[section]
+
+
+def start_run(data_dir: Path, section: str, run: str, settings: dict) -> set[str]:
+    """Create the run's manifest entry (or check its settings match) and
+    return the keys already done."""
+    with manifest_update(data_dir) as manifest:
+        entry = manifest[section].setdefault(run, {"settings": settings, "shards": [], "done": []})
+        if entry["settings"] != settings:
+            sys.exit(f"run {run!r} exists with other settings:\n{entry['settings']}\nvs\n{settings}")
+        return set(entry["done"])
+
+
+# -----------------------------------------------------------------------------
+# Batched generation with the target
+
+
+def length_batches(items: list, lengths: list[int], batch_size: int, token_budget: int):
+    """Group items of similar length (sorted ascending) into batches of at
+    most `batch_size` items and about `token_budget` padded tokens."""
+    order = sorted(range(len(items)), key=lambda i: lengths[i])
+    batch = []
+    for i in order:
+        longest = max([lengths[j] for j in batch] + [lengths[i]])
+        if batch and (len(batch) >= batch_size or longest * (len(batch) + 1) > token_budget):
+            yield batch
+            batch = []
+        batch.append(i)
+    if batch:
+        yield batch
+
+
+@torch.inference_mode()
+def generate_batch(
+    model,
+    prompts: list[list[int]],
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    eos_ids: tuple[int, ...] = (2,),
+    pad_id: int = 2,
+    topk: int = TOPK,
+    generator: torch.Generator | None = None,
+) -> list[dict]:
+    """Continue a batch of prompts with the target, left-padded.
+
+    Rows that reach EOS leave the batch (and the KV cache) at once, so a
+    batch costs what its live rows cost. temperature 0 is greedy.
+
+    Args:
+        prompts: B token lists.
+    Returns:
+        B dicts: response (R,) int32 including the EOS token when reached,
+        finished (bool), topk_ids (R, k) int32 and topk_probs (R, k) float16:
+        the target's untempered distribution at each response position.
+    """
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    B, P = len(prompts), max(len(p) for p in prompts)
+    input_ids = torch.full((B, P), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, P), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        input_ids[b, P - len(p):] = torch.tensor(p)
+        attention_mask[b, P - len(p):] = 1
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    # with left padding every row's first real token must sit at position 0
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
+    eos = torch.tensor(eos_ids, device=device)
+
+    cache = DynamicCache()
+    out = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        past_key_values=cache, use_cache=True, logits_to_keep=1,
+    )
+    logits = out.logits[:, -1].float()  # (B, V)
+    next_pos = position_ids[:, -1] + 1  # (B,)
+    live = torch.arange(B, device=device)  # original row of each live row
+    steps = [[] for _ in range(B)]  # per row: (token, topk ids, topk probs)
+    finished = [False] * B
+
+    for _ in range(max_new_tokens):
+        probs = logits.softmax(-1)  # (b, V) the target's own distribution
+        top_p, top_i = probs.topk(topk, dim=-1)  # (b, k)
+        if temperature > 0:
+            sample_probs = (logits / temperature).softmax(-1)
+            token = torch.multinomial(sample_probs, 1, generator=generator).squeeze(1)  # (b,)
+        else:
+            token = logits.argmax(-1)
+        hit_eos = torch.isin(token, eos)
+        # one host transfer per step, not per row
+        rows, toks, ids, ps, hits = (
+            live.tolist(), token.tolist(), top_i.int().cpu(), top_p.half().cpu(), hit_eos.tolist()
+        )
+        for j, row in enumerate(rows):
+            steps[row].append((toks[j], ids[j], ps[j]))
+            finished[row] = hits[j]
+        keep = (~hit_eos).nonzero().squeeze(1)  # (b',)
+        if keep.numel() == 0:
+            break
+        if keep.numel() < live.numel():
+            cache.batch_select_indices(keep)
+            live, token, next_pos = live[keep], token[keep], next_pos[keep]
+            attention_mask = attention_mask[keep]
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(live), 1)], dim=1)
+        out = model(
+            input_ids=token[:, None], attention_mask=attention_mask, position_ids=next_pos[:, None],
+            past_key_values=cache, use_cache=True,
+        )
+        logits = out.logits[:, -1].float()
+        next_pos = next_pos + 1
+
+    results = []
+    for row in range(B):
+        toks, ids, ps = zip(*steps[row])
+        results.append({
+            "response": torch.tensor(toks, dtype=torch.int32),
+            "finished": finished[row],
+            "topk_ids": torch.stack(ids),
+            "topk_probs": torch.stack(ps),
+        })
+    return results
+
+
+def seed_for(*parts) -> int:
+    """A stable seed from strings, so a resumed run samples what a straight
+    run would have."""
+    return int(hashlib.sha256("/".join(map(str, parts)).encode()).hexdigest()[:15], 16)
+
+
+def run_generate(args):
+    """Stage `generate`: responses to every pending (prompt, sample) of a source."""
+    data_dir = Path(args.data_dir)
+    model, tokenizer = load_target(args.target, dtype=args.dtype)
+    prompts = load_prompts(data_dir, args.source, args.split, args.questions)
+    settings = {
+        "source": args.source, "split": args.split, "temperature": args.temperature,
+        "samples": args.samples, "max_new_tokens": args.max_new_tokens, "topk": TOPK,
+        "target": Path(args.target).name, "dtype": str(pick_dtype(args.dtype)).removeprefix("torch."),
+    }
+    if args.source == "selfinstruct":
+        settings.pop("split")  # self-instruct prompts all come from the fitting split
+    done = start_run(data_dir, "runs", args.run, settings)
+
+    jobs = []  # (key, prompt dict, prompt ids)
+    for p in prompts:
+        if args.categories and p["category"] not in args.categories:
+            continue
+        ids = chat_prompt_ids(tokenizer, p["text"])
+        if len(ids) > args.max_prompt_len:
+            continue
+        for s in range(args.samples):
+            key = f"{p['id']}/{s}"
+            if key not in done:
+                jobs.append((key, p, ids))
+    print(f"[generate {args.run}] {len(done)} done, {len(jobs)} pending", flush=True)
+
+    eos_ids = tuple({tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")})
+    lengths = [len(ids) for _, _, ids in jobs]
+    bar = tqdm(total=len(jobs), desc=f"generate {args.run}", unit="seq", dynamic_ncols=True)
+    t0, n_tok = time.time(), 0
+    for batch in length_batches(jobs, lengths, args.batch_size, args.token_budget):
+        keys = [jobs[i][0] for i in batch]
+        generator = torch.Generator(device=pick_device()).manual_seed(seed_for(args.run, keys[0]))
+        outs = generate_batch(
+            model, [jobs[i][2] for i in batch], args.max_new_tokens, args.temperature,
+            eos_ids, tokenizer.pad_token_id, TOPK, generator,
+        )
+        records = []
+        for i, out in zip(batch, outs):
+            key, p, ids = jobs[i]
+            records.append({"key": key, "prompt_id": p["id"], "category": p["category"],
+                            "prompt": torch.tensor(ids, dtype=torch.int32), **out})
+        tokens = sum(len(r["response"]) for r in records)
+        save_shard(data_dir, "runs", args.run, records, {"n_sequences": len(records), "n_tokens": tokens})
+        n_tok += tokens
+        bar.update(len(batch))
+        bar.set_postfix(tok=n_tok, tok_s=f"{n_tok / (time.time() - t0):.0f}")
+    bar.close()
+
+
+# -----------------------------------------------------------------------------
+# Self-instruct: the target writes new prompts from fitting-split examples
+
+# Long-context categories are asked for the short kind of task they contain;
+# copying a 700-token passage into the meta prompt would be slow and the
+# 135M target cannot write a coherent one anyway.
+SELFINSTRUCT_TEMPLATE = (
+    "Here are some example requests a user sent to an AI assistant:\n\n{examples}\n\n"
+    "Write one new request of the same kind, on a different topic. "
+    "Reply with the new request only."
+)
+
+
+def selfinstruct_meta_prompt(examples: list[str], max_chars: int = 300) -> str:
+    shown = [e if len(e) <= max_chars else e[:max_chars].rsplit(" ", 1)[0] + " ..." for e in examples]
+    return SELFINSTRUCT_TEMPLATE.format(examples="\n\n".join(f"{i + 1}. {e}" for i, e in enumerate(shown)))
+
+
+def clean_instruction(text: str) -> str | None:
+    """Keep a generated request if it looks like one; None otherwise."""
+    text = text.strip()
+    text = re.sub(r"^(new request|request|\d+)[\.:)]\s*", "", text, flags=re.I).strip().strip('"').strip()
+    if not 15 <= len(text) <= 1200 or text.lower().startswith(("sure", "here is", "here's")):
+        return None
+    return text
+
+
+def run_selfinstruct(args):
+    """Stage `selfinstruct`: write new prompts until `--count` are stored."""
+    data_dir = Path(args.data_dir)
+    model, tokenizer = load_target(args.target, dtype=args.dtype)
+    fit = load_spec_bench(args.questions, "fit")
+    by_category = {}
+    for p in fit:
+        by_category.setdefault(p["category"], []).append(p["text"])
+    categories = sorted(by_category)
+
+    path = data_dir / "prompts" / "selfinstruct.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    existing = [json.loads(line) for line in open(path)] if path.exists() else []
+    seen = {e["text"].lower() for e in existing} | {p["text"].lower() for p in fit}
+    n_rounds = max([e["round"] for e in existing], default=-1) + 1
+    print(f"[selfinstruct] {len(existing)} prompts stored, target {args.count}", flush=True)
+
+    eos_ids = tuple({tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")})
+    bar = tqdm(total=args.count, initial=len(existing), desc="selfinstruct", unit="prompt", dynamic_ncols=True)
+    while len(existing) < args.count:
+        # a round: one meta prompt per slot, categories cycled so all get a share
+        rng = random.Random(seed_for("selfinstruct", n_rounds))
+        metas = []
+        for j in range(args.batch_size):
+            category = categories[(n_rounds * args.batch_size + j) % len(categories)]
+            examples = rng.sample(by_category[category], k=min(3, len(by_category[category])))
+            metas.append((category, chat_prompt_ids(tokenizer, selfinstruct_meta_prompt(examples))))
+        generator = torch.Generator(device=pick_device()).manual_seed(seed_for("selfinstruct-gen", n_rounds))
+        outs = generate_batch(
+            model, [m for _, m in metas], args.max_new_tokens, args.temperature,
+            eos_ids, tokenizer.pad_token_id, 1, generator,
+        )
+        new = []
+        for (category, _), out in zip(metas, outs):
+            if not out["finished"]:
+                continue  # ran past the limit: usually an answer, not a request
+            text = clean_instruction(tokenizer.decode(out["response"], skip_special_tokens=True))
+            if text and text.lower() not in seen:
+                seen.add(text.lower())
+                new.append({"id": f"si-{len(existing) + len(new)}", "category": category,
+                            "text": text, "round": n_rounds})
+        with open(path, "a") as f:
+            f.writelines(json.dumps(e) + "\n" for e in new)
+        existing += new
+        n_rounds += 1
+        with manifest_update(data_dir) as manifest:
+            manifest["selfinstruct"] = {
+                "file": "prompts/selfinstruct.jsonl", "n_prompts": len(existing), "rounds": n_rounds,
+                "settings": {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
+                             "examples_per_prompt": 3, "template": SELFINSTRUCT_TEMPLATE},
+            }
+        bar.update(len(new))
+    bar.close()
+
+
+# -----------------------------------------------------------------------------
+# Teacher-forced pass
+
+
+@torch.inference_mode()
+def teacher_batch(model, records: list[dict], topk: int = TOPK, store_hidden: bool = False,
+                  pad_id: int = 2) -> list[dict]:
+    """The target's next-token distribution at every response position,
+    teacher-forced on prompt + response (right padding).
+
+    Position t of a response (predicting response[t]) reads the model output
+    at sequence index len(prompt) - 1 + t.
+
+    Returns per record: topk_ids (R, k) int32, topk_probs (R, k) float16 and,
+    with store_hidden, hidden (R, H) float16: the final normed hidden state
+    that the LM head reads (what feature-level drafters such as EAGLE use).
+    """
+    device = next(model.parameters()).device
+    seqs = [torch.cat([r["prompt"], r["response"]]).long() for r in records]
+    B, L = len(seqs), max(len(s) for s in seqs)
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, L), dtype=torch.long)
+    for b, s in enumerate(seqs):
+        input_ids[b, : len(s)] = s
+        attention_mask[b, : len(s)] = 1
+    hidden = model.model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)).last_hidden_state
+    results = []
+    for b, r in enumerate(records):
+        P, R = len(r["prompt"]), len(r["response"])
+        h = hidden[b, P - 1 : P - 1 + R]  # (R, H) only the positions we need go through the LM head
+        probs = model.lm_head(h).float().softmax(-1)  # (R, V)
+        top_p, top_i = probs.topk(topk, dim=-1)
+        out = {"key": r["key"], "topk_ids": top_i.int().cpu(), "topk_probs": top_p.half().cpu()}
+        if store_hidden:
+            out["hidden"] = h.half().cpu()
+        results.append(out)
+    return results
+
+
+def run_teacher(args):
+    """Stage `teacher`: label every stored response of the given runs."""
+    data_dir = Path(args.data_dir)
+    model, tokenizer = load_target(args.target, dtype=args.dtype)
+    for run in args.runs:
+        settings = {"topk": TOPK, "store_hidden": args.store_hidden, "target": Path(args.target).name,
+                    "dtype": str(pick_dtype(args.dtype)).removeprefix("torch.")}
+        done = start_run(data_dir, "teacher", run, settings)
+        records = [r for r in iter_records(data_dir, run) if r["key"] not in done]
+        lengths = [len(r["prompt"]) + len(r["response"]) for r in records]
+        print(f"[teacher {run}] {len(done)} done, {len(records)} pending", flush=True)
+        bar = tqdm(total=sum(lengths), desc=f"teacher {run}", unit="tok", dynamic_ncols=True)
+        for batch in length_batches(records, lengths, args.batch_size, args.token_budget):
+            outs = teacher_batch(model, [records[i] for i in batch], TOPK, args.store_hidden,
+                                 tokenizer.pad_token_id)
+            tokens = sum(len(records[i]["response"]) for i in batch)
+            save_shard(data_dir, "teacher", run, outs, {"n_sequences": len(outs), "n_tokens": tokens})
+            bar.update(sum(lengths[i] for i in batch))
+        bar.close()
+
+
+# -----------------------------------------------------------------------------
+# Reading the data back (used by the trainers)
+
+
+def iter_records(data_dir: Path, run: str):
+    """Yield the stored response records of a run, shard by shard."""
+    manifest = read_manifest(Path(data_dir))
+    for rel in manifest["runs"][run]["shards"]:
+        yield from torch.load(Path(data_dir) / rel, weights_only=True)
+
+
+def load_examples(data_dir: Path, runs: list[str], with_hidden: bool = False) -> list[dict]:
+    """All records of `runs`, with the teacher's labels where the teacher
+    stage ran and the generation-time labels otherwise.
+
+    Returns dicts: key, prompt_id, category, prompt (P,) int32,
+    response (R,) int32, topk_ids (R, k) int32, topk_probs (R, k) float16
+    [, hidden (R, H) float16].
+    """
+    data_dir = Path(data_dir)
+    manifest = read_manifest(data_dir)
+    examples = []
+    for run in runs:
+        labels = {}
+        if run in manifest["teacher"]:
+            for rel in manifest["teacher"][run]["shards"]:
+                for t in torch.load(data_dir / rel, weights_only=True):
+                    labels[t["key"]] = t
+        if with_hidden and len(labels) == 0:
+            raise ValueError(f"run {run!r} has no teacher pass with hidden states")
+        for r in iter_records(data_dir, run):
+            r = {**r, **labels.get(r["key"], {})}
+            if with_hidden and "hidden" not in r:
+                continue
+            examples.append(r)
+    return examples
+
+
+def run_status(args):
+    data_dir = Path(args.data_dir)
+    manifest = read_manifest(data_dir)
+    print(f"data dir: {data_dir}")
+    si = manifest.get("selfinstruct") or {}
+    print(f"selfinstruct prompts: {si.get('n_prompts', 0)} (rounds {si.get('rounds', 0)})")
+    total = 0
+    for section in ("runs", "teacher"):
+        for run, e in manifest[section].items():
+            print(f"{section:8s} {run:16s} seqs {e.get('n_sequences', 0):6d}  tokens {e.get('n_tokens', 0):8d}"
+                  f"  shards {len(e['shards']):4d}  {json.dumps(e['settings'])}")
+            total += e.get("n_tokens", 0) if section == "runs" else 0
+    print(f"total response tokens: {total}")
+
+
+# -----------------------------------------------------------------------------
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="target model directory")
+    parser.add_argument("--data-dir", default=None, help="default: $MCSD_CACHE/data/<target-name>")
+    parser.add_argument("--questions", default=DEFAULT_QUESTIONS, help="Spec-Bench question.jsonl")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
+                        help="target dtype for the stage (auto: bfloat16 on CUDA, float32 on CPU)")
+    sub = parser.add_subparsers(dest="stage", required=True)
+
+    g = sub.add_parser("generate", help="target responses to a prompt source")
+    g.add_argument("--run", required=True, help="name of this response set, e.g. fit-greedy")
+    g.add_argument("--source", choices=["specbench", "selfinstruct"], default="specbench")
+    g.add_argument("--split", choices=["fit", "heldout", "all"], default="fit")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--samples", type=int, default=1, help="responses per prompt")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--max-prompt-len", type=int, default=100_000, help="skip longer prompts (tokens)")
+    g.add_argument("--categories", nargs="*", default=None, help="only these categories")
+    g.add_argument("--batch-size", type=int, default=32)
+    g.add_argument("--token-budget", type=int, default=8192, help="padded prompt tokens per batch")
+
+    s = sub.add_parser("selfinstruct", help="the target writes new prompts")
+    s.add_argument("--count", type=int, default=2000, help="stop when this many are stored")
+    s.add_argument("--temperature", type=float, default=1.0)
+    s.add_argument("--max-new-tokens", type=int, default=96)
+    s.add_argument("--batch-size", type=int, default=32)
+
+    t = sub.add_parser("teacher", help="teacher-forced top-k labels for stored runs")
+    t.add_argument("runs", nargs="+")
+    t.add_argument("--store-hidden", action="store_true", help="also keep the last hidden state")
+    t.add_argument("--batch-size", type=int, default=16)
+    t.add_argument("--token-budget", type=int, default=4096, help="padded tokens per batch")
+
+    sub.add_parser("status", help="print what is stored")
+
+    args = parser.parse_args(argv)
+    args.data_dir = args.data_dir or str(default_data_dir(args.target))
+    torch.set_num_threads(args.threads)
+    {"generate": run_generate, "selfinstruct": run_selfinstruct, "teacher": run_teacher,
+     "status": run_status}[args.stage](args)
+
+
+if __name__ == "__main__":
+    main()
