@@ -145,7 +145,7 @@ class TreeDecoder:
 
     def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, stop_strings=(), ignore_eos: bool = False,
-                 streamer: Callable[[list[int]], None] | None = None) -> GenerationOutput:
+                 eos_token_ids=None, streamer: Callable[[list[int]], None] | None = None) -> GenerationOutput:
         """Generate with tree speculative decoding.
 
         Args:
@@ -155,6 +155,8 @@ class TreeDecoder:
                 temperature 0 is greedy.
             stop_strings: stop once the decoded new text contains one of them.
             ignore_eos: keep generating past EOS.
+            eos_token_ids: token id(s) that end generation; default: the
+                model's generation config and the tokenizer's EOS.
             streamer: called with each round's newly emitted tokens.
         Returns:
             GenerationOutput. Its tokens follow exactly the target's own
@@ -164,21 +166,22 @@ class TreeDecoder:
         if self.drafter is None:
             raise ConfigError("this TreeDecoder has no draft; pass draft=... or use generate_baseline()")
         return self._collect(self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed,
-                                         stop_strings, ignore_eos), streamer)
+                                         stop_strings, ignore_eos, eos_token_ids), streamer)
 
     def generate_baseline(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                           top_p: float = 1.0, seed: int | None = None, stop_strings=(), ignore_eos: bool = False,
-                          streamer: Callable[[list[int]], None] | None = None) -> GenerationOutput:
+                          eos_token_ids=None, streamer: Callable[[list[int]], None] | None = None) -> GenerationOutput:
         """Plain target-only decoding through the same loop (a tree of just the root)."""
         return self._collect(self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed,
-                                         stop_strings, ignore_eos, baseline=True), streamer)
+                                         stop_strings, ignore_eos, eos_token_ids, baseline=True), streamer)
 
     def stream(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = None, stop_strings=(), ignore_eos: bool = False,
-               baseline: bool = False) -> Iterator[list[int]]:
+               eos_token_ids=None, baseline: bool = False) -> Iterator[list[int]]:
         """Generator over the same loop: yields each round's new tokens; returns the GenerationOutput."""
         cfg = DecodeConfig(max_new_tokens=max_new_tokens, sampling=SamplingConfig(temperature, top_k, top_p),
-                           seed=seed, stop_strings=tuple(stop_strings), ignore_eos=ignore_eos)
+                           seed=seed, stop_strings=tuple(stop_strings), ignore_eos=ignore_eos,
+                           eos_token_ids=_as_tuple(eos_token_ids))
         prompt_ids = self.encode(prompt)
         self._check_length(prompt_ids.numel(), cfg.max_new_tokens)
         policy = self._baseline_policy if baseline else self.policy
@@ -308,8 +311,11 @@ class TreeDecoder:
 
     def _stop_string_cut(self, out: list[int], start: int, stops: tuple[str, ...]) -> int | None:
         # Find the first new token whose arrival completes a stop string.
+        # Any stop string completed this round ends within the new tokens; a window of
+        # earlier tokens covers one that began before them.
+        lo = max(0, start - 32)
         for end in range(start + 1, len(out) + 1):
-            text = self.tokenizer.decode(out[:end], skip_special_tokens=False)
+            text = self.tokenizer.decode(out[lo:end], skip_special_tokens=False)
             if any(s in text for s in stops):
                 return end
         return None
@@ -341,3 +347,9 @@ class TreeDecoder:
                 return done.value
             if streamer is not None and new:
                 streamer(new)
+
+
+def _as_tuple(ids) -> tuple[int, ...]:
+    if ids is None:
+        return ()
+    return (int(ids),) if isinstance(ids, int) else tuple(int(i) for i in ids)

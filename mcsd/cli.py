@@ -1,0 +1,176 @@
+"""`mcsd-generate`: command-line front end. Flags map onto the library's arguments, nothing else.
+
+User mistakes (bad flags, malformed tree, missing model, mismatched tokenizers,
+prompts past the context window, ...) print one clear line and exit with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .attention import BACKENDS
+from .config import ConfigError
+from .models import DEFAULT_PRESET, DTYPES, PRESETS, ModelLoadError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mcsd-generate",
+        description="Generate text with lossless multi-candidate tree speculative decoding. "
+                    f"Without --target/--draft the embedded pair {DEFAULT_PRESET!r} is used.")
+    src = p.add_argument_group("models")
+    src.add_argument("--target", help="target: preset name, model directory, .gguf file or hub id")
+    src.add_argument("--draft", help="draft: model directory, .gguf file or hub id (same tokenizer as the target)")
+    src.add_argument("--list-models", action="store_true", help="list the built-in presets and exit")
+    src.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="compute dtype (default bfloat16)")
+    src.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or auto (spread the target over GPUs)")
+    src.add_argument("--attention", default="auto", choices=BACKENDS, help="tree attention backend")
+
+    inp = p.add_argument_group("prompt")
+    inp.add_argument("--prompt", help="prompt text (default: read --prompt-file, else stdin)")
+    inp.add_argument("--prompt-file", help="read the prompt from this file")
+    inp.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn in the chat template")
+    inp.add_argument("--system", help="system message for --chat")
+
+    gen = p.add_argument_group("generation")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    gen.add_argument("--tree", default="4,2,2", help="tree spec: k-config such as 4,2,2 (1,1,1,1 is a chain)")
+    gen.add_argument("--policy", default="static", help="tree policy: static, heuristic, confidence, ...")
+    gen.add_argument("--baseline", action="store_true", help="plain target-only decoding, for comparison")
+
+    out = p.add_argument_group("output")
+    out.add_argument("--stream", action="store_true", help="print text as it is accepted")
+    out.add_argument("--stats", action="store_true", help="print tokens/s, tau and acceptance by depth to stderr")
+    out.add_argument("--json", action="store_true", help="print one JSON object with text, tokens and stats")
+    return p
+
+
+class UsageError(Exception):
+    pass
+
+
+def _read_prompt(args) -> str:
+    if args.prompt is not None:
+        text = args.prompt
+    elif args.prompt_file is not None:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as exc:
+            raise UsageError(f"cannot read --prompt-file {args.prompt_file}: {exc.strerror}") from None
+    elif not sys.stdin.isatty():
+        text = sys.stdin.read()
+    else:
+        raise UsageError("no prompt: pass --prompt TEXT, --prompt-file FILE, or pipe text on stdin")
+    if not text.strip():
+        raise UsageError("the prompt is empty")
+    return text
+
+
+def _format_prompt(text: str, tokenizer, args) -> str:
+    if not args.chat:
+        return text
+    if not getattr(tokenizer, "chat_template", None):
+        raise UsageError("--chat was given but the target's tokenizer has no chat template")
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+               [{"role": "user", "content": text}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def _stats_summary(stats, baseline: bool) -> str:
+    lines = [f"{stats.new_tokens} tokens in {stats.wall_s:.2f}s: {stats.tokens_per_s:.1f} tokens/s",
+             f"target forwards {stats.target_forwards}, tau (tokens per target forward) {stats.mean_accepted:.2f}"]
+    if not baseline:
+        lines.append(f"draft forwards {stats.draft_forwards}, rounds {stats.rounds}, "
+                     f"mean tree size {stats.tree_nodes / max(stats.rounds, 1):.1f} nodes")
+        lines.append("acceptance by depth: " + " ".join(f"d{d + 1}={r:.2f}" for d, r in
+                                                         enumerate(stats.accept_by_depth)))
+        lines.append(f"time split: draft {stats.draft_s:.2f}s, verify {stats.verify_s:.2f}s, "
+                     f"prefill {stats.prefill_s:.2f}s, other {stats.other_s:.2f}s")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    from .decoder import TreeDecoder
+    from .models import load_model, load_model_pair, load_tokenizer
+
+    if args.list_models:
+        for name, preset in PRESETS.items():
+            print(f"{name}{' (default)' if name == DEFAULT_PRESET else ''}: {preset.description}")
+        return 0
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.target is not None and args.draft is None and args.target not in PRESETS and not args.baseline:
+        raise UsageError(f"--target {args.target} needs a --draft (or use --baseline, or a preset: "
+                         f"{', '.join(PRESETS)})")
+    if args.draft is not None and args.target is None:
+        raise UsageError("--draft needs --target")
+    from .tree import parse_tree_spec
+    parse_tree_spec(args.tree)                      # fail on a malformed tree before loading anything
+    text = _read_prompt(args)
+
+    if args.baseline:
+        target_src = args.target or DEFAULT_PRESET
+        tokenizer = load_tokenizer(target_src)
+        target, draft = load_model(target_src, args.dtype, args.device, role="target"), None
+    else:
+        target, draft, tokenizer = load_model_pair(args.target, args.draft, dtype=args.dtype, device=args.device)
+    decoder = TreeDecoder(target, draft, tokenizer=tokenizer, tree=args.tree, policy=args.policy,
+                          attention=args.attention)
+    prompt = _format_prompt(text, tokenizer, args)
+
+    printed = {"text": ""}
+    streamed: list[int] = []
+
+    def stream_text(new_tokens):
+        streamed.extend(new_tokens)
+        full = tokenizer.decode(streamed, skip_special_tokens=True)
+        if not full.endswith("\ufffd"):                   # wait for a complete multi-byte character
+            sys.stdout.write(full[len(printed["text"]):])
+            sys.stdout.flush()
+            printed["text"] = full
+
+    method = decoder.generate_baseline if args.baseline else decoder.generate
+    out = method(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                 top_p=args.top_p, seed=args.seed, stop_strings=tuple(args.stop),
+                 streamer=stream_text if args.stream and not args.json else None)
+    if args.json:
+        print(json.dumps({"text": out.text, "tokens": out.tokens, "finish_reason": out.finish_reason,
+                          "stats": out.stats.as_dict(),
+                          "settings": {"tree": args.tree, "policy": args.policy, "dtype": args.dtype,
+                                       "device": args.device, "attention": decoder.attention,
+                                       "baseline": args.baseline, "temperature": args.temperature,
+                                       "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}}))
+    elif args.stream:
+        sys.stdout.write(out.text[len(printed["text"]):] + "\n")
+    else:
+        print(out.text)
+    if args.stats:
+        print(_stats_summary(out.stats, args.baseline), file=sys.stderr)
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:                        # argparse already printed the problem
+        return int(exc.code or 0)
+    try:
+        return run(args)
+    except (UsageError, ConfigError, ModelLoadError) as exc:
+        print(f"mcsd-generate: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

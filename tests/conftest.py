@@ -1,0 +1,67 @@
+"""Shared fixtures: tiny random Llama models and a word-level tokenizer, built in-process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# Tiny models are dominated by per-op overhead; extra threads only contend.
+torch.set_num_threads(1)
+
+VOCAB = 64
+
+
+def tiny_llama(seed: int, vocab: int = VOCAB, layers: int = 2, sharpness: float = 1.0, eos: int | None = None,
+               hidden: int = 32):
+    """A randomly initialised LlamaForCausalLM in float32 (GQA: 4 heads, 2 KV heads)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=256, tie_word_embeddings=False,
+                      eos_token_id=eos, bos_token_id=None, pad_token_id=None)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(sharpness)      # sharper next-token distributions
+    model.generation_config.eos_token_id = eos
+    return model
+
+
+def word_tokenizer(vocab: int = VOCAB, eos: str = "w01", extra: str | None = None):
+    """A whitespace word-level tokenizer over tokens w00..w63 (w01 = EOS, w00 = unknown)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"w{i:02d}": i for i in range(vocab)}
+    if extra is not None:                          # a variant vocabulary for mismatch tests
+        words[extra] = words.pop(f"w{vocab - 1:02d}")
+    tok = Tokenizer(models.WordLevel(words, unk_token="w00"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")   # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w00", eos_token=eos)
+
+
+@pytest.fixture(scope="session")
+def target():
+    return tiny_llama(0)
+
+
+@pytest.fixture(scope="session")
+def random_draft():
+    return tiny_llama(1, layers=1)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return word_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory, target, random_draft, tokenizer):
+    """Target and draft saved to disk with the same tokenizer, for loading and CLI tests."""
+    root = tmp_path_factory.mktemp("models")
+    for name, model in (("target", target), ("draft", random_draft)):
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    return root

@@ -1,0 +1,128 @@
+"""Acceptance rules and sampling helpers, exact on hand-drawn trees and statistical where random."""
+
+import math
+
+import pytest
+import torch
+
+from mcsd.config import SamplingConfig
+from mcsd.sampling import logits_to_probs, sample_without_replacement
+from mcsd.tree import TreeTopology, ancestor_mask
+from mcsd.verify import accept_greedy, accept_sampling
+
+# Tree used below (node: token):      0:5
+#                                   /     \
+#                                 1:7     2:8
+#                                /   \      \
+#                              3:9   4:3    5:4
+PARENTS = torch.tensor([-1, 0, 0, 1, 1, 2])
+DEPTH = torch.tensor([0, 1, 1, 2, 2, 2])
+TOKENS = torch.tensor([5, 7, 8, 9, 3, 4])
+ANC = ancestor_mask(PARENTS, DEPTH)
+
+
+@pytest.mark.parametrize("argmax, path, nxt", [
+    ([7, 3, 0, 0, 6, 0], [0, 1, 4], 6),     # 7 accepted, then 3 (second child) accepted; bonus 6
+    ([8, 0, 4, 0, 0, 2], [0, 2, 5], 2),     # the other branch
+    ([8, 0, 1, 0, 0, 0], [0, 2], 1),        # 8 accepted, its child 4 rejected: correction 1
+    ([6, 9, 4, 0, 0, 0], [0], 6),           # nothing accepted; the target's own token 6
+])
+def test_greedy_acceptance_on_hand_drawn_tree(argmax, path, nxt):
+    acc = accept_greedy(TOKENS, PARENTS, DEPTH, ANC, torch.tensor(argmax))
+    assert acc.path.tolist() == path
+    assert int(acc.next_token) == nxt
+    assert acc.n_accepted == len(path) - 1
+
+
+def test_greedy_mismatch_above_blocks_a_matching_child():
+    # node 3's token matches the target after node 1, but node 1 itself was rejected
+    acc = accept_greedy(TOKENS, PARENTS, DEPTH, ANC, torch.tensor([2, 9, 0, 0, 0, 0]))
+    assert acc.path.tolist() == [0]
+    assert int(acc.next_token) == 2
+
+
+def _tv(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    return 0.5 * float((counts / counts.sum() - probs).abs().sum())
+
+
+def test_multi_candidate_rejection_sampling_matches_target_distribution():
+    """Over many trials, the first emitted token follows p_target exactly (TV below 4 sigma of noise)."""
+    torch.manual_seed(0)
+    vocab, trials, width = 6, 20000, 3
+    p = torch.softmax(torch.randn(vocab) * 1.5, 0)
+    q = torch.softmax(torch.randn(vocab) * 1.5, 0)
+    gen = torch.Generator().manual_seed(1)
+    counts = torch.zeros(vocab)
+    parents = torch.tensor([-1] + [0] * width)
+    p_rows = torch.cat([p[None], torch.full((width, vocab), 1.0 / vocab)])
+    q_rows = torch.cat([q[None], torch.zeros(width, vocab)])
+    drafts, _ = sample_without_replacement(q.expand(trials, vocab), width, gen)
+    for i in range(trials):
+        tokens = torch.cat([torch.tensor([0]), drafts[i]])
+        acc = accept_sampling(tokens, parents, p_rows, q_rows, gen)
+        first = tokens[acc.path[1]] if acc.n_accepted else acc.next_token
+        counts[int(first)] += 1
+    # Expected TV of an exact sampler is about sum(sqrt(p(1-p)/(2 pi n))); allow 4x that.
+    noise = float(torch.sqrt(p * (1 - p) / (2 * math.pi * trials)).sum())
+    assert _tv(counts, p) < 4 * noise
+
+
+def test_rejection_with_disjoint_supports_uses_the_residual():
+    # q puts all mass where p has none: every draft is rejected and the residual is p itself.
+    p = torch.tensor([0.0, 0.0, 0.5, 0.5])
+    q = torch.tensor([0.5, 0.5, 0.0, 0.0])
+    gen = torch.Generator().manual_seed(0)
+    tokens, parents = torch.tensor([3, 0, 1]), torch.tensor([-1, 0, 0])
+    for _ in range(50):
+        acc = accept_sampling(tokens, parents, torch.stack([p, p, p]), torch.stack([q, q, q]), gen)
+        assert acc.path.tolist() == [0]
+        assert int(acc.next_token) in (2, 3)
+
+
+def test_identical_draft_is_always_accepted():
+    p = torch.tensor([0.1, 0.6, 0.3])
+    gen = torch.Generator().manual_seed(0)
+    tokens, parents = torch.tensor([0, 1, 2]), torch.tensor([-1, 0, 1])
+    for _ in range(50):
+        acc = accept_sampling(tokens, parents, torch.stack([p, p, p]), torch.stack([p, p, p]), gen)
+        assert acc.path.tolist() == [0, 1, 2]
+
+
+def test_logits_to_probs_temperature_top_k_top_p():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    ref = torch.softmax(logits / 0.5, 0)
+    assert torch.allclose(logits_to_probs(logits, SamplingConfig(0.5)), ref)
+    top2 = logits_to_probs(logits, SamplingConfig(1.0, top_k=2))
+    assert torch.allclose(top2, torch.tensor([math.e, 1.0, 0, 0]) / (math.e + 1))
+    full = torch.softmax(logits, 0)                       # approx [0.644, 0.237, 0.087, 0.032]
+    nucleus = logits_to_probs(logits, SamplingConfig(1.0, top_p=0.85))
+    assert nucleus.nonzero().squeeze(1).tolist() == [0, 1]       # 0.644 < 0.85 <= 0.881
+    assert torch.allclose(nucleus[:2], full[:2] / full[:2].sum())
+    assert logits_to_probs(logits, SamplingConfig(1.0, top_p=0.5)).nonzero().squeeze(1).tolist() == [0]
+    with pytest.raises(ValueError):
+        logits_to_probs(logits, SamplingConfig(0.0))
+
+
+def test_sampling_without_replacement_draw_order():
+    """Second draw ~ q with the first removed: P(second = j) = sum_i q_i q_j / (1 - q_i)."""
+    q = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    n = 40000
+    toks, valid = sample_without_replacement(q.expand(n, 4), 2, torch.Generator().manual_seed(0))
+    assert valid.all() and (toks[:, 0] != toks[:, 1]).all()
+    first = torch.bincount(toks[:, 0], minlength=4).float()
+    second = torch.bincount(toks[:, 1], minlength=4).float()
+    expected_second = torch.stack([sum(q[i] * q[j] / (1 - q[i]) for i in range(4) if i != j) for j in range(4)])
+    assert _tv(first, q) < 0.01
+    assert _tv(second, expected_second) < 0.01
+
+
+def test_sampling_without_replacement_marks_missing_candidates():
+    q = torch.tensor([[0.7, 0.3, 0.0, 0.0]])
+    toks, valid = sample_without_replacement(q, 3, torch.Generator().manual_seed(0))
+    assert valid.tolist() == [[True, True, False]]
+    assert sorted(toks[0, :2].tolist()) == [0, 1]
+
+
+def test_topology_children_follow_rank_order():
+    topo = TreeTopology.from_spec("3")
+    assert topo.rank.tolist() == [0, 0, 1, 2]
