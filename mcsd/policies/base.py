@@ -53,6 +53,7 @@ class TreePolicy:
     """Base class: grow the whole topology every round (a static tree)."""
 
     name = "base"
+    default_tree = "4,2,2"   # the largest tree this policy grows when none is given (benchmarks use it)
 
     def __init__(self, topology: TreeTopology):
         self.topology = topology

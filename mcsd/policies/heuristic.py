@@ -19,6 +19,7 @@ from .base import Frontier, TreePolicy
 
 class HeuristicPolicy(TreePolicy):
     name = "heuristic"
+    default_tree = "1,1,1,1,1,1,1,1"   # a chain, as in Hugging Face assisted generation
 
     def __init__(self, topology: TreeTopology, start_depth: int = 5):
         super().__init__(topology)
@@ -41,6 +42,7 @@ class HeuristicPolicy(TreePolicy):
 
 class ConfidencePolicy(TreePolicy):
     name = "confidence"
+    default_tree = "1,1,1,1,1,1,1,1"
 
     def __init__(self, topology: TreeTopology, threshold: float = 0.4):
         super().__init__(topology)

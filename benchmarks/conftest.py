@@ -1,0 +1,70 @@
+"""Shared setup for the speed comparisons: options, the model pair, the prompts, the baseline's results.
+
+Run:  pytest benchmarks/ --benchmark-only --benchmark-json=bench.json
+      (add --bench-full for the whole held-out split, --bench-smoke for a 1-prompt, 16-token check)
+"""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+
+
+def pytest_addoption(parser):
+    g = parser.getgroup("mcsd benchmarks")
+    g.addoption("--bench-prompts", default=None, help="Spec-Bench style JSONL (default: the shared Spec-Bench file)")
+    g.addoption("--bench-split", default="heldout", choices=("heldout", "fit", "all"))
+    g.addoption("--bench-full", action="store_true", help="every prompt of the split, not one per category group")
+    g.addoption("--bench-per-group", type=int, default=1, help="prompts per category group (default 1)")
+    g.addoption("--bench-smoke", action="store_true", help="one prompt, 16 tokens: a quick harness check")
+    g.addoption("--bench-max-new-tokens", type=int, default=128)
+    g.addoption("--bench-target", default=None, help="target source (default: the embedded preset)")
+    g.addoption("--bench-draft", default=None, help="draft source (default: the preset's draft)")
+    g.addoption("--bench-dtype", default="bfloat16")
+    g.addoption("--bench-device", default="cpu")
+    g.addoption("--bench-threads", type=int, default=None, help="torch threads (default: torch's choice)")
+
+
+class Bench:
+    """Everything the methods share within one session."""
+
+    def __init__(self, config):
+        from mcsd import load_model_pair
+        from mcsd.data import chat_ids, load_prompts, stratified
+
+        opt = config.getoption
+        if opt("--bench-threads"):
+            torch.set_num_threads(opt("--bench-threads"))
+        self.smoke = opt("--bench-smoke")
+        self.max_new_tokens = 16 if self.smoke else opt("--bench-max-new-tokens")
+        self.dtype, self.device = opt("--bench-dtype"), opt("--bench-device")
+        self.target, self.draft, self.tokenizer = load_model_pair(
+            opt("--bench-target"), opt("--bench-draft"), dtype=self.dtype, device=self.device)
+        prompts = load_prompts(opt("--bench-prompts"), split=opt("--bench-split"))
+        if self.smoke:
+            prompts = prompts[:1]
+        elif not opt("--bench-full"):
+            prompts = stratified(prompts, opt("--bench-per-group"))
+        self.prompts = [(p, torch.tensor(chat_ids(self.tokenizer, p.text))) for p in prompts]
+        self.decoders: dict = {}                       # (tree, policy) -> TreeDecoder, reused across prompts
+        self.baseline: dict[int, list[int]] = {}      # question_id -> tokens of the reference method
+        self.baseline_time: dict[int, float] = {}
+        with torch.inference_mode():                   # first-call overheads stay out of every timing
+            self.target.generate(self.prompts[0][1][None], max_new_tokens=4, do_sample=False,
+                                 attention_mask=torch.ones(1, self.prompts[0][1].numel(), dtype=torch.long),
+                                 pad_token_id=self.tokenizer.eos_token_id)
+        self.environment = {
+            "machine": platform.machine(), "processor": platform.processor() or platform.machine(),
+            "cpu_count": __import__("os").cpu_count(), "threads": torch.get_num_threads(),
+            "dtype": self.dtype, "device": self.device, "torch": torch.__version__,
+            "transformers": __import__("transformers").__version__,
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "prompts": len(self.prompts), "max_new_tokens": self.max_new_tokens,
+        }
+
+
+@pytest.fixture(scope="session")
+def bench(request):
+    return Bench(request.config)

@@ -1,0 +1,119 @@
+"""The methods compared, as a registry of named runners.
+
+A runner takes the session's `Bench` and one prompt's ids and returns a `Run`.
+Static trees, chains and Hugging Face's settings are listed here; every tree
+policy registered in `mcsd.policies.POLICIES` (other than "static") is added
+automatically under "policy_<name>", with the policy's own `default_tree`, so
+a new policy shows up in the comparison without editing this file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from mcsd import TreeDecoder
+from mcsd.policies import POLICIES
+
+CHAIN_KS = (2, 3, 4, 6)
+TREES = ("2,2,1", "4,2,2", "3,2,2,1")
+HF_FIXED = (2, 4, 6)
+
+
+@dataclass
+class Run:
+    tokens: list[int]
+    seconds: float
+    target_forwards: int
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    accepted_per_round: list[int] = field(default_factory=list)
+    accepted_by_depth: list[int] = field(default_factory=list)
+    offered_by_depth: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    family: str                       # baseline | hf_assisted | chain | tree | policy
+    run: Callable[["object", torch.Tensor], Run]
+    tree: str | None = None
+
+
+@contextlib.contextmanager
+def _count_forwards(model):
+    """Count forward calls of `model` through a public forward pre-hook."""
+    calls = [0]
+    handle = model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    try:
+        yield calls
+    finally:
+        handle.remove()
+
+
+@contextlib.contextmanager
+def _assistant_settings(draft, **settings):
+    """Temporarily change the assistant's generation config (what HF assisted generation reads)."""
+    old = {k: getattr(draft.generation_config, k, None) for k in settings}
+    for k, v in settings.items():
+        setattr(draft.generation_config, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(draft.generation_config, k, v)
+
+
+def _hf(bench, ids, assistant=False, **settings) -> Run:
+    target = bench.target
+    ids = ids.to(target.device)[None]
+    kwargs = dict(max_new_tokens=bench.max_new_tokens, do_sample=False, attention_mask=torch.ones_like(ids),
+                  pad_token_id=bench.tokenizer.eos_token_id)
+    ctx = _assistant_settings(bench.draft, **settings) if assistant else contextlib.nullcontext()
+    with ctx, _count_forwards(target) as calls, torch.inference_mode():
+        t0 = time.perf_counter()
+        out = target.generate(ids, assistant_model=bench.draft if assistant else None, **kwargs)
+        seconds = time.perf_counter() - t0
+    return Run(out[0, ids.shape[1]:].tolist(), seconds, calls[0])
+
+
+def _mcsd(bench, ids, tree: str, policy: str = "static", baseline: bool = False) -> Run:
+    dec = bench.decoders.get((tree, policy))
+    if dec is None:
+        dec = bench.decoders[(tree, policy)] = TreeDecoder(bench.target, bench.draft, tokenizer=bench.tokenizer,
+                                                           tree=tree, policy=policy)
+    gen = dec.generate_baseline if baseline else dec.generate
+    out = gen(ids, max_new_tokens=bench.max_new_tokens)
+    s = out.stats
+    return Run(out.tokens, s.wall_s, s.target_forwards, s.draft_s, s.verify_s, s.accepted_per_round,
+               s.accepted_by_depth, s.offered_by_depth)
+
+
+def all_methods() -> list[Method]:
+    """Every method, the reference ("baseline") first."""
+    methods = [
+        Method("baseline", "baseline", lambda b, ids: _hf(b, ids)),
+        Method("baseline_mcsd", "baseline", lambda b, ids: _mcsd(b, ids, "", baseline=True)),
+        Method("hf_assisted", "hf_assisted", lambda b, ids: _hf(b, ids, assistant=True)),
+    ]
+    for n in HF_FIXED:
+        methods.append(Method(f"hf_assisted_n{n}", "hf_assisted", lambda b, ids, n=n: _hf(
+            b, ids, assistant=True, num_assistant_tokens=n, num_assistant_tokens_schedule="constant",
+            assistant_confidence_threshold=0.0)))
+    for k in CHAIN_KS:
+        spec = ",".join(["1"] * k)
+        methods.append(Method(f"chain_k{k}", "chain", lambda b, ids, s=spec: _mcsd(b, ids, s), tree=spec))
+    for spec in TREES:
+        methods.append(Method(f"tree_{spec.replace(',', '-')}", "tree", lambda b, ids, s=spec: _mcsd(b, ids, s),
+                              tree=spec))
+    for name, cls in sorted(POLICIES.items()):
+        if name == "static":
+            continue
+        spec = cls.default_tree
+        methods.append(Method(f"policy_{name}", "policy", lambda b, ids, s=spec, p=name: _mcsd(b, ids, s, p),
+                              tree=spec))
+    return methods

@@ -1,0 +1,71 @@
+"""Side-by-side speed: plain decoding, Hugging Face assisted generation, mcsd chains, trees and policies.
+
+Every method runs on the same prompts in the same session. Recorded per method
+in `benchmark.extra_info`: tokens/s, speedup over `baseline` (measured in this
+run), tau (tokens per target forward), acceptance by depth, the draft / verify /
+other time split, whether the output equals the baseline's token for token,
+and the same figures per category group. Nothing is asserted about speed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from methods import all_methods
+
+METHODS = all_methods()
+
+
+def _summary(runs, seconds_base=None):
+    tokens = sum(len(r.tokens) for r in runs)
+    seconds = sum(r.seconds for r in runs)
+    forwards = sum(r.target_forwards for r in runs)
+    out = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else 0.0,
+           "tau": tokens / forwards if forwards else 0.0}
+    if seconds_base:
+        out["speedup"] = seconds_base / seconds if seconds else 0.0
+    return out
+
+
+@pytest.mark.parametrize("method", METHODS, ids=[m.name for m in METHODS])
+def test_method(benchmark, bench, method):
+    runs = {}
+
+    def run_all():
+        for prompt, ids in bench.prompts:
+            runs[prompt.question_id] = method.run(bench, ids)
+
+    benchmark.pedantic(run_all, rounds=1, iterations=1)
+
+    if method.name == "baseline":
+        bench.baseline = {q: r.tokens for q, r in runs.items()}
+        bench.baseline_time = {q: r.seconds for q, r in runs.items()}
+    have_base = set(bench.baseline_time) >= set(runs)
+    info = _summary(list(runs.values()), sum(bench.baseline_time.get(q, 0) for q in runs) if have_base else None)
+
+    offered, accepted = [], []
+    for r in runs.values():
+        for d, (o, a) in enumerate(zip(r.offered_by_depth, r.accepted_by_depth)):
+            if d >= len(offered):
+                offered.append(0)
+                accepted.append(0)
+            offered[d] += o
+            accepted[d] += a
+    mismatched = [q for q, r in runs.items() if bench.baseline and r.tokens != bench.baseline.get(q)]
+    by_group: dict[str, list] = {}
+    for prompt, _ in bench.prompts:
+        by_group.setdefault(prompt.group, []).append(prompt.question_id)
+    info.update({
+        "method": method.name, "family": method.family, "tree": method.tree,
+        "accept_by_depth": [a / o if o else 0.0 for a, o in zip(accepted, offered)],
+        "draft_s": sum(r.draft_s for r in runs.values()),
+        "verify_s": sum(r.verify_s for r in runs.values()),
+        "equal_to_baseline": bool(bench.baseline) and not mismatched,
+        "mismatched_prompts": mismatched,
+        "by_category": {g: _summary([runs[q] for q in qs], sum(bench.baseline_time.get(q, 0) for q in qs)
+                                    if have_base else None) for g, qs in by_group.items()},
+        "environment": bench.environment,
+    })
+    info["other_s"] = max(info["seconds"] - info["draft_s"] - info["verify_s"], 0.0) \
+        if method.family not in ("baseline", "hf_assisted") or method.name == "baseline_mcsd" else None
+    benchmark.extra_info.update(info)
