@@ -1,0 +1,141 @@
+"""Turn a pytest-benchmark JSON from `benchmarks/` into a Markdown report and PNG plots.
+
+    pytest benchmarks/ --benchmark-only --benchmark-json=bench.json
+    python tools/bench_report.py bench.json --out bench-report/
+
+Writes `report.md` (overall table: speedup, tau, tokens/s, exactness; then a
+methods x category table of speedup and tau), `speedup_by_category.png` and
+`tau_vs_tree_size.png`, and prints the Markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+
+
+def load(path: Path) -> tuple[list[dict], dict]:
+    data = json.loads(path.read_text())
+    rows = [b["extra_info"] for b in data.get("benchmarks", []) if "method" in b.get("extra_info", {})]
+    if not rows:
+        raise SystemExit(f"{path}: no mcsd speed benchmarks found (run pytest benchmarks/ --benchmark-json=...)")
+    return rows, {"datetime": data.get("datetime"), **rows[0].get("environment", {})}
+
+
+def _fmt(x, spec=".2f"):
+    return "-" if x is None else format(x, spec)
+
+
+def tree_size(spec: str | None) -> int:
+    """Draft nodes of a k-config ("4,2,2" -> 28); 0 for none."""
+    if not spec:
+        return 0
+    total, width = 0, 1
+    for k in spec.split(","):
+        width *= int(k)
+        total += width
+    return total
+
+
+def markdown(rows: list[dict], env: dict) -> str:
+    when = env.get("datetime") or datetime.now(timezone.utc).isoformat()
+    lines = [f"Machine: {env.get('processor')} ({env.get('cpu_count')} cores, {env.get('threads')} threads"
+             f"{', ' + env['cuda'] if env.get('cuda') else ''}); {env.get('device')}, {env.get('dtype')}; "
+             f"torch {env.get('torch')}, transformers {env.get('transformers')}; "
+             f"{env.get('prompts')} prompts x {env.get('max_new_tokens')} new tokens; {when[:10]}.", ""]
+    lines += ["| method | tree | tokens/s | speedup | tau | accept by depth | same output as baseline |",
+              "| --- | --- | ---: | ---: | ---: | --- | --- |"]
+    for r in rows:
+        depth = " ".join(f"{a:.2f}" for a in r.get("accept_by_depth", [])[:6]) or "-"
+        lines.append(f"| {r['method']} | {r.get('tree') or '-'} | {_fmt(r['tokens_per_s'], '.1f')} | "
+                     f"{_fmt(r.get('speedup'))} | {_fmt(r['tau'])} | {depth} | "
+                     f"{'yes' if r.get('equal_to_baseline') else 'no (' + str(len(r.get('mismatched_prompts', []))) + ' prompts)'} |")
+    groups = sorted({g for r in rows for g in r.get("by_category", {})})
+    if groups:
+        lines += ["", "Speedup (tau) by category group:", "",
+                  "| method | " + " | ".join(groups) + " |", "| --- |" + " ---: |" * len(groups)]
+        for r in rows:
+            cells = []
+            for g in groups:
+                c = r["by_category"].get(g)
+                cells.append("-" if c is None else f"{_fmt(c.get('speedup'))} ({_fmt(c['tau'])})")
+            lines.append(f"| {r['method']} | " + " | ".join(cells) + " |")
+    best = _best(rows)
+    if best:
+        lines += ["", best]
+    return "\n".join(lines) + "\n"
+
+
+def _best(rows: list[dict]) -> str | None:
+    def top(families):
+        cands = [r for r in rows if r["family"] in families and r.get("speedup")]
+        return max(cands, key=lambda r: r["speedup"]) if cands else None
+    ours, hf = top(("chain", "tree", "policy")), top(("hf_assisted",))
+    if not ours or not hf:
+        return None
+    return (f"Best mcsd method: {ours['method']} at {ours['speedup']:.2f}x over baseline; best Hugging Face "
+            f"assisted setting: {hf['method']} at {hf['speedup']:.2f}x; ratio {ours['speedup'] / hf['speedup']:.2f}.")
+
+
+def plots(rows: list[dict], out: Path) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    groups = sorted({g for r in rows for g in r.get("by_category", {})})
+    shown = [r for r in rows if r.get("speedup") is not None]
+    if groups and shown:
+        fig, ax = plt.subplots(figsize=(max(8, len(shown) * 0.9), 4.5))
+        width = 0.8 / len(groups)
+        for i, g in enumerate(groups):
+            ys = [(r["by_category"].get(g) or {}).get("speedup") or 0 for r in shown]
+            ax.bar([x + i * width for x in range(len(shown))], ys, width, label=g)
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(shown))])
+        ax.set_xticklabels([r["method"] for r in shown], rotation=40, ha="right")
+        ax.set_ylabel("speedup over plain decoding")
+        ax.set_title("Speedup by category group")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        written.append(out / "speedup_by_category.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+    trees = [r for r in rows if r["family"] in ("chain", "tree", "policy") and r.get("tree")]
+    if trees:
+        fig, ax = plt.subplots(figsize=(6, 4.5))
+        for r in trees:
+            x = tree_size(r["tree"])
+            ax.scatter(x, r["tau"], color="C0" if r["family"] == "chain" else "C1" if r["family"] == "tree" else "C2")
+            ax.annotate(r["method"], (x, r["tau"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set_xlabel("draft nodes in the largest tree")
+        ax.set_ylabel("tau (tokens per target forward)")
+        ax.set_title("Mean accepted tokens against tree size")
+        fig.tight_layout()
+        written.append(out / "tau_vs_tree_size.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+    return written
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("json", type=Path, help="pytest-benchmark JSON from benchmarks/")
+    ap.add_argument("--out", type=Path, default=Path("bench-report"), help="output folder")
+    ap.add_argument("--no-plots", action="store_true")
+    args = ap.parse_args(argv)
+    rows, env = load(args.json)
+    args.out.mkdir(parents=True, exist_ok=True)
+    text = markdown(rows, env)
+    (args.out / "report.md").write_text(text)
+    print(text)
+    if not args.no_plots:
+        for p in plots(rows, args.out):
+            print(f"wrote {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
