@@ -225,7 +225,11 @@ class TreeDecoder:
 
         # Prefill: the target reads the prompt and chooses the first token itself.
         self.target.reset()
-        logits = self.target.extend(prompt_ids)[-1]
+        wants_hidden = drafter is not None and getattr(drafter, "uses_target_hidden", False)
+        out = self.target.extend(prompt_ids, hidden=wants_hidden)
+        logits = out[0][-1] if wants_hidden else out[-1]
+        if wants_hidden:
+            drafter.observe_target(out[1])                      # features of every prompt position
         root = self._choose(logits, cfg.sampling, gen)
         stats.target_forwards += 1
         stats.prefill_s = time.perf_counter() - t_start
@@ -243,9 +247,11 @@ class TreeDecoder:
                      else GrownTree(DraftTree.root_only(policy.topology, sequence[-1]), None))
             t1 = time.perf_counter()
             # 3-4. verify every node in one target forward, then accept
-            acc = self._verify(grown, cfg.sampling, gen)
+            acc, path_hidden = self._verify(grown, cfg.sampling, gen, hidden=wants_hidden)
             t2 = time.perf_counter()
             # 5. commit the accepted path into both caches
+            if wants_hidden:
+                drafter.observe_target(path_hidden)               # features of root .. deepest accepted
             if drafter is not None and depth > 0:
                 drafter.commit(acc.path)
             stats.draft_s += t1 - t0
@@ -267,12 +273,17 @@ class TreeDecoder:
         text = self.tokenizer.decode(out, skip_special_tokens=True) if self.tokenizer is not None else None
         return GenerationOutput(tokens=out, text=text, stats=stats, finish_reason=finish)
 
-    def _verify(self, grown: GrownTree, sampling: SamplingConfig, gen) -> Acceptance:
-        """One target forward over all tree nodes, the acceptance rule, and the target cache commit."""
+    def _verify(self, grown: GrownTree, sampling: SamplingConfig, gen, hidden: bool = False):
+        """One target forward over all tree nodes, the acceptance rule, and the target cache commit.
+
+        Returns the Acceptance and, with hidden=True, the target's last hidden
+        states (k+1, H) along the accepted path (else None).
+        """
         tree = grown.tree
         prefix = self.target.length
         anc = tree.mask()                                                  # (N, N), sliced from the topology
-        logits = self.target.forward(tree.tokens, tree.positions(prefix), anc)   # (N, V)
+        out = self.target.forward(tree.tokens, tree.positions(prefix), anc, hidden=hidden)
+        logits, states = out if hidden else (out, None)                   # (N, V), (N, H)
         if sampling.greedy:
             acc = accept_greedy(tree.tokens, tree.parents, tree.depth, anc, logits.argmax(-1))
         else:
@@ -280,7 +291,7 @@ class TreeDecoder:
             q_draft = grown.q_draft if grown.q_draft is not None else torch.zeros_like(p_target)
             acc = accept_sampling(tree.tokens, tree.parents, p_target, q_draft.to(p_target.device), gen)
         self.target.commit(prefix, acc.path)
-        return acc
+        return acc, (states[acc.path] if hidden else None)
 
     # ------------------------------------------------------------------ helpers
 

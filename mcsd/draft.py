@@ -31,6 +31,11 @@ class Drafter(Protocol):
     """
 
     forwards: int  # draft forward passes so far (for stats)
+    uses_target_hidden: bool  # True: the decoder calls observe_target with the target's features
+
+    def observe_target(self, hidden: torch.Tensor) -> None:
+        """hidden: (n, H) target last hidden states of newly committed positions, in order
+        (the prompt after prefill; root .. deepest accepted node after each round)."""
 
     def reset(self) -> None: ...
 
@@ -46,6 +51,8 @@ class Drafter(Protocol):
 
 class ModelDrafter:
     """A standalone draft model (any causal LM sharing the target's tokenizer)."""
+
+    uses_target_hidden = False
 
     def __init__(self, model: torch.nn.Module):
         self.lm = CachedLM(model)

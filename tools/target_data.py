@@ -7,9 +7,12 @@ resumable stages, all recorded in one `manifest.json`:
 
     selfinstruct  the target writes new instructions in the style of the
                   fitting split's categories (more varied prompts than the
-                  384 we have) -> prompts/selfinstruct.jsonl
+                  384 we have) -> prompts/selfinstruct.jsonl; the lists it
+                  writes are kept as the response run "selfinstruct-meta"
     generate      batched target responses (greedy or sampled) to a prompt
                   source -> responses/<run>/NNNNN.pt
+    prompttext    the prompts themselves as a run (no generation), so the
+                  teacher can label the target's predictions over them
     teacher       teacher-forced target pass over prompt + response, storing
                   the target's top-k next-token distribution (and optionally
                   its last hidden state) per response position
@@ -25,8 +28,9 @@ so they belong to the fitting split too.
 `generate` also keeps the target's top-k at every generated position (the
 logits are computed anyway, so this is free). For those runs the `teacher`
 stage is only needed when hidden states are wanted; `load_examples` takes the
-teacher's labels when present and the generation-time ones otherwise. The
-two agree up to bfloat16 rounding (padding and KV-cache order differ).
+teacher's labels when present and the generation-time ones otherwise. In
+float32 the two agree exactly (checked); in bfloat16 up to rounding, as
+padding and KV-cache order differ.
 
 Layout (default root `~/.cache/mcsd`, or `$MCSD_CACHE`):
 
@@ -62,12 +66,11 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 DEFAULT_TARGET = "/work/cache/smollm2-135m-fp32"
 DEFAULT_QUESTIONS = "/work/shared/data/spec_bench/question.jsonl"
-TOPK = 8  # the target's top-8 covers almost all of its mass on chat text
+TOPK = 8  # the target's top-8 holds ~92% of its mass on its own responses
 
 
 # -----------------------------------------------------------------------------
@@ -159,7 +162,8 @@ def read_manifest(data_dir: Path) -> dict:
 @contextlib.contextmanager
 def manifest_update(data_dir: Path):
     """Yield the freshly read manifest; write it back when the block ends.
-    The lock keeps a `status` reader or a second stage from seeing half a file."""
+    The lock serialises writers (a stage and a one-off prompttext, say);
+    the atomic replace means a reader never sees half a file."""
     data_dir.mkdir(parents=True, exist_ok=True)
     with open(data_dir / ".manifest.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -345,6 +349,7 @@ def run_generate(args):
     bar = tqdm(total=len(jobs), desc=f"generate {args.run}", unit="seq", dynamic_ncols=True)
     t0, n_tok = time.time(), 0
     for batch in length_batches(jobs, lengths, args.batch_size, args.token_budget):
+        t_batch = time.time()
         keys = [jobs[i][0] for i in batch]
         generator = torch.Generator(device=pick_device()).manual_seed(seed_for(args.run, keys[0]))
         outs = generate_batch(
@@ -357,7 +362,8 @@ def run_generate(args):
             records.append({"key": key, "prompt_id": p["id"], "category": p["category"],
                             "prompt": torch.tensor(ids, dtype=torch.int32), **out})
         tokens = sum(len(r["response"]) for r in records)
-        save_shard(data_dir, "runs", args.run, records, {"n_sequences": len(records), "n_tokens": tokens})
+        save_shard(data_dir, "runs", args.run, records,
+                   {"n_sequences": len(records), "n_tokens": tokens, "seconds": round(time.time() - t_batch, 1)})
         n_tok += tokens
         bar.update(len(batch))
         bar.set_postfix(tok=n_tok, tok_s=f"{n_tok / (time.time() - t0):.0f}")
@@ -372,23 +378,29 @@ def run_generate(args):
 # 135M target cannot write a coherent one anyway.
 SELFINSTRUCT_TEMPLATE = (
     "Here are some example requests a user sent to an AI assistant:\n\n{examples}\n\n"
-    "Write one new request of the same kind, on a different topic. "
-    "Reply with the new request only."
+    "Write {n_new} new requests of the same kind, each on a different topic, as a numbered list."
 )
 
 
-def selfinstruct_meta_prompt(examples: list[str], max_chars: int = 300) -> str:
+def selfinstruct_meta_prompt(examples: list[str], n_new: int = 5, max_chars: int = 300) -> str:
     shown = [e if len(e) <= max_chars else e[:max_chars].rsplit(" ", 1)[0] + " ..." for e in examples]
-    return SELFINSTRUCT_TEMPLATE.format(examples="\n\n".join(f"{i + 1}. {e}" for i, e in enumerate(shown)))
+    listed = "\n\n".join(f"{i + 1}. {e}" for i, e in enumerate(shown))
+    return SELFINSTRUCT_TEMPLATE.format(examples=listed, n_new=n_new)
 
 
-def clean_instruction(text: str) -> str | None:
-    """Keep a generated request if it looks like one; None otherwise."""
-    text = text.strip()
-    text = re.sub(r"^(new request|request|\d+)[\.:)]\s*", "", text, flags=re.I).strip().strip('"').strip()
-    if not 15 <= len(text) <= 1200 or text.lower().startswith(("sure", "here is", "here's")):
-        return None
-    return text
+def parse_instructions(text: str, finished: bool) -> list[str]:
+    """The items of a generated numbered list that look like requests.
+    Asking for a list gives several prompts per generation (the 135M target
+    keeps to the list format well); an unfinished last item is dropped."""
+    items = re.split(r"(?:^|\n)\s*\d+[\.\)]\s+", "\n" + text)[1:]
+    if not finished and items:
+        items = items[:-1]
+    keep = []
+    for item in items:
+        item = re.sub(r"^\*\*[^*]{0,60}\*\*:?\s*", "", item.strip()).strip().strip('"').strip()
+        if 15 <= len(item) <= 1200 and not item.lower().startswith(("sure", "here is", "here are")):
+            keep.append(item)
+    return keep
 
 
 def run_selfinstruct(args):
@@ -411,6 +423,7 @@ def run_selfinstruct(args):
     eos_ids = tuple({tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")})
     bar = tqdm(total=args.count, initial=len(existing), desc="selfinstruct", unit="prompt", dynamic_ncols=True)
     while len(existing) < args.count:
+        t_round = time.time()
         # a round: one meta prompt per slot, categories cycled so all get a share
         rng = random.Random(seed_for("selfinstruct", n_rounds))
         metas = []
@@ -421,17 +434,29 @@ def run_selfinstruct(args):
         generator = torch.Generator(device=pick_device()).manual_seed(seed_for("selfinstruct-gen", n_rounds))
         outs = generate_batch(
             model, [m for _, m in metas], args.max_new_tokens, args.temperature,
-            eos_ids, tokenizer.pad_token_id, 1, generator,
+            eos_ids, tokenizer.pad_token_id, TOPK, generator,
         )
+        # the lists the target wrote are target text too: keep them as a
+        # response run ("selfinstruct-meta") so no generated token is wasted
+        records = [
+            {"key": f"meta-{n_rounds}/{j}", "prompt_id": f"meta-{n_rounds}-{j}", "category": category,
+             "prompt": torch.tensor(ids, dtype=torch.int32), **out}
+            for j, ((category, ids), out) in enumerate(zip(metas, outs))
+        ]
+        start_run(data_dir, "runs", "selfinstruct-meta", {"source": "selfinstruct-meta", "temperature": args.temperature,
+                  "max_new_tokens": args.max_new_tokens, "topk": TOPK, "target": Path(args.target).name,
+                  "dtype": str(pick_dtype(args.dtype)).removeprefix("torch.")})
+        save_shard(data_dir, "runs", "selfinstruct-meta", records,
+                   {"n_sequences": len(records), "n_tokens": sum(len(r["response"]) for r in records),
+                    "seconds": round(time.time() - t_round, 1)})
         new = []
         for (category, _), out in zip(metas, outs):
-            if not out["finished"]:
-                continue  # ran past the limit: usually an answer, not a request
-            text = clean_instruction(tokenizer.decode(out["response"], skip_special_tokens=True))
-            if text and text.lower() not in seen:
-                seen.add(text.lower())
-                new.append({"id": f"si-{len(existing) + len(new)}", "category": category,
-                            "text": text, "round": n_rounds})
+            text = tokenizer.decode(out["response"], skip_special_tokens=True)
+            for item in parse_instructions(text, out["finished"]):
+                if item.lower() not in seen:
+                    seen.add(item.lower())
+                    new.append({"id": f"si-{len(existing) + len(new)}", "category": category,
+                                "text": item, "round": n_rounds})
         with open(path, "a") as f:
             f.writelines(json.dumps(e) + "\n" for e in new)
         existing += new
@@ -440,10 +465,53 @@ def run_selfinstruct(args):
             manifest["selfinstruct"] = {
                 "file": "prompts/selfinstruct.jsonl", "n_prompts": len(existing), "rounds": n_rounds,
                 "settings": {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
-                             "examples_per_prompt": 3, "template": SELFINSTRUCT_TEMPLATE},
+                             "examples_per_prompt": 3, "new_per_prompt": 5, "template": SELFINSTRUCT_TEMPLATE},
             }
         bar.update(len(new))
     bar.close()
+
+
+# -----------------------------------------------------------------------------
+# Prompt text as a run: the target's labels on the user's words
+
+
+def run_prompttext(args):
+    """Stage `prompttext`: store the prompts themselves as a response run
+    (no generation), for the teacher stage to label.
+
+    The record's "prompt" is the shared chat-template prefix (system message
+    and user header) and its "response" the user text and the template tail,
+    so the labels are the target's predictions over the prompt's own words.
+    Teacher-forcing costs a fraction of generating, and the long documents
+    of the summarisation and RAG prompts are the text the target quotes when
+    it answers them.
+    """
+    data_dir = Path(args.data_dir)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    prompts = load_prompts(data_dir, args.source, args.split, args.questions)
+    settings = {"source": args.source, "split": args.split, "kind": "prompt text", "target": Path(args.target).name}
+    if args.source == "selfinstruct":
+        settings.pop("split")
+    done = start_run(data_dir, "runs", args.run, settings)
+    ids = {p["id"]: chat_prompt_ids(tokenizer, p["text"]) for p in prompts}
+    first = next(iter(ids.values()))
+    n_prefix = 0  # the prefix all prompts share: system message and user header
+    while all(len(v) > n_prefix and v[n_prefix] == first[n_prefix] for v in ids.values()):
+        n_prefix += 1
+    records = [
+        {"key": f"{p['id']}/0", "prompt_id": p["id"], "category": p["category"], "finished": True,
+         "prompt": torch.tensor(ids[p["id"]][:n_prefix], dtype=torch.int32),
+         "response": torch.tensor(ids[p["id"]][n_prefix:], dtype=torch.int32)}
+        for p in prompts
+        if f"{p['id']}/0" not in done
+    ]
+    for i in range(0, len(records), 256):
+        chunk = records[i : i + 256]
+        save_shard(data_dir, "runs", args.run, chunk,
+                   {"n_sequences": len(chunk), "n_tokens": sum(len(r["response"]) for r in chunk)})
+    print(f"[prompttext {args.run}] stored {len(records)} prompts (prefix {n_prefix} tokens)")
 
 
 # -----------------------------------------------------------------------------
@@ -498,10 +566,12 @@ def run_teacher(args):
         print(f"[teacher {run}] {len(done)} done, {len(records)} pending", flush=True)
         bar = tqdm(total=sum(lengths), desc=f"teacher {run}", unit="tok", dynamic_ncols=True)
         for batch in length_batches(records, lengths, args.batch_size, args.token_budget):
+            t_batch = time.time()
             outs = teacher_batch(model, [records[i] for i in batch], TOPK, args.store_hidden,
                                  tokenizer.pad_token_id)
             tokens = sum(len(records[i]["response"]) for i in batch)
-            save_shard(data_dir, "teacher", run, outs, {"n_sequences": len(outs), "n_tokens": tokens})
+            save_shard(data_dir, "teacher", run, outs, {"n_sequences": len(outs), "n_tokens": tokens,
+                                                        "seconds": round(time.time() - t_batch, 1)})
             bar.update(sum(lengths[i] for i in batch))
         bar.close()
 
@@ -553,8 +623,8 @@ def run_status(args):
     total = 0
     for section in ("runs", "teacher"):
         for run, e in manifest[section].items():
-            print(f"{section:8s} {run:16s} seqs {e.get('n_sequences', 0):6d}  tokens {e.get('n_tokens', 0):8d}"
-                  f"  shards {len(e['shards']):4d}  {json.dumps(e['settings'])}")
+            print(f"{section:8s} {run:20s} seqs {e.get('n_sequences', 0):6d}  tokens {e.get('n_tokens', 0):8d}"
+                  f"  shards {len(e['shards']):4d}  {e.get('seconds', 0) / 60:6.1f} min  {json.dumps(e['settings'])}")
             total += e.get("n_tokens", 0) if section == "runs" else 0
     print(f"total response tokens: {total}")
 
@@ -567,7 +637,9 @@ def main(argv=None):
     parser.add_argument("--target", default=DEFAULT_TARGET, help="target model directory")
     parser.add_argument("--data-dir", default=None, help="default: $MCSD_CACHE/data/<target-name>")
     parser.add_argument("--questions", default=DEFAULT_QUESTIONS, help="Spec-Bench question.jsonl")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2,
+                        help="CPU threads; use 1 when another job shares a 2-core machine (a 2-thread "
+                             "OpenMP pass with a core taken runs ~20x slower)")
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
                         help="target dtype for the stage (auto: bfloat16 on CUDA, float32 on CPU)")
     sub = parser.add_subparsers(dest="stage", required=True)
@@ -581,14 +653,19 @@ def main(argv=None):
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--max-prompt-len", type=int, default=100_000, help="skip longer prompts (tokens)")
     g.add_argument("--categories", nargs="*", default=None, help="only these categories")
-    g.add_argument("--batch-size", type=int, default=32)
-    g.add_argument("--token-budget", type=int, default=8192, help="padded prompt tokens per batch")
+    g.add_argument("--batch-size", type=int, default=96)
+    g.add_argument("--token-budget", type=int, default=16384, help="padded prompt tokens per batch")
 
     s = sub.add_parser("selfinstruct", help="the target writes new prompts")
     s.add_argument("--count", type=int, default=2000, help="stop when this many are stored")
-    s.add_argument("--temperature", type=float, default=1.0)
-    s.add_argument("--max-new-tokens", type=int, default=96)
-    s.add_argument("--batch-size", type=int, default=32)
+    s.add_argument("--temperature", type=float, default=0.8)
+    s.add_argument("--max-new-tokens", type=int, default=256)
+    s.add_argument("--batch-size", type=int, default=64)
+
+    pt = sub.add_parser("prompttext", help="store prompts as a run, for the teacher to label")
+    pt.add_argument("--run", required=True)
+    pt.add_argument("--source", choices=["specbench", "selfinstruct"], default="specbench")
+    pt.add_argument("--split", choices=["fit", "heldout", "all"], default="fit")
 
     t = sub.add_parser("teacher", help="teacher-forced top-k labels for stored runs")
     t.add_argument("runs", nargs="+")
@@ -601,7 +678,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     args.data_dir = args.data_dir or str(default_data_dir(args.target))
     torch.set_num_threads(args.threads)
-    {"generate": run_generate, "selfinstruct": run_selfinstruct, "teacher": run_teacher,
+    {"generate": run_generate, "selfinstruct": run_selfinstruct, "prompttext": run_prompttext, "teacher": run_teacher,
      "status": run_status}[args.stage](args)
 
 
