@@ -1,0 +1,213 @@
+"""A draft head that reads the target's own features (EAGLE-style), and the drafter around it.
+
+At committed position t the head reads the target's last hidden state f_t
+(the vector its LM head turns into the distribution of token t+1) together with
+the embedding of the token that actually followed, x_{t+1} (the target's own,
+frozen, embedding). A reduction layer maps [f_t, e(x_{t+1})] to the head's
+width, one or two small decoder layers (with their own KV cache) predict the
+next feature f_{t+1}, and the target's LM head rows turn it into draft scores
+for x_{t+2}. Deeper in the tree the head reads its *own* predicted feature in
+place of f, which is why it is trained unrolled over several steps.
+
+Conventions shared with the trainer (tools/train_feature_drafter.py):
+- entry t has input (f_t, e(x_{t+1})) and position id t + 1 (the token's position);
+- its output predicts f_{t+1}, scored against the target's distribution of x_{t+2}.
+
+The LM head may score only a frequency-ranked sub-vocabulary (`vocab_ids`);
+every other token gets probability 0 in q, and q stays a full distribution over
+the vocabulary, so verification (the residual max(p - q, 0) included) is exact.
+
+Limitations: one sequence at a time; the head's decoder layers are Llama
+layers (RMSNorm, rotary positions, SwiGLU), whatever the target's family.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from . import kv_cache
+from .tree import DraftTree, additive_mask, causal_allowed
+
+
+@dataclass(frozen=True)
+class FeatureHeadConfig:
+    target_hidden: int                 # the target's hidden size H (width of f and of its embeddings)
+    hidden: int = 0                    # the head's width; 0 = same as the target's
+    layers: int = 1                    # decoder layers in the head
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 0              # MLP width; 0 = 2.5 x hidden
+    rope_theta: float = 10000.0
+    max_positions: int = 8192
+    rms_norm_eps: float = 1e-5
+    vocab_size: int = 0                # the target's vocabulary size
+    sub_vocab: int = 0                 # rows of the LM head scored (0 = all)
+
+    @property
+    def width(self) -> int:
+        return self.hidden or self.target_hidden
+
+
+class FeatureHead(nn.Module):
+    """The trainable part: reduction, decoder layers, output projection back to the target's feature space.
+
+    The LM head is *not* part of it: scores come from the target's own LM head
+    rows (`lm_rows`), set with `attach_lm_head` and never saved.
+    """
+
+    def __init__(self, cfg: FeatureHeadConfig):
+        super().__init__()
+        from transformers import LlamaConfig, LlamaModel
+
+        self.cfg = cfg
+        w = cfg.width
+        self.reduce = nn.Linear(2 * cfg.target_hidden, w, bias=False)
+        body_cfg = LlamaConfig(vocab_size=1, hidden_size=w, intermediate_size=cfg.intermediate or int(2.5 * w),
+                               num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
+                               num_key_value_heads=cfg.kv_heads, max_position_embeddings=cfg.max_positions,
+                               rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps)
+        self.body = LlamaModel(body_cfg)                  # embeddings unused: we pass inputs_embeds
+        self.body.embed_tokens.requires_grad_(False)
+        self.expand = nn.Linear(w, cfg.target_hidden, bias=False) if w != cfg.target_hidden else nn.Identity()
+        self.register_buffer("vocab_ids", torch.arange(cfg.sub_vocab or cfg.vocab_size), persistent=True)
+        self.lm_rows: torch.Tensor | None = None          # (K, H) target LM head rows for vocab_ids
+
+    def attach_lm_head(self, lm_head_weight: torch.Tensor) -> None:
+        """Borrow the target's LM head rows for this head's sub-vocabulary (frozen, not saved)."""
+        self.lm_rows = lm_head_weight.detach().index_select(0, self.vocab_ids.to(lm_head_weight.device))
+
+    def forward(self, features, token_embeds, position_ids, attention_mask=None, past_key_values=None):
+        """Predict next features.
+
+        Args:
+            features: (B, T, H) target (or predicted) features f_t.
+            token_embeds: (B, T, H) embeddings of x_{t+1}.
+            position_ids: (B, T).
+            attention_mask: additive (B, 1, T, K) float mask, or None for causal.
+        Returns:
+            (B, T, H) predicted f_{t+1}.
+        """
+        x = self.reduce(torch.cat([features, token_embeds], dim=-1))                 # (B, T, w)
+        out = self.body(inputs_embeds=x, position_ids=position_ids, attention_mask=attention_mask,
+                        past_key_values=past_key_values, use_cache=past_key_values is not None)
+        return self.expand(out.last_hidden_state)
+
+    def scores(self, predicted: torch.Tensor) -> torch.Tensor:
+        """(..., H) predicted features -> (..., V) logits, -inf outside the sub-vocabulary."""
+        sub = predicted @ self.lm_rows.T.to(predicted.dtype)                           # (..., K)
+        if self.vocab_ids.numel() == self.cfg.vocab_size:
+            return sub
+        full = sub.new_full(sub.shape[:-1] + (self.cfg.vocab_size,), float("-inf"))
+        return full.index_copy_(-1, self.vocab_ids.to(sub.device), sub)
+
+    # ---------------------------------------------------------------- files
+
+    def save(self, directory: str | Path, card: dict | None = None) -> None:
+        from safetensors.torch import save_file
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {k: v.contiguous() for k, v in self.state_dict().items() if not k.startswith("body.embed_tokens")}
+        save_file(state, str(directory / "feature_head.safetensors"))
+        (directory / "feature_head.json").write_text(json.dumps(asdict(self.cfg), indent=1))
+        if card is not None:
+            (directory / "card.json").write_text(json.dumps(card, indent=1))
+
+    @classmethod
+    def load(cls, directory: str | Path, dtype=None) -> "FeatureHead":
+        """Load a saved head (safetensors: no code runs on load). Raises ValueError on a bad file."""
+        from safetensors.torch import load_file
+        directory = Path(directory)
+        try:
+            cfg = FeatureHeadConfig(**json.loads((directory / "feature_head.json").read_text()))
+            state = load_file(str(directory / "feature_head.safetensors"))
+        except (OSError, TypeError, ValueError) as exc:
+            raise ValueError(f"{directory} does not hold a readable feature head: {exc}") from exc
+        head = cls(cfg)
+        missing, unexpected = head.load_state_dict(state, strict=False)
+        missing = [m for m in missing if not m.startswith("body.embed_tokens")]
+        if missing or unexpected:
+            raise ValueError(f"{directory}: feature head weights do not match its config "
+                             f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+        head.eval().requires_grad_(False)
+        return head.to(dtype) if dtype is not None else head
+
+
+def is_feature_head(directory: str | Path) -> bool:
+    return (Path(directory) / "feature_head.json").is_file()
+
+
+class FeatureDrafter:
+    """Drafter over a `FeatureHead`, fed the target's features by the decoder.
+
+    Cache: entry t of the head's cache was computed from the *true* feature
+    f_t. Tree nodes use predicted features, so after verification only the
+    root's entry is kept; the next round re-reads the accepted tokens with the
+    features the verify pass produced (no extra target forward).
+    """
+
+    uses_target_hidden = True
+
+    def __init__(self, head: FeatureHead, target: nn.Module):
+        self.head = head
+        self.embed = target.get_input_embeddings()
+        if head.lm_rows is None:
+            head.attach_lm_head(target.get_output_embeddings().weight)
+        self.device = self.embed.weight.device
+        self.dtype = self.embed.weight.dtype
+        self.forwards = 0
+        self.reset()
+
+    def reset(self) -> None:
+        from transformers import DynamicCache
+        self.cache = DynamicCache()
+        self.forwards = 0
+        self._features = torch.zeros(0, self.head.cfg.target_hidden, device=self.device, dtype=self.dtype)
+        self._base = 0
+        self._slots = torch.zeros(0, dtype=torch.long, device=self.device)
+        self._pred: torch.Tensor | None = None          # (N, H) predicted feature per processed tree node
+
+    def observe_target(self, hidden: torch.Tensor) -> None:
+        self._features = torch.cat([self._features, hidden.to(self.dtype)])
+
+    def _run(self, feats, tokens, positions, allowed):
+        prefix = kv_cache.cache_length(self.cache) - (allowed.shape[1] - tokens.numel())
+        mask = additive_mask(allowed, prefix, self.dtype)
+        pred = self.head(feats[None], self.embed(tokens)[None], positions[None], mask, self.cache)[0]
+        self.forwards += 1
+        return pred                                                               # (Q, H)
+
+    @torch.inference_mode()
+    def begin_round(self, sequence: torch.Tensor) -> torch.Tensor:
+        t_end = sequence.numel() - 1                    # entries 0 .. t_end-1; the last pairs f with the root
+        start = kv_cache.cache_length(self.cache)
+        if self._features.shape[0] < t_end:
+            raise RuntimeError("feature drafter is missing target features; observe_target was not called")
+        n = t_end - start
+        pred = self._run(self._features[start:t_end], sequence[start + 1:t_end + 1],
+                         torch.arange(start + 1, t_end + 1, device=self.device), causal_allowed(n, self.device))
+        self._base = t_end - 1                          # cache position of the root's entry
+        self._slots = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._pred = pred[-1:]                          # node 0 (root) -> predicted feature
+        return self.head.scores(pred[-1])
+
+    @torch.inference_mode()
+    def step(self, tree: DraftTree, rows: torch.Tensor) -> torch.Tensor:
+        cols = torch.cat([self._slots, rows])
+        parents = tree.parents[rows]
+        slot_of = torch.full((tree.size,), -1, dtype=torch.long, device=self.device)
+        slot_of[self._slots] = torch.arange(self._slots.numel(), device=self.device)
+        feats = self._pred[slot_of[parents]]                                         # parents' predictions
+        pred = self._run(feats, tree.tokens[rows], tree.positions(self._base + 1, rows), tree.mask(rows, cols))
+        self._slots = cols
+        self._pred = torch.cat([self._pred, pred])
+        return self.head.scores(pred)
+
+    @torch.inference_mode()
+    def commit(self, path: torch.Tensor) -> None:
+        # Only the root's entry was computed from a true feature; keep it, drop the tree.
+        kv_cache.commit(self.cache, self._base, torch.zeros(1, dtype=torch.long, device=self.device))

@@ -1,0 +1,82 @@
+"""The feature drafter: lossless with random weights, a sub-vocabulary, save/load, protocol wiring."""
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from mcsd import TreeDecoder
+from mcsd.feature_draft import FeatureDrafter, FeatureHead, FeatureHeadConfig
+
+PROMPT = torch.tensor([3, 17, 42, 5, 9, 11])
+
+
+def random_head(target, sub_vocab=0, layers=1, seed=5):
+    torch.manual_seed(seed)
+    cfg = FeatureHeadConfig(target_hidden=target.config.hidden_size, hidden=16, layers=layers, heads=2, kv_heads=1,
+                            vocab_size=target.config.vocab_size, sub_vocab=sub_vocab)
+    head = FeatureHead(cfg).eval()
+    if sub_vocab:
+        head.vocab_ids = torch.randperm(cfg.vocab_size)[:sub_vocab].sort().values
+    return head
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    return TreeDecoder(target, None, attention="sdpa").generate_baseline(PROMPT, max_new_tokens=60).tokens
+
+
+@pytest.mark.parametrize("spec", ["1,1,1", "4,2,2", "3,2,2,1"])
+@pytest.mark.parametrize("sub_vocab", [0, 24])
+def test_random_feature_head_is_lossless_greedy(target, reference, spec, sub_vocab):
+    drafter = FeatureDrafter(random_head(target, sub_vocab), target)
+    out = TreeDecoder(target, drafter, tree=spec, attention="sdpa").generate(PROMPT, max_new_tokens=60)
+    assert out.tokens == reference
+    assert out.stats.draft_forwards > 0
+
+
+def test_drafter_reads_true_target_features(target):
+    """With the head replaced by 'return f', root children = the target's argmax after the root's parent."""
+    head = random_head(target)
+    drafter = FeatureDrafter(head, target)
+    seen = []
+    head.forward = lambda feats, emb, pos, mask=None, past_key_values=None: (seen.append(feats.clone()) or feats)
+    dec = TreeDecoder(target, drafter, tree="1", attention="sdpa")
+    dec.generate(PROMPT, max_new_tokens=3)
+    with torch.no_grad():
+        h = target(PROMPT[None], output_hidden_states=True).hidden_states[-1][0]
+    assert torch.allclose(seen[0][0], h, atol=1e-5)             # first round: every prompt position's feature
+
+
+def test_sampling_with_sub_vocabulary_is_exact(target):
+    from test_equivalence import _exact_two_token_probs
+    small = tiny_llama(10, vocab=8, layers=1, sharpness=6.0, hidden=16)
+    drafter = FeatureDrafter(random_head(small, sub_vocab=5, seed=2), small)
+    dec = TreeDecoder(small, drafter, tree="3,2", attention="sdpa")
+    from mcsd.config import SamplingConfig
+    from scipy.stats import chisquare
+    sampling = SamplingConfig(1.0)
+    prompt = torch.tensor([1, 2, 3])
+    exact = _exact_two_token_probs(small, prompt, sampling).flatten()
+    n = 1200
+    counts = torch.zeros(64)
+    for seed in range(n):
+        out = dec.generate(prompt, max_new_tokens=3, temperature=1.0, seed=seed)
+        counts[out.tokens[0] * 8 + out.tokens[1]] += 1
+    big = exact * n >= 5
+    observed = torch.cat([counts[big], counts[~big].sum()[None]])
+    expected = torch.cat([exact[big], exact[~big].sum()[None]]) * n
+    keep = expected > 0
+    assert chisquare(observed[keep].numpy(), expected[keep].numpy() * observed.sum().item()
+                     / expected[keep].sum().item()).pvalue > 1e-3
+
+
+def test_save_and_load_round_trip(target, tmp_path):
+    head = random_head(target, sub_vocab=24, layers=2)
+    head.save(tmp_path / "head", card={"note": "test"})
+    loaded = FeatureHead.load(tmp_path / "head")
+    assert torch.equal(loaded.vocab_ids, head.vocab_ids)
+    for (k, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items()):
+        assert k.startswith("body.embed_tokens") or torch.equal(a, b), k     # the unused embedding is not saved
+    (tmp_path / "head" / "feature_head.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="does not hold a readable feature head"):
+        FeatureHead.load(tmp_path / "head")
