@@ -120,12 +120,13 @@ class FeatureHead(nn.Module):
     @classmethod
     def load(cls, directory: str | Path, dtype=None) -> "FeatureHead":
         """Load a saved head (safetensors: no code runs on load). Raises ValueError on a bad file."""
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
         directory = Path(directory)
         try:
             cfg = FeatureHeadConfig(**json.loads((directory / "feature_head.json").read_text()))
             state = load_file(str(directory / "feature_head.safetensors"))
-        except (OSError, TypeError, ValueError) as exc:
+        except (OSError, TypeError, ValueError, SafetensorError) as exc:
             raise ValueError(f"{directory} does not hold a readable feature head: {exc}") from exc
         head = cls(cfg)
         missing, unexpected = head.load_state_dict(state, strict=False)
