@@ -23,6 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_argument_group("models")
     src.add_argument("--target", help="target: preset name, model directory, .gguf file or hub id")
     src.add_argument("--draft", help="draft: model directory, .gguf file or hub id (same tokenizer as the target)")
+    src.add_argument("--drafter", default="model", choices=("model", "feature"),
+                     help="with a preset: the standalone draft model, or the head reading the target's features")
     src.add_argument("--list-models", action="store_true", help="list the built-in presets and exit")
     src.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="compute dtype (default bfloat16)")
     src.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or auto (spread the target over GPUs)")
@@ -121,7 +123,8 @@ def run(args) -> int:
         tokenizer = load_tokenizer(target_src)
         target, draft = load_model(target_src, args.dtype, args.device, role="target"), None
     else:
-        target, draft, tokenizer = load_model_pair(args.target, args.draft, dtype=args.dtype, device=args.device)
+        target, draft, tokenizer = load_model_pair(args.target, args.draft, dtype=args.dtype, device=args.device,
+                                                    drafter=args.drafter)
     decoder = TreeDecoder(target, draft, tokenizer=tokenizer, tree=args.tree, policy=args.policy,
                           attention=args.attention)
     prompt = _format_prompt(text, tokenizer, args)

