@@ -139,6 +139,9 @@ class TreeDecoder:
         self.tokenizer = tokenizer
         self.policy = make_policy(policy, tree, **(policy_options or {}))
         self._baseline_policy = make_policy("static", "")
+        # Trees live where the target's inputs live (its embedding's device under a device_map).
+        for pol in (self.policy, self._baseline_policy):
+            pol.topology = pol.topology.to(self.target.device)
         self.context_window = getattr(target.config, "max_position_embeddings", None)
 
     # ------------------------------------------------------------------ public API

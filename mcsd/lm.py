@@ -56,8 +56,8 @@ class CachedLM:
         out = self.model(input_ids=tokens.to(self.device)[None], position_ids=positions.to(self.device)[None],
                          attention_mask=mask, past_key_values=self.cache, use_cache=True,
                          output_hidden_states=hidden)
-        logits = out.logits[0]
-        return (logits, out.hidden_states[-1][0]) if hidden else logits
+        logits = out.logits[0].to(self.device)          # a device_map may end on another GPU
+        return (logits, out.hidden_states[-1][0].to(self.device)) if hidden else logits
 
     def extend(self, tokens: torch.Tensor, hidden: bool = False):
         """Feed ordinary tokens (causal) after everything in the cache; returns their logits (Q, V)."""

@@ -343,7 +343,7 @@ def load_model(source: str, dtype="bfloat16", device="cpu", role: str = "target"
 # ----------------------------------------------------------------------------
 # pairs
 
-def load_feature_drafter(source: str, target, dtype="bfloat16", device="cpu"):
+def load_feature_drafter(source: str, target, dtype="bfloat16"):
     """A saved feature head, checked against the target and bound to it."""
     try:
         head = FeatureHead.load(Path(source).expanduser(), parse_dtype(dtype))
@@ -354,7 +354,8 @@ def load_feature_drafter(source: str, target, dtype="bfloat16", device="cpu"):
     if (head.cfg.target_hidden, head.cfg.vocab_size) != (hidden, vocab):
         raise ModelLoadError(f"feature head in {source} was built for hidden size {head.cfg.target_hidden} and "
                              f"vocabulary {head.cfg.vocab_size}; the target has {hidden} and {vocab}")
-    return FeatureDrafter(head.to(parse_device(device) if not isinstance(device, dict) else "cuda:0"), target)
+    # The head reads the target's features and embeddings, so it sits on the target's input device.
+    return FeatureDrafter(head.to(target.get_input_embeddings().weight.device), target)
 
 
 def check_tokenizers(target_tok, draft_tok) -> None:
@@ -425,7 +426,7 @@ def load_model_pair(target: str | None = None, draft: str | None = None, dtype="
     tokenizer = load_tokenizer(target)
     target_model = load_model(target, dtype, device, role="target")
     if is_feature_head(Path(draft).expanduser()):
-        return target_model, load_feature_drafter(draft, target_model, dtype, draft_device), tokenizer
+        return target_model, load_feature_drafter(draft, target_model, dtype), tokenizer
     draft_model = load_model(draft, dtype, draft_device, role="draft")
     draft_src = _preset_path(draft, "draft")
     if _has_tokenizer(draft_src):
