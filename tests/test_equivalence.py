@@ -137,14 +137,20 @@ def _exact_two_token_probs(model, prompt, sampling):
     return p0[:, None] * p1                                         # (V, V)
 
 
-@pytest.mark.parametrize("sampling", [SamplingConfig(1.0), SamplingConfig(0.7, top_k=5),
-                                      SamplingConfig(1.3, top_p=0.8)], ids=["t1", "t0.7-k5", "t1.3-p0.8"])
-def test_sampling_follows_the_target_distribution(small_pair, sampling):
+@pytest.mark.parametrize("sampling, policy", [
+    (SamplingConfig(1.0), "static"),
+    (SamplingConfig(0.7, top_k=5), "static"),
+    (SamplingConfig(1.3, top_p=0.8), "static"),
+    (SamplingConfig(1.0, top_k=2), "static"),       # q has 2 tokens for 3 children: the third is dropped
+    (SamplingConfig(1.0), "confidence"),
+    (SamplingConfig(0.8, top_p=0.9), "heuristic"),
+], ids=["t1", "t0.7-k5", "t1.3-p0.8", "t1-k2", "t1-confidence", "t0.8-p0.9-heuristic"])
+def test_sampling_follows_the_target_distribution(small_pair, sampling, policy):
     """Chi-square goodness of fit of 1,500 seeded runs against exact enumeration (reject at p < 0.001)."""
     target, draft = small_pair
     prompt = torch.tensor([1, 2, 3])
     exact = _exact_two_token_probs(target, prompt, sampling).flatten()
-    dec = TreeDecoder(target, draft, tree="3,2", attention="sdpa")
+    dec = TreeDecoder(target, draft, tree="3,2", policy=policy, attention="sdpa")
     counts = torch.zeros(V_SMALL * V_SMALL)
     accepted = 0
     n = 1500
