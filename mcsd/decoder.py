@@ -229,11 +229,12 @@ class TreeDecoder:
         # Prefill: the target reads the prompt and chooses the first token itself.
         self.target.reset()
         wants_hidden = drafter is not None and getattr(drafter, "uses_target_hidden", False)
-        out = self.target.extend(prompt_ids, hidden=wants_hidden)
-        logits = out[0][-1] if wants_hidden else out[-1]
         if wants_hidden:
-            drafter.observe_target(out[1])                      # features of every prompt position
-        root = self._choose(logits, cfg.sampling, gen)
+            logits, prompt_hidden = self.target.extend(prompt_ids, hidden=True)
+            drafter.observe_target(prompt_hidden)               # features of every prompt position
+        else:
+            logits = self.target.extend(prompt_ids)
+        root = self._choose(logits[-1], cfg.sampling, gen)
         stats.target_forwards += 1
         stats.prefill_s = time.perf_counter() - t_start
         sequence = torch.cat([prompt_ids, root.reshape(1)])
