@@ -42,6 +42,7 @@ class Method:
     family: str                       # baseline | hf_assisted | chain | tree | policy
     run: Callable[["object", torch.Tensor], Run]
     tree: str | None = None
+    policy: str | None = None                  # tree policy name, checked before the run
 
 
 @contextlib.contextmanager
@@ -115,5 +116,5 @@ def all_methods() -> list[Method]:
             continue
         spec = cls.default_tree
         methods.append(Method(f"policy_{name}", "policy", lambda b, ids, s=spec, p=name: _mcsd(b, ids, s, p),
-                              tree=spec))
+                              tree=spec, policy=name))
     return methods

@@ -162,11 +162,12 @@ def grow_tree(drafter: Drafter, policy: TreePolicy, sequence: torch.Tensor, dept
         start = tree.size
         tree.append_level(tokens, parents, tree.logp[parents] + q_token.log(),
                           topo.child_table[tree.topo_ids[parents], ranks])
+        policy.level_added(keep)
         if depth + 1 == depth_limit:
             break
         new = torch.arange(start, tree.size, device=device)
         frontier = new[topo.n_children[tree.topo_ids[new]] > 0]
-        if frontier.numel() == 0:
+        if frontier.numel() == 0 or not policy.continue_drafting(tree, frontier):
             break
         logits = drafter.step(tree, frontier).to(device)                   # (F', V)
 

@@ -6,12 +6,14 @@ from ..config import ConfigError
 from ..tree import TreeTopology
 from .base import Frontier, TreePolicy
 from .heuristic import ConfidencePolicy, HeuristicPolicy
+from .learned import FEATURE_NAMES, AcceptanceModel, LearnedPolicy
 from .static import StaticPolicy
 
 POLICIES: dict[str, type[TreePolicy]] = {
     StaticPolicy.name: StaticPolicy,
     HeuristicPolicy.name: HeuristicPolicy,
     ConfidencePolicy.name: ConfidencePolicy,
+    LearnedPolicy.name: LearnedPolicy,
 }
 
 
@@ -33,4 +35,4 @@ def make_policy(policy, tree_spec, **options) -> TreePolicy:
 
 
 __all__ = ["POLICIES", "Frontier", "TreePolicy", "StaticPolicy", "HeuristicPolicy",
-           "ConfidencePolicy", "register_policy", "make_policy"]
+           "ConfidencePolicy", "LearnedPolicy", "AcceptanceModel", "FEATURE_NAMES", "register_policy", "make_policy"]

@@ -66,6 +66,14 @@ class TreePolicy:
         """(F,) long children per frontier node (clamped to max_children), or None for the maximum."""
         return None
 
+    def level_added(self, kept: torch.Tensor) -> None:
+        """Called after a level was appended. kept: (F, k) bool, which (frontier node, rank)
+        children exist (row-major = the order they were appended in)."""
+
+    def continue_drafting(self, tree: DraftTree, new_nodes: torch.Tensor) -> bool:
+        """Whether to run the next draft forward over `new_nodes` (the level just added)."""
+        return True
+
     def observe(self, n_accepted: int, tree: DraftTree) -> None:
         """Called after verification with the number of accepted draft tokens."""
 

@@ -1,0 +1,328 @@
+"""A learned tree policy: scikit-learn acceptance models decide which branches to grow and when to stop.
+
+For every candidate child (frontier node f, sibling rank r) the policy builds
+one feature row (`candidate_features`, columns `FEATURE_NAMES`) and asks an
+acceptance model, in one batched call per level, for P(accepted | parent
+accepted). Multiplying along the path gives each candidate's probability of
+being on the accepted path, i.e. its expected contribution to the tokens a
+round emits. Candidates are added best first while they raise the expected
+tokens per second of the round, with costs from the device profile (verify
+time against tree size, draft time per level). When none pays, drafting stops.
+
+Models are stored as plain JSON parameters (logistic regression coefficients,
+or gradient-boosted regression trees as arrays), evaluated here with torch;
+loading never runs code from the file. scikit-learn is only needed to *fit*
+them (tools/train_decision_models.py).
+
+Exactness: the decision for node f's children uses only f's own draft
+distribution and its ancestors, before any child is drawn (see base.py), so
+greedy and sampled output stay exactly the target's.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..models import ModelLoadError, models_dir
+from ..tree import DraftTree, TreeTopology
+from .base import Frontier, TreePolicy
+
+FEATURE_NAMES = (
+    "q_rank",         # draft probability of the candidate (its rank-r probability under the parent)
+    "top1",           # parent's draft distribution: top-1 probability
+    "margin",         # top-1 minus top-2 probability
+    "entropy",        # entropy (nats)
+    "depth",          # depth of the candidate
+    "path_logp",      # cumulative draft log-probability of the path to the candidate
+    "rank",           # sibling rank
+    "parent_pred",    # predicted probability that the parent is on the accepted path (root: 1)
+    "recent_accept",  # running mean of per-depth acceptance in this sequence
+)
+FORMAT = "mcsd-acceptance-model"
+FORMAT_VERSION = 1
+
+
+def candidate_features(frontier: Frontier, k: int, parent_pred: torch.Tensor, recent: float) -> torch.Tensor:
+    """One feature row per (frontier node, rank < k).
+
+    Args:
+        frontier: the level being expanded (its `probs` is (F, V)).
+        k: ranks considered per node.
+        parent_pred: (F,) path probability of each frontier node.
+        recent: running acceptance rate of this sequence.
+    Returns:
+        (F, k, len(FEATURE_NAMES)) float32.
+    """
+    probs = frontier.probs.float()
+    top = torch.topk(probs, max(k, 2), dim=-1).values                                  # (F, k')
+    entropy = -(probs * probs.clamp_min(1e-12).log()).sum(-1)                          # (F,)
+    f, kk = probs.shape[0], k
+    q_rank = top[:, :k]                                                                 # (F, k)
+    logp = frontier.tree.logp[frontier.nodes].float()                                  # (F,)
+    cols = [
+        q_rank,
+        top[:, :1].expand(f, kk),
+        (top[:, 0] - top[:, 1])[:, None].expand(f, kk),
+        entropy[:, None].expand(f, kk),
+        torch.full((f, kk), float(frontier.depth + 1), device=probs.device),
+        logp[:, None] + q_rank.clamp_min(1e-12).log(),
+        torch.arange(kk, device=probs.device, dtype=torch.float32)[None].expand(f, kk),
+        parent_pred.float()[:, None].expand(f, kk),
+        torch.full((f, kk), float(recent), device=probs.device),
+    ]
+    return torch.stack(cols, dim=-1)
+
+
+# ---------------------------------------------------------------------------- models as data
+
+class AcceptanceModel:
+    """P(candidate accepted | parent accepted) from a JSON parameter file; evaluated with torch."""
+
+    def __init__(self, spec: dict, source: str = "<dict>"):
+        if spec.get("format") != FORMAT or spec.get("version") != FORMAT_VERSION:
+            raise ValueError(f"{source}: not an mcsd acceptance model (format {spec.get('format')!r}, "
+                             f"version {spec.get('version')!r}; expected {FORMAT!r} v{FORMAT_VERSION})")
+        names = tuple(spec.get("features", ()))
+        if not names or any(n not in FEATURE_NAMES for n in names):
+            raise ValueError(f"{source}: unknown features {[n for n in names if n not in FEATURE_NAMES]}; "
+                             f"this mcsd knows {list(FEATURE_NAMES)}")
+        self.columns = torch.tensor([FEATURE_NAMES.index(n) for n in names])
+        self.kind = spec.get("kind")
+        self.meta = spec.get("meta", {})
+        try:
+            if self.kind == "logistic":
+                self.mean = torch.tensor(spec["mean"], dtype=torch.float32)
+                self.scale = torch.tensor(spec["scale"], dtype=torch.float32)
+                self.coef = torch.tensor(spec["coef"], dtype=torch.float32)
+                self.intercept = float(spec["intercept"])
+                shapes = {self.mean.numel(), self.scale.numel(), self.coef.numel()}
+                if shapes != {len(names)}:
+                    raise ValueError("coefficient count does not match the feature list")
+            elif self.kind == "gbt":
+                self.init = float(spec["init"])
+                self.learning_rate = float(spec["learning_rate"])
+                self.trees = [_Tree(t, len(names)) for t in spec["trees"]]
+            else:
+                raise ValueError(f"unknown model kind {self.kind!r}")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{source}: malformed acceptance model ({exc})") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> "AcceptanceModel":
+        try:
+            return cls(json.loads(Path(path).read_text()), str(path))
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"cannot use acceptance model {path}: {exc}") from None
+
+    def predict_proba(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (..., len(FEATURE_NAMES)) -> (...) probabilities."""
+        z = x.float()[..., self.columns.to(x.device)]
+        if self.kind == "logistic":
+            logit = ((z - self.mean.to(z.device)) / self.scale.to(z.device)) @ self.coef.to(z.device) + self.intercept
+        else:
+            logit = torch.full(z.shape[:-1], self.init, device=z.device)
+            for tree in self.trees:
+                logit = logit + self.learning_rate * tree(z)
+        return torch.sigmoid(logit)
+
+
+class _Tree:
+    """A regression tree as flat arrays (sklearn's tree_ layout): evaluated for all rows at once."""
+
+    def __init__(self, t: dict, n_features: int):
+        self.left = torch.tensor(t["left"], dtype=torch.long)
+        self.right = torch.tensor(t["right"], dtype=torch.long)
+        self.feature = torch.tensor(t["feature"], dtype=torch.long)
+        self.threshold = torch.tensor(t["threshold"], dtype=torch.float32)
+        self.value = torch.tensor(t["value"], dtype=torch.float32)
+        n = self.left.numel()
+        if not (self.right.numel() == self.feature.numel() == self.threshold.numel() == self.value.numel() == n):
+            raise ValueError("tree arrays differ in length")
+        inner = self.left >= 0
+        if (self.feature[inner] >= n_features).any() or (self.left[inner] >= n).any() or (self.right[inner] >= n).any():
+            raise ValueError("tree refers to a feature or node that does not exist")
+        self.depth = int(t.get("max_depth", 32))
+
+    def __call__(self, z: torch.Tensor) -> torch.Tensor:
+        node = torch.zeros(z.shape[:-1], dtype=torch.long, device=z.device)
+        left, right = self.left.to(z.device), self.right.to(z.device)
+        feat, thr = self.feature.to(z.device), self.threshold.to(z.device)
+        for _ in range(self.depth + 1):
+            leaf = left[node] < 0
+            go_left = z.gather(-1, feat[node].clamp_min(0)[..., None])[..., 0] <= thr[node]
+            node = torch.where(leaf, node, torch.where(go_left, left[node], right[node]))
+        return self.value.to(z.device)[node]
+
+
+# ---------------------------------------------------------------------------- the policy
+
+@dataclass(frozen=True)
+class Costs:
+    """Round costs in milliseconds: verify(n tree tokens) and one draft level of width w."""
+
+    verify: dict[int, float]
+    draft: dict[int, float]
+
+    @classmethod
+    def default(cls) -> "Costs":
+        # Shape measured for a 135M target on a 2-core CPU in bfloat16, in units of a 1-token verify;
+        # only ratios matter to the policy.
+        return cls(verify={1: 1.0, 8: 1.09, 16: 1.33, 32: 1.61, 64: 2.3}, draft={1: 0.1, 8: 0.13, 32: 0.2})
+
+    @staticmethod
+    def _interp(table: dict[int, float], n: float) -> float:
+        xs = sorted(table)
+        if n <= xs[0]:
+            return table[xs[0]]
+        for lo, hi in zip(xs, xs[1:]):
+            if n <= hi:
+                return table[lo] + (table[hi] - table[lo]) * (n - lo) / (hi - lo)
+        return table[xs[-1]] * n / xs[-1]
+
+    def verify_ms(self, n: int) -> float:
+        return self._interp(self.verify, n)
+
+    def draft_ms(self, width: int) -> float:
+        return self._interp(self.draft, width)
+
+    @classmethod
+    def from_profile(cls, profile) -> "Costs":
+        """From a measured `mcsd.profile.DeviceProfile`."""
+        return cls(verify=dict(profile.verify_ms), draft=dict(profile.draft_ms) or cls.default().draft)
+
+
+class LearnedPolicy(TreePolicy):
+    """Grow the branches whose predicted path acceptance pays for their draft and verify time.
+
+    Expected tokens of a round = 1 (the target's own token) + the sum of the
+    tree nodes' path probabilities; its time = the draft levels run + the
+    verify of all nodes. Candidates are taken best first while they raise
+    tokens per millisecond; the next draft level runs only if its best
+    plausible gain (the new nodes' path probabilities times the recent
+    acceptance rate) pays for that level's draft time.
+
+    Args:
+        topology: the largest tree allowed (depth and fan-out bounds).
+        model: an AcceptanceModel, or a path to one (default: the shipped model).
+        costs: device costs (default: `Costs.default()`; see `Costs.from_profile`).
+    """
+
+    name = "learned"
+    default_tree = "4,3,2,2,1,1,1,1"
+
+    def __init__(self, topology: TreeTopology, model: AcceptanceModel | str | Path | None = None,
+                 costs: Costs | None = None):
+        super().__init__(topology)
+        self.model = model if isinstance(model, AcceptanceModel) else AcceptanceModel.load(
+            model if model is not None else default_model_path())
+        self.costs = costs or Costs.default()
+        self.predict_s = 0.0          # feature building + prediction time, for the overhead report
+        self.reset()
+
+    def reset(self) -> None:
+        self.recent = 0.5
+        self.predict_s = 0.0
+
+    def begin_round(self) -> int:
+        self._path_pred = torch.ones(1, device=self.topology.parents.device)   # the root is certain
+        self._draft_ms = self.costs.draft_ms(1)                               # the root's draft step
+        self._last = None
+        return self.topology.max_depth
+
+    def expand(self, frontier: Frontier) -> torch.Tensor:
+        t0 = time.perf_counter()
+        k = int(frontier.max_children.max())
+        parent_pred = self._path_pred[frontier.nodes]                                  # (F,)
+        x = candidate_features(frontier, k, parent_pred, self.recent)                 # (F, k, D)
+        path = self.model.predict_proba(x) * parent_pred[:, None]                    # (F, k)
+        allowed = torch.arange(k, device=path.device)[None] < frontier.max_children[:, None]
+        path = torch.where(allowed, path, torch.zeros_like(path))
+        counts = self._choose(path, frontier.tree.size)
+        self._last = path
+        self.predict_s += time.perf_counter() - t0
+        return counts
+
+    def _choose(self, path: torch.Tensor, n_now: int) -> torch.Tensor:
+        """Best first, while expected tokens per ms increase; ranks stay contiguous per node."""
+        tokens = float(self._path_pred.sum())
+        time_now = self._draft_ms + self.costs.verify_ms(n_now)
+        flat = path.flatten()
+        take = torch.zeros(flat.numel(), dtype=torch.bool)
+        values = flat.tolist()
+        for i in sorted(range(len(values)), key=values.__getitem__, reverse=True):
+            dt = self.costs.verify_ms(n_now + 1) - self.costs.verify_ms(n_now)
+            if values[i] <= 0 or (tokens + values[i]) * time_now <= tokens * (time_now + dt):
+                break
+            take[i] = True
+            tokens, time_now, n_now = tokens + values[i], time_now + dt, n_now + 1
+        return take.view(path.shape).long().cumprod(dim=1).sum(dim=1).to(path.device)
+
+    def level_added(self, kept: torch.Tensor) -> None:
+        k = kept.shape[1]
+        self._path_pred = torch.cat([self._path_pred, self._last[:, :k][kept]])
+
+    def continue_drafting(self, tree: DraftTree, new_nodes: torch.Tensor) -> bool:
+        width = new_nodes.numel()
+        gain = float(self._path_pred[new_nodes].max()) * self.recent         # best next child, roughly
+        tokens = float(self._path_pred.sum())
+        time_now = self._draft_ms + self.costs.verify_ms(tree.size)
+        extra = self.costs.draft_ms(width) + self.costs.verify_ms(tree.size + 1) - self.costs.verify_ms(tree.size)
+        if (tokens + gain) * time_now <= tokens * (time_now + extra):
+            return False
+        self._draft_ms += self.costs.draft_ms(width)
+        return True
+
+    def observe(self, n_accepted: int, tree: DraftTree) -> None:
+        drafted = int(tree.depth.max())
+        if drafted:
+            self.recent = 0.8 * self.recent + 0.2 * (n_accepted / drafted)
+
+
+def default_model_path() -> Path:
+    """The shipped acceptance model: models/decision-models/acceptance.json."""
+    return models_dir() / "decision-models" / "acceptance.json"
+
+
+def export_sklearn(estimator, feature_names=FEATURE_NAMES, meta: dict | None = None) -> dict:
+    """Parameters of a fitted scikit-learn model as a JSON-ready dict (for AcceptanceModel).
+
+    Supports `Pipeline(StandardScaler, LogisticRegression)` (or a bare
+    LogisticRegression) and a binary `GradientBoostingClassifier` with its
+    default prior initialisation.
+    """
+    import math
+
+    import numpy as np
+    import sklearn
+    from sklearn.ensemble import GradientBoostingClassifier
+    from sklearn.linear_model import LogisticRegression
+
+    names = list(feature_names)
+    spec = {"format": FORMAT, "version": FORMAT_VERSION, "features": names,
+            "meta": {"sklearn": sklearn.__version__, **(meta or {})}}
+    steps = dict(estimator.steps) if hasattr(estimator, "steps") else {"model": estimator}
+    model = list(steps.values())[-1]
+    if isinstance(model, LogisticRegression):
+        scaler = next((s for s in steps.values() if hasattr(s, "scale_")), None)
+        mean = scaler.mean_ if scaler is not None else np.zeros(len(names))
+        scale = scaler.scale_ if scaler is not None else np.ones(len(names))
+        spec.update(kind="logistic", mean=[float(v) for v in mean], scale=[float(v) for v in scale],
+                    coef=[float(v) for v in model.coef_[0]], intercept=float(model.intercept_[0]))
+    elif isinstance(model, GradientBoostingClassifier):
+        prior = float(model.init_.class_prior_[1])
+        trees = []
+        for est in model.estimators_[:, 0]:
+            t = est.tree_
+            trees.append({"left": t.children_left.tolist(), "right": t.children_right.tolist(),
+                          "feature": t.feature.tolist(), "threshold": t.threshold.tolist(),
+                          "value": t.value[:, 0, 0].tolist(), "max_depth": int(t.max_depth)})
+        spec.update(kind="gbt", init=math.log(prior / (1 - prior)), learning_rate=float(model.learning_rate),
+                    trees=trees)
+    else:
+        raise TypeError(f"cannot export {type(model).__name__}; use logistic regression or gradient boosting")
+    return spec

@@ -1,0 +1,141 @@
+"""The learned policy: features, JSON models (logistic and boosted trees), pruning and stopping, exactness."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from mcsd import TreeDecoder
+from mcsd.models import ModelLoadError
+from mcsd.policies import FEATURE_NAMES, AcceptanceModel, LearnedPolicy
+from mcsd.policies.base import Frontier
+from mcsd.policies.learned import FORMAT, FORMAT_VERSION, Costs, candidate_features, export_sklearn
+from mcsd.tree import DraftTree, TreeTopology
+
+PROMPT = torch.tensor([3, 17, 42, 5, 9, 11])
+
+
+def constant_model(p: float) -> AcceptanceModel:
+    """A logistic model that ignores its features: always predicts p (a DummyClassifier, as data)."""
+    logit = float(np.log(p / (1 - p)))
+    return AcceptanceModel({"format": FORMAT, "version": FORMAT_VERSION, "kind": "logistic",
+                            "features": ["q_rank"], "mean": [0.0], "scale": [1.0], "coef": [0.0],
+                            "intercept": logit})
+
+
+def q_threshold_model(threshold: float) -> AcceptanceModel:
+    """Predicts ~1 when the candidate's draft probability exceeds `threshold`, ~0 otherwise."""
+    return AcceptanceModel({"format": FORMAT, "version": FORMAT_VERSION, "kind": "logistic",
+                            "features": ["q_rank"], "mean": [threshold], "scale": [0.001], "coef": [1.0],
+                            "intercept": 0.0})
+
+
+def test_features_on_a_known_distribution():
+    topo = TreeTopology.from_spec("3")
+    tree = DraftTree.root_only(topo, torch.tensor(0))
+    probs = torch.tensor([[0.5, 0.3, 0.2, 0.0]])
+    fr = Frontier(0, torch.tensor([0]), torch.tensor([3]), probs, tree)
+    x = candidate_features(fr, 3, torch.tensor([1.0]), recent=0.25)
+    assert x.shape == (1, 3, len(FEATURE_NAMES))
+    row = dict(zip(FEATURE_NAMES, x[0, 1].tolist()))
+    assert row["q_rank"] == pytest.approx(0.3) and row["top1"] == pytest.approx(0.5)
+    assert row["margin"] == pytest.approx(0.2) and row["rank"] == 1 and row["depth"] == 1
+    assert row["entropy"] == pytest.approx(-(0.5 * np.log(0.5) + 0.3 * np.log(0.3) + 0.2 * np.log(0.2)), rel=1e-5)
+    assert row["path_logp"] == pytest.approx(np.log(0.3), rel=1e-5)
+    assert row["recent_accept"] == 0.25 and row["parent_pred"] == 1.0
+
+
+def _policy(model, spec="3,2,2,1,1"):
+    return LearnedPolicy(TreeTopology.from_spec(spec), model=model, costs=Costs.default())
+
+
+@pytest.mark.parametrize("model", [constant_model(0.95), constant_model(0.001), q_threshold_model(0.3)],
+                         ids=["confident", "hopeless", "q-threshold"])
+@pytest.mark.parametrize("draft_name", ["same", "noisy"])
+def test_learned_policy_is_lossless_greedy(target, random_draft, model, draft_name):
+    from test_equivalence import perturbed
+    draft = target if draft_name == "same" else perturbed(target, 0.3)
+    ref = TreeDecoder(target, None, attention="sdpa").generate_baseline(PROMPT, max_new_tokens=60).tokens
+    dec = TreeDecoder(target, draft, tree="3,2,2,1,1", policy=_policy(model), attention="sdpa")
+    assert dec.generate(PROMPT, max_new_tokens=60).tokens == ref
+
+
+def test_confident_model_grows_and_hopeless_model_stops(target):
+    grow = TreeDecoder(target, target, policy=_policy(constant_model(0.95)), attention="sdpa")
+    stop = TreeDecoder(target, target, policy=_policy(constant_model(0.001)), attention="sdpa")
+    a = grow.generate(PROMPT, max_new_tokens=40).stats
+    b = stop.generate(PROMPT, max_new_tokens=40).stats
+    assert a.tree_nodes / a.rounds > 3 and a.mean_accepted > 2
+    assert b.tree_nodes == 0 and b.mean_accepted == 1.0           # nothing is worth its verify cost
+    assert b.draft_forwards == b.rounds - 1    # one draft step a round (none in the last, 1-token round)
+
+
+def test_learned_policy_sampling_is_exact():
+    from scipy.stats import chisquare
+    from test_equivalence import V_SMALL, _exact_two_token_probs, perturbed
+    from conftest import tiny_llama
+    from mcsd.config import SamplingConfig
+    target = tiny_llama(10, vocab=V_SMALL, layers=1, sharpness=6.0, hidden=16)
+    draft = perturbed(target, 0.5, seed=3)
+    dec = TreeDecoder(target, draft, policy=_policy(q_threshold_model(0.25), "3,2"), attention="sdpa")
+    prompt = torch.tensor([1, 2, 3])
+    exact = _exact_two_token_probs(target, prompt, SamplingConfig(1.0)).flatten()
+    n, counts = 1200, torch.zeros(V_SMALL * V_SMALL)
+    for seed in range(n):
+        out = dec.generate(prompt, max_new_tokens=3, temperature=1.0, seed=seed)
+        counts[out.tokens[0] * V_SMALL + out.tokens[1]] += 1
+    big = exact * n >= 5
+    observed = torch.cat([counts[big], counts[~big].sum()[None]])
+    expected = torch.cat([exact[big], exact[~big].sum()[None]]) * n
+    keep = expected > 0
+    assert chisquare(observed[keep].numpy(), expected[keep].numpy() * observed.sum().item()
+                     / expected[keep].sum().item()).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("kind", ["logistic", "gbt"])
+def test_exported_sklearn_models_predict_like_sklearn(kind, tmp_path):
+    from sklearn.ensemble import GradientBoostingClassifier
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2000, len(FEATURE_NAMES))).astype(np.float32)
+    y = (x[:, 0] + 0.5 * x[:, 3] - x[:, 6] + rng.normal(scale=0.5, size=2000) > 0).astype(int)
+    est = (make_pipeline(StandardScaler(), LogisticRegression()) if kind == "logistic"
+           else GradientBoostingClassifier(n_estimators=30, max_depth=3))
+    est.fit(x, y)
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(export_sklearn(est)))
+    ours = AcceptanceModel.load(path).predict_proba(torch.from_numpy(x)).numpy()
+    theirs = est.predict_proba(x)[:, 1]
+    assert np.mean(np.abs(ours - theirs) < 1e-4) > 0.99
+
+
+@pytest.mark.parametrize("edit, fragment", [
+    (lambda s: s.update(format="pickle"), "not an mcsd acceptance model"),
+    (lambda s: s.update(version=99), "not an mcsd acceptance model"),
+    (lambda s: s.update(features=["q_rank", "bogus"]), "unknown features"),
+    (lambda s: s.update(coef=[1.0, 2.0]), "malformed acceptance model"),
+    (lambda s: s.update(kind="neural"), "unknown model kind"),
+])
+def test_tampered_models_are_refused(tmp_path, edit, fragment):
+    spec = {"format": FORMAT, "version": FORMAT_VERSION, "kind": "logistic", "features": ["q_rank"],
+            "mean": [0.0], "scale": [1.0], "coef": [1.0], "intercept": 0.0}
+    edit(spec)
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(spec))
+    with pytest.raises(ModelLoadError, match=fragment):
+        AcceptanceModel.load(path)
+    path.write_bytes(b"\x80\x04pickle")
+    with pytest.raises(ModelLoadError, match="cannot use acceptance model"):
+        AcceptanceModel.load(path)
+
+
+def test_missing_model_is_a_clear_cli_error(model_dirs, capsys, monkeypatch, tmp_path):
+    from mcsd.cli import main
+    monkeypatch.setenv("MCSD_MODELS_DIR", str(tmp_path))
+    args = ["--target", str(model_dirs / "target"), "--draft", str(model_dirs / "draft"), "--prompt", "w03",
+            "--policy", "learned", "--dtype", "float32"]
+    assert main(args) == 2
+    assert "cannot use acceptance model" in capsys.readouterr().err
