@@ -251,7 +251,7 @@ class TreeDecoder:
                      else GrownTree(DraftTree.root_only(policy.topology, sequence[-1]), None))
             t1 = time.perf_counter()
             # 3-4. verify every node in one target forward, then accept
-            acc, path_hidden = self._verify(grown, cfg.sampling, gen, hidden=wants_hidden)
+            acc, path_hidden = self._verify(grown, cfg.sampling, gen, policy, hidden=wants_hidden)
             t2 = time.perf_counter()
             # 5. commit the accepted path into both caches
             if wants_hidden:
@@ -277,7 +277,7 @@ class TreeDecoder:
         text = self.tokenizer.decode(out, skip_special_tokens=True) if self.tokenizer is not None else None
         return GenerationOutput(tokens=out, text=text, stats=stats, finish_reason=finish)
 
-    def _verify(self, grown: GrownTree, sampling: SamplingConfig, gen, hidden: bool = False):
+    def _verify(self, grown: GrownTree, sampling: SamplingConfig, gen, policy: TreePolicy, hidden: bool = False):
         """One target forward over all tree nodes, the acceptance rule, and the target cache commit.
 
         Returns the Acceptance and, with hidden=True, the target's last hidden
@@ -288,6 +288,8 @@ class TreeDecoder:
         anc = tree.mask()                                                  # (N, N), sliced from the topology
         out = self.target.forward(tree.tokens, tree.positions(prefix), anc, hidden=hidden)
         logits, states = out if hidden else (out, None)                   # (N, V), (N, H)
+        if policy.wants_target_logits:
+            policy.observe_target(tree, logits)
         if sampling.greedy:
             acc = accept_greedy(tree.tokens, tree.parents, tree.depth, anc, logits.argmax(-1))
         else:

@@ -74,6 +74,11 @@ class TreePolicy:
         """Whether to run the next draft forward over `new_nodes` (the level just added)."""
         return True
 
+    wants_target_logits = False   # True: the decoder also calls observe_target after each verify
+
+    def observe_target(self, tree: DraftTree, logits: torch.Tensor) -> None:
+        """The target's logits (N, V) at every node of the verified tree (trace collection)."""
+
     def observe(self, n_accepted: int, tree: DraftTree) -> None:
         """Called after verification with the number of accepted draft tokens."""
 

@@ -1,0 +1,60 @@
+"""Trace collection and decision-model training end to end on tiny models, then the learned policy using them."""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+
+import collect_traces  # noqa: E402
+import train_decision_models  # noqa: E402
+
+from mcsd import TreeDecoder  # noqa: E402
+from mcsd.policies import AcceptanceModel, LearnedPolicy  # noqa: E402
+from mcsd.policies.learned import FEATURE_NAMES  # noqa: E402
+from mcsd.tree import TreeTopology  # noqa: E402
+
+
+def _prompts(path: Path):
+    rows = [{"question_id": q, "category": cat, "turns": [" ".join(f"w{(q * 7 + i) % 60 + 2:02d}" for i in range(6))]}
+            for q, cat in [(1, "qa"), (2, "rag"), (3, "writing"), (4, "qa"), (5, "qa"), (10, "rag")]]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+
+
+def test_collect_train_and_use(model_dirs, tmp_path, target):
+    from test_equivalence import perturbed
+    noisy = perturbed(target, 0.3)
+    noisy.save_pretrained(tmp_path / "noisy")
+    from conftest import word_tokenizer
+    word_tokenizer().save_pretrained(tmp_path / "noisy")
+    _prompts(tmp_path / "q.jsonl")
+    common = ["--target", str(model_dirs / "target"), "--draft", str(tmp_path / "noisy"), "--dtype", "float32",
+              "--prompts", str(tmp_path / "q.jsonl"), "--no-chat", "--max-new-tokens", "24", "--tree", "3,2,1",
+              "--shard-size", "2"]
+    assert collect_traces.main(common + ["--split", "fit", "--out", str(tmp_path / "fit")]) == 0
+    assert collect_traces.main(common + ["--split", "heldout", "--out", str(tmp_path / "held")]) == 0
+    manifest = json.loads((tmp_path / "fit" / "manifest.json").read_text())
+    assert sorted(manifest["done"]) == [1, 2, 3, 4] and manifest["features"] == list(FEATURE_NAMES)
+    data = train_decision_models.load_traces(tmp_path / "fit")
+    n = len(data["label_greedy"])
+    assert data["features"].shape == (n, len(FEATURE_NAMES)) and n > 50
+    assert set(np.unique(data["label_greedy"])) == {0, 1}          # both accepted and rejected nodes
+    assert (data["parent_row"] < np.arange(n)).all()               # parents come first
+    # resuming does nothing new
+    assert collect_traces.main(common + ["--split", "fit", "--out", str(tmp_path / "fit")]) == 0
+    assert len(json.loads((tmp_path / "fit" / "manifest.json").read_text())["shards"]) == len(manifest["shards"])
+
+    out = tmp_path / "dm"
+    assert train_decision_models.main(["--fit", str(tmp_path / "fit"), "--heldout", str(tmp_path / "held"),
+                                       "--out", str(out)]) == 0
+    card = json.loads((out / "card.json").read_text())
+    assert card["chosen"] in ("logistic", "gbt") and "auc" in card["metrics_heldout"]["logistic"]
+    assert (out / "calibration.png").stat().st_size > 0
+    model = AcceptanceModel.load(out / "acceptance.json")
+    prompt = torch.tensor([3, 17, 42, 5, 9, 11])
+    ref = TreeDecoder(target, None, attention="sdpa").generate_baseline(prompt, max_new_tokens=40).tokens
+    policy = LearnedPolicy(TreeTopology.from_spec("3,2,1"), model=model)
+    assert TreeDecoder(target, noisy, policy=policy, attention="sdpa").generate(prompt, max_new_tokens=40).tokens == ref
