@@ -31,6 +31,7 @@ class Run:
     target_forwards: int
     draft_s: float = 0.0
     verify_s: float = 0.0
+    policy_s: float = 0.0
     accepted_per_round: list[int] = field(default_factory=list)
     accepted_by_depth: list[int] = field(default_factory=list)
     offered_by_depth: list[int] = field(default_factory=list)
@@ -90,7 +91,7 @@ def _mcsd(bench, ids, tree: str, policy: str = "static", baseline: bool = False)
     gen = dec.generate_baseline if baseline else dec.generate
     out = gen(ids, max_new_tokens=bench.max_new_tokens)
     s = out.stats
-    return Run(out.tokens, s.wall_s, s.target_forwards, s.draft_s, s.verify_s, s.accepted_per_round,
+    return Run(out.tokens, s.wall_s, s.target_forwards, s.draft_s, s.verify_s, s.policy_s, s.accepted_per_round,
                s.accepted_by_depth, s.offered_by_depth)
 
 

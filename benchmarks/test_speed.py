@@ -67,6 +67,7 @@ def test_method(benchmark, bench, method):
         "accept_by_depth": [a / o if o else 0.0 for a, o in zip(accepted, offered)],
         "draft_s": sum(r.draft_s for r in runs.values()),
         "verify_s": sum(r.verify_s for r in runs.values()),
+        "policy_s": sum(r.policy_s for r in runs.values()),
         "equal_to_baseline": bool(bench.baseline) and not mismatched,
         "mismatched_prompts": mismatched,
         "by_category": {g: _summary([runs[q] for q in qs], sum(bench.baseline_time.get(q, 0) for q in qs)

@@ -29,7 +29,7 @@ from .attention import set_backend
 from .config import ConfigError, DecodeConfig, SamplingConfig
 from .draft import Drafter, GrownTree, ModelDrafter, grow_tree
 from .lm import CachedLM
-from .policies import TreePolicy, make_policy
+from .policies import POLICIES, TreePolicy, make_policy
 from .sampling import logits_to_probs, make_generator, sample
 from .tree import DraftTree
 from .verify import Acceptance, accept_greedy, accept_sampling
@@ -48,6 +48,7 @@ class GenerationStats:
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    policy_s: float = 0.0             # inside draft_s: the policy's own decisions (features, predictions)
     accepted_per_round: list[int] = field(default_factory=list)
     offered_by_depth: list[int] = field(default_factory=list)   # rounds that could accept depth d+1
     accepted_by_depth: list[int] = field(default_factory=list)  # rounds that did
@@ -88,7 +89,7 @@ class GenerationStats:
                 "mean_accepted": self.mean_accepted, "accept_by_depth": self.accept_by_depth,
                 "tree_nodes": self.tree_nodes, "tokens_per_s": self.tokens_per_s, "wall_s": self.wall_s,
                 "prefill_s": self.prefill_s, "draft_s": self.draft_s, "verify_s": self.verify_s,
-                "other_s": self.other_s}
+                "policy_s": self.policy_s, "other_s": self.other_s}
 
 
 @dataclass
@@ -137,7 +138,11 @@ class TreeDecoder:
         else:
             raise ConfigError(f"draft must be a causal LM or a Drafter, got {type(draft).__name__}")
         self.tokenizer = tokenizer
-        self.policy = make_policy(policy, tree, **(policy_options or {}))
+        options = dict(policy_options or {})
+        if isinstance(policy, str) and getattr(POLICIES.get(policy), "uses_device_profile", False) \
+                and "costs" not in options:
+            options["costs"] = self._device_costs(target, draft)
+        self.policy = make_policy(policy, tree, **options)
         self._baseline_policy = make_policy("static", "")
         # Trees live where the target's inputs live (its embedding's device under a device_map).
         for pol in (self.policy, self._baseline_policy):
@@ -272,6 +277,7 @@ class TreeDecoder:
 
         if drafter is not None:
             stats.draft_forwards = drafter.forwards
+        stats.policy_s = getattr(policy, "predict_s", 0.0)
         stats.new_tokens = len(out)
         stats.wall_s = time.perf_counter() - t_start
         text = self.tokenizer.decode(out, skip_special_tokens=True) if self.tokenizer is not None else None
@@ -300,6 +306,15 @@ class TreeDecoder:
         return acc, (states[acc.path] if hidden else None)
 
     # ------------------------------------------------------------------ helpers
+
+    @staticmethod
+    def _device_costs(target, draft):
+        """Costs from the cached device profile of this pair (tools/profile_device.py), else defaults."""
+        from .policies.learned import Costs
+        from .profile import load_or_measure
+        model = draft if isinstance(draft, torch.nn.Module) else None
+        prof = load_or_measure(target, model, measure_if_missing=False)
+        return Costs.from_profile(prof) if prof is not None else Costs.default()
 
     @staticmethod
     def _choose(logits: torch.Tensor, sampling: SamplingConfig, gen) -> torch.Tensor:

@@ -214,6 +214,7 @@ class LearnedPolicy(TreePolicy):
 
     name = "learned"
     default_tree = "4,3,2,2,1,1,1,1"
+    uses_device_profile = True          # the decoder passes costs from the cached device profile
 
     def __init__(self, topology: TreeTopology, model: AcceptanceModel | str | Path | None = None,
                  costs: Costs | None = None):
