@@ -97,9 +97,13 @@ class FeatureHead(nn.Module):
                         past_key_values=past_key_values, use_cache=past_key_values is not None)
         return self.expand(out.last_hidden_state)
 
+    def sub_scores(self, predicted: torch.Tensor) -> torch.Tensor:
+        """(..., H) predicted features -> (..., K) logits over the sub-vocabulary `vocab_ids`."""
+        return predicted @ self.lm_rows.T.to(predicted.dtype)
+
     def scores(self, predicted: torch.Tensor) -> torch.Tensor:
         """(..., H) predicted features -> (..., V) logits, -inf outside the sub-vocabulary."""
-        sub = predicted @ self.lm_rows.T.to(predicted.dtype)                           # (..., K)
+        sub = self.sub_scores(predicted)                                               # (..., K)
         if self.vocab_ids.numel() == self.cfg.vocab_size:
             return sub
         full = sub.new_full(sub.shape[:-1] + (self.cfg.vocab_size,), float("-inf"))

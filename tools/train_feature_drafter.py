@@ -1,0 +1,265 @@
+"""Train a target-feature draft head (mcsd.feature_draft.FeatureHead) on target-written data.
+
+Data come from tools/target_data.py: responses the target wrote to the
+fitting split (and to self-instruct prompts), then one teacher-forced pass that
+stores, per response position, the target's final hidden state and its top-k
+next-token distribution:
+
+    python tools/target_data.py teacher --run fit-greedy --hidden
+    python tools/train_feature_drafter.py --runs fit-greedy --heldout-run heldout-greedy --time-budget-min 30
+
+Training, per response position t (hidden[t] is the target feature that
+predicts response[t]):
+- step 1 reads (hidden[t], emb(response[t])) and must predict hidden[t+1]
+  (smooth-L1 regression) and the target's distribution of response[t+1]
+  (cross-entropy to the renormalised top-k, over the head's sub-vocabulary);
+- steps 2..K read the head's *own* previous predictions in place of hidden
+  (unrolled, as the head runs deeper in a tree), each predicting one more
+  token ahead. A head trained only on true features collapses from step 2 on.
+
+The sub-vocabulary is the `--sub-vocab` most frequent tokens among the
+fitting responses and their top-k labels; label mass outside it is dropped.
+Checkpoints go to the mcsd cache every few minutes and a killed run resumes.
+The final head (safetensors + JSON config + card) goes to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import shlex
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from mcsd.feature_draft import FeatureHead, FeatureHeadConfig  # noqa: E402
+from mcsd.models import cache_dir, load_model  # noqa: E402
+
+
+def sub_vocabulary(examples: list[dict], size: int, vocab: int) -> torch.Tensor:
+    """Frequency-ranked token ids (responses and their top-k labels), sorted ascending."""
+    counts: Counter = Counter()
+    for ex in examples:
+        counts.update(ex["response"].tolist())
+        counts.update(ex["topk_ids"].flatten().tolist())
+    ids = [t for t, _ in counts.most_common(size)]
+    return torch.tensor(sorted(ids[:size] if len(ids) >= size else ids), dtype=torch.long).clamp(max=vocab - 1)
+
+
+def windows(examples: list[dict], length: int) -> list[tuple[int, int]]:
+    """(example index, start) pairs covering every response in windows of `length` positions."""
+    out = []
+    for i, ex in enumerate(examples):
+        r = len(ex["response"])
+        out.extend((i, s) for s in range(0, max(r - 1, 1), length))
+    return out
+
+
+def batch(examples, items, length, device):
+    """Stack windows: hidden (B, L, H), tokens (B, L), topk ids/probs (B, L, k), valid (B, L)."""
+    h_dim = examples[items[0][0]]["hidden"].shape[1]
+    k = examples[items[0][0]]["topk_ids"].shape[1]
+    B = len(items)
+    hid = torch.zeros(B, length, h_dim)
+    tok = torch.zeros(B, length, dtype=torch.long)
+    ids = torch.zeros(B, length, k, dtype=torch.long)
+    probs = torch.zeros(B, length, k)
+    valid = torch.zeros(B, length, dtype=torch.bool)
+    pos = torch.zeros(B, length, dtype=torch.long)
+    for b, (i, s) in enumerate(items):
+        ex = examples[i]
+        n = min(length, len(ex["response"]) - s)
+        hid[b, :n] = ex["hidden"][s:s + n].float()
+        tok[b, :n] = ex["response"][s:s + n].long()
+        ids[b, :n] = ex["topk_ids"][s:s + n].long()
+        probs[b, :n] = ex["topk_probs"][s:s + n].float()
+        valid[b, :n] = True
+        pos[b, :n] = torch.arange(len(ex["prompt"]) + s, len(ex["prompt"]) + s + n)
+    return hid.to(device), tok.to(device), ids.to(device), probs.to(device), valid.to(device), pos.to(device)
+
+
+def unrolled_loss(head, embed, hid, tok, ids, probs, valid, pos, steps: int, slot, feat_weight: float):
+    """Loss over `steps` unrolled steps, and per-step top-1 agreement counts.
+
+    Entry t reads (f_t, emb(tok[t])) at position pos[t] (the token's own
+    position) and predicts f_{t+1}; its scores are matched to the target's
+    distribution at t+1.
+    Step j reads the step j-1 predictions shifted by one position.
+    """
+    feats = hid
+    total = hid.new_zeros(())
+    stats = []
+    for j in range(steps):
+        span = hid.shape[1] - 1 - j                       # entries with a target j+1 positions ahead
+        if span <= 0:
+            break
+        x_feat = feats[:, :span]
+        x_tok = embed(tok[:, j:j + span]) if j else embed(tok[:, :span])
+        pred = head(x_feat, x_tok, pos[:, j:j + span])                               # (B, span, H)
+        want_f = hid[:, 1 + j:1 + j + span]
+        m = valid[:, 1 + j:1 + j + span] & valid[:, j:j + span]
+        lab_ids, lab_p = ids[:, 1 + j:1 + j + span], probs[:, 1 + j:1 + j + span]
+        in_sub = slot[lab_ids] >= 0
+        lab_p = torch.where(in_sub, lab_p, 0.0)
+        lab_p = lab_p / lab_p.sum(-1, keepdim=True).clamp_min(1e-6)
+        logq = torch.log_softmax(head.sub_scores(pred), dim=-1)                       # (B, span, K)
+        ce = -(lab_p * logq.gather(-1, slot[lab_ids].clamp_min(0))).sum(-1)
+        reg = F.smooth_l1_loss(pred, want_f, reduction="none").mean(-1)
+        step_loss = ((ce + feat_weight * reg) * m).sum() / m.sum().clamp_min(1)
+        total = total + step_loss * (0.8 ** j)
+        top1 = head.vocab_ids[logq.argmax(-1)]
+        stats.append((int(((top1 == lab_ids[..., 0]) & m).sum()), int(m.sum())))
+        # next step reads these predictions; entry t of step j+1 is entry t+1's input
+        feats = pred
+    return total, stats
+
+
+@torch.no_grad()
+def agreement(head, embed, examples, length, device, steps=3):
+    """Teacher-forced agreement with the target's greedy token at steps 1..steps (top-1 and top-4)."""
+    head.eval()
+    hits1, hits4, n = [0] * steps, [0] * steps, [0] * steps
+    for i in range(len(examples)):
+        for start in range(0, max(len(examples[i]["response"]) - 1, 1), length):
+            hid, tok, ids, probs, valid, pos = batch(examples, [(i, start)], length, device)
+            feats = hid
+            for j in range(steps):
+                span = hid.shape[1] - 1 - j
+                if span <= 0:
+                    break
+                pred = head(feats[:, :span], embed(tok[:, j:j + span]), pos[:, j:j + span])
+                m = valid[:, 1 + j:1 + j + span] & valid[:, j:j + span]
+                want = ids[:, 1 + j:1 + j + span, 0]
+                top4 = head.vocab_ids[head.sub_scores(pred).topk(4, dim=-1).indices]
+                hits1[j] += int(((top4[..., 0] == want) & m).sum())
+                hits4[j] += int(((top4 == want[..., None]).any(-1) & m).sum())
+                n[j] += int(m.sum())
+                feats = pred
+    head.train()
+    return [{"step": j + 1, "top1": hits1[j] / max(n[j], 1), "top4": hits4[j] / max(n[j], 1), "positions": n[j]}
+            for j in range(steps)]
+
+
+def main(argv=None) -> int:
+    import target_data
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default=None, help="target source (default: the embedded preset)")
+    ap.add_argument("--data-dir", type=Path, default=None, help="target_data.py folder")
+    ap.add_argument("--runs", nargs="+", required=True, help="generation runs with a --hidden teacher pass")
+    ap.add_argument("--heldout-run", default=None, help="run on held-out prompts, for agreement")
+    ap.add_argument("--out", type=Path, default=Path("models/smollm2-135m-feature-head"))
+    ap.add_argument("--hidden", type=int, default=0, help="head width (0 = the target's)")
+    ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--sub-vocab", type=int, default=8192)
+    ap.add_argument("--steps-unrolled", type=int, default=3)
+    ap.add_argument("--window", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--feat-weight", type=float, default=1.0)
+    ap.add_argument("--time-budget-min", type=float, default=30.0)
+    ap.add_argument("--max-updates", type=int, default=0, help="stop after this many updates (0 = time only)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    torch.set_num_threads(args.threads)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    t_start = time.time()
+    target = load_model(args.target or "smollm2-135m", dtype="float32", device=device)
+    embed = target.get_input_embeddings()
+    data_dir = args.data_dir or target_data.default_data_dir(str(args.target or "smollm2-135m-fp32"))
+    train = target_data.load_examples(data_dir, args.runs, with_hidden=True)
+    held = target_data.load_examples(data_dir, [args.heldout_run], with_hidden=True) if args.heldout_run else []
+    if not train:
+        sys.exit("no training examples with hidden states; run target_data.py teacher --hidden first")
+    vocab = target.get_output_embeddings().weight.shape[0]
+    sub = sub_vocabulary(train, args.sub_vocab, vocab)
+    cfg = FeatureHeadConfig(target_hidden=target.config.hidden_size, hidden=args.hidden, layers=args.layers,
+                            heads=target.config.num_attention_heads, kv_heads=target.config.num_key_value_heads,
+                            rope_theta=float(getattr(target.config, "rope_theta", None)
+                                             or target.config.rope_parameters["rope_theta"]),
+                            vocab_size=vocab, sub_vocab=len(sub),
+                            rms_norm_eps=float(target.config.rms_norm_eps))
+    head = FeatureHead(cfg).to(device)
+    head.vocab_ids = sub.to(device)
+    head.attach_lm_head(target.get_output_embeddings().weight)
+    slot = torch.full((vocab,), -1, dtype=torch.long, device=device)
+    slot[head.vocab_ids] = torch.arange(len(sub), device=device)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
+
+    ckpt = cache_dir() / "train" / "feature-head.pt"
+    update, seen = 0, 0
+    if ckpt.is_file():
+        state = torch.load(ckpt, weights_only=True)
+        if state.get("config") == cfg.__dict__:
+            head.load_state_dict(state["head"])
+            opt.load_state_dict(state["opt"])
+            update, seen = state["update"], state["seen"]
+            print(f"resumed at update {update}")
+    items = windows(train, args.window)
+    positions = sum(len(e["response"]) for e in train)
+    print(f"{len(train)} responses, {positions} positions, sub-vocabulary {len(sub)}, {len(items)} windows")
+    budget = args.time_budget_min * 60
+    last_ckpt = time.time()
+    curve = []
+    head.train()
+    while True:
+        random.shuffle(items)
+        for b in range(0, len(items), args.batch):
+            elapsed = time.time() - t_start
+            if elapsed > budget or (args.max_updates and update >= args.max_updates):
+                break
+            lr = args.lr * min(1.0, (update + 1) / 100) * 0.5 * (1 + math.cos(math.pi * min(elapsed / budget, 1.0)))
+            for g in opt.param_groups:
+                g["lr"] = lr
+            loss, stats = unrolled_loss(head, embed, *batch(train, items[b:b + args.batch], args.window, device),
+                                        args.steps_unrolled, slot, args.feat_weight)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            update += 1
+            seen += sum(n for _, n in stats[:1])
+            if update % 50 == 0:
+                acc = stats[0][0] / max(stats[0][1], 1)
+                print(f"update {update} loss {loss.item():.3f} step-1 train top1 {acc:.3f} positions {seen}")
+            if time.time() - last_ckpt > 300:
+                ckpt.parent.mkdir(parents=True, exist_ok=True)
+                torch.save({"config": cfg.__dict__, "head": head.state_dict(), "opt": opt.state_dict(),
+                            "update": update, "seen": seen}, ckpt)
+                last_ckpt = time.time()
+            if held and update % 500 == 0:
+                curve.append({"positions_seen": seen, "agreement": agreement(head, embed, held, args.window, device)})
+        else:
+            continue
+        break
+
+    metrics = agreement(head, embed, held, args.window, device) if held else []
+    for m in metrics:
+        print(f"held-out step {m['step']}: top-1 {m['top1']:.3f}, top-4 {m['top4']:.3f} ({m['positions']} positions)")
+    card = {"architecture": {"kind": "target-feature draft head", **cfg.__dict__},
+            "parameters": sum(p.numel() for p in head.parameters() if p.requires_grad),
+            "data": {"runs": args.runs, "responses": len(train), "positions": positions},
+            "training": {"updates": update, "positions_seen": seen, "seconds": round(time.time() - t_start),
+                         "steps_unrolled": args.steps_unrolled},
+            "heldout_agreement": metrics, "learning_curve": curve,
+            "command": "python tools/train_feature_drafter.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))}
+    head.save(args.out, card=card)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
