@@ -39,10 +39,10 @@ class DeviceProfile:
 
     def verify_cost(self, n_tokens: int) -> float:
         """Interpolated verify time for n tokens (linear between measured sizes, flat outside)."""
-        return _interp(self.verify_ms, n_tokens)
+        return interpolate(self.verify_ms, n_tokens)
 
     def draft_cost(self, n_tokens: int) -> float:
-        return _interp(self.draft_ms, n_tokens) if self.draft_ms else 0.0
+        return interpolate(self.draft_ms, n_tokens) if self.draft_ms else 0.0
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -58,7 +58,8 @@ class DeviceProfile:
                    prefix_len=int(d.get("prefix_len", 200)), meta=dict(d.get("meta", {})))
 
 
-def _interp(table: dict[int, float], n: float) -> float:
+def interpolate(table: dict[int, float], n: float) -> float:
+    """Linear between measured sizes, flat below the smallest, proportional past the largest."""
     xs = sorted(table)
     if n <= xs[0]:
         return table[xs[0]]

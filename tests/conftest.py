@@ -65,3 +65,38 @@ def model_dirs(tmp_path_factory, target, random_draft, tokenizer):
         model.save_pretrained(root / name)
         tokenizer.save_pretrained(root / name)
     return root
+
+
+def exact_two_token_probs(model, prompt, sampling, vocab):
+    """P(first two new tokens = (a, b)) under plain sampling from `model`, by enumeration: (vocab, vocab)."""
+    from mcsd.sampling import logits_to_probs
+    with torch.no_grad():
+        p0 = logits_to_probs(model(prompt[None]).logits[0, -1], sampling)
+        rows = torch.stack([torch.cat([prompt, torch.tensor([a])]) for a in range(vocab)])
+        p1 = logits_to_probs(model(rows).logits[:, -1], sampling)
+    return p0[:, None] * p1
+
+
+def assert_follows_target(decoder, target, sampling, n=1500, prompt=(1, 2, 3)):
+    """Chi-square test (reject at p < 0.001) of n seeded generations' first two tokens against
+    exact enumeration of the target's distribution; sparse cells are pooled. Returns the counts."""
+    from scipy.stats import chisquare
+    prompt = torch.tensor(prompt)
+    vocab = target.config.vocab_size
+    exact = exact_two_token_probs(target, prompt, sampling, vocab).flatten()
+    counts = torch.zeros(vocab * vocab)
+    accepted = 0
+    for seed in range(n):
+        out = decoder.generate(prompt, max_new_tokens=3, temperature=sampling.temperature, top_k=sampling.top_k,
+                               top_p=sampling.top_p, seed=seed)
+        counts[out.tokens[0] * vocab + out.tokens[1]] += 1
+        accepted += out.stats.accepted_per_round[0] > 0
+    assert counts[exact == 0].sum() == 0                      # tokens outside top-k / top-p never appear
+    big = exact * n >= 5
+    observed = torch.cat([counts[big], counts[~big].sum()[None]])
+    expected = torch.cat([exact[big], exact[~big].sum()[None]]) * n
+    keep = expected > 0
+    p = chisquare(observed[keep].numpy(), expected[keep].numpy() * observed.sum().item()
+                  / expected[keep].sum().item()).pvalue
+    assert p > 1e-3, f"chi-square p = {p:.2e}"
+    return accepted

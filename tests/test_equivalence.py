@@ -4,12 +4,10 @@ import copy
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
-from conftest import tiny_llama
+from conftest import assert_follows_target, tiny_llama
 from mcsd import TreeDecoder
 from mcsd.config import SamplingConfig
-from mcsd.sampling import logits_to_probs
 
 PROMPT = torch.tensor([3, 17, 42, 5, 9, 11])
 SPECS = ["1", "1,1,1,1", "2,2", "4,2,2", "3,2,2,1", ((0,), (1,), (0, 0), (0, 1), (0, 0, 0), (1, 0))]
@@ -128,15 +126,6 @@ def small_pair():
     return target, perturbed(target, 0.5, seed=3)
 
 
-def _exact_two_token_probs(model, prompt, sampling):
-    """P(first two new tokens = (a, b)) under plain sampling from `model`, by enumeration."""
-    with torch.no_grad():
-        p0 = logits_to_probs(model(prompt[None]).logits[0, -1], sampling)
-        rows = torch.stack([torch.cat([prompt, torch.tensor([a])]) for a in range(V_SMALL)])
-        p1 = logits_to_probs(model(rows).logits[:, -1], sampling)
-    return p0[:, None] * p1                                         # (V, V)
-
-
 @pytest.mark.parametrize("sampling, policy", [
     (SamplingConfig(1.0), "static"),
     (SamplingConfig(0.7, top_k=5), "static"),
@@ -148,26 +137,9 @@ def _exact_two_token_probs(model, prompt, sampling):
 def test_sampling_follows_the_target_distribution(small_pair, sampling, policy):
     """Chi-square goodness of fit of 1,500 seeded runs against exact enumeration (reject at p < 0.001)."""
     target, draft = small_pair
-    prompt = torch.tensor([1, 2, 3])
-    exact = _exact_two_token_probs(target, prompt, sampling).flatten()
     dec = TreeDecoder(target, draft, tree="3,2", policy=policy, attention="sdpa")
-    counts = torch.zeros(V_SMALL * V_SMALL)
-    accepted = 0
-    n = 1500
-    for seed in range(n):
-        out = dec.generate(prompt, max_new_tokens=3, temperature=sampling.temperature, top_k=sampling.top_k,
-                           top_p=sampling.top_p, seed=seed)
-        counts[out.tokens[0] * V_SMALL + out.tokens[1]] += 1
-        accepted += out.stats.rounds and out.stats.accepted_per_round[0] > 0
-    assert 0 < accepted < n                         # the draft is sometimes accepted, sometimes not
-    # Tokens outside top-k / top-p never appear.
-    assert counts[exact == 0].sum() == 0
-    big = exact * n >= 5                             # pool sparse cells into one
-    observed = torch.cat([counts[big], counts[~big].sum()[None]])
-    expected = torch.cat([exact[big], exact[~big].sum()[None]]) * n
-    keep = expected > 0
-    assert chisquare(observed[keep].numpy(), expected[keep].numpy() * observed.sum().item()
-                     / expected[keep].sum().item()).pvalue > 1e-3
+    accepted = assert_follows_target(dec, target, sampling, n=1500)
+    assert 0 < accepted < 1500                      # the draft is sometimes accepted, sometimes not
 
 
 def test_seeded_sampling_is_reproducible(small_pair):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import tiny_llama
+from conftest import assert_follows_target, tiny_llama
 from mcsd import TreeDecoder
 from mcsd.feature_draft import FeatureDrafter, FeatureHead, FeatureHeadConfig
 
@@ -47,27 +47,11 @@ def test_drafter_reads_true_target_features(target):
     assert torch.allclose(seen[0][0], h, atol=1e-5)             # first round: every prompt position's feature
 
 
-def test_sampling_with_sub_vocabulary_is_exact(target):
-    from test_equivalence import _exact_two_token_probs
+def test_sampling_with_sub_vocabulary_is_exact():
+    from mcsd.config import SamplingConfig
     small = tiny_llama(10, vocab=8, layers=1, sharpness=6.0, hidden=16)
     drafter = FeatureDrafter(random_head(small, sub_vocab=5, seed=2), small)
-    dec = TreeDecoder(small, drafter, tree="3,2", attention="sdpa")
-    from mcsd.config import SamplingConfig
-    from scipy.stats import chisquare
-    sampling = SamplingConfig(1.0)
-    prompt = torch.tensor([1, 2, 3])
-    exact = _exact_two_token_probs(small, prompt, sampling).flatten()
-    n = 1200
-    counts = torch.zeros(64)
-    for seed in range(n):
-        out = dec.generate(prompt, max_new_tokens=3, temperature=1.0, seed=seed)
-        counts[out.tokens[0] * 8 + out.tokens[1]] += 1
-    big = exact * n >= 5
-    observed = torch.cat([counts[big], counts[~big].sum()[None]])
-    expected = torch.cat([exact[big], exact[~big].sum()[None]]) * n
-    keep = expected > 0
-    assert chisquare(observed[keep].numpy(), expected[keep].numpy() * observed.sum().item()
-                     / expected[keep].sum().item()).pvalue > 1e-3
+    assert_follows_target(TreeDecoder(small, drafter, tree="3,2", attention="sdpa"), small, SamplingConfig(1.0), n=1200)
 
 
 def test_save_and_load_round_trip(target, tmp_path):

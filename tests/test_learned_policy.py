@@ -72,25 +72,13 @@ def test_confident_model_grows_and_hopeless_model_stops(target):
 
 
 def test_learned_policy_sampling_is_exact():
-    from scipy.stats import chisquare
-    from test_equivalence import V_SMALL, _exact_two_token_probs, perturbed
-    from conftest import tiny_llama
+    from conftest import assert_follows_target, tiny_llama
     from mcsd.config import SamplingConfig
-    target = tiny_llama(10, vocab=V_SMALL, layers=1, sharpness=6.0, hidden=16)
-    draft = perturbed(target, 0.5, seed=3)
-    dec = TreeDecoder(target, draft, policy=_policy(q_threshold_model(0.25), "3,2"), attention="sdpa")
-    prompt = torch.tensor([1, 2, 3])
-    exact = _exact_two_token_probs(target, prompt, SamplingConfig(1.0)).flatten()
-    n, counts = 1200, torch.zeros(V_SMALL * V_SMALL)
-    for seed in range(n):
-        out = dec.generate(prompt, max_new_tokens=3, temperature=1.0, seed=seed)
-        counts[out.tokens[0] * V_SMALL + out.tokens[1]] += 1
-    big = exact * n >= 5
-    observed = torch.cat([counts[big], counts[~big].sum()[None]])
-    expected = torch.cat([exact[big], exact[~big].sum()[None]]) * n
-    keep = expected > 0
-    assert chisquare(observed[keep].numpy(), expected[keep].numpy() * observed.sum().item()
-                     / expected[keep].sum().item()).pvalue > 1e-3
+    from test_equivalence import perturbed
+    target = tiny_llama(10, vocab=8, layers=1, sharpness=6.0, hidden=16)
+    dec = TreeDecoder(target, perturbed(target, 0.5, seed=3), policy=_policy(q_threshold_model(0.25), "3,2"),
+                      attention="sdpa")
+    assert_follows_target(dec, target, SamplingConfig(1.0), n=1200)
 
 
 @pytest.mark.parametrize("kind", ["logistic", "gbt"])

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from ..models import ModelLoadError, models_dir
+from ..profile import interpolate
 from ..tree import DraftTree, TreeTopology
 from .base import Frontier, TreePolicy
 
@@ -174,21 +175,11 @@ class Costs:
         # only ratios matter to the policy.
         return cls(verify={1: 1.0, 8: 1.09, 16: 1.33, 32: 1.61, 64: 2.3}, draft={1: 0.1, 8: 0.13, 32: 0.2})
 
-    @staticmethod
-    def _interp(table: dict[int, float], n: float) -> float:
-        xs = sorted(table)
-        if n <= xs[0]:
-            return table[xs[0]]
-        for lo, hi in zip(xs, xs[1:]):
-            if n <= hi:
-                return table[lo] + (table[hi] - table[lo]) * (n - lo) / (hi - lo)
-        return table[xs[-1]] * n / xs[-1]
-
     def verify_ms(self, n: int) -> float:
-        return self._interp(self.verify, n)
+        return interpolate(self.verify, n)
 
     def draft_ms(self, width: int) -> float:
-        return self._interp(self.draft, width)
+        return interpolate(self.draft, width)
 
     @classmethod
     def from_profile(cls, profile) -> "Costs":

@@ -1,0 +1,452 @@
+"""Distil a small standalone draft model from its target (self-distillation).
+
+The draft is a plain `LlamaForCausalLM` that shares the target's tokenizer,
+so `AutoModelForCausalLM.from_pretrained(dir)` loads it and any speculative
+decoder can use it. It learns the target's next-token distribution (top-k
+soft labels from tools/target_data.py) on text the target wrote itself.
+
+Architecture (defaults in DraftConfig), and why:
+- hidden 256, tied embeddings. With a 49152-token vocabulary the embedding /
+  LM head is most of a small model (12.6M of ~16M parameters) and most of
+  its per-token compute; 256 wide keeps the bfloat16 file near 32 MB (the
+  bar is 40 MB) and the head cheap.
+- 4 layers, 4 query heads of 64, 2 KV heads. On CPU a 1-token forward is
+  dominated by per-layer overhead, not FLOPs, so depth is what costs; 4
+  layers is about 10% of the 30-layer target, under the 15% bar, and gives
+  the body room for copying from context (induction needs two layers) on
+  top of n-gram statistics.
+- RoPE theta and max positions as the target, so it reads the same contexts.
+
+Initialisation from the target:
+- embedding = the target's embedding projected on its top-256 right
+  singular vectors (uncentred SVD, so the direction shared by all tokens,
+  which carries token frequency in the logits, is kept). A draft hidden state
+  h_d = h_t V then gives logits h_d (E V)^T ~ h_t E^T, the target's.
+- final norm weight starts at 0.15, not 1: at init the residual stream is
+  the input token's embedding, and with tied embeddings a full-scale final
+  norm makes "repeat the input token" the initial prediction, a minimum the
+  model is slow to leave.
+- the layers start random (std 0.02, output projections scaled down by
+  depth as in GPT-2), so the stack starts near the identity.
+
+Training: soft cross-entropy to the target's renormalised top-k distribution
+(optionally plus hard cross-entropy to the text's next token), on response
+positions only (prompt tokens are context, not labels). On a CPU the LM head
+is most of a step, so most steps use a sampled softmax (the tokens the
+batch's labels name plus random negatives) and one in `--full-softmax-every`
+the full one; AdamW with warmup
+and a cosine decay over the time budget; checkpoints in the cache folder
+every few minutes, so a killed run resumes where it stopped; held-out top-1
+and top-4 agreement with the target's greedy responses measured periodically.
+
+Limitations: CPU-friendly, not fast (no packing, no compile); the label is
+the target's top-k only, so mass outside the top-k is not taught.
+
+Example:
+    python tools/distill_draft.py --runs fit-greedy si-greedy fit-t08 selfinstruct-meta \\
+        --heldout-run heldout-greedy-bf16 --time-budget-min 35
+"""
+
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import target_data as td  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO / "models" / "smollm2-135m-draft"
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    hidden_size: int = 256  # embedding/LM head width: the size and cost lever
+    num_hidden_layers: int = 4  # depth is what a 1-token CPU forward pays for
+    num_attention_heads: int = 4  # head_dim 64 like the target
+    num_key_value_heads: int = 2  # GQA: a smaller KV cache per drafted token
+    intermediate_size: int = 768  # 3x hidden, a little under Llama's 8/3 * 2
+    final_norm_init: float = 0.15  # see module docstring: don't start by copying the input
+    init_std: float = 0.02
+
+
+def build_draft(target, cfg: DraftConfig):
+    """A LlamaForCausalLM draft, initialised from the target.
+
+    Args:
+        target: the target LlamaForCausalLM (any dtype).
+    Returns:
+        draft in float32 (trained in float32, shipped in bfloat16).
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tc = target.config
+    config = LlamaConfig(
+        vocab_size=tc.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.hidden_size // cfg.num_attention_heads,
+        max_position_embeddings=tc.max_position_embeddings, rope_parameters=dict(tc.rope_parameters),
+        rms_norm_eps=tc.rms_norm_eps, tie_word_embeddings=True, initializer_range=cfg.init_std,
+        bos_token_id=tc.bos_token_id, eos_token_id=tc.eos_token_id, pad_token_id=tc.pad_token_id,
+    )
+    torch.manual_seed(0)
+    draft = LlamaForCausalLM(config).float()
+
+    # embedding: the target's, projected on its top principal directions
+    E = target.get_input_embeddings().weight.detach().float()  # (V, C_target)
+    _, _, Vh = torch.linalg.svd(E, full_matrices=False)  # Vh: (C_target, C_target)
+    E_draft = E @ Vh[: cfg.hidden_size].T  # (V, C)
+    with torch.no_grad():
+        draft.get_input_embeddings().weight.copy_(E_draft)
+        draft.model.norm.weight.fill_(cfg.final_norm_init)
+        # residual-branch outputs start small so the stack starts near identity (GPT-2)
+        for layer in draft.model.layers:
+            for w in (layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight):
+                w.normal_(0.0, cfg.init_std / math.sqrt(2 * cfg.num_hidden_layers))
+    return draft
+
+
+# -----------------------------------------------------------------------------
+# Data: prompt + response sequences, labels on response positions
+
+
+def make_sequence(example: dict, max_len: int) -> dict:
+    """One training sequence: the prompt (left-truncated so the whole thing
+    fits in max_len) then the response. Labels are per response position.
+
+    Returns: input_ids (L,) long, label_start (int): input index whose output
+    predicts response[0], topk_ids (R, k) long, topk_probs (R, k) float,
+    next_ids (R,) long (the text's own next token).
+    """
+    prompt, response = example["prompt"].long(), example["response"].long()
+    R = min(len(response), max_len - 1)
+    keep_prompt = max(1, min(len(prompt), max_len - R))
+    input_ids = torch.cat([prompt[-keep_prompt:], response[: R - 1]])  # the last token predicts nothing
+    return {
+        "input_ids": input_ids,
+        "label_start": keep_prompt - 1,
+        "topk_ids": example["topk_ids"][:R].long(),
+        "topk_probs": example["topk_probs"][:R].float(),
+        "next_ids": response[:R],
+    }
+
+
+def make_batches(seqs: list[dict], tokens_per_batch: int, shuffle: bool, seed: int = 0) -> list[list[int]]:
+    """Indices of sequences grouped by similar length (little padding), each
+    batch about tokens_per_batch padded tokens; batch order shuffled."""
+    rng = random.Random(seed)
+    order = sorted(range(len(seqs)), key=lambda i: (len(seqs[i]["input_ids"]), rng.random()))
+    batches, batch, longest = [], [], 0
+    for i in order:
+        n = len(seqs[i]["input_ids"])
+        if batch and max(longest, n) * (len(batch) + 1) > tokens_per_batch:
+            batches.append(batch)
+            batch, longest = [], 0
+        batch.append(i)
+        longest = max(longest, n)
+    if batch:
+        batches.append(batch)
+    if shuffle:
+        rng.shuffle(batches)
+    return batches
+
+
+def collate(seqs: list[dict], pad_id: int):
+    """Right-pad a batch and gather where the labels sit.
+
+    Returns: input_ids (B, L), attention_mask (B, L), label_rows (N,),
+    label_cols (N,) (the N labelled positions), topk_ids (N, k),
+    topk_probs (N, k), next_ids (N,).
+    """
+    B, L = len(seqs), max(len(s["input_ids"]) for s in seqs)
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, L), dtype=torch.long)
+    rows, cols = [], []
+    for b, s in enumerate(seqs):
+        n = len(s["input_ids"])
+        input_ids[b, :n] = s["input_ids"]
+        attention_mask[b, :n] = 1
+        R = len(s["next_ids"])
+        rows.append(torch.full((R,), b))
+        cols.append(torch.arange(s["label_start"], s["label_start"] + R))
+    cat = lambda name: torch.cat([s[name] for s in seqs])  # noqa: E731
+    return (input_ids, attention_mask, torch.cat(rows), torch.cat(cols),
+            cat("topk_ids"), cat("topk_probs"), cat("next_ids"))
+
+
+def label_logits(draft, input_ids, attention_mask, rows, cols, vocab=None):
+    """Draft logits at the labelled positions only: the LM head (the costly
+    part of a small model) runs on N response positions, not B*L.
+
+    vocab: optional (V',) token ids; logits then cover only those columns.
+    Returns (N, V) or (N, V') float32."""
+    hidden = draft.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, L, C)
+    hidden = hidden[rows, cols]  # (N, C)
+    if vocab is None:
+        return draft.lm_head(hidden).float()
+    return F.linear(hidden, draft.lm_head.weight[vocab]).float()  # (N, V')
+
+
+def sampled_vocab(topk_ids, next_ids, vocab_size: int, n_negatives: int, generator=None):
+    """The columns of a sampled softmax: every token some label in the batch
+    names (the target's top-k: the draft's real competitors at those
+    positions) plus n_negatives random others, so the long tail is pushed
+    down too. A 4k-token batch names a few thousand distinct tokens, so the
+    head costs a few times less than over all 49152.
+
+    Returns vocab (V',) sorted ids, topk_ids and next_ids remapped to columns.
+    """
+    named = torch.cat([topk_ids.flatten(), next_ids])
+    negatives = torch.randint(vocab_size, (n_negatives,), generator=generator)
+    vocab = torch.cat([named, negatives]).unique()  # (V',) sorted
+    return vocab, torch.searchsorted(vocab, topk_ids), torch.searchsorted(vocab, next_ids)
+
+
+def distill_loss(logits, topk_ids, topk_probs, next_ids, hard_weight: float = 0.0):
+    """Soft cross-entropy to the target's renormalised top-k distribution,
+    plus hard_weight * cross-entropy to the text's next token.
+
+    Args: logits (N, V), topk_ids (N, k), topk_probs (N, k), next_ids (N,).
+    """
+    logq = logits.log_softmax(-1)  # (N, V)
+    p_target = topk_probs / topk_probs.sum(-1, keepdim=True)  # (N, k)
+    soft = -(p_target * logq.gather(-1, topk_ids)).sum(-1).mean()
+    if hard_weight == 0:
+        return soft
+    return soft + hard_weight * F.nll_loss(logq, next_ids)
+
+
+@torch.no_grad()
+def agreement(draft, seqs: list[dict], pad_id: int, tokens_per_batch: int = 8192) -> dict:
+    """Teacher-forced agreement of the draft with the text's next token (for
+    greedy target text: the target's greedy token).
+
+    Returns {"top1": fraction of positions where the draft's argmax is the
+    token, "top4": fraction where the token is in the draft's top 4, "n"}.
+    """
+    draft.eval()
+    hit1 = hit4 = n = 0
+    for batch in make_batches(seqs, tokens_per_batch, shuffle=False):
+        input_ids, mask, rows, cols, _, _, next_ids = collate([seqs[i] for i in batch], pad_id)
+        top4 = label_logits(draft, input_ids, mask, rows, cols).topk(4, dim=-1).indices  # (N, 4)
+        hit1 += (top4[:, 0] == next_ids).sum().item()
+        hit4 += (top4 == next_ids[:, None]).any(-1).sum().item()
+        n += len(next_ids)
+    draft.train()
+    return {"top1": hit1 / max(n, 1), "top4": hit4 / max(n, 1), "n": n}
+
+
+# -----------------------------------------------------------------------------
+# Export
+
+
+def export_draft(draft, out_dir: Path, target_path: str, card_update: dict):
+    """Write the draft as bfloat16 safetensors + config + the target's
+    tokenizer files, and merge card_update into card.json."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shipped = type(draft)(draft.config)
+    shipped.load_state_dict(draft.state_dict())
+    shipped = shipped.to(torch.bfloat16)
+    shipped.config.dtype = "bfloat16"
+    shipped.save_pretrained(out_dir, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                 "generation_config.json"):
+        if (Path(target_path) / name).exists():
+            shutil.copy(Path(target_path) / name, out_dir / name)
+    card_path = out_dir / "card.json"
+    card = json.loads(card_path.read_text()) if card_path.exists() else {}
+    card.update(card_update)
+    card_path.write_text(json.dumps(card, indent=2) + "\n")
+
+
+def n_params(model) -> int:
+    """Unique parameters (the tied embedding / LM head counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+# -----------------------------------------------------------------------------
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default=td.DEFAULT_TARGET)
+    parser.add_argument("--data-dir", default=None, help="default: $MCSD_CACHE/data/<target-name>")
+    parser.add_argument("--runs", nargs="+", required=True, help="response runs to train on (fitting split only)")
+    parser.add_argument("--heldout-run", default=None, help="greedy responses to held-out prompts, for eval")
+    parser.add_argument("--out", default=str(DEFAULT_OUT))
+    parser.add_argument("--ckpt-dir", default=None, help="default: $MCSD_CACHE/checkpoints/<out-name>")
+    parser.add_argument("--time-budget-min", type=float, default=30.0, help="training wall clock (lr schedule)")
+    parser.add_argument("--max-steps", type=int, default=10**9)
+    parser.add_argument("--tokens-per-batch", type=int, default=4096, help="padded tokens per step")
+    parser.add_argument("--max-len", type=int, default=2048,
+                        help="prompt is left-truncated to fit; cover the longest contexts so RoPE positions seen at use were trained")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--min-lr-frac", type=float, default=0.05)
+    parser.add_argument("--warmup-steps", type=int, default=50)
+    parser.add_argument("--weight-decay", type=float, default=0.01)
+    parser.add_argument("--hard-weight", type=float, default=0.0, help="weight of the hard-label CE term")
+    parser.add_argument("--full-softmax-every", type=int, default=4,
+                        help="one step in N uses the full-vocabulary softmax, the others a sampled one "
+                             "(1 = always full)")
+    parser.add_argument("--negatives", type=int, default=4096, help="random extra columns of a sampled softmax")
+    parser.add_argument("--eval-every-min", type=float, default=5.0)
+    parser.add_argument("--ckpt-every-min", type=float, default=3.0)
+    parser.add_argument("--threads", type=int, default=2)
+    for field, default in asdict(DraftConfig()).items():
+        parser.add_argument(f"--{field.replace('_', '-')}", type=type(default), default=default)
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    data_dir = Path(args.data_dir or td.default_data_dir(args.target))
+    out_dir = Path(args.out)
+    root = Path(os.environ.get("MCSD_CACHE", Path.home() / ".cache" / "mcsd"))
+    ckpt_path = Path(args.ckpt_dir or root / "checkpoints" / out_dir.name) / "last.pt"
+    cfg = DraftConfig(**{f: getattr(args, f) for f in asdict(DraftConfig())})
+
+    # data: fitting-split runs for training, the held-out greedy run for eval
+    manifest = td.read_manifest(data_dir)
+    for run in args.runs:
+        if manifest["runs"][run]["settings"].get("split") in ("heldout", "all"):
+            sys.exit(f"run {run!r} contains held-out prompts; train on the fitting split only")
+    examples = td.load_examples(data_dir, args.runs)
+    train = [make_sequence(e, args.max_len) for e in examples]
+    n_train_tokens = sum(len(s["next_ids"]) for s in train)
+    heldout = []
+    if args.heldout_run:
+        heldout = [make_sequence(e, args.max_len) for e in td.load_examples(data_dir, [args.heldout_run])]
+    print(f"train: {len(train)} sequences, {n_train_tokens} response tokens; heldout: {len(heldout)} sequences")
+
+    target, tokenizer = td.load_target(args.target, device="cpu", dtype=torch.float32)
+    pad_id = tokenizer.pad_token_id
+    draft = build_draft(target, cfg)
+    del target
+    decay = [p for n, p in draft.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in draft.named_parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr, betas=(0.9, 0.95),
+    )
+    state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "elapsed_s": 0.0, "evals": [], "tokens_seen": 0}
+    if ckpt_path.exists():
+        ckpt = torch.load(ckpt_path, weights_only=False)
+        if ckpt["config"] != asdict(cfg) or ckpt["runs"] != args.runs:
+            sys.exit(f"checkpoint {ckpt_path} is for another config or data; move it away to start over")
+        draft.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        state = ckpt["state"]
+        print(f"resumed at step {state['step']} ({state['elapsed_s'] / 60:.1f} min trained)")
+
+    def save_checkpoint():
+        ckpt_path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"model": draft.state_dict(), "optimizer": optimizer.state_dict(), "state": state,
+                    "config": asdict(cfg), "runs": args.runs}, ckpt_path.with_suffix(".tmp"))
+        os.replace(ckpt_path.with_suffix(".tmp"), ckpt_path)
+
+    def evaluate():
+        if not heldout:
+            return
+        result = {"step": state["step"], "minutes": round(state["elapsed_s"] / 60, 1),
+                  **agreement(draft, heldout, pad_id)}
+        state["evals"].append(result)
+        tqdm.write(f"eval step {result['step']}: top1 {result['top1']:.3f} top4 {result['top4']:.3f}")
+
+    budget_s = args.time_budget_min * 60
+    draft.train()
+    bar = tqdm(total=int(budget_s), initial=int(state["elapsed_s"]), desc="distill", unit="s", dynamic_ncols=True)
+    last_eval = last_ckpt = state["elapsed_s"]
+    if state["step"] == 0:
+        evaluate()
+    t_prev = time.time()
+    while state["elapsed_s"] < budget_s and state["step"] < args.max_steps:
+        batches = make_batches(train, args.tokens_per_batch, shuffle=True, seed=state["epoch"])
+        for batch in batches[state["batch_in_epoch"]:]:
+            # lr: linear warmup, then cosine over the *time* budget, so any
+            # budget gets a full decay
+            progress = min(state["elapsed_s"] / budget_s, 1.0)
+            lr = args.lr * min(1.0, (state["step"] + 1) / args.warmup_steps)
+            lr *= args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * progress))
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+
+            input_ids, mask, rows, cols, topk_ids, topk_probs, next_ids = collate([train[i] for i in batch], pad_id)
+            vocab = None
+            if args.full_softmax_every > 1 and state["step"] % args.full_softmax_every != 0:
+                vocab, topk_ids, next_ids = sampled_vocab(topk_ids, next_ids, draft.config.vocab_size,
+                                                          args.negatives)
+            logits = label_logits(draft, input_ids, mask, rows, cols, vocab)
+            loss = distill_loss(logits, topk_ids, topk_probs, next_ids, args.hard_weight)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+            optimizer.step()
+
+            now = time.time()
+            state["elapsed_s"] += now - t_prev
+            t_prev = now
+            state["step"] += 1
+            state["batch_in_epoch"] += 1
+            state["tokens_seen"] += len(next_ids)
+            bar.update(int(state["elapsed_s"]) - bar.n)
+            bar.set_postfix(step=state["step"], epoch=state["epoch"], loss=f"{loss.item():.3f}", lr=f"{lr:.1e}")
+            if state["elapsed_s"] - last_eval >= args.eval_every_min * 60:
+                evaluate()
+                last_eval = state["elapsed_s"]
+            if state["elapsed_s"] - last_ckpt >= args.ckpt_every_min * 60:
+                save_checkpoint()
+                last_ckpt = state["elapsed_s"]
+            t_prev = time.time()  # eval and checkpoint time is not training time
+            if state["elapsed_s"] >= budget_s or state["step"] >= args.max_steps:
+                break
+        else:
+            state["epoch"] += 1
+            state["batch_in_epoch"] = 0
+    bar.close()
+    evaluate()
+    save_checkpoint()
+
+    command = "python tools/distill_draft.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    settings = manifest["runs"]
+    export_draft(draft, out_dir, args.target, {
+        "name": out_dir.name,
+        "description": "Standalone draft model for SmolLM2-135M-Instruct, trained by self-distillation "
+                       "on text the target generated (tools/target_data.py, tools/distill_draft.py).",
+        "target": "HuggingFaceTB/SmolLM2-135M-Instruct (local copy: " + Path(args.target).name + ")",
+        "architecture": {"class": "LlamaForCausalLM", **asdict(cfg), "vocab_size": draft.config.vocab_size,
+                         "tie_word_embeddings": True, "dtype": "bfloat16",
+                         "init": "embedding = target embedding projected on its top-"
+                                 f"{cfg.hidden_size} singular directions; layers random"},
+        "parameters": n_params(draft),
+        "training": {
+            "data": {run: {"settings": settings[run]["settings"], "sequences": settings[run].get("n_sequences"),
+                           "response_tokens": settings[run].get("n_tokens"),
+                           "generation_minutes": round(settings[run].get("seconds", 0) / 60, 1)}
+                     for run in args.runs},
+            "response_tokens": n_train_tokens,
+            "prompts": "Spec-Bench first turns with question_id % 5 != 0, and prompts the target wrote "
+                       "itself from those (self-instruct); no held-out prompt was used",
+            "labels": "target top-8 next-token probabilities (soft cross-entropy, renormalised)"
+                      + (f" + {args.hard_weight} x hard cross-entropy" if args.hard_weight else ""),
+            "steps": state["step"], "epochs": round(state["tokens_seen"] / max(n_train_tokens, 1), 2),
+            "tokens_per_batch": args.tokens_per_batch, "lr": args.lr, "max_len": args.max_len,
+            "softmax": f"full every {args.full_softmax_every} steps, otherwise over the batch's label tokens "
+                       f"+ {args.negatives} random negatives",
+            "train_minutes": round(state["elapsed_s"] / 60, 1), "threads": args.threads,
+            "evals": state["evals"],
+        },
+        "reproduce": {"distill": command},
+    })
+    print(f"wrote {out_dir}")
+
+
+if __name__ == "__main__":
+    main()

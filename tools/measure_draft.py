@@ -1,0 +1,137 @@
+"""Measure a draft model against its target and write the figures on its card.
+
+Two figures decide whether a draft is worth shipping:
+
+- cost: the draft's 1-token forward over a ~200-token KV cache, as a
+  fraction of the target's (both bfloat16, `--threads` CPU threads, median
+  of `--runs` interleaved runs, so load from other processes hits both alike).
+  Speculative decoding pays this once per drafted token, so it bounds the
+  speedup.
+- agreement: teacher-forced on the target's own greedy responses to the
+  held-out Spec-Bench prompts (question_id % 5 == 0), how often the draft's
+  argmax is the target's greedy token (top-1) and how often that token is
+  in the draft's top 4 (top-4; what a tree of width 4 can catch). The
+  responses are generated once with the bfloat16 target through
+  tools/target_data.py and cached as the run `heldout-greedy-bf16`.
+
+Example:
+    python tools/measure_draft.py --draft models/smollm2-135m-draft
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import distill_draft as dd  # noqa: E402
+import target_data as td  # noqa: E402
+
+HELDOUT_RUN = "heldout-greedy-bf16"
+
+
+@torch.inference_mode()
+def measure_cost(target, draft, context: list[int], runs: int = 30, warmup: int = 3) -> dict:
+    """Median 1-token forward time of target and draft over a len(context)
+    KV cache, timed alternately. Each timed token is cropped from the cache
+    again so every run sees the same cache length.
+
+    Returns {"target_ms", "draft_ms", "ratio", "runs", "cache_len"}.
+    """
+    from transformers import DynamicCache
+
+    ids = torch.tensor([context])  # (1, T)
+    caches = []
+    for model in (target, draft):
+        cache = DynamicCache()
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        caches.append(cache)
+    token = ids[:, -1:]  # (1, 1)
+    times = ([], [])
+    for r in range(warmup + runs):
+        for i, model in enumerate((target, draft)):
+            t0 = time.perf_counter()
+            model(input_ids=token, past_key_values=caches[i], use_cache=True)
+            elapsed = time.perf_counter() - t0
+            caches[i].crop(-1)
+            if r >= warmup:
+                times[i].append(elapsed)
+    target_ms, draft_ms = (statistics.median(t) * 1000 for t in times)
+    return {"target_ms": round(target_ms, 2), "draft_ms": round(draft_ms, 2),
+            "ratio": round(draft_ms / target_ms, 4), "runs": runs, "cache_len": len(context)}
+
+
+def per_category(draft, examples: list[dict], pad_id: int, max_len: int) -> dict:
+    """Top-1 / top-4 agreement by Spec-Bench category."""
+    out = {}
+    for category in sorted({e["category"] for e in examples}):
+        seqs = [dd.make_sequence(e, max_len) for e in examples if e["category"] == category]
+        out[category] = {k: round(v, 4) if isinstance(v, float) else v
+                         for k, v in dd.agreement(draft, seqs, pad_id).items()}
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--draft", default=str(dd.DEFAULT_OUT), help="draft model directory (has card.json)")
+    parser.add_argument("--target", default=td.DEFAULT_TARGET)
+    parser.add_argument("--data-dir", default=None, help="default: $MCSD_CACHE/data/<target-name>")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=30, help="interleaved timing runs (median)")
+    parser.add_argument("--cache-len", type=int, default=200)
+    parser.add_argument("--max-len", type=int, default=4096, help="held-out prompts are left-truncated to fit")
+    parser.add_argument("--no-card", action="store_true", help="print only, leave card.json alone")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    data_dir = Path(args.data_dir or td.default_data_dir(args.target))
+
+    # 1. the target's own greedy responses to held-out prompts (cached, resumable)
+    td.main(["--target", args.target, "--data-dir", str(data_dir), "--threads", str(args.threads),
+             "--dtype", "bfloat16", "generate", "--run", HELDOUT_RUN, "--split", "heldout"])
+
+    from transformers import AutoModelForCausalLM
+
+    target, tokenizer = td.load_target(args.target, device="cpu", dtype=torch.bfloat16)
+    draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=torch.bfloat16).eval()
+
+    # 2. agreement, with the draft as shipped (bfloat16)
+    examples = td.load_examples(data_dir, [HELDOUT_RUN])
+    seqs = [dd.make_sequence(e, args.max_len) for e in examples]
+    overall = dd.agreement(draft, seqs, tokenizer.pad_token_id)
+    by_category = per_category(draft, examples, tokenizer.pad_token_id, args.max_len)
+    print(f"held-out agreement: top1 {overall['top1']:.4f}  top4 {overall['top4']:.4f}  ({overall['n']} positions)")
+    for category, r in by_category.items():
+        print(f"  {category:15s} top1 {r['top1']:.3f}  top4 {r['top4']:.3f}  n {r['n']}")
+
+    # 3. cost, on a real ~cache_len-token context (a held-out prompt + its response)
+    context = max(examples, key=lambda e: -abs(len(e["prompt"]) + len(e["response"]) - args.cache_len))
+    context = torch.cat([context["prompt"], context["response"]]).tolist()[: args.cache_len]
+    cost = measure_cost(target, draft, context, args.runs)
+    print(f"cost: draft {cost['draft_ms']} ms / target {cost['target_ms']} ms = {cost['ratio']:.3f}")
+
+    if not args.no_card:
+        card_path = Path(args.draft) / "card.json"
+        card = json.loads(card_path.read_text()) if card_path.exists() else {}
+        card["figures"] = {
+            "cost_ratio": cost["ratio"],
+            "cost": {**cost, "dtype": "bfloat16", "threads": args.threads, "device": "cpu",
+                     "what": "1-token forward with a KV cache of cache_len tokens, median of interleaved runs"},
+            "heldout_top1": round(overall["top1"], 4),
+            "heldout_top4": round(overall["top4"], 4),
+            "heldout": {"positions": overall["n"], "sequences": len(examples), "run": HELDOUT_RUN,
+                        "what": "teacher-forced on the bfloat16 target's greedy responses to Spec-Bench "
+                                "question_id % 5 == 0 (first turn, chat template, <= 256 new tokens)",
+                        "by_category": by_category},
+        }
+        card.setdefault("reproduce", {})["measure"] = "python tools/measure_draft.py " + " ".join(
+            sys.argv[1:] if argv is None else argv)
+        card_path.write_text(json.dumps(card, indent=2) + "\n")
+        print(f"updated {card_path}")
+
+
+if __name__ == "__main__":
+    main()
