@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--stream", action="store_true", help="print text as it is accepted")
     out.add_argument("--stats", action="store_true", help="print tokens/s, tau and acceptance by depth to stderr")
     out.add_argument("--json", action="store_true", help="print one JSON object with text, tokens and stats")
+    out.add_argument("--show-tree", metavar="FILE.png",
+                     help="draw the round with the longest accepted path (needs matplotlib)")
     return p
 
 
@@ -114,6 +116,8 @@ def run(args) -> int:
                          f"{', '.join(PRESETS)})")
     if args.draft is not None and args.target is None:
         raise UsageError("--draft needs --target")
+    if args.show_tree and args.baseline:
+        raise UsageError("--show-tree draws a draft tree; it has none with --baseline")
     from .tree import parse_tree_spec
     parse_tree_spec(args.tree)                      # fail on a malformed tree before loading anything
     text = _read_prompt(args)
@@ -140,10 +144,15 @@ def run(args) -> int:
             sys.stdout.flush()
             printed["text"] = full
 
-    method = decoder.generate_baseline if args.baseline else decoder.generate
-    out = method(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                 top_p=args.top_p, seed=args.seed, stop_strings=tuple(args.stop),
-                 streamer=stream_text if args.stream and not args.json else None)
+    rounds = []
+    common = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                  top_p=args.top_p, seed=args.seed, stop_strings=tuple(args.stop),
+                  streamer=stream_text if args.stream and not args.json else None)
+    if args.baseline:
+        out = decoder.generate_baseline(prompt, **common)
+    else:
+        out = decoder.generate(prompt, on_round=(lambda t, a: rounds.append((t, a))) if args.show_tree else None,
+                               **common)
     if args.json:
         print(json.dumps({"text": out.text, "tokens": out.tokens, "finish_reason": out.finish_reason,
                           "stats": out.stats.as_dict(),
@@ -157,6 +166,13 @@ def run(args) -> int:
         print(out.text)
     if args.stats:
         print(_stats_summary(out.stats, args.baseline), file=sys.stderr)
+    if args.show_tree and rounds:
+        from .viz import draw_tree
+        best = max(range(len(rounds)), key=lambda i: (rounds[i][1].n_accepted, -i))
+        path = draw_tree(*rounds[best], args.show_tree, tokenizer,
+                         title=f"round {best + 1} of {len(rounds)}: {rounds[best][0].size - 1} draft nodes, "
+                               f"{rounds[best][1].n_accepted} accepted")
+        print(f"tree drawn to {path}", file=sys.stderr)
     return 0
 
 

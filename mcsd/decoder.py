@@ -153,7 +153,8 @@ class TreeDecoder:
 
     def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, stop_strings=(), ignore_eos: bool = False,
-                 eos_token_ids=None, streamer: Callable[[list[int]], None] | None = None) -> GenerationOutput:
+                 eos_token_ids=None, streamer: Callable[[list[int]], None] | None = None,
+                 on_round: Callable[[DraftTree, Acceptance], None] | None = None) -> GenerationOutput:
         """Generate with tree speculative decoding.
 
         Args:
@@ -166,6 +167,8 @@ class TreeDecoder:
             eos_token_ids: token id(s) that end generation; default: the
                 model's generation config and the tokenizer's EOS.
             streamer: called with each round's newly emitted tokens.
+            on_round: called with each round's tree and its Acceptance (for
+                inspection and drawing; off the hot path when None).
         Returns:
             GenerationOutput. Its tokens follow exactly the target's own
             distribution under these settings (token-identical to plain greedy
@@ -174,7 +177,7 @@ class TreeDecoder:
         if self.drafter is None:
             raise ConfigError("this TreeDecoder has no draft; pass draft=... or use generate_baseline()")
         return self._collect(self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed,
-                                         stop_strings, ignore_eos, eos_token_ids), streamer)
+                                         stop_strings, ignore_eos, eos_token_ids, on_round=on_round), streamer)
 
     def generate_baseline(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                           top_p: float = 1.0, seed: int | None = None, stop_strings=(), ignore_eos: bool = False,
@@ -185,7 +188,8 @@ class TreeDecoder:
 
     def stream(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = None, stop_strings=(), ignore_eos: bool = False,
-               eos_token_ids=None, baseline: bool = False) -> Iterator[list[int]]:
+               eos_token_ids=None, baseline: bool = False,
+               on_round: Callable[[DraftTree, Acceptance], None] | None = None) -> Iterator[list[int]]:
         """Generator over the same loop: yields each round's new tokens; returns the GenerationOutput."""
         cfg = DecodeConfig(max_new_tokens=max_new_tokens, sampling=SamplingConfig(temperature, top_k, top_p),
                            seed=seed, stop_strings=tuple(stop_strings), ignore_eos=ignore_eos,
@@ -194,7 +198,7 @@ class TreeDecoder:
         self._check_length(prompt_ids.numel(), cfg.max_new_tokens)
         policy = self._baseline_policy if baseline else self.policy
         drafter = None if baseline else self.drafter
-        return (yield from self._decode(prompt_ids, cfg, policy, drafter))
+        return (yield from self._decode(prompt_ids, cfg, policy, drafter, on_round))
 
     def encode(self, prompt) -> torch.Tensor:
         """Prompt (str, list of ids, or tensor) -> (T,) long ids on the target's device."""
@@ -223,7 +227,7 @@ class TreeDecoder:
 
     @torch.inference_mode()
     def _decode(self, prompt_ids: torch.Tensor, cfg: DecodeConfig, policy: TreePolicy,
-                drafter: Drafter | None) -> Iterator[list[int]]:
+                drafter: Drafter | None, on_round=None) -> Iterator[list[int]]:
         stats, gen = GenerationStats(), make_generator(cfg.seed, self.target.device)
         eos = self._eos_ids(cfg)
         t_start = time.perf_counter()
@@ -268,6 +272,8 @@ class TreeDecoder:
             stats.target_forwards += 1
             stats.record_round(grown.tree, acc.n_accepted)
             policy.observe(acc.n_accepted, grown.tree)
+            if on_round is not None:
+                on_round(grown.tree, acc)
             # 6. emit
             new = torch.cat([grown.tree.tokens[acc.path[1:]], acc.next_token.reshape(1)])
             sequence = torch.cat([sequence, new])

@@ -101,3 +101,25 @@ def test_tokenizer_mismatch_exits_2(model_dirs, tmp_path, capsys):
     word_tokenizer(eos="w02").save_pretrained(other)
     assert main(["--target", str(model_dirs / "target"), "--draft", str(other), "--prompt", "w03"]) == 2
     assert "tokenizers are not the same" in capsys.readouterr().err
+
+
+def test_show_tree_writes_a_png(model_dirs, tmp_path, capsys):
+    png = tmp_path / "tree.png"
+    assert main(_pair(model_dirs) + ["--prompt", "w03 w17", "--max-new-tokens", "8", "--tree", "3,2",
+                                     "--show-tree", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "tree drawn to" in capsys.readouterr().err
+
+
+def test_tree_graph_marks_the_accepted_path():
+    import torch
+    from mcsd.tree import DraftTree, TreeTopology
+    from mcsd.verify import Acceptance
+    from mcsd.viz import tree_graph
+    tree = DraftTree.root_only(TreeTopology.from_spec("2"), torch.tensor(5))
+    tree.append_level(torch.tensor([7, 8]), torch.tensor([0, 0]), torch.log(torch.tensor([0.6, 0.3])),
+                      torch.tensor([1, 2]))
+    g = tree_graph(tree, Acceptance(torch.tensor([0, 2]), torch.tensor(9)))
+    assert [n for n in g.nodes if g.nodes[n]["accepted"]] == [0, 2, "next"]
+    assert g.nodes[1]["label"] == "7\n0.60" and g.nodes["next"]["label"] == "9\n(target)"
+    assert list(g.successors(2)) == ["next"]
