@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--tree", default="4,2,2", help="tree spec: k-config such as 4,2,2 (1,1,1,1 is a chain)")
     gen.add_argument("--policy", default="static", help="tree policy: static, heuristic, confidence, ...")
     gen.add_argument("--baseline", action="store_true", help="plain target-only decoding, for comparison")
+    gen.add_argument("--lossy-target-roots", type=int, default=0, metavar="W",
+                     help="LOSSY opt-in (the MCSD paper's variant): W candidate roots from the target's top-W, "
+                          "longest accepted branch kept; output may differ from the target's own; greedy only")
 
     out = p.add_argument_group("output")
     out.add_argument("--stream", action="store_true", help="print text as it is accepted")
@@ -129,8 +132,13 @@ def run(args) -> int:
     else:
         target, draft, tokenizer = load_model_pair(args.target, args.draft, dtype=args.dtype, device=args.device,
                                                     drafter=args.drafter)
+    if args.lossy_target_roots < 0:
+        raise UsageError(f"--lossy-target-roots must be >= 0, got {args.lossy_target_roots}")
+    if args.lossy_target_roots:
+        print("mcsd-generate: warning: --lossy-target-roots changes the output distribution (not lossless)",
+              file=sys.stderr)
     decoder = TreeDecoder(target, draft, tokenizer=tokenizer, tree=args.tree, policy=args.policy,
-                          attention=args.attention)
+                          attention=args.attention, lossy_target_roots=args.lossy_target_roots)
     prompt = _format_prompt(text, tokenizer, args)
 
     printed = {"text": ""}
@@ -159,7 +167,8 @@ def run(args) -> int:
                           "settings": {"tree": args.tree, "policy": args.policy, "dtype": args.dtype,
                                        "device": args.device, "attention": decoder.attention,
                                        "baseline": args.baseline, "temperature": args.temperature,
-                                       "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}}))
+                                       "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
+                                       "lossy_target_roots": args.lossy_target_roots}}))
     elif args.stream:
         sys.stdout.write(out.text[len(printed["text"]):] + "\n")
     else:

@@ -122,11 +122,22 @@ class TreeDecoder:
             largest tree the policy may grow.
         policy: policy name ("static", "heuristic", "confidence", ...) or a TreePolicy.
         attention: "auto" | "sdpa" | "xformers" | "eager".
+        lossy_target_roots: W > 0 switches to the MCSD paper's own variant: each
+            round's roots are the target's top-W tokens, each verified with its
+            own drafted subtree, and the longest accepted branch is kept. It is
+            NOT lossless (a non-argmax root can win) and is greedy only; 0 (the
+            default) keeps the exact target-initialised single root.
     """
 
     def __init__(self, target, draft=None, tokenizer=None, tree="4,2,2", policy="static",
-                 attention: str = "auto", policy_options: dict | None = None):
+                 attention: str = "auto", policy_options: dict | None = None, lossy_target_roots: int = 0):
         self.target = CachedLM(target)
+        self.lossy_roots = int(lossy_target_roots)
+        if self.lossy_roots:
+            if self.lossy_roots < 1 or not isinstance(tree, str):
+                raise ConfigError("lossy_target_roots needs a positive width and a k-config tree string")
+            # candidate roots form the first level; the drafted tree grows beneath each of them
+            tree = f"{self.lossy_roots},{tree}" if tree.strip() not in ("", "0") else str(self.lossy_roots)
         self.attention = set_backend(target, attention)
         if draft is None:
             self.drafter = None
@@ -243,24 +254,31 @@ class TreeDecoder:
             drafter.observe_target(prompt_hidden)               # features of every prompt position
         else:
             logits = self.target.extend(prompt_ids)
-        root = self._choose(logits[-1], cfg.sampling, gen)
+        lossy = self.lossy_roots if drafter is not None else 0
+        if lossy and not cfg.sampling.greedy:
+            raise ConfigError("lossy_target_roots is defined for greedy decoding only (temperature 0)")
+        if lossy:   # the target's top-W become the next round's candidate roots; nothing emitted yet
+            roots, sequence, new = logits[-1].topk(lossy).indices, prompt_ids, []
+        else:
+            root = self._choose(logits[-1], cfg.sampling, gen)
+            sequence, new = torch.cat([prompt_ids, root.reshape(1)]), [int(root)]
         stats.target_forwards += 1
         stats.prefill_s = time.perf_counter() - t_start
-        sequence = torch.cat([prompt_ids, root.reshape(1)])
         out: list[int] = []
-        finish = self._emit(out, [int(root)], cfg, eos)
+        finish = self._emit(out, new, cfg, eos)
         yield out[:]
 
         while finish is None:
             remaining = cfg.max_new_tokens - len(out)
-            depth = min(policy.begin_round(), remaining - 1) if drafter is not None else 0
+            depth = min(policy.begin_round(), remaining - (0 if lossy else 1)) if drafter is not None else 0
             # 1-2. draft a tree under the target-initialised root
             t0 = time.perf_counter()
-            grown = (grow_tree(drafter, policy, sequence, depth, cfg.sampling, gen) if depth > 0
+            grown = (grow_tree(drafter, policy, sequence, depth, cfg.sampling, gen,
+                               root_children=roots if lossy else None) if depth > 0
                      else GrownTree(DraftTree.root_only(policy.topology, sequence[-1]), None))
             t1 = time.perf_counter()
             # 3-4. verify every node in one target forward, then accept
-            acc, path_hidden = self._verify(grown, cfg.sampling, gen, policy, hidden=wants_hidden)
+            acc, path_hidden, last = self._verify(grown, cfg.sampling, gen, policy, wants_hidden, bool(lossy))
             t2 = time.perf_counter()
             # 5. commit the accepted path into both caches
             if wants_hidden:
@@ -275,7 +293,11 @@ class TreeDecoder:
             if on_round is not None:
                 on_round(grown.tree, acc)
             # 6. emit
-            new = torch.cat([grown.tree.tokens[acc.path[1:]], acc.next_token.reshape(1)])
+            new = grown.tree.tokens[acc.path[1:]]
+            if lossy:
+                roots = last.topk(lossy).indices
+            else:
+                new = torch.cat([new, acc.next_token.reshape(1)])
             sequence = torch.cat([sequence, new])
             before = len(out)
             finish = self._emit(out, new.tolist(), cfg, eos)
@@ -289,27 +311,41 @@ class TreeDecoder:
         text = self.tokenizer.decode(out, skip_special_tokens=True) if self.tokenizer is not None else None
         return GenerationOutput(tokens=out, text=text, stats=stats, finish_reason=finish)
 
-    def _verify(self, grown: GrownTree, sampling: SamplingConfig, gen, policy: TreePolicy, hidden: bool = False):
-        """One target forward over all tree nodes, the acceptance rule, and the target cache commit.
+    def _verify(self, grown: GrownTree, sampling: SamplingConfig, gen, policy: TreePolicy, hidden: bool = False,
+                skip_root: bool = False):
+        """One target forward over the tree's nodes, the acceptance rule, and the target cache commit.
 
-        Returns the Acceptance and, with hidden=True, the target's last hidden
-        states (k+1, H) along the accepted path (else None).
+        With skip_root (the lossy multi-root variant) the root is the last
+        committed token, already in the cache, and its children are the
+        candidate roots: every node but the root is fed, and the first level is
+        accepted as given.
+
+        Returns:
+            (Acceptance; with hidden=True the target's last hidden states along the
+            newly committed path (else None); the target's logits (V,) after the
+            deepest accepted node).
         """
         tree = grown.tree
         prefix = self.target.length
         anc = tree.mask()                                                  # (N, N), sliced from the topology
-        out = self.target.forward(tree.tokens, tree.positions(prefix), anc, hidden=hidden)
-        logits, states = out if hidden else (out, None)                   # (N, V), (N, H)
-        if policy.wants_target_logits:
+        s = int(skip_root)                                                 # rows of the tree fed to the target
+        out = self.target.forward(tree.tokens[s:], tree.positions(prefix - s)[s:], anc[s:, s:], hidden=hidden)
+        logits, states = out if hidden else (out, None)                   # (N-s, V), (N-s, H)
+        if policy.wants_target_logits and not skip_root:
             policy.observe_target(tree, logits)
         if sampling.greedy:
-            acc = accept_greedy(tree.tokens, tree.parents, tree.depth, anc, logits.argmax(-1))
+            argmax = logits.argmax(-1)
+            if skip_root:   # the root's row is not computed; its children are accepted as given
+                argmax = torch.cat([argmax.new_full((1,), -1), argmax])
+            acc = accept_greedy(tree.tokens, tree.parents, tree.depth, anc, argmax,
+                                given=(tree.depth == 1) if skip_root else None)
         else:
             p_target = logits_to_probs(logits, sampling)
             q_draft = grown.q_draft if grown.q_draft is not None else torch.zeros_like(p_target)
             acc = accept_sampling(tree.tokens, tree.parents, p_target, q_draft.to(p_target.device), gen)
-        self.target.commit(prefix, acc.path)
-        return acc, (states[acc.path] if hidden else None)
+        kept = acc.path[s:] - s                                            # rows of the fed block
+        self.target.commit(prefix, kept)
+        return acc, (states[kept] if hidden else None), logits[acc.path[-1] - s]
 
     # ------------------------------------------------------------------ helpers
 

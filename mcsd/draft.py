@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from . import kv_cache
 from .config import SamplingConfig
 from .lm import CachedLM
 from .policies.base import Frontier, TreePolicy
@@ -69,6 +70,8 @@ class ModelDrafter:
         self.forwards = 0
 
     def begin_round(self, sequence: torch.Tensor) -> torch.Tensor:
+        if self.lm.length >= sequence.numel():              # root already cached (lossy multi-root rounds):
+            kv_cache.truncate(self.lm.cache, sequence.numel() - 1)   # re-read it for its logits
         pending = sequence[self.lm.length:]                 # the root, plus any accepted leaf not yet seen
         logits = self.lm.extend(pending)                    # (P, V)
         self.forwards += 1
@@ -114,7 +117,8 @@ def _draft_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor
 
 @torch.inference_mode()
 def grow_tree(drafter: Drafter, policy: TreePolicy, sequence: torch.Tensor, depth_limit: int,
-              sampling: SamplingConfig, generator: torch.Generator | None) -> GrownTree:
+              sampling: SamplingConfig, generator: torch.Generator | None,
+              root_children: torch.Tensor | None = None) -> GrownTree:
     """Grow one round's tree under the root `sequence[-1]`.
 
     Args:
@@ -125,6 +129,8 @@ def grow_tree(drafter: Drafter, policy: TreePolicy, sequence: torch.Tensor, dept
         sampling: greedy -> children are the draft's top-k; otherwise drawn
             without replacement from q_draft (processed like p_target).
         generator: randomness for sampling.
+        root_children: (W,) fixed first level instead of drafted children (the
+            lossy multi-root variant puts the target's top-W tokens there).
     Returns:
         GrownTree. One draft forward per level actually expanded.
     """
@@ -136,8 +142,19 @@ def grow_tree(drafter: Drafter, policy: TreePolicy, sequence: torch.Tensor, dept
     logits = drafter.begin_round(sequence)[None].to(device)               # (1, V)
     frontier = torch.zeros(1, dtype=torch.long, device=device)
     q_rows: list[tuple[torch.Tensor, torch.Tensor]] = []
+    first = 0
+    if root_children is not None:                                          # a given first level
+        w = root_children.numel()
+        tree.append_level(root_children.to(device), torch.zeros(w, dtype=torch.long, device=device),
+                          torch.zeros(w, device=device), topo.child_table[0, :w])
+        new = torch.arange(1, w + 1, device=device)
+        frontier = new[topo.n_children[tree.topo_ids[new]] > 0]
+        if depth_limit < 2 or frontier.numel() == 0:
+            return GrownTree(tree, None)
+        logits = drafter.step(tree, frontier).to(device)
+        first = 1
 
-    for depth in range(depth_limit):
+    for depth in range(first, depth_limit):
         probs = _draft_probs(logits, sampling)                             # (F, V)
         max_children = topo.n_children[tree.topo_ids[frontier]]           # (F,)
         n_children = policy.expand(Frontier(depth, frontier, max_children, probs, tree))

@@ -48,18 +48,24 @@ class Acceptance:
 
 
 def accept_greedy(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor,
-                  anc_mask: torch.Tensor, target_argmax: torch.Tensor) -> Acceptance:
+                  anc_mask: torch.Tensor, target_argmax: torch.Tensor,
+                  given: torch.Tensor | None = None) -> Acceptance:
     """Longest path whose tokens all equal the target's argmax.
 
     Args:
         tokens: (N,) node tokens; parents: (N,) (root -1); depth: (N,).
         anc_mask: (N, N) bool ancestor-or-self mask.
         target_argmax: (N,) the target's argmax next token after each node.
+        given: optional (N,) bool, nodes accepted without a test (the lossy
+            multi-root variant's candidate roots). Ties in depth go to the
+            lowest index.
     Returns:
         Acceptance; next_token = target_argmax at the deepest accepted node.
     """
     match = torch.ones_like(tokens, dtype=torch.bool)
     match[1:] = tokens[1:] == target_argmax[parents[1:]]                       # (N,)
+    if given is not None:
+        match |= given
     # A node is accepted iff no node on its root path (itself included) mismatches.
     accepted = ~(anc_mask & ~match.unsqueeze(0)).any(-1)                       # (N,)
     best = torch.argmax(torch.where(accepted, depth, -1))                      # deepest; root at worst
