@@ -591,7 +591,8 @@ def load_examples(data_dir: Path, runs: list[str], with_hidden: bool = False) ->
     """All records of `runs`, with the teacher's labels where the teacher
     stage ran and the generation-time labels otherwise.
 
-    Returns dicts: key, prompt_id, category, prompt (P,) int32,
+    Records with no labels yet (a prompttext run before its teacher pass)
+    are skipped. Returns dicts: key, prompt_id, category, prompt (P,) int32,
     response (R,) int32, topk_ids (R, k) int32, topk_probs (R, k) float16
     [, hidden (R, H) float16].
     """
@@ -606,11 +607,15 @@ def load_examples(data_dir: Path, runs: list[str], with_hidden: bool = False) ->
                     labels[t["key"]] = t
         if with_hidden and len(labels) == 0:
             raise ValueError(f"run {run!r} has no teacher pass with hidden states")
+        unlabelled = 0
         for r in iter_records(data_dir, run):
             r = {**r, **labels.get(r["key"], {})}
-            if with_hidden and "hidden" not in r:
+            if "topk_ids" not in r or (with_hidden and "hidden" not in r):
+                unlabelled += 1  # e.g. a prompttext run whose teacher pass is not finished
                 continue
             examples.append(r)
+        if unlabelled:
+            print(f"[load_examples] {run}: skipped {unlabelled} records without teacher labels")
     return examples
 
 
@@ -626,7 +631,7 @@ def run_status(args):
             print(f"{section:8s} {run:20s} seqs {e.get('n_sequences', 0):6d}  tokens {e.get('n_tokens', 0):8d}"
                   f"  shards {len(e['shards']):4d}  {e.get('seconds', 0) / 60:6.1f} min  {json.dumps(e['settings'])}")
             total += e.get("n_tokens", 0) if section == "runs" else 0
-    print(f"total response tokens: {total}")
+    print(f"total labelled tokens (response runs): {total}")
 
 
 # -----------------------------------------------------------------------------
