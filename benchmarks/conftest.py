@@ -22,6 +22,8 @@ def pytest_addoption(parser):
     g.addoption("--bench-max-new-tokens", type=int, default=128)
     g.addoption("--bench-target", default=None, help="target source (default: the embedded preset)")
     g.addoption("--bench-draft", default=None, help="draft source (default: the preset's draft)")
+    g.addoption("--bench-drafter", default="model", choices=("model", "feature"),
+                help="with the preset: standalone draft model or target-feature head (HF assisted needs a model)")
     g.addoption("--bench-dtype", default="bfloat16")
     g.addoption("--bench-device", default="cpu")
     g.addoption("--bench-threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -41,7 +43,9 @@ class Bench:
         self.max_new_tokens = 16 if self.smoke else opt("--bench-max-new-tokens")
         self.dtype, self.device = opt("--bench-dtype"), opt("--bench-device")
         self.target, self.draft, self.tokenizer = load_model_pair(
-            opt("--bench-target"), opt("--bench-draft"), dtype=self.dtype, device=self.device)
+            opt("--bench-target"), opt("--bench-draft"), dtype=self.dtype, device=self.device,
+            drafter=opt("--bench-drafter"))
+        self.draft_is_model = isinstance(self.draft, torch.nn.Module)
         prompts = load_prompts(opt("--bench-prompts"), split=opt("--bench-split"))
         if self.smoke:
             prompts = prompts[:1]
@@ -62,6 +66,7 @@ class Bench:
             "transformers": __import__("transformers").__version__,
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "prompts": len(self.prompts), "max_new_tokens": self.max_new_tokens,
+            "drafter": "model" if self.draft_is_model else type(self.draft).__name__,
         }
 
 
