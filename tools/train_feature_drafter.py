@@ -5,7 +5,7 @@ fitting split (and to self-instruct prompts), then one teacher-forced pass that
 stores, per response position, the target's final hidden state and its top-k
 next-token distribution:
 
-    python tools/target_data.py teacher --run fit-greedy --hidden
+    python tools/target_data.py teacher fit-greedy --store-hidden
     python tools/train_feature_drafter.py --runs fit-greedy --heldout-run heldout-greedy --time-budget-min 30
 
 Training, per response position t (hidden[t] is the target feature that
@@ -182,7 +182,7 @@ def main(argv=None) -> int:
     train = target_data.load_examples(data_dir, args.runs, with_hidden=True)
     held = target_data.load_examples(data_dir, [args.heldout_run], with_hidden=True) if args.heldout_run else []
     if not train:
-        sys.exit("no training examples with hidden states; run target_data.py teacher --hidden first")
+        sys.exit("no training examples with hidden states; run tools/target_data.py teacher RUN --store-hidden first")
     vocab = target.get_output_embeddings().weight.shape[0]
     sub = sub_vocabulary(train, args.sub_vocab, vocab)
     cfg = FeatureHeadConfig(target_hidden=target.config.hidden_size, hidden=args.hidden, layers=args.layers,
