@@ -309,8 +309,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     data_dir = Path(args.data_dir or td.default_data_dir(args.target))
     out_dir = Path(args.out)
-    root = Path(os.environ.get("MCSD_CACHE", Path.home() / ".cache" / "mcsd"))
-    ckpt_path = Path(args.ckpt_dir or root / "checkpoints" / out_dir.name) / "last.pt"
+    ckpt_path = Path(args.ckpt_dir or td.cache_dir() / "checkpoints" / out_dir.name) / "last.pt"
     cfg = DraftConfig(**{f: getattr(args, f) for f in asdict(DraftConfig())})
 
     # data: fitting-split runs for training, the held-out greedy run for eval

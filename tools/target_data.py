@@ -68,8 +68,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-DEFAULT_TARGET = "/work/cache/smollm2-135m-fp32"
-DEFAULT_QUESTIONS = "/work/shared/data/spec_bench/question.jsonl"
+from mcsd.data import chat_ids
+from mcsd.data import load_prompts as load_prompts_file
+from mcsd.models import cache_dir
+
+DEFAULT_TARGET = "smollm2-135m"          # the embedded preset; any model source works
+DEFAULT_QUESTIONS = None                 # mcsd.data.default_spec_bench()
 TOPK = 8  # the target's top-8 holds ~92% of its mass on its own responses
 
 
@@ -79,8 +83,7 @@ TOPK = 8  # the target's top-8 holds ~92% of its mass on its own responses
 
 def default_data_dir(target_path: str) -> Path:
     """Cache folder for one target's data, outside the repository."""
-    root = Path(os.environ.get("MCSD_CACHE", Path.home() / ".cache" / "mcsd"))
-    return root / "data" / Path(target_path).name
+    return cache_dir() / "data" / Path(target_path).name
 
 
 def pick_device() -> str:
@@ -98,44 +101,19 @@ def pick_dtype(name: str = "auto") -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
 
 
-def load_target(path: str, device: str | None = None, dtype=torch.bfloat16):
-    """Load the target model and tokenizer. The one place that knows how;
-    swap it for the package's preset loader when that exists."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_target(source: str, device: str | None = None, dtype=torch.bfloat16):
+    """The target and its tokenizer through the package's loader (preset, directory, .gguf or hub id)."""
+    from mcsd.models import load_model, load_tokenizer
 
     device = device or pick_device()
     dtype = pick_dtype(dtype) if isinstance(dtype, str) else dtype
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    return model, tokenizer
+    return load_model(source, dtype, device, role="target"), load_tokenizer(source)
 
 
-def chat_prompt_ids(tokenizer, user_text: str) -> list[int]:
-    """The user message wrapped in the target's chat template, ready for the
-    assistant's reply."""
-    out = tokenizer.apply_chat_template(
-        [{"role": "user", "content": user_text}], add_generation_prompt=True, tokenize=True
-    )
-    # transformers 5 returns a BatchEncoding; older versions a plain list
-    return list(out["input_ids"] if hasattr(out, "keys") else out)
-
-
-def load_spec_bench(path: str = DEFAULT_QUESTIONS, split: str = "fit") -> list[dict]:
-    """Spec-Bench first turns as prompt dicts {id, category, text}.
-
-    split: "fit" (question_id % 5 != 0), "heldout" (== 0) or "all".
-    """
-    rows = [json.loads(line) for line in open(path)]
-    keep = {
-        "fit": lambda q: q % 5 != 0,
-        "heldout": lambda q: q % 5 == 0,
-        "all": lambda q: True,
-    }[split]
-    return [
-        {"id": f"sb-{r['question_id']}", "category": r["category"], "text": r["turns"][0]}
-        for r in rows
-        if keep(r["question_id"])
-    ]
+def load_spec_bench(path: str | None = None, split: str = "fit") -> list[dict]:
+    """Spec-Bench first turns as prompt dicts {id, category, text} (split as in mcsd.data)."""
+    return [{"id": f"sb-{p.question_id}", "category": p.category, "text": p.text}
+            for p in load_prompts_file(path, split)]
 
 
 def load_prompts(data_dir: Path, source: str, split: str, questions: str) -> list[dict]:
@@ -335,13 +313,16 @@ def run_generate(args):
     for p in prompts:
         if args.categories and p["category"] not in args.categories:
             continue
-        ids = chat_prompt_ids(tokenizer, p["text"])
+        ids = chat_ids(tokenizer, p["text"])
         if len(ids) > args.max_prompt_len:
             continue
         for s in range(args.samples):
             key = f"{p['id']}/{s}"
             if key not in done:
                 jobs.append((key, p, ids))
+    if args.limit is not None:
+        # jobs run shortest prompt first, so a limit reproduces a run that was stopped early
+        jobs = sorted(jobs, key=lambda job: len(job[2]))[: max(0, args.limit - len(done))]
     print(f"[generate {args.run}] {len(done)} done, {len(jobs)} pending", flush=True)
 
     eos_ids = tuple({tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")})
@@ -430,7 +411,7 @@ def run_selfinstruct(args):
         for j in range(args.batch_size):
             category = categories[(n_rounds * args.batch_size + j) % len(categories)]
             examples = rng.sample(by_category[category], k=min(3, len(by_category[category])))
-            metas.append((category, chat_prompt_ids(tokenizer, selfinstruct_meta_prompt(examples))))
+            metas.append((category, chat_ids(tokenizer, selfinstruct_meta_prompt(examples))))
         generator = torch.Generator(device=pick_device()).manual_seed(seed_for("selfinstruct-gen", n_rounds))
         outs = generate_batch(
             model, [m for _, m in metas], args.max_new_tokens, args.temperature,
@@ -495,7 +476,7 @@ def run_prompttext(args):
     if args.source == "selfinstruct":
         settings.pop("split")
     done = start_run(data_dir, "runs", args.run, settings)
-    ids = {p["id"]: chat_prompt_ids(tokenizer, p["text"]) for p in prompts}
+    ids = {p["id"]: chat_ids(tokenizer, p["text"]) for p in prompts}
     first = next(iter(ids.values()))
     n_prefix = 0  # the prefix all prompts share: system message and user header
     while all(len(v) > n_prefix and v[n_prefix] == first[n_prefix] for v in ids.values()):
@@ -639,9 +620,9 @@ def run_status(args):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default=DEFAULT_TARGET, help="target model directory")
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="target: preset name, directory, .gguf or hub id")
     parser.add_argument("--data-dir", default=None, help="default: $MCSD_CACHE/data/<target-name>")
-    parser.add_argument("--questions", default=DEFAULT_QUESTIONS, help="Spec-Bench question.jsonl")
+    parser.add_argument("--questions", default=DEFAULT_QUESTIONS, help="Spec-Bench style JSONL (default: the shared Spec-Bench file)")
     parser.add_argument("--threads", type=int, default=2,
                         help="CPU threads; use 1 when another job shares a 2-core machine (a 2-thread "
                              "OpenMP pass with a core taken runs ~20x slower)")
@@ -658,6 +639,7 @@ def main(argv=None):
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--max-prompt-len", type=int, default=100_000, help="skip longer prompts (tokens)")
     g.add_argument("--categories", nargs="*", default=None, help="only these categories")
+    g.add_argument("--limit", type=int, default=None, help="stop when the run holds this many sequences")
     g.add_argument("--batch-size", type=int, default=96)
     g.add_argument("--token-budget", type=int, default=16384, help="padded prompt tokens per batch")
 

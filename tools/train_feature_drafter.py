@@ -26,7 +26,6 @@ The final head (safetensors + JSON config + card) goes to --out.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import shlex
@@ -178,7 +177,7 @@ def main(argv=None) -> int:
     t_start = time.time()
     target = load_model(args.target or "smollm2-135m", dtype="float32", device=device)
     embed = target.get_input_embeddings()
-    data_dir = args.data_dir or target_data.default_data_dir(str(args.target or "smollm2-135m-fp32"))
+    data_dir = args.data_dir or target_data.default_data_dir(args.target or target_data.DEFAULT_TARGET)
     train = target_data.load_examples(data_dir, args.runs, with_hidden=True)
     held = target_data.load_examples(data_dir, [args.heldout_run], with_hidden=True) if args.heldout_run else []
     if not train:
