@@ -42,7 +42,7 @@ from mcsd import TreeDecoder, load_model_pair
 from mcsd.data import chat_ids, load_prompts
 from mcsd.models import cache_dir
 from mcsd.policies.base import Frontier, TreePolicy
-from mcsd.policies.learned import FEATURE_NAMES, candidate_features
+from mcsd.policies.learned import FEATURE_NAMES, candidate_features, recent_acceptance
 from mcsd.tree import DraftTree, TreeTopology
 
 GROUPS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag", "other")
@@ -91,9 +91,7 @@ class TracePolicy(TreePolicy):
                           "parent": (parents - 1).cpu().numpy(), "round": self.round})
 
     def observe(self, n_accepted: int, tree: DraftTree) -> None:
-        drafted = int(tree.depth.max())
-        if drafted:
-            self.recent = 0.8 * self.recent + 0.2 * (n_accepted / drafted)   # as LearnedPolicy does
+        self.recent = recent_acceptance(self.recent, n_accepted, tree)       # as LearnedPolicy does
         self.round += 1
 
     def take(self) -> list[dict]:

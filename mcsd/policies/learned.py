@@ -270,9 +270,13 @@ class LearnedPolicy(TreePolicy):
         return True
 
     def observe(self, n_accepted: int, tree: DraftTree) -> None:
-        drafted = int(tree.depth.max())
-        if drafted:
-            self.recent = 0.8 * self.recent + 0.2 * (n_accepted / drafted)
+        self.recent = recent_acceptance(self.recent, n_accepted, tree)
+
+
+def recent_acceptance(recent: float, n_accepted: int, tree: DraftTree) -> float:
+    """The `recent_accept` feature: a running mean of accepted / drafted depth per round."""
+    drafted = int(tree.depth.max())
+    return 0.8 * recent + 0.2 * (n_accepted / drafted) if drafted else recent
 
 
 def default_model_path() -> Path:
