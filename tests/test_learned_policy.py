@@ -50,7 +50,7 @@ def _policy(model, spec="3,2,2,1,1"):
     return LearnedPolicy(TreeTopology.from_spec(spec), model=model, costs=Costs.default())
 
 
-@pytest.mark.parametrize("model", [constant_model(0.95), constant_model(0.001), q_threshold_model(0.3)],
+@pytest.mark.parametrize("model", [constant_model(0.95), constant_model(0.001), q_threshold_model(0.02)],
                          ids=["confident", "hopeless", "q-threshold"])
 @pytest.mark.parametrize("draft_name", ["same", "noisy"])
 def test_learned_policy_is_lossless_greedy(target, random_draft, model, draft_name):
@@ -68,7 +68,31 @@ def test_confident_model_grows_and_hopeless_model_stops(target):
     b = stop.generate(PROMPT, max_new_tokens=40).stats
     assert a.tree_nodes / a.rounds > 3 and a.mean_accepted > 2
     assert b.tree_nodes == 0 and b.mean_accepted == 1.0           # nothing is worth its verify cost
-    assert b.draft_forwards == b.rounds - 1    # one draft step a round (none in the last, 1-token round)
+    # drafting loses every time it is tried, so the draft runs only in probe rounds:
+    # one round in (probe_every + 1), not every round
+    probes = -(-(b.rounds - 1) // (LearnedPolicy.probe_every + 1))
+    assert b.draft_forwards == probes < b.rounds // 2
+
+
+def test_draft_gate_skips_rounds_and_stays_exact(target):
+    """With a costly draft, losing rounds switch drafting off for a while; the
+    draft catches up on the tokens it skipped and the output stays exact."""
+    from test_equivalence import perturbed
+    ref = TreeDecoder(target, None, attention="sdpa").generate_baseline(PROMPT, max_new_tokens=60).tokens
+    costs = Costs(verify={1: 1.0, 64: 1.5}, draft={1: 0.5})      # a draft step costs half a target step
+    policy = LearnedPolicy(TreeTopology.from_spec("3,2,2,1,1"), model=q_threshold_model(0.02), costs=costs)
+    dec = TreeDecoder(target, perturbed(target, 1.0, seed=4), policy=policy, attention="sdpa")
+    calls = []
+    begin = dec.drafter.begin_round
+    dec.drafter.begin_round = lambda seq: (calls.append(len(seq)), begin(seq))[1]
+    trees = []
+    out = dec.generate(PROMPT, max_new_tokens=60, on_round=lambda tree, acc: trees.append(acc.n_accepted))
+    assert out.tokens == ref
+    skipped = out.stats.rounds - len(calls)
+    assert skipped >= 5 and len(calls) >= 5 and sum(trees) > 0     # both kinds of round, some drafts accepted
+    policy.reset()
+    policy.draft_value = -1.0                   # as if drafting had been losing
+    assert [policy.begin_round() > 0 for _ in range(5)] == [False, False, False, True, False]
 
 
 def test_learned_policy_sampling_is_exact():

@@ -197,6 +197,14 @@ class LearnedPolicy(TreePolicy):
     plausible gain (the new nodes' path probabilities times the recent
     acceptance rate) pays for that level's draft time.
 
+    Drafting itself is gated: a running mean of what drafting has been worth
+    per round (accepted tokens times a target step, less the draft and extra
+    verify time spent) decides whether the next round drafts at all. While it
+    is negative the draft sits out, but never more than `probe_every` rounds in
+    a row, so the estimate is refreshed when the text gets easier. A round
+    without drafting is a plain target step; the draft catches up on the
+    skipped tokens in its next forward.
+
     Args:
         topology: the largest tree allowed (depth and fan-out bounds).
         model: an AcceptanceModel, or a path to one (default: the shipped model).
@@ -216,15 +224,22 @@ class LearnedPolicy(TreePolicy):
         self.predict_s = 0.0          # feature building + prediction time, for the overhead report
         self.reset()
 
+    probe_every = 3                     # most rounds in a row without drafting
+
     def reset(self) -> None:
         self.recent = 0.5
         self.predict_s = 0.0
+        self.draft_value = 0.0          # running ms gained per drafted round; < 0: drafting loses
+        self._skipped = 0
+        self._drafting = False
 
     def begin_round(self) -> int:
         self._path_pred = torch.ones(1, device=self.topology.parents.device)   # the root is certain
         self._draft_ms = self.costs.draft_ms(1)                               # the root's draft step
         self._last = None
-        return self.topology.max_depth
+        self._drafting = not (self.draft_value < 0 and self._skipped < self.probe_every)
+        self._skipped = 0 if self._drafting else self._skipped + 1
+        return self.topology.max_depth if self._drafting else 0
 
     def expand(self, frontier: Frontier) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -271,6 +286,10 @@ class LearnedPolicy(TreePolicy):
 
     def observe(self, n_accepted: int, tree: DraftTree) -> None:
         self.recent = recent_acceptance(self.recent, n_accepted, tree)
+        if self._drafting:
+            step = self.costs.verify_ms(1)
+            value = n_accepted * step - (self._draft_ms + self.costs.verify_ms(tree.size) - step)
+            self.draft_value = 0.5 * self.draft_value + 0.5 * value
 
 
 def recent_acceptance(recent: float, n_accepted: int, tree: DraftTree) -> float:
