@@ -89,6 +89,30 @@ def evaluate(stage1, model, cols, data: dict, label: str):
                "base_rate": float(y.mean()), "rows": int(len(y))}
 
 
+def feature_importance(stage1, model, cols, data: dict, label: str) -> dict[str, float]:
+    """Held-out AUC lost when one feature's column is shuffled (mean of 3 shuffles)."""
+    from sklearn.inspection import permutation_importance
+    x = data["features"].astype(np.float64)
+    x2 = fill_parent_pred(x, data["parent_row"], stage1.predict_proba(x[:, cols])[:, 1])
+    r = permutation_importance(model, x2, data[label], scoring="roc_auc", n_repeats=3, random_state=0)
+    return {name: round(float(v), 4) for name, v in zip(FEATURE_NAMES, r.importances_mean)}
+
+
+def call_ms(spec: dict, rows: int = 32, repeats: int = 200) -> float:
+    """Median time of one policy-sized prediction call (rows candidates of one draft level)."""
+    import statistics
+
+    import torch
+    model = AcceptanceModel(spec, "export")
+    x = torch.rand(rows, len(FEATURE_NAMES))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        model.predict_proba(x)
+        times.append(time.perf_counter() - t)
+    return round(1e3 * statistics.median(times), 4)
+
+
 def calibration_plot(curves: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -128,18 +152,22 @@ def main(argv=None) -> int:
     for name, make in models().items():
         stage1, model, cols = fit_two_stage(make, fit, args.label)
         p, metrics = evaluate(stage1, model, cols, held, args.label)
-        results[name], fitted[name] = metrics, model
+        metrics["call_ms"] = call_ms(export_sklearn(model))
+        results[name], fitted[name] = metrics, (stage1, model, cols)
         curves[name] = (held[args.label], p)
         print(f"{name:9s} held-out AUC {metrics['auc']:.3f}  Brier {metrics['brier']:.4f}  "
-              f"(base rate {metrics['base_rate']:.3f}, {metrics['rows']} nodes)")
+              f"(base rate {metrics['base_rate']:.3f}, {metrics['rows']} nodes), {metrics['call_ms']:.3f} ms a call")
     calibration_plot(curves, out / "calibration.png")
     best = min(results, key=lambda n: results[n]["brier"])
-    spec = export_sklearn(fitted[best], meta={"label": args.label, "metrics": results[best]})
+    importance = feature_importance(*fitted[best], held, args.label)
+    print("held-out AUC lost without each feature:", importance)
+    spec = export_sklearn(fitted[best][1], meta={"label": args.label, "metrics": results[best]})
     AcceptanceModel(spec, "export")                                  # the file we write must load
     (out / "acceptance.json").write_text(json.dumps(spec))
     card = {
         "what": "P(draft node accepted | parent accepted), for the learned tree policy",
         "chosen": best, "features": list(FEATURE_NAMES), "label": args.label,
+        "permutation_importance_auc": importance,
         "sklearn": sklearn.__version__, "metrics_heldout": results,
         "data": {"fit": {"folder": str(args.fit), "nodes": int(len(fit["label_greedy"])),
                          "questions": int(np.unique(fit["question_id"]).size)},

@@ -107,7 +107,7 @@ class AcceptanceModel:
             elif self.kind == "gbt":
                 self.init = float(spec["init"])
                 self.learning_rate = float(spec["learning_rate"])
-                self.trees = [_Tree(t, len(names)) for t in spec["trees"]]
+                self.forest = _Forest([_Tree(t, len(names)) for t in spec["trees"]])
             else:
                 raise ValueError(f"unknown model kind {self.kind!r}")
         except (KeyError, TypeError, ValueError) as exc:
@@ -126,14 +126,12 @@ class AcceptanceModel:
         if self.kind == "logistic":
             logit = ((z - self.mean.to(z.device)) / self.scale.to(z.device)) @ self.coef.to(z.device) + self.intercept
         else:
-            logit = torch.full(z.shape[:-1], self.init, device=z.device)
-            for tree in self.trees:
-                logit = logit + self.learning_rate * tree(z)
+            logit = self.init + self.learning_rate * self.forest(z)
         return torch.sigmoid(logit)
 
 
 class _Tree:
-    """A regression tree as flat arrays (sklearn's tree_ layout): evaluated for all rows at once."""
+    """A regression tree as flat arrays (sklearn's tree_ layout), checked; evaluated by `_Forest`."""
 
     def __init__(self, t: dict, n_features: int):
         self.left = torch.tensor(t["left"], dtype=torch.long)
@@ -149,15 +147,41 @@ class _Tree:
             raise ValueError("tree refers to a feature or node that does not exist")
         self.depth = int(t.get("max_depth", 32))
 
+
+class _Forest:
+    """All trees of an ensemble in padded (trees, nodes) arrays, traversed together.
+
+    One pass per level of the deepest tree, whatever the number of trees: the
+    policy calls this once per draft level, so its cost is a few dozen small
+    tensor ops, not a few per tree.
+    """
+
+    def __init__(self, trees: list[_Tree]):
+        if not trees:
+            raise ValueError("an ensemble needs at least one tree")
+        width = max(t.left.numel() for t in trees)
+        self.depth = max(t.depth for t in trees)
+
+        def stack(attr, fill):
+            rows = [torch.cat([getattr(t, attr), torch.full((width - getattr(t, attr).numel(),), fill,
+                                                           dtype=getattr(t, attr).dtype)]) for t in trees]
+            return torch.stack(rows).flatten()                          # (T * width,)
+        self.left, self.right = stack("left", -1), stack("right", -1)
+        self.feature, self.threshold, self.value = stack("feature", 0), stack("threshold", 0.0), stack("value", 0.0)
+        self.offset = torch.arange(len(trees)) * width                  # (T,) first node of each tree
+
     def __call__(self, z: torch.Tensor) -> torch.Tensor:
-        node = torch.zeros(z.shape[:-1], dtype=torch.long, device=z.device)
-        left, right = self.left.to(z.device), self.right.to(z.device)
-        feat, thr = self.feature.to(z.device), self.threshold.to(z.device)
-        for _ in range(self.depth + 1):
-            leaf = left[node] < 0
-            go_left = z.gather(-1, feat[node].clamp_min(0)[..., None])[..., 0] <= thr[node]
-            node = torch.where(leaf, node, torch.where(go_left, left[node], right[node]))
-        return self.value.to(z.device)[node]
+        """z: (..., D) -> (...) the sum of the trees' leaf values."""
+        dev = z.device
+        left, right, feat, thr = (a.to(dev) for a in (self.left, self.right, self.feature, self.threshold))
+        rows = z.reshape(-1, z.shape[-1])                                # (R, D)
+        offset = self.offset.to(dev)[None]                               # (1, T)
+        idx = offset.expand(rows.shape[0], -1)                           # (R, T) current node of each tree
+        for _ in range(self.depth):
+            go_left = rows.gather(1, feat[idx].clamp_min(0)) <= thr[idx]
+            child = torch.where(go_left, left[idx], right[idx])          # local index in its tree; -1 at a leaf
+            idx = torch.where(left[idx] >= 0, offset + child, idx)
+        return self.value.to(dev)[idx].sum(-1).reshape(z.shape[:-1])
 
 
 # ---------------------------------------------------------------------------- the policy
