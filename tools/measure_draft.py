@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from mcsd import kv_cache
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import distill_draft as dd  # noqa: E402
 import target_data as td  # noqa: E402
@@ -65,6 +67,62 @@ def measure_cost(target, draft, context: list[int], runs: int = 30, warmup: int 
             "ratio": round(draft_ms / target_ms, 4), "runs": runs, "cache_len": len(context)}
 
 
+@torch.inference_mode()
+def measure_feature_cost(target, drafter, context: list[int], runs: int = 30, warmup: int = 3) -> dict:
+    """Like `measure_cost`, for a target-feature drafter: one draft step (the
+    head's 1-token forward over a len(context) cache, plus its LM-head scores)
+    against the target's 1-token forward, timed alternately."""
+    from mcsd.lm import CachedLM
+
+    ids = torch.tensor(context)
+    lm = CachedLM(target)
+    lm.reset()
+    _, hidden = lm.extend(ids[:-1], hidden=True)          # the target's features of the context
+    drafter.reset()
+    drafter.observe_target(hidden)
+    drafter.begin_round(ids)                               # the head's cache now holds the context
+    times = ([], [])
+    for r in range(warmup + runs):
+        t0 = time.perf_counter()
+        lm.extend(ids[-1:])
+        elapsed = time.perf_counter() - t0
+        kv_cache.truncate(lm.cache, len(context) - 1)
+        t1 = time.perf_counter()
+        kv_cache.truncate(drafter.cache, len(context) - 2)
+        drafter.begin_round(ids)                           # re-reads one token: the root's draft step
+        elapsed_draft = time.perf_counter() - t1
+        if r >= warmup:
+            times[0].append(elapsed)
+            times[1].append(elapsed_draft)
+    target_ms, draft_ms = (statistics.median(t) * 1000 for t in times)
+    return {"target_ms": round(target_ms, 2), "draft_ms": round(draft_ms, 2),
+            "ratio": round(draft_ms / target_ms, 4), "runs": runs, "cache_len": len(context)}
+
+
+def feature_head_main(args, data_dir: Path) -> None:
+    """--feature-head: the cost figure of a target-feature head, written on its card."""
+    from mcsd.models import load_feature_drafter
+
+    target, _ = td.load_target(args.target, device="cpu", dtype=torch.bfloat16)
+    drafter = load_feature_drafter(args.feature_head, target, "bfloat16")
+    examples = td.load_examples(data_dir, [HELDOUT_RUN])
+    context = max(examples, key=lambda e: -abs(len(e["prompt"]) + len(e["response"]) - args.cache_len))
+    context = torch.cat([context["prompt"], context["response"]]).tolist()[: args.cache_len]
+    cost = measure_feature_cost(target, drafter, context, args.runs)
+    print(f"cost: feature head step {cost['draft_ms']} ms / target {cost['target_ms']} ms = {cost['ratio']:.3f}")
+    if not args.no_card:
+        card_path = Path(args.feature_head) / "card.json"
+        card = json.loads(card_path.read_text()) if card_path.exists() else {}
+        card.setdefault("figures", {})["cost_ratio"] = cost["ratio"]
+        card["figures"]["cost"] = {**cost, "dtype": "bfloat16", "threads": args.threads, "device": "cpu",
+                                   "what": "one draft step (1 token, cache of cache_len target features) against "
+                                           "the target's 1-token forward, median of interleaved runs"}
+        card.setdefault("reproduce", {})["measure"] = "python tools/measure_draft.py " + " ".join(
+            sys.argv[1:] if args.argv is None else args.argv)
+        card_path.write_text(json.dumps(card, indent=1) + "\n")
+        print(f"updated {card_path}")
+
+
 def per_category(draft, examples: list[dict], pad_id: int, max_len: int) -> dict:
     """Top-1 / top-4 agreement by Spec-Bench category."""
     out = {}
@@ -85,9 +143,15 @@ def main(argv=None):
     parser.add_argument("--cache-len", type=int, default=200)
     parser.add_argument("--max-len", type=int, default=4096, help="held-out prompts are left-truncated to fit")
     parser.add_argument("--no-card", action="store_true", help="print only, leave card.json alone")
+    parser.add_argument("--feature-head", default=None,
+                        help="measure the cost of this target-feature head instead (its agreement figures "
+                             "come from tools/train_feature_drafter.py)")
     args = parser.parse_args(argv)
+    args.argv = argv
     torch.set_num_threads(args.threads)
     data_dir = Path(args.data_dir or td.default_data_dir(args.target))
+    if args.feature_head:
+        return feature_head_main(args, data_dir)
 
     # 1. the target's own greedy responses to held-out prompts (cached, resumable)
     td.main(["--target", args.target, "--data-dir", str(data_dir), "--threads", str(args.threads),

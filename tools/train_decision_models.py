@@ -44,6 +44,7 @@ def load_traces(folder: Path) -> dict[str, np.ndarray]:
         sys.exit(f"{folder}: no traces yet")
     out = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
     out["groups"] = np.array(manifest["groups"])
+    out["settings"] = manifest.get("settings", {})
     return out
 
 
@@ -55,6 +56,18 @@ def fill_parent_pred(x: np.ndarray, parent_row: np.ndarray, cond: np.ndarray) ->
     x = x.copy()
     x[:, PARENT] = np.where(parent_row >= 0, path[np.maximum(parent_row, 0)], 1.0)
     return x
+
+
+def trace_command(settings: dict, folder: Path) -> str:
+    """The collect_traces.py command line that wrote a trace folder, from its manifest settings."""
+    shown = str(folder.resolve()).replace(str(Path.home()), "~", 1)
+    flags = [f"--out {shown}"]
+    for key, value in settings.items():
+        if value is None or value is False or (key == "limit" and value == 0):
+            continue
+        flag = "--" + key.replace("_", "-")
+        flags.append(flag if value is True else f"{flag} {shlex.quote(str(value))}")
+    return "python tools/collect_traces.py " + " ".join(flags)
 
 
 def models():
@@ -169,11 +182,11 @@ def main(argv=None) -> int:
         "chosen": best, "features": list(FEATURE_NAMES), "label": args.label,
         "permutation_importance_auc": importance,
         "sklearn": sklearn.__version__, "metrics_heldout": results,
-        "data": {"fit": {"folder": str(args.fit), "nodes": int(len(fit["label_greedy"])),
-                         "questions": int(np.unique(fit["question_id"]).size)},
-                 "heldout": {"folder": str(args.heldout), "nodes": int(len(held["label_greedy"])),
-                             "questions": int(np.unique(held["question_id"]).size)}},
-        "command": "python tools/train_decision_models.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+        "data": {name: {"nodes": int(len(d["label_greedy"])), "questions": int(np.unique(d["question_id"]).size),
+                        "traces": d["settings"], "command": trace_command(d["settings"], folder)}
+                 for name, d, folder in (("fit", fit, args.fit), ("heldout", held, args.heldout))},
+        "command": ("python tools/train_decision_models.py " + " ".join(
+            shlex.quote(a) for a in (argv or sys.argv[1:]))).replace(str(Path.home()), "~"),
         "seconds": round(time.time() - t0, 1),
     }
     (out / "card.json").write_text(json.dumps(card, indent=1))
