@@ -354,8 +354,8 @@ class TreeDecoder:
         """Costs from the cached device profile of this pair (tools/profile_device.py), else defaults."""
         from .policies.learned import Costs
         from .profile import load_or_measure
-        model = draft if isinstance(draft, torch.nn.Module) else None
-        prof = load_or_measure(target, model, measure_if_missing=False)
+        timed = draft if isinstance(draft, torch.nn.Module) or getattr(draft, "uses_target_hidden", False) else None
+        prof = load_or_measure(target, timed, measure_if_missing=False)
         return Costs.from_profile(prof) if prof is not None else Costs.default()
 
     @staticmethod

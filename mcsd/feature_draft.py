@@ -157,8 +157,9 @@ class FeatureDrafter:
 
     uses_target_hidden = True
 
-    def __init__(self, head: FeatureHead, target: nn.Module):
+    def __init__(self, head: FeatureHead, target: nn.Module, name: str = "feature-head"):
         self.head = head
+        self.name = name                                # names its device profile
         self.embed = target.get_input_embeddings()
         if head.lm_rows is None:
             head.attach_lm_head(target.get_output_embeddings().weight)

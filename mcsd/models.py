@@ -355,7 +355,8 @@ def load_feature_drafter(source: str, target, dtype="bfloat16"):
         raise ModelLoadError(f"feature head in {source} was built for hidden size {head.cfg.target_hidden} and "
                              f"vocabulary {head.cfg.vocab_size}; the target has {hidden} and {vocab}")
     # The head reads the target's features and embeddings, so it sits on the target's input device.
-    return FeatureDrafter(head.to(target.get_input_embeddings().weight.device), target)
+    return FeatureDrafter(head.to(target.get_input_embeddings().weight.device), target,
+                          name=Path(source).expanduser().resolve().name)
 
 
 def check_tokenizers(target_tok, draft_tok) -> None:

@@ -89,32 +89,69 @@ def _block_latency(lm: CachedLM, n: int, prefix_len: int, vocab: int, gen: torch
     return elapsed
 
 
+@torch.inference_mode()
+def _head_latency(drafter, n: int, prefix_len: int, vocab: int, gen: torch.Generator) -> float:
+    """Time one step of a target-feature drafter over n tree nodes (head forward and scores), ms."""
+    from . import kv_cache
+    from .tree import causal_allowed
+    feats = torch.randn(n, drafter.head.cfg.target_hidden, generator=gen).to(drafter.device, drafter.dtype)
+    tokens = torch.randint(0, vocab, (n,), generator=gen).to(drafter.device)
+    pos = torch.arange(prefix_len, prefix_len + n, device=drafter.device)
+    _sync(drafter.device)
+    t0 = time.perf_counter()
+    drafter.head.scores(drafter._run(feats, tokens, pos, causal_allowed(n, drafter.device)))
+    _sync(drafter.device)
+    elapsed = (time.perf_counter() - t0) * 1000
+    kv_cache.truncate(drafter.cache, prefix_len)
+    return elapsed
+
+
+class _HeadTimer:
+    """A target-feature drafter with a `prefix_len` cache, timed like a CachedLM."""
+
+    def __init__(self, drafter, prefix_len: int, gen: torch.Generator):
+        from .tree import causal_allowed
+        self.drafter, self.device = drafter, drafter.device
+        self.vocab = drafter.embed.weight.shape[0]
+        drafter.reset()
+        with torch.inference_mode():
+            drafter._run(torch.randn(prefix_len, drafter.head.cfg.target_hidden, generator=gen).to(
+                drafter.device, drafter.dtype), torch.randint(0, self.vocab, (prefix_len,), generator=gen).to(
+                drafter.device), torch.arange(prefix_len, device=drafter.device),
+                causal_allowed(prefix_len, drafter.device))
+
+
 def measure(target, draft=None, sizes=DEFAULT_SIZES, prefix_len: int = 200, repeats: int = 20,
             draft_sizes=(1, 2, 4, 8, 16, 32)) -> DeviceProfile:
     """Measure verify latency per tree size (and draft latency per level width), interleaved.
 
+    `draft` is a causal LM or a target-feature drafter (`mcsd.feature_draft`).
     Sizes are visited in a shuffled order each repeat so that drift (thermal,
     other load) spreads evenly; the median of `repeats` runs is kept.
     """
     gen = torch.Generator().manual_seed(0)
     lms = {"verify": CachedLM(target)}
     if draft is not None:
-        lms["draft"] = CachedLM(draft)
+        lms["draft"] = _HeadTimer(draft, prefix_len, gen) if _is_feature_drafter(draft) else CachedLM(draft)
     samples: dict[tuple[str, int], list[float]] = {}
+    def timed(lm, n):
+        if isinstance(lm, _HeadTimer):
+            return _head_latency(lm.drafter, n, prefix_len, lm.vocab, gen)
+        return _block_latency(lm, n, prefix_len, lm.model.get_input_embeddings().weight.shape[0], gen)
+
     for role, lm in lms.items():
-        lm.reset()
-        vocab = lm.model.get_input_embeddings().weight.shape[0]
-        lm.extend(torch.randint(0, vocab, (prefix_len,), generator=gen).to(lm.device))
+        if isinstance(lm, CachedLM):
+            lm.reset()
+            vocab = lm.model.get_input_embeddings().weight.shape[0]
+            lm.extend(torch.randint(0, vocab, (prefix_len,), generator=gen).to(lm.device))
         for n in (sizes if role == "verify" else draft_sizes):
-            _block_latency(lm, n, prefix_len, vocab, gen)                       # warm-up
+            timed(lm, n)                                                         # warm-up
     plan = [(role, n) for role in lms for n in (sizes if role == "verify" else draft_sizes)]
     for _ in range(repeats):
         order = torch.randperm(len(plan), generator=gen).tolist()
         for i in order:
             role, n = plan[i]
-            lm = lms[role]
-            vocab = lm.model.get_input_embeddings().weight.shape[0]
-            samples.setdefault((role, n), []).append(_block_latency(lm, n, prefix_len, vocab, gen))
+            samples.setdefault((role, n), []).append(timed(lms[role], n))
     med = {k: statistics.median(v) for k, v in samples.items()}
     device = lms["verify"].device
     meta = {"target": _model_name(target), "draft": _model_name(draft) if draft is not None else None,
@@ -126,7 +163,13 @@ def measure(target, draft=None, sizes=DEFAULT_SIZES, prefix_len: int = 200, repe
                          prefix_len=prefix_len, meta=meta)
 
 
+def _is_feature_drafter(draft) -> bool:
+    return getattr(draft, "uses_target_hidden", False) and hasattr(draft, "head")
+
+
 def _model_name(model) -> str:
+    if _is_feature_drafter(model):
+        return f"feature-head:{model.name}"
     return str(getattr(model.config, "_name_or_path", "") or model.config.model_type)
 
 

@@ -78,3 +78,20 @@ def test_load_pair_with_a_feature_head_directory(model_dirs, tmp_path, target):
     random_head(other).save(tmp_path / "wrong")
     with pytest.raises(ModelLoadError, match="built for hidden size 48"):
         load_model_pair(str(model_dirs / "target"), str(tmp_path / "wrong"), dtype="float32")
+
+
+def test_device_profile_times_a_feature_drafter(target, tmp_path, monkeypatch):
+    """Tree policies get draft costs for a feature head too, cached under a key of its own."""
+    from mcsd.decoder import TreeDecoder as TD
+    from mcsd.profile import load_or_measure, measure, profile_path
+    monkeypatch.setenv("MCSD_CACHE", str(tmp_path))
+    drafter = FeatureDrafter(random_head(target), target, name="tiny-head")
+    prof = measure(target, drafter, sizes=(1, 4), prefix_len=16, repeats=2, draft_sizes=(1, 2))
+    assert set(prof.verify_ms) == {1, 4} and set(prof.draft_ms) == {1, 2}
+    assert all(v > 0 for v in [*prof.verify_ms.values(), *prof.draft_ms.values()])
+    assert prof.meta["draft"] == "feature-head:tiny-head"
+    other = FeatureDrafter(random_head(target), target, name="other-head")
+    assert profile_path(target, drafter) != profile_path(target, other) != profile_path(target, None)
+    assert TD._device_costs(target, drafter).draft == {1: 0.1, 8: 0.13, 32: 0.2}   # nothing cached: defaults
+    load_or_measure(target, drafter, sizes=(1, 4), prefix_len=16, repeats=1, draft_sizes=(1, 2))
+    assert TD._device_costs(target, drafter).draft.keys() == {1, 2}                  # the cached profile

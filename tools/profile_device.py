@@ -1,6 +1,7 @@
 """Measure and cache this machine's cost profile for a model pair (verify ms per tree size, draft ms per width).
 
     python tools/profile_device.py                      # the embedded pair, bfloat16, cpu
+    python tools/profile_device.py --drafter feature    # the preset's target-feature head
     python tools/profile_device.py --target T --draft D --dtype float16 --device cuda --force
 
 The profile is cached under <mcsd cache>/profiles/ and read by tree policies.
@@ -18,6 +19,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target")
     ap.add_argument("--draft")
+    ap.add_argument("--drafter", default="model", choices=("model", "feature"),
+                    help="with the preset: its standalone draft or its target-feature head")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None)
@@ -27,7 +30,8 @@ def main(argv=None) -> int:
     import torch
     if args.threads:
         torch.set_num_threads(args.threads)
-    target, draft, _ = load_model_pair(args.target, args.draft, dtype=args.dtype, device=args.device)
+    target, draft, _ = load_model_pair(args.target, args.draft, dtype=args.dtype, device=args.device,
+                                       drafter=args.drafter)
     path = profile_path(target, draft)
     if args.force:
         prof = measure(target, draft, sizes=DEFAULT_SIZES, repeats=args.repeats)
