@@ -43,8 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
-    gen.add_argument("--tree", default="4,2,2", help="tree spec: k-config such as 4,2,2 (1,1,1,1 is a chain)")
-    gen.add_argument("--policy", default="static", help="tree policy: static, heuristic, confidence, ...")
+    gen.add_argument("--tree", default=None,
+                     help="tree spec: k-config such as 4,2,2 (1,1,1,1 is a chain); with a dynamic policy, the "
+                          "largest tree it may grow (default: the policy's own)")
+    gen.add_argument("--policy", default="auto",
+                     help="tree policy: static, heuristic, confidence, learned, ... (default auto: learned when "
+                          "its acceptance model is installed, else static)")
     gen.add_argument("--baseline", action="store_true", help="plain target-only decoding, for comparison")
     gen.add_argument("--lossy-target-roots", type=int, default=0, metavar="W",
                      help="LOSSY opt-in (the MCSD paper's variant): W candidate roots from the target's top-W, "
@@ -61,6 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 class UsageError(Exception):
     pass
+
+
+def _resolve_policy(name: str, lossy: bool = False) -> str:
+    """"auto" -> "learned" when the shipped acceptance model is there (and the
+    run is exact: the lossy multi-root variant grows static trees), else "static"."""
+    if name != "auto":
+        return name
+    from .policies.learned import default_model_path
+    return "learned" if default_model_path().is_file() and not lossy else "static"
 
 
 def _read_prompt(args) -> str:
@@ -122,6 +135,10 @@ def run(args) -> int:
     if args.show_tree and args.baseline:
         raise UsageError("--show-tree draws a draft tree; it has none with --baseline")
     from .tree import parse_tree_spec
+    args.policy = _resolve_policy(args.policy, lossy=args.lossy_target_roots > 0)
+    if args.tree is None:
+        from .policies import POLICIES
+        args.tree = POLICIES[args.policy].default_tree if args.policy in POLICIES else "4,2,2"
     parse_tree_spec(args.tree)                      # fail on a malformed tree before loading anything
     text = _read_prompt(args)
 

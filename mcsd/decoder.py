@@ -271,6 +271,8 @@ class TreeDecoder:
         while finish is None:
             remaining = cfg.max_new_tokens - len(out)
             depth = min(policy.begin_round(), remaining - (0 if lossy else 1)) if drafter is not None else 0
+            if lossy:
+                depth = max(depth, 1)                           # the candidate roots are this round's level 1
             # 1-2. draft a tree under the target-initialised root
             t0 = time.perf_counter()
             grown = (grow_tree(drafter, policy, sequence, depth, cfg.sampling, gen,

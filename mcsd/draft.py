@@ -147,6 +147,7 @@ def grow_tree(drafter: Drafter, policy: TreePolicy, sequence: torch.Tensor, dept
         w = root_children.numel()
         tree.append_level(root_children.to(device), torch.zeros(w, dtype=torch.long, device=device),
                           torch.zeros(w, device=device), topo.child_table[0, :w])
+        policy.given_level(w)
         new = torch.arange(1, w + 1, device=device)
         frontier = new[topo.n_children[tree.topo_ids[new]] > 0]
         if depth_limit < 2 or frontier.numel() == 0:

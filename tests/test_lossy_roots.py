@@ -50,3 +50,15 @@ def test_lossy_roots_refuse_sampling_and_bad_specs(target):
         dec.generate(PROMPT, max_new_tokens=5, temperature=1.0)
     with pytest.raises(ConfigError, match="k-config tree string"):
         TreeDecoder(target, target, tree=[(0,), (1,)], lossy_target_roots=2, attention="sdpa")
+
+
+@pytest.mark.parametrize("p", [0.9, 0.001], ids=["confident", "hopeless"])
+def test_lossy_roots_under_the_learned_policy(p):
+    """The given first level counts as certain for the learned policy; a hopeless model still drafts level 1."""
+    from conftest import tiny_llama
+    from test_learned_policy import _policy, constant_model
+    target = tiny_llama(0)
+    dec = TreeDecoder(target, tiny_llama(1), tree="2,1", policy=_policy(constant_model(p), "2,2,1"),
+                      lossy_target_roots=2, attention="sdpa")
+    out = dec.generate(torch.tensor([3, 17, 42, 5, 9, 11]), max_new_tokens=20)
+    assert len(out.tokens) == 20 and out.stats.rounds >= 1

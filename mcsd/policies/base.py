@@ -70,6 +70,10 @@ class TreePolicy:
         """Called after a level was appended. kept: (F, k) bool, which (frontier node, rank)
         children exist (row-major = the order they were appended in)."""
 
+    def given_level(self, n: int) -> None:
+        """Called when the first level was given, not drafted (n candidate roots of the lossy
+        multi-root variant); they count as certain."""
+
     def continue_drafting(self, tree: DraftTree, new_nodes: torch.Tensor) -> bool:
         """Whether to run the next draft forward over `new_nodes` (the level just added)."""
         return True

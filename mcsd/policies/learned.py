@@ -297,6 +297,9 @@ class LearnedPolicy(TreePolicy):
         k = kept.shape[1]
         self._path_pred = torch.cat([self._path_pred, self._last[:, :k][kept]])
 
+    def given_level(self, n: int) -> None:
+        self._path_pred = torch.cat([self._path_pred, self._path_pred.new_ones(n)])
+
     def continue_drafting(self, tree: DraftTree, new_nodes: torch.Tensor) -> bool:
         width = new_nodes.numel()
         gain = float(self._path_pred[new_nodes].max()) * self.recent         # best next child, roughly
