@@ -151,3 +151,10 @@ def test_missing_model_is_a_clear_cli_error(model_dirs, capsys, monkeypatch, tmp
             "--policy", "learned", "--dtype", "float32"]
     assert main(args) == 2
     assert "cannot use acceptance model" in capsys.readouterr().err
+
+
+def test_no_tree_means_the_policys_own():
+    from mcsd.policies import make_policy
+    pol = make_policy("learned", None, model=constant_model(0.5), costs=Costs.default())
+    assert pol.topology.max_depth == len(LearnedPolicy.default_tree.split(","))
+    assert make_policy("static", None).topology.max_depth == 3            # 4,2,2

@@ -24,14 +24,15 @@ def register_policy(cls: type[TreePolicy]) -> type[TreePolicy]:
 
 
 def make_policy(policy, tree_spec, **options) -> TreePolicy:
-    """Build a policy by name (or pass an instance through) over the topology of `tree_spec`."""
+    """Build a policy by name (or pass an instance through) over the topology of `tree_spec`
+    (None: the policy's own `default_tree`)."""
     if isinstance(policy, TreePolicy):
         return policy
     try:
         cls = POLICIES[policy]
     except KeyError:
         raise ConfigError(f"unknown policy {policy!r}; choose one of {', '.join(sorted(POLICIES))}") from None
-    return cls(TreeTopology.from_spec(tree_spec), **options)
+    return cls(TreeTopology.from_spec(cls.default_tree if tree_spec is None else tree_spec), **options)
 
 
 __all__ = ["POLICIES", "Frontier", "TreePolicy", "StaticPolicy", "HeuristicPolicy",
