@@ -23,7 +23,7 @@ def pytest_addoption(parser):
     g.addoption("--bench-target", default=None, help="target source (default: the embedded preset)")
     g.addoption("--bench-draft", default=None, help="draft source (default: the preset's draft)")
     g.addoption("--bench-drafter", default="model", choices=("model", "feature"),
-                help="with the preset: standalone draft model or target-feature head (HF assisted needs a model)")
+                help="with the preset: standalone draft model or target-feature head (Hugging Face assisted generation keeps the preset's draft model)")
     g.addoption("--bench-dtype", default="bfloat16")
     g.addoption("--bench-device", default="cpu")
     g.addoption("--bench-threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -46,6 +46,13 @@ class Bench:
             opt("--bench-target"), opt("--bench-draft"), dtype=self.dtype, device=self.device,
             drafter=opt("--bench-drafter"))
         self.draft_is_model = isinstance(self.draft, torch.nn.Module)
+        # Hugging Face assisted generation needs a standalone draft model: with a
+        # preset's feature head, it still runs with the preset's own draft model,
+        # so both drafters are compared in one run.
+        self.assistant = self.draft if self.draft_is_model else None
+        if self.assistant is None and opt("--bench-draft") is None:
+            _, self.assistant, _ = load_model_pair(opt("--bench-target"), None, dtype=self.dtype, device=self.device,
+                                                   drafter="model")
         prompts = load_prompts(opt("--bench-prompts"), split=opt("--bench-split"))
         if self.smoke:
             prompts = prompts[:1]
@@ -67,6 +74,7 @@ class Bench:
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "prompts": len(self.prompts), "max_new_tokens": self.max_new_tokens,
             "drafter": "model" if self.draft_is_model else type(self.draft).__name__,
+            "hf_assistant": getattr(getattr(self.assistant, "config", None), "_name_or_path", None),
         }
 
 

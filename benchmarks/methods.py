@@ -75,10 +75,10 @@ def _hf(bench, ids, assistant=False, **settings) -> Run:
     ids = ids.to(target.device)[None]
     kwargs = dict(max_new_tokens=bench.max_new_tokens, do_sample=False, attention_mask=torch.ones_like(ids),
                   pad_token_id=bench.tokenizer.eos_token_id)
-    ctx = _assistant_settings(bench.draft, **settings) if assistant else contextlib.nullcontext()
+    ctx = _assistant_settings(bench.assistant, **settings) if assistant else contextlib.nullcontext()
     with ctx, _count_forwards(target) as calls, torch.inference_mode():
         t0 = time.perf_counter()
-        out = target.generate(ids, assistant_model=bench.draft if assistant else None, **kwargs)
+        out = target.generate(ids, assistant_model=bench.assistant if assistant else None, **kwargs)
         seconds = time.perf_counter() - t0
     return Run(out[0, ids.shape[1]:].tolist(), seconds, calls[0])
 

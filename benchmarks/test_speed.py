@@ -29,7 +29,7 @@ def _summary(runs, seconds_base=None):
 
 @pytest.mark.parametrize("method", METHODS, ids=[m.name for m in METHODS])
 def test_method(benchmark, bench, method):
-    if method.family == "hf_assisted" and not bench.draft_is_model:
+    if method.family == "hf_assisted" and bench.assistant is None:
         pytest.skip("Hugging Face assisted generation needs a standalone draft model")
     if method.policy is not None:
         from mcsd.models import ModelLoadError
