@@ -47,3 +47,21 @@ def test_cli_runs_the_default_pair(capsys):
     assert main(["--chat", "--prompt", "Say hello.", "--max-new-tokens", "8", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["tokens"]) >= 1 and out["settings"]["dtype"] == "bfloat16"
+    assert out["settings"]["policy"] == "learned"            # the shipped acceptance model is the default
+
+
+def test_shipped_feature_head_is_exact_with_the_learned_policy(pair):
+    """The preset's target-feature head, trained weights and sub-vocabulary included, under the default policy."""
+    from mcsd.models import load_feature_drafter
+    target, _, tokenizer = pair
+    directory = models_dir() / PRESETS["smollm2-135m"].feature_dir
+    card = json.loads((directory / "card.json").read_text())
+    for key in ("architecture", "figures", "command"):
+        assert key in card
+    drafter = load_feature_drafter(directory, target, "float32")
+    ids = torch.tensor(chat_ids(tokenizer, "Write a haiku about rivers."))
+    for policy in ("learned", "static"):
+        dec = TreeDecoder(target, drafter, tokenizer=tokenizer, tree=None, policy=policy)
+        out = dec.generate(ids, max_new_tokens=24)
+        assert out.tokens == dec.generate_baseline(ids, max_new_tokens=24).tokens
+        assert out.stats.draft_forwards > 0
