@@ -95,3 +95,18 @@ def test_device_profile_times_a_feature_drafter(target, tmp_path, monkeypatch):
     assert TD._device_costs(target, drafter).draft == {1: 0.1, 8: 0.13, 32: 0.2}   # nothing cached: defaults
     load_or_measure(target, drafter, sizes=(1, 4), prefix_len=16, repeats=1, draft_sizes=(1, 2))
     assert TD._device_costs(target, drafter).draft.keys() == {1, 2}                  # the cached profile
+
+
+def test_cost_measurement_of_a_feature_head(target):
+    """tools/measure_draft.py --feature-head: interleaved 1-token timings over a fixed-length cache."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import measure_draft
+    drafter = FeatureDrafter(random_head(target), target)
+    context = list(range(3, 23))
+    cost = measure_draft.measure_feature_cost(target, drafter, context, runs=3, warmup=1)
+    assert cost["cache_len"] == 20 and cost["runs"] == 3
+    assert cost["target_ms"] > 0 and cost["draft_ms"] > 0 and cost["ratio"] == pytest.approx(
+        cost["draft_ms"] / cost["target_ms"], rel=0.01)
+    assert drafter.cache.get_seq_length() == 19                  # the cache is back at its length after timing

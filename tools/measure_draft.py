@@ -99,15 +99,19 @@ def measure_feature_cost(target, drafter, context: list[int], runs: int = 30, wa
             "ratio": round(draft_ms / target_ms, 4), "runs": runs, "cache_len": len(context)}
 
 
+def timing_context(examples: list[dict], cache_len: int) -> list[int]:
+    """A real ~cache_len-token context: the held-out prompt + response closest to that length."""
+    best = max(examples, key=lambda e: -abs(len(e["prompt"]) + len(e["response"]) - cache_len))
+    return torch.cat([best["prompt"], best["response"]]).tolist()[:cache_len]
+
+
 def feature_head_main(args, data_dir: Path) -> None:
     """--feature-head: the cost figure of a target-feature head, written on its card."""
     from mcsd.models import load_feature_drafter
 
     target, _ = td.load_target(args.target, device="cpu", dtype=torch.bfloat16)
     drafter = load_feature_drafter(args.feature_head, target, "bfloat16")
-    examples = td.load_examples(data_dir, [HELDOUT_RUN])
-    context = max(examples, key=lambda e: -abs(len(e["prompt"]) + len(e["response"]) - args.cache_len))
-    context = torch.cat([context["prompt"], context["response"]]).tolist()[: args.cache_len]
+    context = timing_context(td.load_examples(data_dir, [HELDOUT_RUN]), args.cache_len)
     cost = measure_feature_cost(target, drafter, context, args.runs)
     print(f"cost: feature head step {cost['draft_ms']} ms / target {cost['target_ms']} ms = {cost['ratio']:.3f}")
     if not args.no_card:
@@ -172,9 +176,7 @@ def main(argv=None):
         print(f"  {category:15s} top1 {r['top1']:.3f}  top4 {r['top4']:.3f}  n {r['n']}")
 
     # 3. cost, on a real ~cache_len-token context (a held-out prompt + its response)
-    context = max(examples, key=lambda e: -abs(len(e["prompt"]) + len(e["response"]) - args.cache_len))
-    context = torch.cat([context["prompt"], context["response"]]).tolist()[: args.cache_len]
-    cost = measure_cost(target, draft, context, args.runs)
+    cost = measure_cost(target, draft, timing_context(examples, args.cache_len), args.runs)
     print(f"cost: draft {cost['draft_ms']} ms / target {cost['target_ms']} ms = {cost['ratio']:.3f}")
 
     if not args.no_card:
