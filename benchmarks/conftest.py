@@ -22,8 +22,9 @@ def pytest_addoption(parser):
     g.addoption("--bench-max-new-tokens", type=int, default=128)
     g.addoption("--bench-target", default=None, help="target source (default: the embedded preset)")
     g.addoption("--bench-draft", default=None, help="draft source (default: the preset's draft)")
-    g.addoption("--bench-drafter", default="model", choices=("model", "feature"),
-                help="with the preset: standalone draft model or target-feature head (Hugging Face assisted generation keeps the preset's draft model)")
+    g.addoption("--bench-drafter", default=None, choices=("model", "feature"),
+                help="with the preset: standalone draft model or target-feature head (default: the preset's own "
+                     "choice; Hugging Face assisted generation keeps the preset's draft model)")
     g.addoption("--bench-dtype", default="bfloat16")
     g.addoption("--bench-device", default="cpu")
     g.addoption("--bench-threads", type=int, default=None, help="torch threads (default: torch's choice)")

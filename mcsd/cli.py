@@ -23,8 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_argument_group("models")
     src.add_argument("--target", help="target: preset name, model directory, .gguf file or hub id")
     src.add_argument("--draft", help="draft: model directory, .gguf file or hub id (same tokenizer as the target)")
-    src.add_argument("--drafter", default="model", choices=("model", "feature"),
-                     help="with a preset: the standalone draft model, or the head reading the target's features")
+    src.add_argument("--drafter", default=None, choices=("model", "feature"),
+                     help="with a preset: the standalone draft model, or the head reading the target's features "
+                          "(default: the preset's faster one; the feature head for smollm2-135m)")
     src.add_argument("--list-models", action="store_true", help="list the built-in presets and exit")
     src.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="compute dtype (default bfloat16)")
     src.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or auto (spread the target over GPUs)")

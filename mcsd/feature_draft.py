@@ -70,7 +70,8 @@ class FeatureHead(nn.Module):
         body_cfg = LlamaConfig(vocab_size=1, hidden_size=w, intermediate_size=cfg.intermediate or int(2.5 * w),
                                num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
                                num_key_value_heads=cfg.kv_heads, max_position_embeddings=cfg.max_positions,
-                               rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps)
+                               rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps,
+                               bos_token_id=None, eos_token_id=None, pad_token_id=None)   # no vocabulary of its own
         self.body = LlamaModel(body_cfg)                  # embeddings unused: we pass inputs_embeds
         self.body.embed_tokens.requires_grad_(False)
         self.expand = nn.Linear(w, cfg.target_hidden, bias=False) if w != cfg.target_hidden else nn.Identity()

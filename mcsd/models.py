@@ -56,6 +56,7 @@ class Preset:
     draft_dir: str        # standalone draft model, under the project's models/ folder
     feature_dir: str      # target-feature draft head, under models/ (may be absent)
     target_dir: str       # cache directory name for the converted target
+    default_drafter: str = "model"   # the drafter used when none is named: the faster one end to end
 
 
 PRESETS = {
@@ -69,6 +70,7 @@ PRESETS = {
         draft_dir="smollm2-135m-draft",
         feature_dir="smollm2-135m-feature-head",
         target_dir="smollm2-135m-instruct",
+        default_drafter="feature",   # benchmark: 0.96x vs 0.88x (learned policy), 0.81x vs 0.69x (chain of 2)
     ),
 }
 DEFAULT_PRESET = "smollm2-135m"
@@ -222,7 +224,14 @@ def preset_target_dir(preset: Preset) -> Path:
 DRAFTERS = ("model", "feature")
 
 
-def preset_draft_dir(preset: Preset, drafter: str = "model") -> Path:
+def preset_draft_dir(preset: Preset, drafter: str | None = None) -> Path:
+    """The preset's draft of kind `drafter`; None = its default kind (the standalone
+    model if the default's files are not there)."""
+    if drafter is None:
+        drafter = preset.default_drafter
+        default = models_dir() / (preset.draft_dir if drafter == "model" else preset.feature_dir)
+        if not (default / ("config.json" if drafter == "model" else "feature_head.json")).is_file():
+            drafter = "model"
     if drafter not in DRAFTERS:
         raise ConfigError(f"unknown drafter {drafter!r}; choose model or feature")
     directory = models_dir() / (preset.draft_dir if drafter == "model" else preset.feature_dir)
@@ -397,7 +406,7 @@ def _has_tokenizer(source: str) -> bool:
 
 
 def load_model_pair(target: str | None = None, draft: str | None = None, dtype="bfloat16",
-                    device="cpu", draft_device=None, drafter: str = "model"):
+                    device="cpu", draft_device=None, drafter: str | None = None):
     """Load a target, a draft that shares its tokenizer, and that tokenizer.
 
     Args:
@@ -405,8 +414,9 @@ def load_model_pair(target: str | None = None, draft: str | None = None, dtype="
         draft: draft source; None = the preset's draft (only valid with a preset target).
             A directory holding `feature_head.json` is a target-feature head and
             comes back as a ready `FeatureDrafter` bound to the target.
-        drafter: with a preset and no `draft`: "model" (standalone draft LM) or
-            "feature" (the head that reads the target's features).
+        drafter: with a preset and no `draft`: "model" (standalone draft LM),
+            "feature" (the head that reads the target's features), or None for
+            the preset's default (`Preset.default_drafter`: the faster one).
         dtype: compute dtype of both models.
         device: target device or device_map ("auto" / dict spreads it over GPUs).
         draft_device: draft device; defaults to `device`, or "cuda:0" with a device_map.

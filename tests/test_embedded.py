@@ -17,7 +17,7 @@ from mcsd.models import PRESETS, models_dir
 
 @pytest.fixture(scope="module")
 def pair():
-    return load_model_pair(dtype="float32")
+    return load_model_pair(dtype="float32", drafter="model")
 
 
 def test_shipped_draft_is_a_standard_causal_lm_with_a_card():
@@ -48,6 +48,12 @@ def test_cli_runs_the_default_pair(capsys):
     out = json.loads(capsys.readouterr().out)
     assert len(out["tokens"]) >= 1 and out["settings"]["dtype"] == "bfloat16"
     assert out["settings"]["policy"] == "learned"            # the shipped acceptance model is the default
+
+
+def test_preset_default_drafter_is_the_feature_head():
+    from mcsd.feature_draft import FeatureDrafter
+    _, drafter, _ = load_model_pair()
+    assert isinstance(drafter, FeatureDrafter) and drafter.name == PRESETS["smollm2-135m"].feature_dir
 
 
 def test_shipped_feature_head_is_exact_with_the_learned_policy(pair):
