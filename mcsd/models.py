@@ -224,18 +224,22 @@ def preset_target_dir(preset: Preset) -> Path:
 DRAFTERS = ("model", "feature")
 
 
+def _preset_drafter_files(preset: Preset, drafter: str) -> tuple[Path, str]:
+    """(directory, the file that marks it complete) of one of a preset's drafters."""
+    if drafter not in DRAFTERS:
+        raise ConfigError(f"unknown drafter {drafter!r}; choose model or feature")
+    if drafter == "model":
+        return models_dir() / preset.draft_dir, "config.json"
+    return models_dir() / preset.feature_dir, "feature_head.json"
+
+
 def preset_draft_dir(preset: Preset, drafter: str | None = None) -> Path:
     """The preset's draft of kind `drafter`; None = its default kind (the standalone
     model if the default's files are not there)."""
     if drafter is None:
-        drafter = preset.default_drafter
-        default = models_dir() / (preset.draft_dir if drafter == "model" else preset.feature_dir)
-        if not (default / ("config.json" if drafter == "model" else "feature_head.json")).is_file():
-            drafter = "model"
-    if drafter not in DRAFTERS:
-        raise ConfigError(f"unknown drafter {drafter!r}; choose model or feature")
-    directory = models_dir() / (preset.draft_dir if drafter == "model" else preset.feature_dir)
-    expected = "config.json" if drafter == "model" else "feature_head.json"
+        directory, expected = _preset_drafter_files(preset, preset.default_drafter)
+        drafter = preset.default_drafter if (directory / expected).is_file() else "model"
+    directory, expected = _preset_drafter_files(preset, drafter)
     if not (directory / expected).is_file():
         raise ModelLoadError(f"the {drafter} draft of preset {preset.name!r} is missing: expected {expected} "
                              f"in {directory}")

@@ -16,8 +16,10 @@ from pathlib import Path
 
 import torch
 
+from . import kv_cache
 from .lm import CachedLM
 from .models import cache_dir
+from .tree import causal_allowed
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -74,51 +76,57 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-@torch.inference_mode()
-def _block_latency(lm: CachedLM, n: int, prefix_len: int, vocab: int, gen: torch.Generator) -> float:
-    """Time one forward of n fresh tokens (all visible to each other) after a prefix_len cache, ms."""
-    tokens = torch.randint(0, vocab, (n,), generator=gen).to(lm.device)
-    pos = torch.arange(prefix_len, prefix_len + n, device=lm.device)
-    allowed = torch.ones(n, n, dtype=torch.bool, device=lm.device).tril_()
-    _sync(lm.device)
+def _ms(device: torch.device, fn) -> float:
+    """Wall time of fn() in milliseconds, synchronised on CUDA."""
+    _sync(device)
     t0 = time.perf_counter()
-    lm.forward(tokens, pos, allowed)
-    _sync(lm.device)
-    elapsed = (time.perf_counter() - t0) * 1000
-    lm.commit(prefix_len, torch.zeros(0, dtype=torch.long, device=lm.device))     # back to the prefix
-    return elapsed
+    fn()
+    _sync(device)
+    return (time.perf_counter() - t0) * 1000
 
 
-@torch.inference_mode()
-def _head_latency(drafter, n: int, prefix_len: int, vocab: int, gen: torch.Generator) -> float:
-    """Time one step of a target-feature drafter over n tree nodes (head forward and scores), ms."""
-    from . import kv_cache
-    from .tree import causal_allowed
-    feats = torch.randn(n, drafter.head.cfg.target_hidden, generator=gen).to(drafter.device, drafter.dtype)
-    tokens = torch.randint(0, vocab, (n,), generator=gen).to(drafter.device)
-    pos = torch.arange(prefix_len, prefix_len + n, device=drafter.device)
-    _sync(drafter.device)
-    t0 = time.perf_counter()
-    drafter.head.scores(drafter._run(feats, tokens, pos, causal_allowed(n, drafter.device)))
-    _sync(drafter.device)
-    elapsed = (time.perf_counter() - t0) * 1000
-    kv_cache.truncate(drafter.cache, prefix_len)
-    return elapsed
+class _ModelTimer:
+    """A causal LM holding a prefix_len cache; times a block of n fresh tokens and drops it again."""
+
+    def __init__(self, model, prefix_len: int, gen: torch.Generator):
+        self.lm, self.prefix_len, self.gen = CachedLM(model), prefix_len, gen
+        self.vocab = model.get_input_embeddings().weight.shape[0]
+        self.lm.reset()
+        self.lm.extend(torch.randint(0, self.vocab, (prefix_len,), generator=gen).to(self.lm.device))
+
+    @torch.inference_mode()
+    def latency(self, n: int) -> float:
+        lm = self.lm
+        tokens = torch.randint(0, self.vocab, (n,), generator=self.gen).to(lm.device)
+        pos = torch.arange(self.prefix_len, self.prefix_len + n, device=lm.device)
+        elapsed = _ms(lm.device, lambda: lm.forward(tokens, pos, causal_allowed(n, lm.device)))
+        lm.commit(self.prefix_len, torch.zeros(0, dtype=torch.long, device=lm.device))   # back to the prefix
+        return elapsed
 
 
 class _HeadTimer:
-    """A target-feature drafter with a `prefix_len` cache, timed like a CachedLM."""
+    """A target-feature drafter holding a prefix_len cache; times one step over n tree nodes
+    (head forward and its LM-head scores) and drops it again."""
 
     def __init__(self, drafter, prefix_len: int, gen: torch.Generator):
-        from .tree import causal_allowed
-        self.drafter, self.device = drafter, drafter.device
+        self.drafter, self.prefix_len, self.gen = drafter, prefix_len, gen
         self.vocab = drafter.embed.weight.shape[0]
         drafter.reset()
-        with torch.inference_mode():
-            drafter._run(torch.randn(prefix_len, drafter.head.cfg.target_hidden, generator=gen).to(
-                drafter.device, drafter.dtype), torch.randint(0, self.vocab, (prefix_len,), generator=gen).to(
-                drafter.device), torch.arange(prefix_len, device=drafter.device),
-                causal_allowed(prefix_len, drafter.device))
+        self._run(prefix_len, start=0)
+
+    @torch.inference_mode()
+    def _run(self, n: int, start: int) -> torch.Tensor:
+        d = self.drafter
+        feats = torch.randn(n, d.head.cfg.target_hidden, generator=self.gen).to(d.device, d.dtype)   # (n, H)
+        tokens = torch.randint(0, self.vocab, (n,), generator=self.gen).to(d.device)
+        return d._run(feats, tokens, torch.arange(start, start + n, device=d.device), causal_allowed(n, d.device))
+
+    @torch.inference_mode()
+    def latency(self, n: int) -> float:
+        d = self.drafter
+        elapsed = _ms(d.device, lambda: d.head.scores(self._run(n, start=self.prefix_len)))
+        kv_cache.truncate(d.cache, self.prefix_len)
+        return elapsed
 
 
 def measure(target, draft=None, sizes=DEFAULT_SIZES, prefix_len: int = 200, repeats: int = 20,
@@ -130,32 +138,22 @@ def measure(target, draft=None, sizes=DEFAULT_SIZES, prefix_len: int = 200, repe
     other load) spreads evenly; the median of `repeats` runs is kept.
     """
     gen = torch.Generator().manual_seed(0)
-    lms = {"verify": CachedLM(target)}
+    timers = {"verify": (_ModelTimer(target, prefix_len, gen), sizes)}
     if draft is not None:
-        lms["draft"] = _HeadTimer(draft, prefix_len, gen) if _is_feature_drafter(draft) else CachedLM(draft)
+        timer = (_HeadTimer if _is_feature_drafter(draft) else _ModelTimer)(draft, prefix_len, gen)
+        timers["draft"] = (timer, draft_sizes)
+    plan = [(role, n) for role, (_, ns) in timers.items() for n in ns]
+    for role, n in plan:
+        timers[role][0].latency(n)                                               # warm-up
     samples: dict[tuple[str, int], list[float]] = {}
-    def timed(lm, n):
-        if isinstance(lm, _HeadTimer):
-            return _head_latency(lm.drafter, n, prefix_len, lm.vocab, gen)
-        return _block_latency(lm, n, prefix_len, lm.model.get_input_embeddings().weight.shape[0], gen)
-
-    for role, lm in lms.items():
-        if isinstance(lm, CachedLM):
-            lm.reset()
-            vocab = lm.model.get_input_embeddings().weight.shape[0]
-            lm.extend(torch.randint(0, vocab, (prefix_len,), generator=gen).to(lm.device))
-        for n in (sizes if role == "verify" else draft_sizes):
-            timed(lm, n)                                                         # warm-up
-    plan = [(role, n) for role in lms for n in (sizes if role == "verify" else draft_sizes)]
     for _ in range(repeats):
-        order = torch.randperm(len(plan), generator=gen).tolist()
-        for i in order:
+        for i in torch.randperm(len(plan), generator=gen).tolist():
             role, n = plan[i]
-            samples.setdefault((role, n), []).append(timed(lms[role], n))
+            samples.setdefault((role, n), []).append(timers[role][0].latency(n))
     med = {k: statistics.median(v) for k, v in samples.items()}
-    device = lms["verify"].device
+    verify_lm = timers["verify"][0].lm
     meta = {"target": _model_name(target), "draft": _model_name(draft) if draft is not None else None,
-            "dtype": str(lms["verify"].dtype).replace("torch.", ""), "device": str(device),
+            "dtype": str(verify_lm.dtype).replace("torch.", ""), "device": str(verify_lm.device),
             "attention": getattr(target.config, "_attn_implementation", None),
             "threads": torch.get_num_threads(), "torch": torch.__version__, "repeats": repeats}
     return DeviceProfile(verify_ms={n: med[("verify", n)] for n in sizes},

@@ -36,42 +36,48 @@ import target_data as td  # noqa: E402
 HELDOUT_RUN = "heldout-greedy-bf16"
 
 
+def interleaved_cost(steps: dict, runs: int, warmup: int, cache_len: int) -> dict:
+    """Median time of the "target" and "draft" steps, timed alternately.
+
+    steps: {"target" | "draft": (step, undo)}; step() is the timed forward,
+    undo() takes its token out of the cache again, so every run sees the same
+    cache length. Returns {"target_ms", "draft_ms", "ratio", "runs", "cache_len"}.
+    """
+    times = {"target": [], "draft": []}
+    for r in range(warmup + runs):
+        for role, (step, undo) in steps.items():
+            t0 = time.perf_counter()
+            step()
+            elapsed = time.perf_counter() - t0
+            undo()
+            if r >= warmup:
+                times[role].append(elapsed)
+    target_ms, draft_ms = (statistics.median(times[role]) * 1000 for role in ("target", "draft"))
+    return {"target_ms": round(target_ms, 2), "draft_ms": round(draft_ms, 2),
+            "ratio": round(draft_ms / target_ms, 4), "runs": runs, "cache_len": cache_len}
+
+
 @torch.inference_mode()
 def measure_cost(target, draft, context: list[int], runs: int = 30, warmup: int = 3) -> dict:
-    """Median 1-token forward time of target and draft over a len(context)
-    KV cache, timed alternately. Each timed token is cropped from the cache
-    again so every run sees the same cache length.
-
-    Returns {"target_ms", "draft_ms", "ratio", "runs", "cache_len"}.
-    """
+    """1-token forward of target and draft over a len(context) KV cache (see `interleaved_cost`)."""
     from transformers import DynamicCache
 
     ids = torch.tensor([context])  # (1, T)
-    caches = []
-    for model in (target, draft):
+    token = ids[:, -1:]  # (1, 1)
+    steps = {}
+    for role, model in (("target", target), ("draft", draft)):
         cache = DynamicCache()
         model(input_ids=ids, past_key_values=cache, use_cache=True)
-        caches.append(cache)
-    token = ids[:, -1:]  # (1, 1)
-    times = ([], [])
-    for r in range(warmup + runs):
-        for i, model in enumerate((target, draft)):
-            t0 = time.perf_counter()
-            model(input_ids=token, past_key_values=caches[i], use_cache=True)
-            elapsed = time.perf_counter() - t0
-            caches[i].crop(-1)
-            if r >= warmup:
-                times[i].append(elapsed)
-    target_ms, draft_ms = (statistics.median(t) * 1000 for t in times)
-    return {"target_ms": round(target_ms, 2), "draft_ms": round(draft_ms, 2),
-            "ratio": round(draft_ms / target_ms, 4), "runs": runs, "cache_len": len(context)}
+        steps[role] = (lambda m=model, c=cache: m(input_ids=token, past_key_values=c, use_cache=True),
+                       lambda c=cache: c.crop(-1))
+    return interleaved_cost(steps, runs, warmup, len(context))
 
 
 @torch.inference_mode()
 def measure_feature_cost(target, drafter, context: list[int], runs: int = 30, warmup: int = 3) -> dict:
     """Like `measure_cost`, for a target-feature drafter: one draft step (the
     head's 1-token forward over a len(context) cache, plus its LM-head scores)
-    against the target's 1-token forward, timed alternately."""
+    against the target's 1-token forward."""
     from mcsd.lm import CachedLM
 
     ids = torch.tensor(context)
@@ -81,22 +87,15 @@ def measure_feature_cost(target, drafter, context: list[int], runs: int = 30, wa
     drafter.reset()
     drafter.observe_target(hidden)
     drafter.begin_round(ids)                               # the head's cache now holds the context
-    times = ([], [])
-    for r in range(warmup + runs):
-        t0 = time.perf_counter()
-        lm.extend(ids[-1:])
-        elapsed = time.perf_counter() - t0
-        kv_cache.truncate(lm.cache, len(context) - 1)
-        t1 = time.perf_counter()
+
+    def draft_step():                                      # drop the last entry, re-read it: the root's step
         kv_cache.truncate(drafter.cache, len(context) - 2)
-        drafter.begin_round(ids)                           # re-reads one token: the root's draft step
-        elapsed_draft = time.perf_counter() - t1
-        if r >= warmup:
-            times[0].append(elapsed)
-            times[1].append(elapsed_draft)
-    target_ms, draft_ms = (statistics.median(t) * 1000 for t in times)
-    return {"target_ms": round(target_ms, 2), "draft_ms": round(draft_ms, 2),
-            "ratio": round(draft_ms / target_ms, 4), "runs": runs, "cache_len": len(context)}
+        drafter.begin_round(ids)
+
+    return interleaved_cost({
+        "target": (lambda: lm.extend(ids[-1:]), lambda: kv_cache.truncate(lm.cache, len(context) - 1)),
+        "draft": (draft_step, lambda: None),
+    }, runs, warmup, len(context))
 
 
 def timing_context(examples: list[dict], cache_len: int) -> list[int]:

@@ -238,6 +238,7 @@ class LearnedPolicy(TreePolicy):
     name = "learned"
     default_tree = "4,3,2,2,1,1,1,1"
     uses_device_profile = True          # the decoder passes costs from the cached device profile
+    probe_every = 3                     # most rounds in a row without drafting
 
     def __init__(self, topology: TreeTopology, model: AcceptanceModel | str | Path | None = None,
                  costs: Costs | None = None):
@@ -248,22 +249,19 @@ class LearnedPolicy(TreePolicy):
         self.predict_s = 0.0          # feature building + prediction time, for the overhead report
         self.reset()
 
-    probe_every = 3                     # most rounds in a row without drafting
-
     def reset(self) -> None:
         self.recent = 0.5
         self.predict_s = 0.0
         self.draft_value = 0.0          # running ms gained per drafted round; < 0: drafting loses
-        self._skipped = 0
-        self._drafting = False
+        self._skipped = 0               # rounds in a row without drafting (0: this round drafts)
 
     def begin_round(self) -> int:
         self._path_pred = torch.ones(1, device=self.topology.parents.device)   # the root is certain
         self._draft_ms = self.costs.draft_ms(1)                               # the root's draft step
         self._last = None
-        self._drafting = not (self.draft_value < 0 and self._skipped < self.probe_every)
-        self._skipped = 0 if self._drafting else self._skipped + 1
-        return self.topology.max_depth if self._drafting else 0
+        skip = self.draft_value < 0 and self._skipped < self.probe_every
+        self._skipped = self._skipped + 1 if skip else 0
+        return 0 if skip else self.topology.max_depth
 
     def expand(self, frontier: Frontier) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -313,7 +311,7 @@ class LearnedPolicy(TreePolicy):
 
     def observe(self, n_accepted: int, tree: DraftTree) -> None:
         self.recent = recent_acceptance(self.recent, n_accepted, tree)
-        if self._drafting:
+        if self._skipped == 0:                                     # this round drafted
             step = self.costs.verify_ms(1)
             value = n_accepted * step - (self._draft_ms + self.costs.verify_ms(tree.size) - step)
             self.draft_value = 0.5 * self.draft_value + 0.5 * value
