@@ -284,6 +284,8 @@ def main(argv=None):
     parser.add_argument("--runs", nargs="+", required=True, help="response runs to train on (fitting split only)")
     parser.add_argument("--heldout-run", default=None, help="greedy responses to held-out prompts, for eval")
     parser.add_argument("--out", default=str(DEFAULT_OUT))
+    parser.add_argument("--init", default=None,
+                        help="go on training this saved draft (same architecture), e.g. the shipped one on new data")
     parser.add_argument("--ckpt-dir", default=None, help="default: $MCSD_CACHE/checkpoints/<out-name>")
     parser.add_argument("--time-budget-min", type=float, default=30.0, help="training wall clock (lr schedule)")
     parser.add_argument("--max-steps", type=int, default=10**9)
@@ -329,6 +331,18 @@ def main(argv=None):
     pad_id = tokenizer.pad_token_id
     draft = build_draft(target, cfg)
     del target
+    init_card = None
+    if args.init:
+        from transformers import AutoModelForCausalLM
+
+        source = AutoModelForCausalLM.from_pretrained(args.init, dtype=torch.float32)
+        try:
+            draft.load_state_dict(source.state_dict())
+        except RuntimeError as exc:
+            sys.exit(f"--init {args.init} does not match the draft architecture given: {str(exc)[:300]}")
+        card_file = Path(args.init) / "card.json"
+        init_card = json.loads(card_file.read_text()) if card_file.exists() else {}
+        print(f"starting from {args.init}")
     decay = [p for n, p in draft.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in draft.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -338,7 +352,7 @@ def main(argv=None):
     state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "elapsed_s": 0.0, "evals": [], "tokens_seen": 0}
     if ckpt_path.exists():
         ckpt = torch.load(ckpt_path, weights_only=False)
-        if ckpt["config"] != asdict(cfg) or ckpt["runs"] != args.runs:
+        if ckpt["config"] != asdict(cfg) or ckpt["runs"] != args.runs or ckpt.get("init") != args.init:
             sys.exit(f"checkpoint {ckpt_path} is for another config or data; move it away to start over")
         draft.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
@@ -348,7 +362,7 @@ def main(argv=None):
     def save_checkpoint():
         ckpt_path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"model": draft.state_dict(), "optimizer": optimizer.state_dict(), "state": state,
-                    "config": asdict(cfg), "runs": args.runs}, ckpt_path.with_suffix(".tmp"))
+                    "config": asdict(cfg), "runs": args.runs, "init": args.init}, ckpt_path.with_suffix(".tmp"))
         os.replace(ckpt_path.with_suffix(".tmp"), ckpt_path)
 
     def evaluate():
@@ -422,8 +436,9 @@ def main(argv=None):
         "target": "HuggingFaceTB/SmolLM2-135M-Instruct (local copy: " + Path(args.target).name + ")",
         "architecture": {"class": "LlamaForCausalLM", **asdict(cfg), "vocab_size": draft.config.vocab_size,
                          "tie_word_embeddings": True, "dtype": "bfloat16",
-                         "init": "embedding = target embedding projected on its top-"
-                                 f"{cfg.hidden_size} singular directions; layers random"},
+                         "init": (f"the weights of {args.init} (see training.continued_from)" if args.init else
+                                  "embedding = target embedding projected on its top-"
+                                  f"{cfg.hidden_size} singular directions; layers random")},
         "parameters": n_params(draft),
         "training": {
             "data": {run: {"settings": settings[run]["settings"], "sequences": settings[run].get("n_sequences"),
@@ -441,6 +456,8 @@ def main(argv=None):
                        f"+ {args.negatives} random negatives",
             "train_minutes": round(state["elapsed_s"] / 60, 1), "threads": args.threads,
             "evals": state["evals"],
+            **({"continued_from": {"model": args.init, "training": (init_card or {}).get("training", {}),
+                                   "reproduce": (init_card or {}).get("reproduce", {})}} if args.init else {}),
         },
         "reproduce": {"distill": command},
     })

@@ -208,6 +208,7 @@ def generate_batch(
     pad_id: int = 2,
     topk: int = TOPK,
     generator: torch.Generator | None = None,
+    store_hidden: bool = False,
 ) -> list[dict]:
     """Continue a batch of prompts with the target, left-padded.
 
@@ -219,9 +220,17 @@ def generate_batch(
     Returns:
         B dicts: response (R,) int32 including the EOS token when reached,
         finished (bool), topk_ids (R, k) int32 and topk_probs (R, k) float16:
-        the target's untempered distribution at each response position.
+        the target's untempered distribution at each response position;
+        with store_hidden also hidden (R, H) float16, the final normed hidden
+        state the LM head read there (what a teacher pass with
+        --store-hidden stores, so the run needs none).
     """
     from transformers import DynamicCache
+
+    def forward(**kwargs):
+        # the last position's hidden state and logits of every live row
+        h = model.model(**kwargs, use_cache=True).last_hidden_state[:, -1]  # (b, H)
+        return h, model.lm_head(h).float()
 
     device = next(model.parameters()).device
     B, P = len(prompts), max(len(p) for p in prompts)
@@ -236,11 +245,9 @@ def generate_batch(
     eos = torch.tensor(eos_ids, device=device)
 
     cache = DynamicCache()
-    out = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-        past_key_values=cache, use_cache=True, logits_to_keep=1,
-    )
-    logits = out.logits[:, -1].float()  # (B, V)
+    hidden, logits = forward(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache,
+    )  # (B, H), (B, V)
     next_pos = position_ids[:, -1] + 1  # (B,)
     live = torch.arange(B, device=device)  # original row of each live row
     steps = [[] for _ in range(B)]  # per row: (token, topk ids, topk probs)
@@ -259,8 +266,9 @@ def generate_batch(
         rows, toks, ids, ps, hits = (
             live.tolist(), token.tolist(), top_i.int().cpu(), top_p.half().cpu(), hit_eos.tolist()
         )
+        hs = hidden.half().cpu() if store_hidden else [None] * len(rows)
         for j, row in enumerate(rows):
-            steps[row].append((toks[j], ids[j], ps[j]))
+            steps[row].append((toks[j], ids[j], ps[j], hs[j]))
             finished[row] = hits[j]
         keep = (~hit_eos).nonzero().squeeze(1)  # (b',)
         if keep.numel() == 0:
@@ -270,22 +278,23 @@ def generate_batch(
             live, token, next_pos = live[keep], token[keep], next_pos[keep]
             attention_mask = attention_mask[keep]
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(live), 1)], dim=1)
-        out = model(
+        hidden, logits = forward(
             input_ids=token[:, None], attention_mask=attention_mask, position_ids=next_pos[:, None],
-            past_key_values=cache, use_cache=True,
+            past_key_values=cache,
         )
-        logits = out.logits[:, -1].float()
         next_pos = next_pos + 1
 
     results = []
     for row in range(B):
-        toks, ids, ps = zip(*steps[row])
+        toks, ids, ps, hs = zip(*steps[row])
         results.append({
             "response": torch.tensor(toks, dtype=torch.int32),
             "finished": finished[row],
             "topk_ids": torch.stack(ids),
             "topk_probs": torch.stack(ps),
         })
+        if store_hidden:
+            results[-1]["hidden"] = torch.stack(hs)
     return results
 
 
@@ -307,6 +316,8 @@ def run_generate(args):
     }
     if args.source == "selfinstruct":
         settings.pop("split")  # self-instruct prompts all come from the fitting split
+    if args.store_hidden:
+        settings["store_hidden"] = True
     done = start_run(data_dir, "runs", args.run, settings)
 
     jobs = []  # (key, prompt dict, prompt ids)
@@ -335,7 +346,7 @@ def run_generate(args):
         generator = torch.Generator(device=pick_device()).manual_seed(seed_for(args.run, keys[0]))
         outs = generate_batch(
             model, [jobs[i][2] for i in batch], args.max_new_tokens, args.temperature,
-            eos_ids, tokenizer.pad_token_id, TOPK, generator,
+            eos_ids, tokenizer.pad_token_id, TOPK, generator, args.store_hidden,
         )
         records = []
         for i, out in zip(batch, outs):
@@ -415,7 +426,7 @@ def run_selfinstruct(args):
         generator = torch.Generator(device=pick_device()).manual_seed(seed_for("selfinstruct-gen", n_rounds))
         outs = generate_batch(
             model, [m for _, m in metas], args.max_new_tokens, args.temperature,
-            eos_ids, tokenizer.pad_token_id, TOPK, generator,
+            eos_ids, tokenizer.pad_token_id, TOPK, generator, args.store_hidden,
         )
         # the lists the target wrote are target text too: keep them as a
         # response run ("selfinstruct-meta") so no generated token is wasted
@@ -586,15 +597,18 @@ def load_examples(data_dir: Path, runs: list[str], with_hidden: bool = False) ->
             for rel in manifest["teacher"][run]["shards"]:
                 for t in torch.load(data_dir / rel, weights_only=True):
                     labels[t["key"]] = t
-        if with_hidden and len(labels) == 0:
-            raise ValueError(f"run {run!r} has no teacher pass with hidden states")
-        unlabelled = 0
+        unlabelled, n_before = 0, len(examples)
         for r in iter_records(data_dir, run):
             r = {**r, **labels.get(r["key"], {})}
+            if not with_hidden:
+                r.pop("hidden", None)  # 1 KB a position that only the feature trainer reads
             if "topk_ids" not in r or (with_hidden and "hidden" not in r):
                 unlabelled += 1  # e.g. a prompttext run whose teacher pass is not finished
                 continue
             examples.append(r)
+        if with_hidden and len(examples) == n_before:
+            raise ValueError(f"run {run!r} has no hidden states: generate it with --store-hidden "
+                             f"or run `teacher {run} --store-hidden`")
         if unlabelled:
             print(f"[load_examples] {run}: skipped {unlabelled} records without teacher labels")
     return examples
@@ -642,12 +656,16 @@ def main(argv=None):
     g.add_argument("--limit", type=int, default=None, help="stop when the run holds this many sequences")
     g.add_argument("--batch-size", type=int, default=96)
     g.add_argument("--token-budget", type=int, default=16384, help="padded prompt tokens per batch")
+    g.add_argument("--store-hidden", action="store_true",
+                   help="also keep the target's last hidden state at each response position "
+                        "(feature-drafter data without a teacher pass)")
 
     s = sub.add_parser("selfinstruct", help="the target writes new prompts")
     s.add_argument("--count", type=int, default=2000, help="stop when this many are stored")
     s.add_argument("--temperature", type=float, default=0.8)
     s.add_argument("--max-new-tokens", type=int, default=256)
     s.add_argument("--batch-size", type=int, default=64)
+    s.add_argument("--store-hidden", action="store_true", help="as for generate")
 
     pt = sub.add_parser("prompttext", help="store prompts as a run, for the teacher to label")
     pt.add_argument("--run", required=True)

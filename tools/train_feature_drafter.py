@@ -26,6 +26,7 @@ The final head (safetensors + JSON config + card) goes to --out.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 import shlex
@@ -147,15 +148,33 @@ def agreement(head, embed, examples, length, device, steps=3):
             for j in range(steps)]
 
 
+def data_size_curve(subset_dirs: list[Path], positions: int, seen: int, metrics: list[dict]) -> list[dict]:
+    """Held-out agreement against training positions: the subset heads' cards and this head."""
+    points = []
+    for d in subset_dirs:
+        card = json.loads((d / "card.json").read_text())
+        points.append({"positions": card["data"]["positions"], "subset": card["data"].get("subset"),
+                       "positions_seen": card["training"]["positions_seen"], "head": str(d),
+                       "agreement": card["heldout_agreement"]})
+    if metrics:
+        points.append({"positions": positions, "subset": 1.0, "positions_seen": seen, "head": "this head",
+                       "agreement": metrics})
+    return sorted(points, key=lambda p: p["positions"])
+
+
 def main(argv=None) -> int:
     import target_data
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default=None, help="target source (default: the embedded preset)")
     ap.add_argument("--data-dir", type=Path, default=None, help="target_data.py folder")
-    ap.add_argument("--runs", nargs="+", required=True, help="generation runs with a --hidden teacher pass")
+    ap.add_argument("--runs", nargs="+", required=True,
+                    help="response runs with hidden states (generated or teacher-labelled with --store-hidden)")
     ap.add_argument("--heldout-run", default=None, help="run on held-out prompts, for agreement")
     ap.add_argument("--out", type=Path, default=Path("models/smollm2-135m-feature-head"))
+    ap.add_argument("--init", type=Path, default=None,
+                    help="start from this saved head (its architecture and sub-vocabulary), e.g. to go on "
+                         "training a shipped head on new data; the size options below are then ignored")
     ap.add_argument("--hidden", type=int, default=0, help="head width (0 = the target's)")
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--sub-vocab", type=int, default=8192)
@@ -164,6 +183,12 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--feat-weight", type=float, default=1.0)
+    ap.add_argument("--subset", type=float, default=1.0,
+                    help="train on this fraction of the prompts (all their responses), for learning curves "
+                         "against data size")
+    ap.add_argument("--curve-from", type=Path, nargs="*", default=[],
+                    help="heads trained with --subset: their data size and held-out agreement go on this "
+                         "head's card as the learning curve against data size")
     ap.add_argument("--time-budget-min", type=float, default=30.0)
     ap.add_argument("--max-updates", type=int, default=0, help="stop after this many updates (0 = time only)")
     ap.add_argument("--threads", type=int, default=2)
@@ -180,29 +205,43 @@ def main(argv=None) -> int:
     data_dir = args.data_dir or target_data.default_data_dir(args.target or target_data.DEFAULT_TARGET)
     train = target_data.load_examples(data_dir, args.runs, with_hidden=True)
     held = target_data.load_examples(data_dir, [args.heldout_run], with_hidden=True) if args.heldout_run else []
+    if args.subset < 1.0:
+        prompt_ids = sorted({str(e.get("prompt_id", e["key"])) for e in train})
+        keep = set(random.Random(args.seed).sample(prompt_ids, round(args.subset * len(prompt_ids))))
+        train = [e for e in train if str(e.get("prompt_id", e["key"])) in keep]
     if not train:
         sys.exit("no training examples with hidden states; run tools/target_data.py teacher RUN --store-hidden first")
     vocab = target.get_output_embeddings().weight.shape[0]
-    sub = sub_vocabulary(train, args.sub_vocab, vocab)
-    cfg = FeatureHeadConfig(target_hidden=target.config.hidden_size, hidden=args.hidden, layers=args.layers,
-                            heads=target.config.num_attention_heads, kv_heads=target.config.num_key_value_heads,
-                            rope_theta=float(getattr(target.config, "rope_theta", None)
-                                             or target.config.rope_parameters["rope_theta"]),
-                            vocab_size=vocab, sub_vocab=len(sub),
-                            rms_norm_eps=float(target.config.rms_norm_eps))
-    head = FeatureHead(cfg).to(device)
-    head.vocab_ids = sub.to(device)
+    if args.init is not None:
+        head = FeatureHead.load(args.init).to(device).train().requires_grad_(True)
+        head.body.embed_tokens.requires_grad_(False)
+        if head.cfg.vocab_size != vocab or head.cfg.target_hidden != target.config.hidden_size:
+            sys.exit(f"{args.init} was trained for another target (vocabulary {head.cfg.vocab_size}, "
+                     f"features {head.cfg.target_hidden})")
+        print(f"starting from {args.init}")
+    else:
+        sub = sub_vocabulary(train, args.sub_vocab, vocab)
+        cfg = FeatureHeadConfig(target_hidden=target.config.hidden_size, hidden=args.hidden, layers=args.layers,
+                                heads=target.config.num_attention_heads, kv_heads=target.config.num_key_value_heads,
+                                rope_theta=float(getattr(target.config, "rope_theta", None)
+                                                 or target.config.rope_parameters["rope_theta"]),
+                                vocab_size=vocab, sub_vocab=len(sub),
+                                rms_norm_eps=float(target.config.rms_norm_eps))
+        head = FeatureHead(cfg).to(device)
+        head.vocab_ids = sub.to(device)
+    cfg, sub = head.cfg, head.vocab_ids
     head.attach_lm_head(target.get_output_embeddings().weight)
     slot = torch.full((vocab,), -1, dtype=torch.long, device=device)
     slot[head.vocab_ids] = torch.arange(len(sub), device=device)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
 
-    ckpt = cache_dir() / "train" / "feature-head.pt"
+    ckpt = cache_dir() / "train" / f"{args.out.name}.pt"
+    run_key = {"config": cfg.__dict__, "runs": args.runs, "init": str(args.init), "subset": args.subset}
     update, seen = 0, 0
     if ckpt.is_file():
         state = torch.load(ckpt, weights_only=True)
-        if state.get("config") == cfg.__dict__:
+        if all(state.get(k) == v for k, v in run_key.items()):
             head.load_state_dict(state["head"])
             opt.load_state_dict(state["opt"])
             update, seen = state["update"], state["seen"]
@@ -236,7 +275,7 @@ def main(argv=None) -> int:
                 print(f"update {update} loss {loss.item():.3f} step-1 train top1 {acc:.3f} positions {seen}")
             if time.time() - last_ckpt > 300:
                 ckpt.parent.mkdir(parents=True, exist_ok=True)
-                torch.save({"config": cfg.__dict__, "head": head.state_dict(), "opt": opt.state_dict(),
+                torch.save({**run_key, "head": head.state_dict(), "opt": opt.state_dict(),
                             "update": update, "seen": seen}, ckpt)
                 last_ckpt = time.time()
             if held and update % 500 == 0:
@@ -250,10 +289,11 @@ def main(argv=None) -> int:
         print(f"held-out step {m['step']}: top-1 {m['top1']:.3f}, top-4 {m['top4']:.3f} ({m['positions']} positions)")
     card = {"architecture": {"kind": "target-feature draft head", **cfg.__dict__},
             "parameters": sum(p.numel() for p in head.parameters() if p.requires_grad),
-            "data": {"runs": args.runs, "responses": len(train), "positions": positions},
+            "data": {"runs": args.runs, "subset": args.subset, "responses": len(train), "positions": positions},
             "training": {"updates": update, "positions_seen": seen, "seconds": round(time.time() - t_start),
                          "steps_unrolled": args.steps_unrolled},
             "heldout_agreement": metrics, "learning_curve": curve,
+            "data_size_curve": data_size_curve(args.curve_from, positions, seen, metrics),
             "command": "python tools/train_feature_drafter.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))}
     head.save(args.out, card=card)
     print(f"wrote {args.out}")
