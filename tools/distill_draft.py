@@ -443,7 +443,8 @@ def main(argv=None):
         "training": {
             "data": {run: {"settings": settings[run]["settings"], "sequences": settings[run].get("n_sequences"),
                            "response_tokens": settings[run].get("n_tokens"),
-                           "generation_minutes": round(settings[run].get("seconds", 0) / 60, 1)}
+                           "generation_minutes": round(settings[run].get("seconds", 0) / 60, 1),
+                           "commands": settings[run].get("commands", [])}
                      for run in args.runs},
             "response_tokens": n_train_tokens,
             "prompts": "Spec-Bench first turns with question_id % 5 != 0, and prompts the target wrote "

@@ -61,6 +61,7 @@ import json
 import os
 import random
 import re
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -176,6 +177,10 @@ def start_run(data_dir: Path, section: str, run: str, settings: dict) -> set[str
         entry = manifest[section].setdefault(run, {"settings": settings, "shards": [], "done": []})
         if entry["settings"] != settings:
             sys.exit(f"run {run!r} exists with other settings:\n{entry['settings']}\nvs\n{settings}")
+        # provenance: the command lines that wrote the run (a resumed stage adds none if unchanged)
+        command = "python tools/target_data.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+        if Path(sys.argv[0]).name == "target_data.py" and command not in entry.setdefault("commands", []):
+            entry["commands"].append(command)
         return set(entry["done"])
 
 

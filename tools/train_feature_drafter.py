@@ -1,11 +1,12 @@
 """Train a target-feature draft head (mcsd.feature_draft.FeatureHead) on target-written data.
 
 Data come from tools/target_data.py: responses the target wrote to the
-fitting split (and to self-instruct prompts), then one teacher-forced pass that
-stores, per response position, the target's final hidden state and its top-k
-next-token distribution:
+fitting split (and to self-instruct prompts) with, per response position, the
+target's final hidden state and its top-k next-token distribution, stored as
+it generates (or by a teacher-forced pass, for text it did not generate):
 
-    python tools/target_data.py teacher fit-greedy --store-hidden
+    python tools/target_data.py generate --run fit-greedy --split fit --store-hidden
+    python tools/target_data.py generate --run heldout-greedy --split heldout --store-hidden
     python tools/train_feature_drafter.py --runs fit-greedy --heldout-run heldout-greedy --time-budget-min 30
 
 Training, per response position t (hidden[t] is the target feature that
@@ -148,6 +149,23 @@ def agreement(head, embed, examples, length, device, steps=3):
             for j in range(steps)]
 
 
+def run_provenance(data_dir: Path, runs: list[str]) -> dict:
+    """Per run: its settings, size, generation time and the commands that wrote it (from the manifest)."""
+    import target_data
+
+    manifest = target_data.read_manifest(Path(data_dir))
+    out = {}
+    for run in runs:
+        entry, teacher = manifest["runs"][run], manifest["teacher"].get(run)
+        out[run] = {"settings": entry["settings"], "sequences": entry.get("n_sequences"),
+                    "tokens": entry.get("n_tokens"), "minutes": round(entry.get("seconds", 0) / 60, 1),
+                    "commands": entry.get("commands", [])}
+        if teacher:
+            out[run]["teacher"] = {"settings": teacher["settings"], "minutes": round(teacher.get("seconds", 0) / 60, 1),
+                                   "commands": teacher.get("commands", [])}
+    return out
+
+
 def data_size_curve(subset_dirs: list[Path], positions: int, seen: int, metrics: list[dict]) -> list[dict]:
     """Held-out agreement against training positions: the subset heads' cards and this head."""
     points = []
@@ -212,12 +230,15 @@ def main(argv=None) -> int:
     if not train:
         sys.exit("no training examples with hidden states; run tools/target_data.py teacher RUN --store-hidden first")
     vocab = target.get_output_embeddings().weight.shape[0]
+    init_card = None
     if args.init is not None:
         head = FeatureHead.load(args.init).to(device).train().requires_grad_(True)
         head.body.embed_tokens.requires_grad_(False)
         if head.cfg.vocab_size != vocab or head.cfg.target_hidden != target.config.hidden_size:
             sys.exit(f"{args.init} was trained for another target (vocabulary {head.cfg.vocab_size}, "
                      f"features {head.cfg.target_hidden})")
+        init_file = args.init / "card.json"
+        init_card = json.loads(init_file.read_text()) if init_file.is_file() else {}
         print(f"starting from {args.init}")
     else:
         sub = sub_vocabulary(train, args.sub_vocab, vocab)
@@ -289,12 +310,16 @@ def main(argv=None) -> int:
         print(f"held-out step {m['step']}: top-1 {m['top1']:.3f}, top-4 {m['top4']:.3f} ({m['positions']} positions)")
     card = {"architecture": {"kind": "target-feature draft head", **cfg.__dict__},
             "parameters": sum(p.numel() for p in head.parameters() if p.requires_grad),
-            "data": {"runs": args.runs, "subset": args.subset, "responses": len(train), "positions": positions},
+            "data": {"runs": run_provenance(data_dir, args.runs), "subset": args.subset, "responses": len(train),
+                     "positions": positions},
             "training": {"updates": update, "positions_seen": seen, "seconds": round(time.time() - t_start),
                          "steps_unrolled": args.steps_unrolled},
             "heldout_agreement": metrics, "learning_curve": curve,
             "data_size_curve": data_size_curve(args.curve_from, positions, seen, metrics),
             "command": "python tools/train_feature_drafter.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))}
+    if init_card is not None:
+        card["continued_from"] = {k: init_card.get(k) for k in ("data", "training", "heldout_agreement", "command",
+                                                                "continued_from") if k in init_card}
     head.save(args.out, card=card)
     print(f"wrote {args.out}")
     return 0
