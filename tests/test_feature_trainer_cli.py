@@ -1,0 +1,77 @@
+"""tools/train_feature_drafter.py end to end on a tiny target: data from the data engine's generation
+stage (hidden states stored as it generates), prompt subsets, going on from a saved head, and the card."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+
+import target_data  # noqa: E402
+import train_feature_drafter as tfd  # noqa: E402
+
+from conftest import tiny_llama  # noqa: E402
+from mcsd.feature_draft import FeatureHead  # noqa: E402
+
+
+def _store_run(data_dir: Path, target, run: str, n_prompts: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 64, (4,), generator=g).tolist() for _ in range(n_prompts)]
+    outs = target_data.generate_batch(target, prompts, max_new_tokens=20, eos_ids=(1,), pad_id=0, topk=4,
+                                      store_hidden=True)
+    target_data.start_run(data_dir, "runs", run, {"split": "fit" if run == "fit" else "heldout", "store_hidden": True})
+    records = [{"key": f"{run}-{i}/0", "prompt_id": f"{run}-{i}", "category": "qa",
+                "prompt": torch.tensor(p, dtype=torch.int32), **o} for i, (p, o) in enumerate(zip(prompts, outs))]
+    target_data.save_shard(data_dir, "runs", run, records,
+                           {"n_sequences": len(records), "n_tokens": sum(len(r["response"]) for r in records)})
+    return sum(len(r["response"]) for r in records)
+
+
+@pytest.fixture
+def setup(tmp_path, monkeypatch):
+    monkeypatch.setenv("MCSD_CACHE", str(tmp_path / "cache"))   # checkpoints stay in the test's folder
+    target = tiny_llama(0)
+    target.save_pretrained(tmp_path / "target")
+    data = tmp_path / "data"
+    n_fit = _store_run(data, target, "fit", 10, seed=1)
+    _store_run(data, target, "held", 3, seed=2)
+    common = ["--target", str(tmp_path / "target"), "--data-dir", str(data), "--runs", "fit",
+              "--heldout-run", "held", "--window", "16", "--sub-vocab", "40", "--max-updates", "3", "--threads", "1"]
+    return tmp_path, common, n_fit
+
+
+def test_subset_then_continue_with_a_data_size_curve(setup):
+    tmp_path, common, n_fit = setup
+    small, full = tmp_path / "small-head", tmp_path / "full-head"
+    assert tfd.main(common + ["--subset", "0.5", "--out", str(small)]) == 0
+    card = json.loads((small / "card.json").read_text())
+    assert card["data"]["subset"] == 0.5 and card["data"]["responses"] == 5
+    assert 0 < card["data"]["positions"] < n_fit
+    assert card["data"]["runs"]["fit"]["tokens"] == n_fit                  # provenance from the manifest
+    assert [m["step"] for m in card["heldout_agreement"]] == [1, 2, 3]
+
+    assert tfd.main(common + ["--init", str(small), "--out", str(full), "--curve-from", str(small)]) == 0
+    card = json.loads((full / "card.json").read_text())
+    assert card["continued_from"]["data"]["subset"] == 0.5
+    assert card["data"]["positions"] == n_fit
+    assert [p["positions"] for p in card["data_size_curve"]] == sorted(p["positions"] for p in card["data_size_curve"])
+    assert len(card["data_size_curve"]) == 2 and card["data_size_curve"][-1]["head"] == "this head"
+    # the continued head kept its starting point's architecture and sub-vocabulary
+    a, b = FeatureHead.load(small), FeatureHead.load(full)
+    assert a.cfg == b.cfg and torch.equal(a.vocab_ids, b.vocab_ids)
+    assert not torch.equal(a.reduce.weight, b.reduce.weight)              # and went on training
+
+
+def test_init_from_a_head_for_another_target_is_refused(setup):
+    tmp_path, common, _ = setup
+    other = tiny_llama(0, hidden=48)
+    other.save_pretrained(tmp_path / "other")
+    head_dir = tmp_path / "head"
+    assert tfd.main(common + ["--out", str(head_dir)]) == 0
+    args = common.copy()
+    args[args.index("--target") + 1] = str(tmp_path / "other")
+    with pytest.raises(SystemExit, match="another target"):
+        tfd.main(args + ["--init", str(head_dir), "--out", str(tmp_path / "x")])
