@@ -58,7 +58,8 @@ def test_subset_then_continue_with_a_data_size_curve(setup):
     assert card["continued_from"]["data"]["subset"] == 0.5
     assert card["data"]["positions"] == n_fit
     assert [p["positions"] for p in card["data_size_curve"]] == sorted(p["positions"] for p in card["data_size_curve"])
-    assert len(card["data_size_curve"]) == 2 and card["data_size_curve"][-1]["head"] == "this head"
+    # the subset head counts twice here: as --curve-from and as the --init head
+    assert [p["head"] for p in card["data_size_curve"]] == [str(small), "--init head", "this head"]
     # the continued head kept its starting point's architecture and sub-vocabulary
     a, b = FeatureHead.load(small), FeatureHead.load(full)
     assert a.cfg == b.cfg and torch.equal(a.vocab_ids, b.vocab_ids)

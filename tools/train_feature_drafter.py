@@ -166,9 +166,15 @@ def run_provenance(data_dir: Path, runs: list[str]) -> dict:
     return out
 
 
-def data_size_curve(subset_dirs: list[Path], positions: int, seen: int, metrics: list[dict]) -> list[dict]:
-    """Held-out agreement against training positions: the subset heads' cards and this head."""
+def data_size_curve(subset_dirs: list[Path], positions: int, seen: int, metrics: list[dict],
+                    init_card: dict | None = None) -> list[dict]:
+    """Held-out agreement against training positions: the subset heads' cards, the head this one
+    continued from (trained on less data) and this head."""
     points = []
+    if init_card and init_card.get("heldout_agreement"):
+        points.append({"positions": init_card["data"]["positions"], "subset": init_card["data"].get("subset", 1.0),
+                       "positions_seen": init_card["training"]["positions_seen"], "head": "--init head",
+                       "agreement": init_card["heldout_agreement"]})
     for d in subset_dirs:
         card = json.loads((d / "card.json").read_text())
         points.append({"positions": card["data"]["positions"], "subset": card["data"].get("subset"),
@@ -315,7 +321,7 @@ def main(argv=None) -> int:
             "training": {"updates": update, "positions_seen": seen, "seconds": round(time.time() - t_start),
                          "steps_unrolled": args.steps_unrolled},
             "heldout_agreement": metrics, "learning_curve": curve,
-            "data_size_curve": data_size_curve(args.curve_from, positions, seen, metrics),
+            "data_size_curve": data_size_curve(args.curve_from, positions, seen, metrics, init_card),
             "command": "python tools/train_feature_drafter.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))}
     if init_card is not None:
         card["continued_from"] = {k: init_card.get(k) for k in ("data", "training", "heldout_agreement", "command",
