@@ -460,6 +460,7 @@ def main(argv=None):
             **({"continued_from": {"model": args.init, "training": (init_card or {}).get("training", {}),
                                    "reproduce": (init_card or {}).get("reproduce", {})}} if args.init else {}),
         },
+        "command": command,
         "reproduce": {"distill": command},
     })
     print(f"wrote {out_dir}")

@@ -171,15 +171,15 @@ def data_size_curve(subset_dirs: list[Path], positions: int, seen: int, metrics:
     """Held-out agreement against training positions: the subset heads' cards, the head this one
     continued from (trained on less data) and this head."""
     points = []
-    if init_card and init_card.get("heldout_agreement"):
-        points.append({"positions": init_card["data"]["positions"], "subset": init_card["data"].get("subset", 1.0),
-                       "positions_seen": init_card["training"]["positions_seen"], "head": "--init head",
-                       "agreement": init_card["heldout_agreement"]})
     for d in subset_dirs:
         card = json.loads((d / "card.json").read_text())
         points.append({"positions": card["data"]["positions"], "subset": card["data"].get("subset"),
                        "positions_seen": card["training"]["positions_seen"], "head": str(d),
                        "agreement": card["heldout_agreement"]})
+    if init_card and init_card.get("heldout_agreement"):
+        points.append({"positions": init_card["data"]["positions"], "subset": init_card["data"].get("subset", 1.0),
+                       "positions_seen": init_card["training"]["positions_seen"], "head": "--init head",
+                       "agreement": init_card["heldout_agreement"]})
     if metrics:
         points.append({"positions": positions, "subset": 1.0, "positions_seen": seen, "head": "this head",
                        "agreement": metrics})
