@@ -170,17 +170,15 @@ def section_folder(section: str) -> str:
     return {"runs": "responses", "teacher": "teacher"}[section]
 
 
-def start_run(data_dir: Path, section: str, run: str, settings: dict) -> set[str]:
-    """Create the run's manifest entry (or check its settings match) and
-    return the keys already done."""
+def start_run(data_dir: Path, section: str, run: str, settings: dict, command: str | None = None) -> set[str]:
+    """Create the run's manifest entry (or check its settings match), record
+    the command line that (re)started it, and return the keys already done."""
     with manifest_update(data_dir) as manifest:
         entry = manifest[section].setdefault(run, {"settings": settings, "shards": [], "done": []})
         if entry["settings"] != settings:
             sys.exit(f"run {run!r} exists with other settings:\n{entry['settings']}\nvs\n{settings}")
-        # provenance: the command lines that wrote the run (a resumed stage adds none if unchanged)
-        command = "python tools/target_data.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-        if Path(sys.argv[0]).name == "target_data.py" and command not in entry.setdefault("commands", []):
-            entry["commands"].append(command)
+        if command is not None and command not in entry.setdefault("commands", []):
+            entry["commands"].append(command)  # a resumed stage with the same command adds none
         return set(entry["done"])
 
 
@@ -255,7 +253,7 @@ def generate_batch(
     )  # (B, H), (B, V)
     next_pos = position_ids[:, -1] + 1  # (B,)
     live = torch.arange(B, device=device)  # original row of each live row
-    steps = [[] for _ in range(B)]  # per row: (token, topk ids, topk probs)
+    steps = [[] for _ in range(B)]  # per row: (token, topk ids, topk probs, hidden or None)
     finished = [False] * B
 
     for _ in range(max_new_tokens):
@@ -323,7 +321,7 @@ def run_generate(args):
         settings.pop("split")  # self-instruct prompts all come from the fitting split
     if args.store_hidden:
         settings["store_hidden"] = True
-    done = start_run(data_dir, "runs", args.run, settings)
+    done = start_run(data_dir, "runs", args.run, settings, args.command)
 
     jobs = []  # (key, prompt dict, prompt ids)
     for p in prompts:
@@ -442,7 +440,7 @@ def run_selfinstruct(args):
         ]
         start_run(data_dir, "runs", "selfinstruct-meta", {"source": "selfinstruct-meta", "temperature": args.temperature,
                   "max_new_tokens": args.max_new_tokens, "topk": TOPK, "target": Path(args.target).name,
-                  "dtype": str(pick_dtype(args.dtype)).removeprefix("torch.")})
+                  "dtype": str(pick_dtype(args.dtype)).removeprefix("torch.")}, args.command)
         save_shard(data_dir, "runs", "selfinstruct-meta", records,
                    {"n_sequences": len(records), "n_tokens": sum(len(r["response"]) for r in records),
                     "seconds": round(time.time() - t_round, 1)})
@@ -484,14 +482,14 @@ def run_prompttext(args):
     it answers them.
     """
     data_dir = Path(args.data_dir)
-    from transformers import AutoTokenizer
+    from mcsd.models import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    tokenizer = load_tokenizer(args.target)                # a preset name, directory, .gguf or hub id
     prompts = load_prompts(data_dir, args.source, args.split, args.questions)
     settings = {"source": args.source, "split": args.split, "kind": "prompt text", "target": Path(args.target).name}
     if args.source == "selfinstruct":
         settings.pop("split")
-    done = start_run(data_dir, "runs", args.run, settings)
+    done = start_run(data_dir, "runs", args.run, settings, args.command)
     ids = {p["id"]: chat_ids(tokenizer, p["text"]) for p in prompts}
     first = next(iter(ids.values()))
     n_prefix = 0  # the prefix all prompts share: system message and user header
@@ -557,7 +555,7 @@ def run_teacher(args):
     for run in args.runs:
         settings = {"topk": TOPK, "store_hidden": args.store_hidden, "target": Path(args.target).name,
                     "dtype": str(pick_dtype(args.dtype)).removeprefix("torch.")}
-        done = start_run(data_dir, "teacher", run, settings)
+        done = start_run(data_dir, "teacher", run, settings, args.command)
         records = [r for r in iter_records(data_dir, run) if r["key"] not in done]
         lengths = [len(r["prompt"]) + len(r["response"]) for r in records]
         print(f"[teacher {run}] {len(done)} done, {len(records)} pending", flush=True)
@@ -686,6 +684,7 @@ def main(argv=None):
     sub.add_parser("status", help="print what is stored")
 
     args = parser.parse_args(argv)
+    args.command = "python tools/target_data.py " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))
     args.data_dir = args.data_dir or str(default_data_dir(args.target))
     torch.set_num_threads(args.threads)
     {"generate": run_generate, "selfinstruct": run_selfinstruct, "prompttext": run_prompttext, "teacher": run_teacher,
