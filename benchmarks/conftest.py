@@ -35,6 +35,7 @@ class Bench:
 
     def __init__(self, config):
         from mcsd import load_model_pair
+        from mcsd.models import DEFAULT_PRESET, PRESETS, load_model, preset_draft_dir
         from mcsd.data import chat_ids, load_prompts, stratified
 
         opt = config.getoption
@@ -52,8 +53,8 @@ class Bench:
         # so both drafters are compared in one run.
         self.assistant = self.draft if self.draft_is_model else None
         if self.assistant is None and opt("--bench-draft") is None:
-            _, self.assistant, _ = load_model_pair(opt("--bench-target"), None, dtype=self.dtype, device=self.device,
-                                                   drafter="model")
+            preset = PRESETS[opt("--bench-target") or DEFAULT_PRESET]
+            self.assistant = load_model(str(preset_draft_dir(preset, "model")), self.dtype, self.device, role="draft")
         prompts = load_prompts(opt("--bench-prompts"), split=opt("--bench-split"))
         if self.smoke:
             prompts = prompts[:1]

@@ -457,11 +457,10 @@ def main(argv=None):
                        f"+ {args.negatives} random negatives",
             "train_minutes": round(state["elapsed_s"] / 60, 1), "threads": args.threads,
             "evals": state["evals"],
-            **({"continued_from": {"model": args.init, "training": (init_card or {}).get("training", {}),
-                                   "reproduce": (init_card or {}).get("reproduce", {})}} if args.init else {}),
+            **({"continued_from": {"model": args.init, "training": init_card.get("training", {}),
+                                   "command": init_card.get("command")}} if args.init else {}),
         },
         "command": command,
-        "reproduce": {"distill": command},
     })
     print(f"wrote {out_dir}")
 

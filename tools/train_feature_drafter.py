@@ -166,23 +166,18 @@ def run_provenance(data_dir: Path, runs: list[str]) -> dict:
     return out
 
 
-def data_size_curve(subset_dirs: list[Path], positions: int, seen: int, metrics: list[dict],
-                    init_card: dict | None = None) -> list[dict]:
+def _curve_point(card: dict, head: str) -> dict:
+    return {"positions": card["data"]["positions"], "subset": card["data"].get("subset", 1.0),
+            "positions_seen": card["training"]["positions_seen"], "head": head,
+            "agreement": card["heldout_agreement"]}
+
+
+def data_size_curve(card: dict, subset_dirs: list[Path], init_card: dict | None = None) -> list[dict]:
     """Held-out agreement against training positions: the subset heads' cards, the head this one
-    continued from (trained on less data) and this head."""
-    points = []
-    for d in subset_dirs:
-        card = json.loads((d / "card.json").read_text())
-        points.append({"positions": card["data"]["positions"], "subset": card["data"].get("subset"),
-                       "positions_seen": card["training"]["positions_seen"], "head": str(d),
-                       "agreement": card["heldout_agreement"]})
-    if init_card and init_card.get("heldout_agreement"):
-        points.append({"positions": init_card["data"]["positions"], "subset": init_card["data"].get("subset", 1.0),
-                       "positions_seen": init_card["training"]["positions_seen"], "head": "--init head",
-                       "agreement": init_card["heldout_agreement"]})
-    if metrics:
-        points.append({"positions": positions, "subset": 1.0, "positions_seen": seen, "head": "this head",
-                       "agreement": metrics})
+    continued from (trained on less data) and this head (`card`)."""
+    points = [_curve_point(json.loads((d / "card.json").read_text()), str(d)) for d in subset_dirs]
+    points += [_curve_point(c, head) for c, head in ((init_card, "--init head"), (card, "this head"))
+               if c and c.get("heldout_agreement")]
     return sorted(points, key=lambda p: p["positions"])
 
 
@@ -230,16 +225,17 @@ def main(argv=None) -> int:
     train = target_data.load_examples(data_dir, args.runs, with_hidden=True)
     held = target_data.load_examples(data_dir, [args.heldout_run], with_hidden=True) if args.heldout_run else []
     if args.subset < 1.0:
-        prompt_ids = sorted({str(e.get("prompt_id", e["key"])) for e in train})
+        prompt_ids = sorted({e["prompt_id"] for e in train})
         keep = set(random.Random(args.seed).sample(prompt_ids, round(args.subset * len(prompt_ids))))
-        train = [e for e in train if str(e.get("prompt_id", e["key"])) in keep]
+        train = [e for e in train if e["prompt_id"] in keep]
     if not train:
         sys.exit("no training examples with hidden states; run tools/target_data.py teacher RUN --store-hidden first")
     vocab = target.get_output_embeddings().weight.shape[0]
     init_card = None
     if args.init is not None:
-        head = FeatureHead.load(args.init).to(device).train().requires_grad_(True)
-        head.body.embed_tokens.requires_grad_(False)
+        saved = FeatureHead.load(args.init)
+        head = FeatureHead(saved.cfg).to(device)                 # trainable, like a fresh head
+        head.load_state_dict(saved.state_dict())                 # weights and sub-vocabulary
         if head.cfg.vocab_size != vocab or head.cfg.target_hidden != target.config.hidden_size:
             sys.exit(f"{args.init} was trained for another target (vocabulary {head.cfg.vocab_size}, "
                      f"features {head.cfg.target_hidden})")
@@ -321,8 +317,8 @@ def main(argv=None) -> int:
             "training": {"updates": update, "positions_seen": seen, "seconds": round(time.time() - t_start),
                          "steps_unrolled": args.steps_unrolled},
             "heldout_agreement": metrics, "learning_curve": curve,
-            "data_size_curve": data_size_curve(args.curve_from, positions, seen, metrics, init_card),
             "command": "python tools/train_feature_drafter.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))}
+    card["data_size_curve"] = data_size_curve(card, args.curve_from, init_card)
     if init_card is not None:
         card["continued_from"] = {k: init_card.get(k) for k in ("data", "training", "heldout_agreement", "command",
                                                                 "continued_from") if k in init_card}
