@@ -582,15 +582,22 @@ def iter_records(data_dir: Path, run: str):
         yield from torch.load(Path(data_dir) / rel, weights_only=True)
 
 
-def load_examples(data_dir: Path, runs: list[str], with_hidden: bool = False) -> list[dict]:
+def load_examples(data_dir: Path, runs: list[str], with_hidden: bool | str = False) -> list[dict]:
     """All records of `runs`, with the teacher's labels where the teacher
     stage ran and the generation-time labels otherwise.
+
+    with_hidden: False drops stored hidden states, True keeps them and
+    requires them (records without are skipped, a run with none is an
+    error), "optional" keeps them where stored.
 
     Records with no labels yet (a prompttext run before its teacher pass)
     are skipped. Returns dicts: key, prompt_id, category, prompt (P,) int32,
     response (R,) int32, topk_ids (R, k) int32, topk_probs (R, k) float16
     [, hidden (R, H) float16].
     """
+    if with_hidden not in (False, True, "optional"):
+        raise ValueError(f"with_hidden must be False, True or 'optional', not {with_hidden!r}")
+    required = with_hidden is True
     data_dir = Path(data_dir)
     manifest = read_manifest(data_dir)
     examples = []
@@ -605,11 +612,11 @@ def load_examples(data_dir: Path, runs: list[str], with_hidden: bool = False) ->
             r = {**r, **labels.get(r["key"], {})}
             if not with_hidden:
                 r.pop("hidden", None)  # 1 KB a position that only the feature trainer reads
-            if "topk_ids" not in r or (with_hidden and "hidden" not in r):
+            if "topk_ids" not in r or (required and "hidden" not in r):
                 unlabelled += 1  # e.g. a prompttext run whose teacher pass is not finished
                 continue
             examples.append(r)
-        if with_hidden and len(examples) == n_before:
+        if required and len(examples) == n_before:
             raise ValueError(f"run {run!r} has no hidden states: generate it with --store-hidden "
                              f"or run `teacher {run} --store-hidden`")
         if unlabelled:
