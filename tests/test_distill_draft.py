@@ -85,7 +85,7 @@ def test_collate_places_hidden_states_of_the_sequences_that_have_them():
 
 
 def test_train_export_and_continue(setup):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tmp_path, common, target, n_hidden, n_plain = setup
     out = tmp_path / "draft"
@@ -100,6 +100,7 @@ def test_train_export_and_continue(setup):
     assert card["command"].startswith("python tools/distill_draft.py ")
 
     draft = AutoModelForCausalLM.from_pretrained(out)           # a plain causal LM, as HF assisted decoding needs
+    assert AutoTokenizer.from_pretrained(out).get_vocab() == AutoTokenizer.from_pretrained(tmp_path / "target").get_vocab()
     assert draft.config.hidden_size == 16 and draft.config.vocab_size == target.config.vocab_size
     basis = dd.load_basis(out / dd.BASIS_FILE)
     assert basis.shape == (16, 48)

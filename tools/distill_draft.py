@@ -63,7 +63,6 @@ import json
 import math
 import os
 import random
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -351,9 +350,9 @@ def load_basis(path: Path) -> torch.Tensor:
         raise ValueError(f"{path} is not a readable basis file ({exc})") from exc
 
 
-def export_draft(draft, out_dir: Path, target_path: str, card_update: dict, basis: torch.Tensor | None = None):
+def export_draft(draft, out_dir: Path, tokenizer, card_update: dict, basis: torch.Tensor | None = None):
     """Write the draft as bfloat16 safetensors + config + the target's
-    tokenizer files, and merge card_update into card.json. With a basis,
+    tokenizer (so the folder loads on its own), and merge card_update into card.json. With a basis,
     also the target-to-draft projection the embedding was built from
     (what --init needs to go on with --hidden-weight)."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -364,10 +363,7 @@ def export_draft(draft, out_dir: Path, target_path: str, card_update: dict, basi
     shipped.save_pretrained(out_dir, safe_serialization=True)
     if basis is not None:
         save_basis(basis, out_dir / BASIS_FILE)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                 "generation_config.json"):
-        if (Path(target_path) / name).exists():
-            shutil.copy(Path(target_path) / name, out_dir / name)
+    tokenizer.save_pretrained(out_dir)
     card_path = out_dir / "card.json"
     card = json.loads(card_path.read_text()) if card_path.exists() else {}
     card.update(card_update)
@@ -565,7 +561,7 @@ def main(argv=None):
 
     command = "python tools/distill_draft.py " + " ".join(sys.argv[1:] if argv is None else argv)
     settings = manifest["runs"]
-    export_draft(draft, out_dir, args.target, {
+    export_draft(draft, out_dir, tokenizer, {
         "name": out_dir.name,
         "description": "Standalone draft model for SmolLM2-135M-Instruct, trained by self-distillation "
                        "on text the target generated (tools/target_data.py, tools/distill_draft.py).",
