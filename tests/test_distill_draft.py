@@ -62,6 +62,14 @@ def test_hidden_basis_keeps_the_directions_the_hidden_states_use():
         dd.hidden_basis(hidden[:2], 3)
 
 
+def test_basis_top1_is_exact_on_a_full_basis_and_drops_on_a_poor_one():
+    g = torch.Generator().manual_seed(2)
+    E, hidden = torch.randn(40, 8, generator=g), torch.randn(100, 8, generator=g)
+    top1 = (hidden @ E.T).argmax(-1)
+    assert dd.basis_top1(E, torch.eye(8), hidden, top1) == 1.0
+    assert dd.basis_top1(E, torch.eye(8)[:1], hidden, top1) < 0.5
+
+
 def test_hidden_loss_is_zero_at_the_projection_and_scale_free():
     g = torch.Generator().manual_seed(1)
     basis = torch.linalg.qr(torch.randn(10, 4, generator=g))[0].T  # (4, 10)
@@ -95,6 +103,9 @@ def test_train_export_and_continue(setup):
     assert card["training"]["response_tokens"] == n_hidden + n_plain
     assert card["training"]["positions_with_target_hidden"] == n_hidden
     assert card["training"]["steps"] == 4
+    kept = card["training"]["basis_check"]["target_top1_kept"]
+    assert set(kept) == {"this draft's basis", "top singular directions of the embedding"}
+    assert all(0.0 <= v <= 1.0 for v in kept.values())
     assert [e["step"] for e in card["training"]["evals"]] == [0, 4]
     assert "hidden states" in card["architecture"]["init"] and "hidden state" in card["training"]["labels"]
     assert card["command"].startswith("python tools/distill_draft.py ")

@@ -181,18 +181,32 @@ def make_sequence(example: dict, max_len: int) -> dict:
     }
 
 
-def sample_hidden(seqs: list[dict], n: int, seed: int = 0) -> torch.Tensor:
+def sample_hidden(seqs: list[dict], n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """About n target hidden states from randomly chosen sequences (whole
-    sequences, so a fixed seed and data give the same sample). (n', C_target) float32."""
+    sequences, so a fixed seed and data give the same sample).
+
+    Returns hidden (n', C_target) float32 and the target's top-1 token there (n',)."""
     order = [i for i in range(len(seqs)) if seqs[i]["hidden"] is not None]
     random.Random(seed).shuffle(order)
     picked, total = [], 0
     for i in order:
         if total >= n:
             break
-        picked.append(seqs[i]["hidden"])
+        picked.append(i)
         total += len(seqs[i]["hidden"])
-    return torch.cat(picked)[:n].float()
+    hidden = torch.cat([seqs[i]["hidden"] for i in picked])[:n].float()
+    return hidden, torch.cat([seqs[i]["topk_ids"][:, 0] for i in picked])[:n]
+
+
+@torch.no_grad()
+def basis_top1(embedding: torch.Tensor, basis: torch.Tensor, hidden: torch.Tensor, top1: torch.Tensor) -> float:
+    """How often the target's own top-1 token survives keeping its final
+    hidden state to the basis: argmax of (E Q^T)(Q h) against argmax of E h.
+    The most a draft on that basis could agree if it predicted Q h exactly.
+
+    Args: embedding (V, C_target), basis (C, C_target), hidden (N, C_target), top1 (N,)."""
+    logits = (hidden @ basis.T) @ (embedding @ basis.T).T  # (N, V)
+    return (logits.argmax(-1) == top1).float().mean().item()
 
 
 def make_batches(seqs: list[dict], tokens_per_batch: int, shuffle: bool, seed: int = 0) -> list[list[int]]:
@@ -453,10 +467,20 @@ def main(argv=None):
             sys.exit(f"--init {args.init} has no {BASIS_FILE} (it was built before hidden-state training): "
                      "pass --hidden-weight 0")
     elif args.embed_basis == "hidden":
-        basis = hidden_basis(sample_hidden(train, args.basis_positions), cfg.hidden_size)
+        basis = hidden_basis(sample_hidden(train, args.basis_positions)[0], cfg.hidden_size)
     else:
         basis = embedding_basis(target, cfg.hidden_size)
     draft = build_draft(target, cfg, basis if basis is not None else embedding_basis(target, cfg.hidden_size))
+    basis_check = None
+    if basis is not None and n_hidden_tokens:
+        # on other positions than the basis was fitted on (another seed), against the embedding's own basis
+        hidden, top1 = sample_hidden(train, 4096, seed=1)
+        E = target.get_input_embeddings().weight.detach().float()
+        basis_check = {"positions": len(top1), "target_top1_kept": {
+            "this draft's basis": round(basis_top1(E, basis, hidden, top1), 4),
+            "top singular directions of the embedding": round(
+                basis_top1(E, embedding_basis(target, cfg.hidden_size), hidden, top1), 4)}}
+        print(f"target top-1 kept on the basis: {basis_check['target_top1_kept']}")
     del target
     init_card = None
     if args.init:
@@ -591,6 +615,10 @@ def main(argv=None):
                          "the target's, projected on the embedding's basis (where stored)"
                          if args.hidden_weight > 0 and basis is not None else ""),
             "positions_with_target_hidden": n_hidden_tokens if args.hidden_weight > 0 else 0,
+            **({"basis_check": {**basis_check, "what": "how often the target's top-1 token survives keeping "
+                                "its final hidden state to the basis (the most a draft predicting that "
+                                "projection could agree), on stored training-text positions"}}
+               if basis_check else {}),
             "steps": state["step"], "epochs": round(state["tokens_seen"] / max(n_train_tokens, 1), 2),
             "tokens_per_batch": args.tokens_per_batch, "lr": args.lr, "max_len": args.max_len,
             "softmax": f"full every {args.full_softmax_every} steps, otherwise over the batch's label tokens "
