@@ -96,8 +96,10 @@ EMBED_BASES = ("hidden", "embedding")
 
 
 def hidden_basis(hidden: torch.Tensor, k: int) -> torch.Tensor:
-    """The top-k principal directions (uncentred) of the target's final
-    hidden states: the subspace its LM head actually reads.
+    """The top-k principal directions (uncentred SVD: the direction all rows
+    share is kept) of a set of rows: of the target's final hidden states, the
+    subspace its LM head actually reads; of its embedding, the directions
+    that spread all tokens apart (--embed-basis embedding).
 
     Args: hidden (N, C_target) float. Returns (k, C_target) float32, rows orthonormal.
     """
@@ -107,21 +109,14 @@ def hidden_basis(hidden: torch.Tensor, k: int) -> torch.Tensor:
     return Vh[:k].contiguous()
 
 
-def embedding_basis(target, k: int) -> torch.Tensor:
-    """The top-k right singular vectors (uncentred) of the target's embedding. (k, C_target)."""
-    E = target.get_input_embeddings().weight.detach().float()  # (V, C_target)
-    _, _, Vh = torch.linalg.svd(E, full_matrices=False)
-    return Vh[:k].contiguous()
-
-
 def build_draft(target, cfg: DraftConfig, basis: torch.Tensor):
     """A LlamaForCausalLM draft, initialised from the target.
 
     Args:
         target: the target LlamaForCausalLM (any dtype).
-        basis: (hidden_size, C_target) orthonormal rows (hidden_basis or
-            embedding_basis); the draft's embedding is the target's
-            projected on them.
+        basis: (hidden_size, C_target) orthonormal rows (`hidden_basis` of
+            hidden states or of the embedding); the draft's embedding is
+            the target's projected on them.
     Returns:
         draft in float32 (trained in float32, shipped in bfloat16).
     """
@@ -253,11 +248,10 @@ def collate(seqs: list[dict], pad_id: int) -> dict:
     batch = {"input_ids": input_ids, "attention_mask": attention_mask, "rows": torch.cat(rows),
              "cols": torch.cat(cols), "topk_ids": cat("topk_ids"), "topk_probs": cat("topk_probs"),
              "next_ids": cat("next_ids")}
-    if any(s.get("hidden") is not None for s in seqs):
-        starts = torch.tensor([0] + [len(s["next_ids"]) for s in seqs]).cumsum(0)
+    has = torch.tensor([s.get("hidden") is not None for s in seqs])  # (B,)
+    if has.any():
         batch["hidden"] = torch.cat([s["hidden"] for s in seqs if s.get("hidden") is not None])
-        batch["hidden_at"] = torch.cat([torch.arange(starts[i], starts[i + 1])
-                                        for i, s in enumerate(seqs) if s.get("hidden") is not None])
+        batch["hidden_at"] = has[batch["rows"]].nonzero().squeeze(1)
     return batch
 
 
@@ -459,6 +453,8 @@ def main(argv=None):
     target, tokenizer = td.load_target(args.target, device="cpu", dtype=torch.float32)
     # padding is masked out; any id will do when the tokenizer names none
     pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
+    E = target.get_input_embeddings().weight.detach().float()  # (V, C_target)
+    embedding_dirs = hidden_basis(E, cfg.hidden_size)
     basis = None
     if args.init:
         # a continued draft keeps the basis its embedding was built from
@@ -470,17 +466,16 @@ def main(argv=None):
     elif args.embed_basis == "hidden":
         basis = hidden_basis(sample_hidden(train, args.basis_positions)[0], cfg.hidden_size)
     else:
-        basis = embedding_basis(target, cfg.hidden_size)
-    draft = build_draft(target, cfg, basis if basis is not None else embedding_basis(target, cfg.hidden_size))
+        basis = embedding_dirs
+    # a continued draft without a basis file is built on any basis: --init overwrites its weights
+    draft = build_draft(target, cfg, basis if basis is not None else embedding_dirs)
     basis_check = None
     if basis is not None and n_hidden_tokens:
         # on other positions than the basis was fitted on (another seed), against the embedding's own basis
         hidden, top1 = sample_hidden(train, 4096, seed=1)
-        E = target.get_input_embeddings().weight.detach().float()
         basis_check = {"positions": len(top1), "target_top1_kept": {
             "this draft's basis": round(basis_top1(E, basis, hidden, top1), 4),
-            "top singular directions of the embedding": round(
-                basis_top1(E, embedding_basis(target, cfg.hidden_size), hidden, top1), 4)}}
+            "top singular directions of the embedding": round(basis_top1(E, embedding_dirs, hidden, top1), 4)}}
         print(f"target top-1 kept on the basis: {basis_check['target_top1_kept']}")
     del target
     init_card = None
