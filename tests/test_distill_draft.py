@@ -147,3 +147,41 @@ def test_refusals(setup):
                           "--init", str(old), "--ckpt-dir", str(tmp_path / "ckpt-y")])
     with pytest.raises(SystemExit):
         dd.main(common + ["--runs", "plain", "--out", str(tmp_path / "z"), "--embed-basis", "nonsense"])
+
+
+def test_select_layers_renumbers_the_kept_layers():
+    state = {"model.embed_tokens.weight": torch.zeros(1), "model.norm.weight": torch.ones(1),
+             **{f"model.layers.{i}.mlp.up_proj.weight": torch.full((1,), float(i)) for i in range(4)}}
+    kept = dd.select_layers(state, [0, 1, 3], 4)
+    assert sorted(k for k in kept if k.startswith("model.layers.")) == [
+        f"model.layers.{i}.mlp.up_proj.weight" for i in range(3)]
+    assert [kept[f"model.layers.{i}.mlp.up_proj.weight"].item() for i in range(3)] == [0.0, 1.0, 3.0]
+    assert kept["model.norm.weight"] is state["model.norm.weight"]
+    for bad in ([], [0, 0], [4], [-1]):
+        with pytest.raises(ValueError, match="distinct indices in 0..3"):
+            dd.select_layers(state, bad, 4)
+
+
+def test_shallower_draft_from_a_deeper_one(setup):
+    from transformers import AutoModelForCausalLM
+
+    tmp_path, common, _, _, _ = setup
+    deep = tmp_path / "deep"
+    dd.main(common + ["--runs", "with-hidden", "--out", str(deep), "--max-steps", "2", "--basis-positions", "64",
+                      "--num-hidden-layers", "2", "--ckpt-dir", str(tmp_path / "ckpt-deep")])
+    shallow_args = common + ["--runs", "with-hidden", "--init", str(deep), "--num-hidden-layers", "1"]
+    with pytest.raises(SystemExit, match="pass --init-layers"):
+        dd.main(shallow_args + ["--out", str(tmp_path / "x"), "--ckpt-dir", str(tmp_path / "ckpt-x")])
+    with pytest.raises(SystemExit, match="--init-layers: layers to keep"):
+        dd.main(shallow_args + ["--out", str(tmp_path / "x"), "--init-layers", "2",
+                                "--ckpt-dir", str(tmp_path / "ckpt-x")])
+    shallow = tmp_path / "shallow"
+    dd.main(shallow_args + ["--out", str(shallow), "--init-layers", "1", "--max-steps", "0",
+                            "--ckpt-dir", str(tmp_path / "ckpt-shallow")])
+    a, b = (AutoModelForCausalLM.from_pretrained(p) for p in (deep, shallow))
+    assert b.config.num_hidden_layers == 1
+    for name, value in b.model.layers[0].state_dict().items():
+        assert torch.equal(value, a.model.layers[1].state_dict()[name]), name
+    assert torch.equal(b.model.embed_tokens.weight, a.model.embed_tokens.weight)
+    assert torch.equal(dd.load_basis(shallow / dd.BASIS_FILE), dd.load_basis(deep / dd.BASIS_FILE))
+    assert "keeping its layers [1]" in json.loads((shallow / "card.json").read_text())["architecture"]["init"]

@@ -379,6 +379,26 @@ def export_draft(draft, out_dir: Path, tokenizer, card_update: dict, basis: torc
     card_path.write_text(json.dumps(card, indent=2) + "\n")
 
 
+def select_layers(state: dict, keep: list[int], n_layers: int) -> dict:
+    """A deeper draft's weights with only the layers `keep` (in that order),
+    renumbered 0..len(keep)-1: how a shallower draft starts from a trained one.
+
+    state: a LlamaForCausalLM state dict with n_layers layers.
+    """
+    if not keep or len(set(keep)) != len(keep) or not all(0 <= i < n_layers for i in keep):
+        raise ValueError(f"layers to keep must be distinct indices in 0..{n_layers - 1}, got {keep}")
+    renumber = {old: new for new, old in enumerate(keep)}
+    out = {}
+    for name, value in state.items():
+        if name.startswith("model.layers."):
+            index, rest = name.removeprefix("model.layers.").split(".", 1)
+            if int(index) not in renumber:
+                continue
+            name = f"model.layers.{renumber[int(index)]}.{rest}"
+        out[name] = value
+    return out
+
+
 def n_params(model) -> int:
     """Unique parameters (the tied embedding / LM head counted once)."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
@@ -396,6 +416,9 @@ def main(argv=None):
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     parser.add_argument("--init", default=None,
                         help="go on training this saved draft (same architecture), e.g. the shipped one on new data")
+    parser.add_argument("--init-layers", type=int, nargs="+", default=None,
+                        help="with --init from a deeper draft: its layers to keep, in order (as many as "
+                             "--num-hidden-layers), e.g. 0 1 3")
     parser.add_argument("--ckpt-dir", default=None, help="default: $MCSD_CACHE/checkpoints/<out-name>")
     parser.add_argument("--time-budget-min", type=float, default=30.0, help="training wall clock (lr schedule)")
     parser.add_argument("--max-steps", type=int, default=10**9)
@@ -483,8 +506,17 @@ def main(argv=None):
         from transformers import AutoModelForCausalLM
 
         source = AutoModelForCausalLM.from_pretrained(args.init, dtype=torch.float32)
+        source_state, source_layers = source.state_dict(), source.config.num_hidden_layers
+        if args.init_layers is not None or source_layers != cfg.num_hidden_layers:
+            if args.init_layers is None or len(args.init_layers) != cfg.num_hidden_layers:
+                sys.exit(f"--init {args.init} has {source_layers} layers and the draft {cfg.num_hidden_layers}: "
+                         f"pass --init-layers with the {cfg.num_hidden_layers} of its layers to keep")
+            try:
+                source_state = select_layers(source_state, args.init_layers, source_layers)
+            except ValueError as exc:
+                sys.exit(f"--init-layers: {exc}")
         try:
-            draft.load_state_dict(source.state_dict())
+            draft.load_state_dict(source_state)
         except RuntimeError as exc:
             sys.exit(f"--init {args.init} does not match the draft architecture given: {str(exc)[:300]}")
         card_file = Path(args.init) / "card.json"
@@ -499,7 +531,8 @@ def main(argv=None):
     state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "elapsed_s": 0.0, "evals": [], "tokens_seen": 0}
     if ckpt_path.exists():
         ckpt = torch.load(ckpt_path, weights_only=False)
-        if ckpt["config"] != asdict(cfg) or ckpt["runs"] != args.runs or ckpt.get("init") != args.init:
+        if (ckpt["config"] != asdict(cfg) or ckpt["runs"] != args.runs or ckpt.get("init") != args.init
+                or ckpt.get("init_layers") != args.init_layers):
             sys.exit(f"checkpoint {ckpt_path} is for another config or data; move it away to start over")
         draft.load_state_dict(ckpt["model"])
         basis = ckpt.get("basis", basis)  # the one the run started with
@@ -510,7 +543,8 @@ def main(argv=None):
     def save_checkpoint():
         ckpt_path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"model": draft.state_dict(), "optimizer": optimizer.state_dict(), "state": state,
-                    "config": asdict(cfg), "runs": args.runs, "init": args.init, "basis": basis},
+                    "config": asdict(cfg), "runs": args.runs, "init": args.init,
+                    "init_layers": args.init_layers, "basis": basis},
                    ckpt_path.with_suffix(".tmp"))
         os.replace(ckpt_path.with_suffix(".tmp"), ckpt_path)
 
@@ -588,7 +622,9 @@ def main(argv=None):
         "target": "HuggingFaceTB/SmolLM2-135M-Instruct (local copy: " + Path(args.target).name + ")",
         "architecture": {"class": "LlamaForCausalLM", **asdict(cfg), "vocab_size": draft.config.vocab_size,
                          "tie_word_embeddings": True, "dtype": "bfloat16",
-                         "init": (f"the weights of {args.init} (see training.continued_from)" if args.init else
+                         "init": (f"the weights of {args.init}"
+                                  + (f", keeping its layers {args.init_layers}" if args.init_layers else "")
+                                  + " (see training.continued_from)" if args.init else
                                   f"embedding = target embedding projected on the top-{cfg.hidden_size} "
                                   + ("principal directions (uncentred) of the target's final hidden states, "
                                      f"from {args.basis_positions} positions of the training runs "
