@@ -181,7 +181,8 @@ def main(argv=None):
     if not args.no_card:
         card_path = Path(args.draft) / "card.json"
         card = json.loads(card_path.read_text()) if card_path.exists() else {}
-        card["figures"] = {
+        # figures measured elsewhere (the engine's, from the benchmarks) are kept
+        card.setdefault("figures", {}).update({
             "cost_ratio": cost["ratio"],
             "cost": {**cost, "dtype": "bfloat16", "threads": args.threads, "device": "cpu",
                      "what": "1-token forward with a KV cache of cache_len tokens, median of interleaved runs"},
@@ -191,7 +192,7 @@ def main(argv=None):
                         "what": "teacher-forced on the bfloat16 target's greedy responses to Spec-Bench "
                                 "question_id % 5 == 0 (first turn, chat template, <= 256 new tokens)",
                         "by_category": by_category},
-        }
+        })
         card.setdefault("reproduce", {})["measure"] = "python tools/measure_draft.py " + " ".join(
             sys.argv[1:] if argv is None else argv)
         card_path.write_text(json.dumps(card, indent=2) + "\n")
