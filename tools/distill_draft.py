@@ -16,7 +16,8 @@ Architecture (defaults in DraftConfig), and why:
   for copying from context, which needs two, on top of n-gram statistics),
   the draft reached the agreement bars but cost 0.155-0.172 of a target step
   (interleaved, bfloat16, 2 threads), over the 0.15 bar; with 3 layers the
-  same width costs 0.137-0.141 and with 2 about 0.12. So the shipped draft
+  same width costs 0.131-0.151 (the trained 3-layer draft: 0.140-0.151) and
+  with 2 about 0.12. So the shipped draft
   keeps 3 of the trained 4 layers (--init-layers; dropping layer 1 loses the
   least: top-1 37.1% -> 34.1% before any further training) and is trained
   on from there.
@@ -420,7 +421,8 @@ def main(argv=None):
     parser.add_argument("--heldout-run", default=None, help="greedy responses to held-out prompts, for eval")
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     parser.add_argument("--init", default=None,
-                        help="go on training this saved draft (same architecture), e.g. the shipped one on new data")
+                        help="go on training this saved draft (same architecture, or fewer layers with "
+                             "--init-layers), e.g. the shipped one on new data")
     parser.add_argument("--init-layers", type=int, nargs="+", default=None,
                         help="with --init from a deeper draft: its layers to keep, in order (as many as "
                              "--num-hidden-layers), e.g. 0 1 3")
