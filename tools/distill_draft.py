@@ -398,9 +398,9 @@ def select_layers(state: dict, keep: list[int], n_layers: int) -> dict:
     for name, value in state.items():
         if name.startswith("model.layers."):
             index, rest = name.removeprefix("model.layers.").split(".", 1)
-            if int(index) not in renumber:
+            if (new := renumber.get(int(index))) is None:
                 continue
-            name = f"model.layers.{renumber[int(index)]}.{rest}"
+            name = f"model.layers.{new}.{rest}"
         out[name] = value
     return out
 
@@ -515,7 +515,7 @@ def main(argv=None):
         source = AutoModelForCausalLM.from_pretrained(args.init, dtype=torch.float32)
         source_state, source_layers = source.state_dict(), source.config.num_hidden_layers
         if args.init_layers is not None or source_layers != cfg.num_hidden_layers:
-            if args.init_layers is None or len(args.init_layers) != cfg.num_hidden_layers:
+            if len(args.init_layers or ()) != cfg.num_hidden_layers:
                 sys.exit(f"--init {args.init} has {source_layers} layers and the draft {cfg.num_hidden_layers}: "
                          f"pass --init-layers with the {cfg.num_hidden_layers} of its layers to keep")
             try:

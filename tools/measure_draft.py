@@ -53,7 +53,8 @@ def interleaved_cost(steps: dict, runs: int, warmup: int, cache_len: int) -> dic
             if r >= warmup:
                 times[role].append(elapsed)
     target_ms, draft_ms = (statistics.median(times[role]) * 1000 for role in ("target", "draft"))
-    return {"target_ms": round(target_ms, 2), "draft_ms": round(draft_ms, 2),
+    # to the microsecond: the ratio then agrees with the rounded times even for sub-millisecond steps
+    return {"target_ms": round(target_ms, 3), "draft_ms": round(draft_ms, 3),
             "ratio": round(draft_ms / target_ms, 4), "runs": runs, "cache_len": cache_len}
 
 
@@ -104,6 +105,23 @@ def timing_context(examples: list[dict], cache_len: int) -> list[int]:
     return torch.cat([best["prompt"], best["response"]]).tolist()[:cache_len]
 
 
+def cost_figure(cost: dict, threads: int, what: str) -> dict:
+    """An `interleaved_cost` result as the card records it."""
+    return {**cost, "dtype": "bfloat16", "threads": threads, "device": "cpu", "what": what}
+
+
+def write_figures(model_dir: Path, args, indent: int, **figures):
+    """Merge `figures` into model_dir/card.json (figures measured elsewhere, such as
+    the engine's from the benchmarks, are kept) and record the command that measured them."""
+    card_path = model_dir / "card.json"
+    card = json.loads(card_path.read_text()) if card_path.exists() else {}
+    card.setdefault("figures", {}).update(figures)
+    card.setdefault("reproduce", {})["measure"] = "python tools/measure_draft.py " + " ".join(
+        sys.argv[1:] if args.argv is None else args.argv)
+    card_path.write_text(json.dumps(card, indent=indent) + "\n")
+    print(f"updated {card_path}")
+
+
 def feature_head_main(args, data_dir: Path) -> None:
     """--feature-head: the cost figure of a target-feature head, written on its card."""
     from mcsd.models import load_feature_drafter
@@ -114,16 +132,9 @@ def feature_head_main(args, data_dir: Path) -> None:
     cost = measure_feature_cost(target, drafter, context, args.runs)
     print(f"cost: feature head step {cost['draft_ms']} ms / target {cost['target_ms']} ms = {cost['ratio']:.3f}")
     if not args.no_card:
-        card_path = Path(args.feature_head) / "card.json"
-        card = json.loads(card_path.read_text()) if card_path.exists() else {}
-        card.setdefault("figures", {})["cost_ratio"] = cost["ratio"]
-        card["figures"]["cost"] = {**cost, "dtype": "bfloat16", "threads": args.threads, "device": "cpu",
-                                   "what": "one draft step (1 token, cache of cache_len target features) against "
-                                           "the target's 1-token forward, median of interleaved runs"}
-        card.setdefault("reproduce", {})["measure"] = "python tools/measure_draft.py " + " ".join(
-            sys.argv[1:] if args.argv is None else args.argv)
-        card_path.write_text(json.dumps(card, indent=1) + "\n")
-        print(f"updated {card_path}")
+        write_figures(Path(args.feature_head), args, indent=1, cost_ratio=cost["ratio"], cost=cost_figure(
+            cost, args.threads, "one draft step (1 token, cache of cache_len target features) against "
+                                "the target's 1-token forward, median of interleaved runs"))
 
 
 def per_category(draft, examples: list[dict], pad_id: int, max_len: int) -> dict:
@@ -179,24 +190,15 @@ def main(argv=None):
     print(f"cost: draft {cost['draft_ms']} ms / target {cost['target_ms']} ms = {cost['ratio']:.3f}")
 
     if not args.no_card:
-        card_path = Path(args.draft) / "card.json"
-        card = json.loads(card_path.read_text()) if card_path.exists() else {}
-        # figures measured elsewhere (the engine's, from the benchmarks) are kept
-        card.setdefault("figures", {}).update({
-            "cost_ratio": cost["ratio"],
-            "cost": {**cost, "dtype": "bfloat16", "threads": args.threads, "device": "cpu",
-                     "what": "1-token forward with a KV cache of cache_len tokens, median of interleaved runs"},
-            "heldout_top1": round(overall["top1"], 4),
-            "heldout_top4": round(overall["top4"], 4),
-            "heldout": {"positions": overall["n"], "sequences": len(examples), "run": HELDOUT_RUN,
-                        "what": "teacher-forced on the bfloat16 target's greedy responses to Spec-Bench "
-                                "question_id % 5 == 0 (first turn, chat template, <= 256 new tokens)",
-                        "by_category": by_category},
-        })
-        card.setdefault("reproduce", {})["measure"] = "python tools/measure_draft.py " + " ".join(
-            sys.argv[1:] if argv is None else argv)
-        card_path.write_text(json.dumps(card, indent=2) + "\n")
-        print(f"updated {card_path}")
+        write_figures(
+            Path(args.draft), args, indent=2, cost_ratio=cost["ratio"],
+            cost=cost_figure(cost, args.threads,
+                             "1-token forward with a KV cache of cache_len tokens, median of interleaved runs"),
+            heldout_top1=round(overall["top1"], 4), heldout_top4=round(overall["top4"], 4),
+            heldout={"positions": overall["n"], "sequences": len(examples), "run": HELDOUT_RUN,
+                     "what": "teacher-forced on the bfloat16 target's greedy responses to Spec-Bench "
+                             "question_id % 5 == 0 (first turn, chat template, <= 256 new tokens)",
+                     "by_category": by_category})
 
 
 if __name__ == "__main__":
