@@ -14,16 +14,9 @@ import pytest
 import torch
 
 from mcsd.attention import xformers_unavailable_reason
-from mcsd.profile import DEFAULT_SIZES, measure
+from mcsd.profile import DEFAULT_SIZES, measure, stand_in
 
 BACKENDS = ["sdpa", "xformers"]
-
-
-def _cuda_stand_in():
-    from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-                      num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=4096)
-    return LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -31,7 +24,7 @@ def test_verify_latency_by_tree_size(benchmark, bench, backend):
     on_cuda = bench.device.startswith("cuda") or bench.device == "auto"
     if backend == "xformers" and (reason := xformers_unavailable_reason(bench.target.device)):
         pytest.skip(reason)
-    model = _cuda_stand_in() if on_cuda and bench.smoke is False and torch.cuda.is_available() else bench.target
+    model = stand_in("llama-1b", torch.bfloat16, "cuda") if on_cuda and bench.smoke is False and torch.cuda.is_available() else bench.target
     if backend != getattr(model.config, "_attn_implementation", None):
         model = copy.deepcopy(model) if model is bench.target else model
         from mcsd.attention import set_backend

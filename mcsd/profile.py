@@ -7,9 +7,12 @@ against what it costs to draft and verify on *this* hardware.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import platform
 import statistics
+import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -69,6 +72,40 @@ def interpolate(table: dict[int, float], n: float) -> float:
         if n <= hi:
             return table[lo] + (table[hi] - table[lo]) * (n - lo) / (hi - lo)
     return table[xs[-1]] * n / xs[-1]                 # past the largest size: proportional
+
+
+# ISA flags that change what batched work costs on a CPU (native bf16 / fp16 matmuls, AMX tiles).
+_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "fma")
+
+
+@functools.lru_cache(maxsize=None)
+def machine_info(device: str = "cpu") -> dict:
+    """What the costs depend on besides the models: the processor (model name and ISA flags)
+    or the GPU (name, memory, driver, CUDA), and the torch version."""
+    info = {"machine": platform.machine(), "torch": torch.__version__}
+    try:
+        cpuinfo = open("/proc/cpuinfo").read()
+    except OSError:
+        cpuinfo = ""
+    names = [line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")]
+    info["cpu"] = names[0] if names else (platform.processor() or platform.machine())
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    info["cpu_flags"] = [f for f in _CPU_FLAGS if f in flags]
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                    cuda=torch.version.cuda, driver=_nvidia_driver())
+    return info
+
+
+def _nvidia_driver() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
 
 
 def _sync(device: torch.device) -> None:
@@ -155,10 +192,36 @@ def measure(target, draft=None, sizes=DEFAULT_SIZES, prefix_len: int = 200, repe
     meta = {"target": _model_name(target), "draft": _model_name(draft) if draft is not None else None,
             "dtype": str(verify_lm.dtype).replace("torch.", ""), "device": str(verify_lm.device),
             "attention": getattr(target.config, "_attn_implementation", None),
-            "threads": torch.get_num_threads(), "torch": torch.__version__, "repeats": repeats}
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "repeats": repeats,
+            "host": machine_info(str(verify_lm.device))}
     return DeviceProfile(verify_ms={n: med[("verify", n)] for n in sizes},
                          draft_ms={n: med[("draft", n)] for n in draft_sizes} if draft is not None else {},
                          prefix_len=prefix_len, meta=meta)
+
+
+# Shapes a profile can stand in for where the weights cannot go (Llama architecture, random weights):
+# latency depends on shapes and dtype, not on weight values.
+STAND_INS = {
+    # the embedded preset's target, SmolLM2-135M-Instruct
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True,
+                         max_position_embeddings=8192, rms_norm_eps=1e-5),
+    # a ~1.1B Llama (TinyLlama-1.1B shapes)
+    "llama-1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                     num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=4096),
+}
+
+
+def stand_in(name: str, dtype=torch.bfloat16, device="cpu"):
+    """A randomly initialised LlamaForCausalLM with the shapes of `STAND_INS[name]`, in eval mode,
+    built directly on `device`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from .models import parse_dtype
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(LlamaConfig(**STAND_INS[name], dtype=parse_dtype(dtype)))
+    model.config._name_or_path = f"stand-in:{name}"
+    return model.to(parse_dtype(dtype)).eval().requires_grad_(False)
 
 
 def _is_feature_drafter(draft) -> bool:

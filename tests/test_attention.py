@@ -36,13 +36,18 @@ def test_eager_and_sdpa_agree_on_a_tree_mask(target):
     assert torch.allclose(outs[0], outs[1], atol=1e-5)
 
 
+def _skip_without_xformers_kernels():
+    from mcsd.attention import xformers_unavailable_reason
+    if (reason := xformers_unavailable_reason("cuda")) is not None:
+        pytest.skip(reason.splitlines()[0])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_xformers_matches_sdpa_on_tree_masks(dtype):
-    pytest.importorskip("xformers")
+    _skip_without_xformers_kernels()
     from conftest import tiny_llama
-    from mcsd import TreeDecoder
     from mcsd.attention import set_backend
     from mcsd.lm import CachedLM
     from mcsd.tree import TreeTopology
@@ -65,7 +70,7 @@ def test_xformers_matches_sdpa_on_tree_masks(dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_xformers_decoder_is_lossless_in_float32():
-    pytest.importorskip("xformers")
+    _skip_without_xformers_kernels()
     from conftest import tiny_llama
     from mcsd import TreeDecoder
 

@@ -3,44 +3,80 @@
     python tools/profile_device.py                      # the embedded pair, bfloat16, cpu
     python tools/profile_device.py --drafter feature    # the preset's target-feature head
     python tools/profile_device.py --target T --draft D --dtype float16 --device cuda --force
+    python tools/profile_device.py --stand-in llama-1b --device cuda --attention xformers --out prof.json
 
 The profile is cached under <mcsd cache>/profiles/ and read by tree policies.
+`--stand-in` times a randomly initialised model of a named architecture
+instead of loading weights (latency depends on shapes, not on weight values),
+for machines the weights cannot reach; with `smollm2-135m` the preset's own
+drafters are timed against it. `--out` writes the profile (with the machine's
+processor or GPU, driver and torch version in its metadata) to a file instead
+of the cache.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
-from mcsd import load_model_pair
-from mcsd.profile import DEFAULT_SIZES, load_or_measure, measure, profile_path
+from mcsd.profile import STAND_INS
+
+def _load(args):
+    from mcsd import load_model_pair
+    from mcsd.models import PRESETS, load_feature_drafter, load_model, preset_draft_dir
+    from mcsd.profile import stand_in
+    if args.stand_in is None:
+        return load_model_pair(args.target, args.draft, dtype=args.dtype, device=args.device,
+                               drafter=args.drafter)[:2]
+    target = stand_in(args.stand_in, args.dtype, args.device)
+    if args.stand_in not in PRESETS or args.drafter == "none":
+        return target, None
+    directory = str(preset_draft_dir(PRESETS[args.stand_in], args.drafter))
+    if args.drafter == "feature":
+        return target, load_feature_drafter(directory, target, args.dtype)
+    return target, load_model(directory, args.dtype, args.device, role="draft")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target")
     ap.add_argument("--draft")
-    ap.add_argument("--drafter", default="model", choices=("model", "feature"),
-                    help="with the preset: its standalone draft or its target-feature head")
+    ap.add_argument("--drafter", default="model", choices=("model", "feature", "none"),
+                    help="with the preset (or its stand-in): its standalone draft, its target-feature head, "
+                         "or no draft timing")
+    ap.add_argument("--stand-in", choices=sorted(STAND_INS),
+                    help="time a random-weight model of this architecture instead of loading a target")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--attention", default=None, help="sdpa, eager or xformers (default: the model's own)")
+    ap.add_argument("--sizes", default=None, help="comma-separated tree sizes (default: 1,2,4,...,64)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--force", action="store_true", help="measure again even if a cached profile exists")
+    ap.add_argument("--out", type=Path, help="write the profile here (JSON) instead of the cache")
     args = ap.parse_args(argv)
     import torch
+    from mcsd.attention import set_backend
+    from mcsd.profile import DEFAULT_SIZES, load_or_measure, measure, profile_path
     if args.threads:
         torch.set_num_threads(args.threads)
-    target, draft, _ = load_model_pair(args.target, args.draft, dtype=args.dtype, device=args.device,
-                                       drafter=args.drafter)
-    path = profile_path(target, draft)
-    if args.force:
-        prof = measure(target, draft, sizes=DEFAULT_SIZES, repeats=args.repeats)
+    target, draft = _load(args)
+    if args.attention:
+        set_backend(target, args.attention)
+        if isinstance(draft, torch.nn.Module):
+            set_backend(draft, args.attention)
+    sizes = tuple(int(n) for n in args.sizes.split(",")) if args.sizes else DEFAULT_SIZES
+    path = args.out or profile_path(target, draft)
+    if args.force or args.out or args.sizes:
+        prof = measure(target, draft, sizes=sizes, repeats=args.repeats)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(prof.to_json())
     else:
         prof = load_or_measure(target, draft, repeats=args.repeats)
     one = prof.verify_ms[min(prof.verify_ms)]
     print(f"profile: {path}")
+    print(json.dumps(prof.meta.get("host", {})))
     print("tree tokens  verify ms  x one token")
     for n, ms in prof.verify_ms.items():
         print(f"{n:11d}  {ms:9.2f}  {ms / one:11.2f}")
