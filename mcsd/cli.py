@@ -27,7 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with a preset: the standalone draft model, or the head reading the target's features "
                           "(default: the preset's faster one; the feature head for smollm2-135m)")
     src.add_argument("--list-models", action="store_true", help="list the built-in presets and exit")
-    src.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="compute dtype (default bfloat16)")
+    src.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
+                     help="compute dtype (default auto: the one this pair and method run fastest in on this "
+                          "machine, from its calibrated costs)")
     src.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or auto (spread the target over GPUs)")
     src.add_argument("--attention", default="auto", choices=BACKENDS, help="tree attention backend")
 
@@ -51,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="tree policy: static, heuristic, confidence, learned, ... (default auto: learned when "
                           "its acceptance model is installed, else static)")
     gen.add_argument("--baseline", action="store_true", help="plain target-only decoding, for comparison")
+    gen.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None,
+                     help="--calibrate measures this machine's costs again; --no-calibrate never measures (cached "
+                          "costs, else generic ones). Default: measure once per machine, pair, dtype and threads")
     gen.add_argument("--lossy-target-roots", type=int, default=0, metavar="W",
                      help="LOSSY opt-in (the MCSD paper's variant): W candidate roots from the target's top-W, "
                           "longest accepted branch kept; output may differ from the target's own; greedy only")
@@ -66,15 +71,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 class UsageError(Exception):
     pass
-
-
-def _resolve_policy(name: str, lossy: bool = False) -> str:
-    """"auto" -> "learned" when the shipped acceptance model is there (and the
-    run is exact: the lossy multi-root variant grows static trees), else "static"."""
-    if name != "auto":
-        return name
-    from .policies.learned import default_model_path
-    return "learned" if default_model_path().is_file() and not lossy else "static"
 
 
 def _read_prompt(args) -> str:
@@ -118,6 +114,23 @@ def _stats_summary(stats, baseline: bool) -> str:
     return "\n".join(lines)
 
 
+_COSTS_SOURCES = {"cached": "this machine's calibrated profile (cached), corrected online",
+                  "measured": "measured on this machine just now (cached for next time), corrected online",
+                  "default": "generic defaults (not calibrated: --no-calibrate), corrected online"}
+
+
+def _auto_dtype(target, draft, args):
+    """--dtype auto: the dtype this pair and method run fastest in here; the pair converted to it."""
+    from .models import cast_pair
+    from .profile import choose_dtype
+    if args.device not in ("cpu",) and not str(args.device).startswith("cuda"):
+        return target, draft, "float32", "float32: --dtype auto measures on one cpu or cuda device only"
+    choice = choose_dtype(target, draft, drafting=not args.baseline, calibrate=args.calibrate)
+    if choice.dtype != "float32":
+        target, draft = cast_pair(target, draft, choice.dtype)
+    return target, draft, choice.dtype, choice.reason
+
+
 def run(args) -> int:
     from .decoder import TreeDecoder
     from .models import load_model, load_model_pair, load_tokenizer
@@ -135,28 +148,34 @@ def run(args) -> int:
         raise UsageError("--draft needs --target")
     if args.show_tree and args.baseline:
         raise UsageError("--show-tree draws a draft tree; it has none with --baseline")
+    from .policies import resolve_policy
     from .tree import parse_tree_spec
-    args.policy = _resolve_policy(args.policy, lossy=args.lossy_target_roots > 0)
+    args.policy = resolve_policy(args.policy, lossy=args.lossy_target_roots > 0, drafting=not args.baseline)
     if args.tree is None:
         from .policies import POLICIES
         args.tree = POLICIES[args.policy].default_tree if args.policy in POLICIES else "4,2,2"
     parse_tree_spec(args.tree)                      # fail on a malformed tree before loading anything
     text = _read_prompt(args)
 
+    load_dtype = "float32" if args.dtype == "auto" else args.dtype
     if args.baseline:
         target_src = args.target or DEFAULT_PRESET
         tokenizer = load_tokenizer(target_src)
-        target, draft = load_model(target_src, args.dtype, args.device, role="target"), None
+        target, draft = load_model(target_src, load_dtype, args.device, role="target"), None
     else:
-        target, draft, tokenizer = load_model_pair(args.target, args.draft, dtype=args.dtype, device=args.device,
+        target, draft, tokenizer = load_model_pair(args.target, args.draft, dtype=load_dtype, device=args.device,
                                                     drafter=args.drafter)
+    dtype_reason = None
+    if args.dtype == "auto":
+        target, draft, args.dtype, dtype_reason = _auto_dtype(target, draft, args)
     if args.lossy_target_roots < 0:
         raise UsageError(f"--lossy-target-roots must be >= 0, got {args.lossy_target_roots}")
     if args.lossy_target_roots:
         print("mcsd-generate: warning: --lossy-target-roots changes the output distribution (not lossless)",
               file=sys.stderr)
     decoder = TreeDecoder(target, draft, tokenizer=tokenizer, tree=args.tree, policy=args.policy,
-                          attention=args.attention, lossy_target_roots=args.lossy_target_roots)
+                          attention=args.attention, lossy_target_roots=args.lossy_target_roots,
+                          calibrate=args.calibrate)
     prompt = _format_prompt(text, tokenizer, args)
 
     printed = {"text": ""}
@@ -186,13 +205,17 @@ def run(args) -> int:
                                        "device": args.device, "attention": decoder.attention,
                                        "baseline": args.baseline, "temperature": args.temperature,
                                        "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
-                                       "lossy_target_roots": args.lossy_target_roots}}))
+                                       "lossy_target_roots": args.lossy_target_roots,
+                                       "dtype_reason": dtype_reason, "costs": decoder.costs_source}}))
     elif args.stream:
         sys.stdout.write(out.text[len(printed["text"]):] + "\n")
     else:
         print(out.text)
     if args.stats:
         print(_stats_summary(out.stats, args.baseline), file=sys.stderr)
+        print(f"dtype: {dtype_reason or args.dtype + ' (as asked)'}", file=sys.stderr)
+        if decoder.costs_source is not None:
+            print(f"costs: {_COSTS_SOURCES[decoder.costs_source]}", file=sys.stderr)
     if args.show_tree and rounds:
         from .viz import draw_tree
         best = max(range(len(rounds)), key=lambda i: (rounds[i][1].n_accepted, -i))

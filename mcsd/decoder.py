@@ -29,7 +29,7 @@ from .attention import set_backend
 from .config import ConfigError, DecodeConfig, SamplingConfig
 from .draft import Drafter, GrownTree, ModelDrafter, grow_tree
 from .lm import CachedLM
-from .policies import POLICIES, TreePolicy, make_policy
+from .policies import POLICIES, TreePolicy, make_policy, resolve_policy
 from .sampling import logits_to_probs, make_generator, sample
 from .tree import DraftTree
 from .verify import Acceptance, accept_greedy, accept_sampling
@@ -119,20 +119,36 @@ class TreeDecoder:
             `generate_baseline` is then available).
         tokenizer: used for string prompts, decoding, EOS and stop strings.
         tree: tree spec ("4,2,2", "1,1,1,1", or a list of rank paths); the
-            largest tree the policy may grow.
-        policy: policy name ("static", "heuristic", "confidence", ...) or a TreePolicy.
+            largest tree the policy may grow. None: the policy's own default.
+        policy: policy name ("auto", "static", "heuristic", "confidence",
+            "learned", ...) or a TreePolicy. "auto" (the default, as on the
+            command line) is the learned policy with this machine's calibrated
+            costs where its acceptance model is installed, else "static".
         attention: "auto" | "sdpa" | "xformers" | "eager".
         lossy_target_roots: W > 0 switches to the MCSD paper's own variant: each
             round's roots are the target's top-W tokens, each verified with its
             own drafted subtree, and the longest accepted branch is kept. It is
             NOT lossless (a non-argmax root can win) and is greedy only; 0 (the
             default) keeps the exact target-initialised single root.
+        calibrate: for a cost-aware policy: None (default) uses this machine's
+            cached cost profile and measures one (a few seconds, once per
+            machine, pair, dtype and thread count) when there is none; True
+            measures again; False never measures (cached profile, else a
+            generic default).
+
+    Attributes:
+        costs_source: where a cost-aware policy's costs came from ("cached",
+            "measured", "default"), or None for other policies.
     """
 
-    def __init__(self, target, draft=None, tokenizer=None, tree="4,2,2", policy="static",
-                 attention: str = "auto", policy_options: dict | None = None, lossy_target_roots: int = 0):
+    def __init__(self, target, draft=None, tokenizer=None, tree=None, policy="auto",
+                 attention: str = "auto", policy_options: dict | None = None, lossy_target_roots: int = 0,
+                 calibrate: bool | None = None):
         self.target = CachedLM(target)
         self.lossy_roots = int(lossy_target_roots)
+        policy = resolve_policy(policy, lossy=self.lossy_roots > 0, drafting=draft is not None)
+        if tree is None and isinstance(policy, str):
+            tree = POLICIES[policy].default_tree if policy in POLICIES else TreePolicy.default_tree
         if self.lossy_roots:
             if self.lossy_roots < 1 or not isinstance(tree, str):
                 raise ConfigError("lossy_target_roots needs a positive width and a k-config tree string")
@@ -150,9 +166,12 @@ class TreeDecoder:
             raise ConfigError(f"draft must be a causal LM or a Drafter, got {type(draft).__name__}")
         self.tokenizer = tokenizer
         options = dict(policy_options or {})
+        self.costs_source = None
         if isinstance(policy, str) and getattr(POLICIES.get(policy), "uses_device_profile", False) \
                 and "costs" not in options:
-            options["costs"] = self._device_costs(target, draft)
+            options["costs"] = self._device_costs(target, draft, calibrate)
+        if "costs" in options:
+            self.costs_source = options["costs"].source
         self.policy = make_policy(policy, tree, **options)
         self._baseline_policy = make_policy("static", "")
         # Trees live where the target's inputs live (its embedding's device under a device_map).
@@ -292,6 +311,7 @@ class TreeDecoder:
             stats.target_forwards += 1
             stats.record_round(grown.tree, acc.n_accepted)
             policy.observe(acc.n_accepted, grown.tree)
+            policy.observe_timing(grown.tree, (t1 - t0) * 1000, (t2 - t1) * 1000)
             if on_round is not None:
                 on_round(grown.tree, acc)
             # 6. emit
@@ -352,13 +372,17 @@ class TreeDecoder:
     # ------------------------------------------------------------------ helpers
 
     @staticmethod
-    def _device_costs(target, draft):
-        """Costs from the cached device profile of this pair (tools/profile_device.py), else defaults."""
-        from .policies.learned import Costs
-        from .profile import load_or_measure
+    def _device_costs(target, draft, calibrate: bool | None = None):
+        """This machine's costs for the pair: the cached profile, measured when missing (or when
+        `calibrate` is True); with `calibrate=False` and nothing cached, generic defaults."""
+        from .profile import Costs, load_cached, load_or_measure
         timed = draft if isinstance(draft, torch.nn.Module) or getattr(draft, "uses_target_hidden", False) else None
-        prof = load_or_measure(target, timed, measure_if_missing=False)
-        return Costs.from_profile(prof) if prof is not None else Costs.default()
+        prof = None if calibrate else load_cached(target, timed)
+        if prof is not None:
+            return Costs.from_profile(prof, source="cached")
+        if calibrate is False:
+            return Costs.default()
+        return Costs.from_profile(load_or_measure(target, timed, force=True), source="measured")
 
     @staticmethod
     def _choose(logits: torch.Tensor, sampling: SamplingConfig, gen) -> torch.Tensor:

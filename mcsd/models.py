@@ -372,6 +372,20 @@ def load_feature_drafter(source: str, target, dtype="bfloat16"):
                           name=Path(source).expanduser().resolve().name)
 
 
+def cast_pair(target, draft, dtype):
+    """Convert a loaded pair to `dtype` in place (the target, and a draft model or a feature
+    head, rebound to the converted target). Returns (target, draft)."""
+    dtype = parse_dtype(dtype)
+    target.to(dtype)
+    if isinstance(draft, torch.nn.Module):
+        draft.to(dtype)
+    elif isinstance(draft, FeatureDrafter):
+        head = draft.head.to(dtype)
+        head.attach_lm_head(target.get_output_embeddings().weight)
+        draft = FeatureDrafter(head, target, name=draft.name)
+    return target, draft
+
+
 def check_tokenizers(target_tok, draft_tok) -> None:
     """Raise TokenizerMismatchError naming the first difference between two tokenizers."""
     t_vocab, d_vocab = target_tok.get_vocab(), draft_tok.get_vocab()

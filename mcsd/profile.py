@@ -13,6 +13,7 @@ import json
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ from .models import cache_dir
 from .tree import causal_allowed
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
+CALIBRATION_REPEATS = 5     # the quick measurement a first generation makes (a few seconds)
 
 
 @dataclass
@@ -234,26 +236,199 @@ def _model_name(model) -> str:
     return str(getattr(model.config, "_name_or_path", "") or model.config.model_type)
 
 
-def profile_path(target, draft, device=None) -> Path:
-    """Cache file for this pair, dtype, device and thread count."""
-    dev = device or next(target.parameters()).device
-    key = "|".join([_model_name(target), _model_name(draft) if draft is not None else "-",
-                    str(next(target.parameters()).dtype), str(dev), str(torch.get_num_threads())])
+def host_key(device) -> dict:
+    """The part of `machine_info` a cached profile must match: the processor and its ISA flags
+    (or the GPU), and torch. A profile measured anywhere else is never used."""
+    info = machine_info(str(torch.device(device)))
+    return {k: info.get(k) for k in ("machine", "cpu", "cpu_flags", "gpu", "cuda", "torch")}
+
+
+def profile_path(target, draft, dtype=None) -> Path:
+    """Cache file for this machine, pair, dtype, device, attention backend and thread count."""
+    dev = next(target.parameters()).device
+    dtype = dtype or next(target.parameters()).dtype
+    key = "|".join([_model_name(target), _model_name(draft) if draft is not None else "-", str(dtype), str(dev),
+                    str(getattr(target.config, "_attn_implementation", None)), str(torch.get_num_threads()),
+                    json.dumps(host_key(dev), sort_keys=True)])
     digest = hashlib.sha1(key.encode()).hexdigest()[:12]
     return cache_dir() / "profiles" / f"{digest}.json"
 
 
-def load_or_measure(target, draft=None, measure_if_missing: bool = True, **kwargs) -> DeviceProfile | None:
-    """The cached profile for this setup, measured (and cached) on first use."""
-    path = profile_path(target, draft)
-    if path.is_file():
-        try:
-            return DeviceProfile.from_json(path.read_text())
-        except (ValueError, KeyError):
-            pass                                      # unreadable: measure again
-    if not measure_if_missing:
+def load_cached(target, draft=None, dtype=None) -> DeviceProfile | None:
+    """The cached profile for this setup, if there is a readable one measured on this machine."""
+    path = profile_path(target, draft, dtype)
+    if not path.is_file():
         return None
-    prof = measure(target, draft, **kwargs)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(prof.to_json())
+    try:
+        prof = DeviceProfile.from_json(path.read_text())
+    except (ValueError, KeyError, TypeError):
+        return None                                   # unreadable: measure again
+    host = prof.meta.get("host", {})
+    if {k: host.get(k) for k in host_key(next(target.parameters()).device)} != host_key(
+            next(target.parameters()).device):
+        return None                                   # measured on another machine
     return prof
+
+
+def load_or_measure(target, draft=None, measure_if_missing: bool = True, force: bool = False,
+                    quiet: bool = False, **kwargs) -> DeviceProfile | None:
+    """The cached profile for this setup, measured (and cached) on first use or when `force`d.
+
+    A measurement prints one line on stderr (unless `quiet`). Keyword
+    arguments go to `measure`; the default is a quick calibration (5 repeats).
+    """
+    path = profile_path(target, draft)
+    prof = None if force else load_cached(target, draft)
+    if prof is not None or not measure_if_missing:
+        return prof
+    if not quiet:
+        dtype = str(next(target.parameters()).dtype).replace("torch.", "")
+        print(f"mcsd: measuring this machine's costs for {_model_name(target)} ({dtype}; once, cached in "
+              f"{path.parent})...", file=sys.stderr, flush=True)
+    kwargs.setdefault("repeats", CALIBRATION_REPEATS)
+    prof = measure(target, draft, **kwargs)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(prof.to_json())
+    except OSError as exc:                            # an unwritable cache costs a re-measure next time, no more
+        if not quiet:
+            print(f"mcsd: could not cache the cost profile in {path.parent} ({exc.strerror})", file=sys.stderr)
+    return prof
+
+
+# ---------------------------------------------------------------------------- costs the policies use
+
+class Costs:
+    """Round costs in milliseconds: verify(n tree tokens) and one draft level of width w,
+    from a measured profile, corrected online by what rounds actually take.
+
+    The correction is a multiplicative factor per power-of-two size bucket,
+    an exponentially weighted mean (weight `adapt`) of measured / predicted
+    time; a bucket not yet seen uses the mean over all buckets. So a busy or
+    throttled machine, a longer context or another prompt length moves the
+    costs within a few rounds, while the measured shape (how verify grows
+    with tree size) still orders sizes that have not been tried.
+    """
+
+    def __init__(self, verify: dict[int, float], draft: dict[int, float], source: str = "default",
+                 adapt: float = 0.15):
+        self.verify, self.draft, self.source, self.adapt = dict(verify), dict(draft), source, adapt
+        self.reset_corrections()
+
+    def reset_corrections(self) -> None:
+        self._factor = {"verify": {}, "draft": {}}
+        self._overall = {"verify": 1.0, "draft": 1.0}
+
+    @classmethod
+    def default(cls) -> "Costs":
+        # Shape measured for a 135M target on a 2-core CPU in bfloat16, in units of a 1-token verify;
+        # only ratios matter to the policy. Used only when nothing can be measured.
+        return cls(verify={1: 1.0, 8: 1.09, 16: 1.33, 32: 1.61, 64: 2.3}, draft={1: 0.1, 8: 0.13, 32: 0.2})
+
+    @classmethod
+    def from_profile(cls, profile: DeviceProfile, source: str = "measured") -> "Costs":
+        return cls(verify=profile.verify_ms, draft=profile.draft_ms or cls.default().draft, source=source)
+
+    def _corr(self, kind: str, n: float) -> float:
+        return self._factor[kind].get(int(n).bit_length(), self._overall[kind])
+
+    def verify_ms(self, n: int) -> float:
+        return interpolate(self.verify, n) * self._corr("verify", n)
+
+    def draft_ms(self, width: int) -> float:
+        return interpolate(self.draft, width) * self._corr("draft", width)
+
+    def observe(self, kind: str, n: int, predicted_ms: float, measured_ms: float) -> None:
+        """Fold one measured round into the correction ("verify": n tree tokens; "draft": the
+        round's draft levels, predicted_ms being their uncorrected sum)."""
+        if predicted_ms <= 0 or measured_ms <= 0:
+            return
+        ratio, a = measured_ms / predicted_ms, self.adapt
+        bucket = self._factor[kind]
+        b = int(n).bit_length()
+        bucket[b] = (1 - a) * bucket.get(b, self._overall[kind]) + a * ratio
+        self._overall[kind] = (1 - a) * self._overall[kind] + a * ratio
+
+    def base_verify_ms(self, n: int) -> float:
+        return interpolate(self.verify, n)
+
+    def base_draft_ms(self, width: int) -> float:
+        return interpolate(self.draft, width)
+
+
+# ---------------------------------------------------------------------------- the dtype that wins
+
+# What one drafted token is assumed to be accepted with when dtypes are compared (per depth).
+# Acceptance barely depends on the dtype; the comparison turns on the costs.
+ASSUMED_ACCEPTANCE = 0.6
+
+
+def expected_rate(costs: Costs, drafting: bool, max_depth: int = 8,
+                  acceptance: float = ASSUMED_ACCEPTANCE) -> tuple[float, int]:
+    """(tokens per second, chain depth) of the best chain under these costs; depth 0 is plain decoding."""
+    best = (1000.0 / costs.verify_ms(1), 0)
+    if not drafting:
+        return best
+    for k in range(1, max_depth + 1):
+        tokens = sum(acceptance ** i for i in range(k + 1))
+        rate = 1000.0 * tokens / (k * costs.draft_ms(1) + costs.verify_ms(k + 1))
+        best = max(best, (rate, k))
+    return best
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    dtype: str
+    reason: str
+    rates: dict                 # dtype -> expected tokens/s of the method on this machine
+
+
+def choose_dtype(target, draft, candidates=None, drafting: bool = True, calibrate: bool | None = None,
+                 quiet: bool = False) -> DtypeChoice:
+    """The dtype in which this pair runs fastest here, from the calibrated cost of each candidate.
+
+    `target` (and `draft`) must be in float32; a candidate other than float32
+    is measured on a converted copy (only when its profile is not cached, or
+    when `calibrate` is True). Candidates default to float32 and bfloat16 on a
+    CPU, bfloat16 and float16 on CUDA. With `calibrate=False` and a profile
+    missing, a fixed rule decides instead: bfloat16 on CUDA and on CPUs with
+    native bf16 (AVX512-BF16 or AMX), float32 on other CPUs. The models are not
+    converted here (see `mcsd.models.cast_pair`).
+    """
+    device = next(target.parameters()).device
+    if candidates is None:
+        candidates = ("bfloat16", "float16") if device.type == "cuda" else ("float32", "bfloat16")
+    profiles = {name: None if calibrate else load_cached(target, draft, getattr(torch, name)) for name in candidates}
+    if calibrate is False and any(p is None for p in profiles.values()):
+        native = device.type == "cuda" or {"avx512_bf16", "amx_bf16"} & set(host_key(device)["cpu_flags"])
+        best = "bfloat16" if native else "float32"
+        return DtypeChoice(best, f"{best}: not calibrated; {'native' if native else 'no native'} bfloat16 "
+                                 f"on this {'GPU' if device.type == 'cuda' else 'CPU'}", {})
+    rates, depths = {}, {}
+    for name, prof in profiles.items():
+        if prof is None:
+            dtype = getattr(torch, name)
+            t, d = (target, draft) if dtype == next(target.parameters()).dtype else _cast_copy(target, draft, dtype)
+            prof = load_or_measure(t, d, force=True, quiet=quiet)
+            del t, d
+        rates[name], depths[name] = expected_rate(Costs.from_profile(prof), drafting and draft is not None)
+    best = max(rates, key=rates.get)
+    others = ", ".join(f"{n} {r:.1f}" for n, r in rates.items() if n != best)
+    what = f"chains of {depths[best]}" if depths[best] else "plain steps"
+    reason = (f"{best}: {rates[best]:.1f} expected tokens/s with {what} on this machine "
+              f"(measured costs; {others}; {ASSUMED_ACCEPTANCE:.0%} acceptance per drafted token assumed)")
+    return DtypeChoice(best, reason, rates)
+
+
+def _cast_copy(target, draft, dtype):
+    """A converted copy of the pair, for measuring a dtype without touching the originals."""
+    import copy
+
+    from .feature_draft import FeatureDrafter
+    from .models import cast_pair
+    t = copy.deepcopy(target)
+    if isinstance(draft, FeatureDrafter):
+        d = FeatureDrafter(copy.deepcopy(draft.head), t, name=draft.name)
+    else:
+        d = copy.deepcopy(draft)
+    return cast_pair(t, d, dtype)

@@ -42,6 +42,16 @@ def word_tokenizer(vocab: int = VOCAB, eos: str = "w01", extra: str | None = Non
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w00", eos_token=eos)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_profile_cache(tmp_path_factory):
+    """Cost profiles measured by tests go to a temporary folder, never the user's cache."""
+    mp = pytest.MonkeyPatch()
+    folder = tmp_path_factory.mktemp("mcsd-cache")
+    mp.setattr("mcsd.profile.cache_dir", lambda: folder)
+    yield folder
+    mp.undo()
+
+
 @pytest.fixture(scope="session")
 def target():
     return tiny_llama(0)

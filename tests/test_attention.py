@@ -75,7 +75,7 @@ def test_xformers_decoder_is_lossless_in_float32():
     from mcsd import TreeDecoder
 
     model = tiny_llama(0, hidden=128).to("cuda")
-    dec = TreeDecoder(model, model, tree="4,2,2", attention="xformers")
+    dec = TreeDecoder(model, model, tree="4,2,2", policy="static", attention="xformers")
     assert dec.attention == "mcsd_xformers"
     prompt = torch.tensor([3, 17, 42, 5], device="cuda")
     assert dec.generate(prompt, max_new_tokens=32).tokens == dec.generate_baseline(prompt, max_new_tokens=32).tokens

@@ -47,7 +47,7 @@ def test_greedy_tree_on_cuda_equals_hf_greedy(cuda_target, cuda_reference, backe
     from mcsd import TreeDecoder
     _needs(backend)
     draft = copy.deepcopy(cuda_target) if draft_kind == "same" else tiny_llama(1, layers=1).to("cuda")
-    dec = TreeDecoder(cuda_target, draft, tree=spec, attention=backend)
+    dec = TreeDecoder(cuda_target, draft, tree=spec, policy="static", attention=backend)
     out = dec.generate(torch.tensor(PROMPT, device="cuda"), max_new_tokens=60)
     assert out.tokens == cuda_reference
     if draft_kind == "same":
@@ -65,7 +65,7 @@ def test_feature_drafter_on_cuda_is_lossless(cuda_target, cuda_reference, backen
     head = FeatureHead(cfg).eval()
     head.vocab_ids = torch.randperm(cfg.vocab_size)[:24].sort().values
     drafter = FeatureDrafter(head.to("cuda"), cuda_target)
-    out = TreeDecoder(cuda_target, drafter, tree="4,2,2", attention=backend).generate(
+    out = TreeDecoder(cuda_target, drafter, tree="4,2,2", policy="static", attention=backend).generate(
         torch.tensor(PROMPT, device="cuda"), max_new_tokens=60)
     assert out.tokens == cuda_reference
     assert out.stats.draft_forwards > 0
@@ -87,6 +87,6 @@ def test_sampling_on_cuda_follows_the_target(backend):
     cpu_target = tiny_llama(10, vocab=8, layers=1, sharpness=6.0, hidden=16)
     gpu_target = copy.deepcopy(cpu_target).to("cuda")
     draft = tiny_llama(11, vocab=8, layers=1, sharpness=3.0, hidden=16).to("cuda")
-    dec = TreeDecoder(gpu_target, draft, tree="3,2", attention=backend)
+    dec = TreeDecoder(gpu_target, draft, tree="3,2", policy="static", attention=backend)
     accepted = assert_follows_target(dec, cpu_target, SamplingConfig(0.9, top_k=6), n=1200)
     assert accepted > 0                                   # drafts were accepted, not only corrections

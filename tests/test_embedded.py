@@ -35,7 +35,7 @@ def test_shipped_draft_is_a_standard_causal_lm_with_a_card():
 def test_real_pair_greedy_equals_baseline(pair):
     target, draft, tokenizer = pair
     assert target.config.num_hidden_layers == 30 and target.config.vocab_size == 49152
-    dec = TreeDecoder(target, draft, tokenizer=tokenizer, tree="4,2,2")
+    dec = TreeDecoder(target, draft, tokenizer=tokenizer, tree="4,2,2", policy="static")
     ids = torch.tensor(chat_ids(tokenizer, "List three primary colours."))
     out = dec.generate(ids, max_new_tokens=24)
     base = dec.generate_baseline(ids, max_new_tokens=24)

@@ -38,7 +38,7 @@ def reference(target):
 @pytest.mark.parametrize("spec", SPECS, ids=str)
 @pytest.mark.parametrize("draft_name", ["same", "random", "noisy"])
 def test_greedy_tree_equals_plain_greedy(target, drafts, reference, spec, draft_name):
-    dec = TreeDecoder(target, drafts[draft_name], tree=spec, attention="sdpa")
+    dec = TreeDecoder(target, drafts[draft_name], tree=spec, policy="static", attention="sdpa")
     out = dec.generate(PROMPT, max_new_tokens=80)
     assert out.tokens == reference
     assert out.finish_reason == "length"
@@ -56,7 +56,7 @@ def test_baseline_through_the_same_loop_equals_hf(target, reference):
 
 
 def test_noisy_draft_accepts_partially(target, drafts):
-    stats = TreeDecoder(target, drafts["noisy"], tree="3,2,2,1", attention="sdpa").generate(
+    stats = TreeDecoder(target, drafts["noisy"], tree="3,2,2,1", policy="static", attention="sdpa").generate(
         PROMPT, max_new_tokens=80).stats
     assert 1.0 < stats.mean_accepted < 5.0
     assert 0.0 < stats.accept_by_depth[0] < 1.0
@@ -72,17 +72,17 @@ def test_eos_stops_at_the_same_token(target, drafts, reference):
     eos = reference[30]
     first = reference.index(eos)
     for name in ("same", "noisy", "random"):
-        out = TreeDecoder(target, drafts[name], tree="4,2,2", attention="sdpa").generate(
+        out = TreeDecoder(target, drafts[name], tree="4,2,2", policy="static", attention="sdpa").generate(
             PROMPT, max_new_tokens=80, eos_token_ids=eos)
         assert out.tokens == reference[:first + 1]
         assert out.finish_reason == "eos"
-    ignored = TreeDecoder(target, drafts["same"], tree="4,2,2", attention="sdpa").generate(
+    ignored = TreeDecoder(target, drafts["same"], tree="4,2,2", policy="static", attention="sdpa").generate(
         PROMPT, max_new_tokens=80, eos_token_ids=eos, ignore_eos=True)
     assert ignored.tokens == reference
 
 
 def test_stop_string_cuts_after_the_completing_token(target, drafts, tokenizer, reference):
-    dec = TreeDecoder(target, drafts["noisy"], tokenizer=tokenizer, tree="4,2,2", attention="sdpa")
+    dec = TreeDecoder(target, drafts["noisy"], tokenizer=tokenizer, tree="4,2,2", policy="static", attention="sdpa")
     stop = tokenizer.decode(reference[20:22])
     out = dec.generate(PROMPT, max_new_tokens=80, stop_strings=[stop])
     text = tokenizer.decode(out.tokens)
@@ -92,7 +92,7 @@ def test_stop_string_cuts_after_the_completing_token(target, drafts, tokenizer, 
 
 
 def test_streaming_delivers_the_same_tokens(target, drafts, reference):
-    dec = TreeDecoder(target, drafts["noisy"], tree="4,2,2", attention="sdpa")
+    dec = TreeDecoder(target, drafts["noisy"], tree="4,2,2", policy="static", attention="sdpa")
     chunks = []
     out = dec.generate(PROMPT, max_new_tokens=80, streamer=chunks.append)
     assert [t for c in chunks for t in c] == out.tokens == reference
@@ -102,7 +102,7 @@ def test_streaming_delivers_the_same_tokens(target, drafts, reference):
 
 
 def test_string_prompt_and_tokenizer(target, drafts, tokenizer, reference):
-    dec = TreeDecoder(target, drafts["noisy"], tokenizer=tokenizer, tree="2,2", attention="sdpa")
+    dec = TreeDecoder(target, drafts["noisy"], tokenizer=tokenizer, tree="2,2", policy="static", attention="sdpa")
     text_prompt = " ".join(f"w{i:02d}" for i in PROMPT.tolist())
     out = dec.generate(text_prompt, max_new_tokens=80)
     assert out.tokens == reference
@@ -110,7 +110,7 @@ def test_string_prompt_and_tokenizer(target, drafts, tokenizer, reference):
 
 
 def test_short_generations_and_trees_deeper_than_the_budget(target, drafts, reference):
-    dec = TreeDecoder(target, drafts["same"], tree="1,1,1,1,1,1,1,1", attention="sdpa")
+    dec = TreeDecoder(target, drafts["same"], tree="1,1,1,1,1,1,1,1", policy="static", attention="sdpa")
     for n in (1, 2, 3, 9):
         assert dec.generate(PROMPT, max_new_tokens=n).tokens == reference[:n]
 
@@ -144,7 +144,7 @@ def test_sampling_follows_the_target_distribution(small_pair, sampling, policy):
 
 def test_seeded_sampling_is_reproducible(small_pair):
     target, draft = small_pair
-    dec = TreeDecoder(target, draft, tree="3,2", attention="sdpa")
+    dec = TreeDecoder(target, draft, tree="3,2", policy="static", attention="sdpa")
     a = dec.generate(torch.tensor([1, 2, 3]), max_new_tokens=20, temperature=1.0, seed=123)
     b = dec.generate(torch.tensor([1, 2, 3]), max_new_tokens=20, temperature=1.0, seed=123)
     assert a.tokens == b.tokens

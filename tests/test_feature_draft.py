@@ -29,7 +29,7 @@ def reference(target):
 @pytest.mark.parametrize("sub_vocab", [0, 24])
 def test_random_feature_head_is_lossless_greedy(target, reference, spec, sub_vocab):
     drafter = FeatureDrafter(random_head(target, sub_vocab), target)
-    out = TreeDecoder(target, drafter, tree=spec, attention="sdpa").generate(PROMPT, max_new_tokens=60)
+    out = TreeDecoder(target, drafter, tree=spec, policy="static", attention="sdpa").generate(PROMPT, max_new_tokens=60)
     assert out.tokens == reference
     assert out.stats.draft_forwards > 0
 
@@ -40,7 +40,7 @@ def test_drafter_reads_true_target_features(target):
     drafter = FeatureDrafter(head, target)
     seen = []
     head.forward = lambda feats, emb, pos, mask=None, past_key_values=None: (seen.append(feats.clone()) or feats)
-    dec = TreeDecoder(target, drafter, tree="1", attention="sdpa")
+    dec = TreeDecoder(target, drafter, tree="1", policy="static", attention="sdpa")
     dec.generate(PROMPT, max_new_tokens=3)
     with torch.no_grad():
         h = target(PROMPT[None], output_hidden_states=True).hidden_states[-1][0]
@@ -51,7 +51,8 @@ def test_sampling_with_sub_vocabulary_is_exact():
     from mcsd.config import SamplingConfig
     small = tiny_llama(10, vocab=8, layers=1, sharpness=6.0, hidden=16)
     drafter = FeatureDrafter(random_head(small, sub_vocab=5, seed=2), small)
-    assert_follows_target(TreeDecoder(small, drafter, tree="3,2", attention="sdpa"), small, SamplingConfig(1.0), n=1200)
+    dec = TreeDecoder(small, drafter, tree="3,2", policy="static", attention="sdpa")
+    assert_follows_target(dec, small, SamplingConfig(1.0), n=1200)
 
 
 def test_save_and_load_round_trip(target, tmp_path):
@@ -73,7 +74,8 @@ def test_load_pair_with_a_feature_head_directory(model_dirs, tmp_path, target):
     t, drafter, tok = load_model_pair(str(model_dirs / "target"), str(tmp_path / "head"), dtype="float32")
     assert isinstance(drafter, FeatureDrafter)
     ref = TreeDecoder(t, None, attention="sdpa").generate_baseline(PROMPT, max_new_tokens=20).tokens
-    assert TreeDecoder(t, drafter, tree="2,2", attention="sdpa").generate(PROMPT, max_new_tokens=20).tokens == ref
+    dec = TreeDecoder(t, drafter, tree="2,2", policy="static", attention="sdpa")
+    assert dec.generate(PROMPT, max_new_tokens=20).tokens == ref
     other = tiny_llama(3, hidden=48)
     random_head(other).save(tmp_path / "wrong")
     with pytest.raises(ModelLoadError, match="built for hidden size 48"):
@@ -92,9 +94,12 @@ def test_device_profile_times_a_feature_drafter(target, tmp_path, monkeypatch):
     assert prof.meta["draft"] == "feature-head:tiny-head"
     other = FeatureDrafter(random_head(target), target, name="other-head")
     assert profile_path(target, drafter) != profile_path(target, other) != profile_path(target, None)
-    assert TD._device_costs(target, drafter).draft == {1: 0.1, 8: 0.13, 32: 0.2}   # nothing cached: defaults
+    uncalibrated = TD._device_costs(target, drafter, calibrate=False)              # nothing cached, no measuring
+    assert (uncalibrated.draft, uncalibrated.source) == ({1: 0.1, 8: 0.13, 32: 0.2}, "default")
     load_or_measure(target, drafter, sizes=(1, 4), prefix_len=16, repeats=1, draft_sizes=(1, 2))
-    assert TD._device_costs(target, drafter).draft.keys() == {1, 2}                  # the cached profile
+    cached = TD._device_costs(target, drafter)
+    assert cached.draft.keys() == {1, 2} and cached.source == "cached"               # the cached profile
+    assert TD._device_costs(target, drafter, calibrate=True).source == "measured"    # measured again
 
 
 def test_cost_measurement_of_a_feature_head(target):

@@ -57,7 +57,7 @@ def test_trained_head_agrees_and_is_accepted(target):
     assert after[1]["top1"] > 0.3                        # step 2 reads the head's own predictions
     # the same head, used by the drafter at inference, gets its drafts accepted
     prompt = data[0]["prompt"]
-    dec = TreeDecoder(target, FeatureDrafter(head, target), tree="2,1,1", attention="sdpa")
+    dec = TreeDecoder(target, FeatureDrafter(head, target), tree="2,1,1", policy="static", attention="sdpa")
     out = dec.generate(prompt, max_new_tokens=30, ignore_eos=True)
     assert out.tokens == data[0]["response"][:30].tolist()
     assert out.stats.mean_accepted > 1.5, out.stats.as_dict()

@@ -47,7 +47,23 @@ def test_features_on_a_known_distribution():
 
 
 def _policy(model, spec="3,2,2,1,1"):
-    return LearnedPolicy(TreeTopology.from_spec(spec), model=model, costs=Costs.default())
+    return LearnedPolicy(TreeTopology.from_spec(spec), model=model, costs=fixed(Costs.default()))
+
+
+def fixed(costs: Costs) -> Costs:
+    """Costs that measured rounds do not correct, so that decisions depend on the test's numbers alone."""
+    costs.adapt = 0.0
+    return costs
+
+
+def probe_rounds(rounds: int) -> list[int]:
+    """Rounds that draft when every probe loses: the first, then after waits of probe_every,
+    twice that, ... (at most max_probe_gap) plain rounds."""
+    out, gap, r = [0], LearnedPolicy.probe_every, 0
+    while (r := r + gap + 1) < rounds:
+        out.append(r)
+        gap = min(2 * gap, LearnedPolicy.max_probe_gap)
+    return out
 
 
 @pytest.mark.parametrize("model", [constant_model(0.95), constant_model(0.001), q_threshold_model(0.02)],
@@ -68,10 +84,8 @@ def test_confident_model_grows_and_hopeless_model_stops(target):
     b = stop.generate(PROMPT, max_new_tokens=40).stats
     assert a.tree_nodes / a.rounds > 3 and a.mean_accepted > 2
     assert b.tree_nodes == 0 and b.mean_accepted == 1.0           # nothing is worth its verify cost
-    # drafting loses every time it is tried, so the draft runs only in probe rounds:
-    # one round in (probe_every + 1), not every round
-    probes = -(-(b.rounds - 1) // (LearnedPolicy.probe_every + 1))
-    assert b.draft_forwards == probes < b.rounds // 2
+    # drafting loses every time it is tried, so the draft runs only in probe rounds, ever rarer
+    assert b.draft_forwards == len(probe_rounds(b.rounds)) < b.rounds // 4
 
 
 def test_draft_gate_skips_rounds_and_stays_exact(target):
@@ -79,7 +93,7 @@ def test_draft_gate_skips_rounds_and_stays_exact(target):
     draft catches up on the tokens it skipped and the output stays exact."""
     from test_equivalence import perturbed
     ref = TreeDecoder(target, None, attention="sdpa").generate_baseline(PROMPT, max_new_tokens=60).tokens
-    costs = Costs(verify={1: 1.0, 64: 1.5}, draft={1: 0.5})      # a draft step costs half a target step
+    costs = fixed(Costs(verify={1: 1.0, 64: 1.5}, draft={1: 0.5}))      # a draft step costs half a target step
     policy = LearnedPolicy(TreeTopology.from_spec("3,2,2,1,1"), model=q_threshold_model(0.02), costs=costs)
     dec = TreeDecoder(target, perturbed(target, 1.0, seed=4), policy=policy, attention="sdpa")
     calls = []
@@ -89,10 +103,15 @@ def test_draft_gate_skips_rounds_and_stays_exact(target):
     out = dec.generate(PROMPT, max_new_tokens=60, on_round=lambda tree, acc: trees.append(acc.n_accepted))
     assert out.tokens == ref
     skipped = out.stats.rounds - len(calls)
-    assert skipped >= 5 and len(calls) >= 5 and sum(trees) > 0     # both kinds of round, some drafts accepted
+    assert skipped >= 5 and len(calls) >= 3 and sum(trees) > 0     # both kinds of round, some drafts accepted
     policy.reset()
     policy.draft_value = -1.0                   # as if drafting had been losing
-    assert [policy.begin_round() > 0 for _ in range(5)] == [False, False, False, True, False]
+    root_only = DraftTree.root_only(policy.topology, torch.tensor(3))
+    drafted = []
+    for _ in range(30):
+        drafted.append(policy.begin_round() > 0)
+        policy.observe(0, root_only)            # nothing accepted: every probe loses
+    assert [i for i, d in enumerate(drafted) if d] == [3, 10, 23]       # waits of 3, 6, 12 plain rounds
 
 
 def test_learned_policy_sampling_is_exact():

@@ -47,7 +47,7 @@ def main(argv=None) -> int:
 
     target, draft, tok = load_model_pair(args.target, args.draft, dtype=args.dtype)
     prompts = stratified(load_prompts(args.prompts, "heldout"), per_group=max(1, args.limit // 6))[:args.limit]
-    exact = TreeDecoder(target, draft, tokenizer=tok, tree=args.tree)
+    exact = TreeDecoder(target, draft, tokenizer=tok, tree=args.tree, policy="static")
     rows = {"exact": []}
     for w in args.roots:
         rows[f"lossy_w{w}"] = []

@@ -23,6 +23,15 @@ def register_policy(cls: type[TreePolicy]) -> type[TreePolicy]:
     return cls
 
 
+def resolve_policy(name, lossy: bool = False, drafting: bool = True):
+    """"auto" -> "learned" when its acceptance model is installed and the run is exact and drafts
+    (the lossy multi-root variant grows static trees), else "static". Other names pass through."""
+    if name != "auto":
+        return name
+    from .learned import default_model_path
+    return "learned" if drafting and not lossy and default_model_path().is_file() else "static"
+
+
 def make_policy(policy, tree_spec, **options) -> TreePolicy:
     """Build a policy by name (or pass an instance through) over the topology of `tree_spec`
     (None: the policy's own `default_tree`)."""
@@ -36,4 +45,5 @@ def make_policy(policy, tree_spec, **options) -> TreePolicy:
 
 
 __all__ = ["POLICIES", "Frontier", "TreePolicy", "StaticPolicy", "HeuristicPolicy",
-           "ConfidencePolicy", "LearnedPolicy", "AcceptanceModel", "FEATURE_NAMES", "register_policy", "make_policy"]
+           "ConfidencePolicy", "LearnedPolicy", "AcceptanceModel", "FEATURE_NAMES", "register_policy", "make_policy",
+           "resolve_policy"]

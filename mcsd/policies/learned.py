@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..models import ModelLoadError, models_dir
-from ..profile import interpolate
+from ..profile import Costs
 from ..tree import DraftTree, TreeTopology
 from .base import Frontier, TreePolicy
 
@@ -186,31 +185,6 @@ class _Forest:
 
 # ---------------------------------------------------------------------------- the policy
 
-@dataclass(frozen=True)
-class Costs:
-    """Round costs in milliseconds: verify(n tree tokens) and one draft level of width w."""
-
-    verify: dict[int, float]
-    draft: dict[int, float]
-
-    @classmethod
-    def default(cls) -> "Costs":
-        # Shape measured for a 135M target on a 2-core CPU in bfloat16, in units of a 1-token verify;
-        # only ratios matter to the policy.
-        return cls(verify={1: 1.0, 8: 1.09, 16: 1.33, 32: 1.61, 64: 2.3}, draft={1: 0.1, 8: 0.13, 32: 0.2})
-
-    def verify_ms(self, n: int) -> float:
-        return interpolate(self.verify, n)
-
-    def draft_ms(self, width: int) -> float:
-        return interpolate(self.draft, width)
-
-    @classmethod
-    def from_profile(cls, profile) -> "Costs":
-        """From a measured `mcsd.profile.DeviceProfile`."""
-        return cls(verify=dict(profile.verify_ms), draft=dict(profile.draft_ms) or cls.default().draft)
-
-
 class LearnedPolicy(TreePolicy):
     """Grow the branches whose predicted path acceptance pays for their draft and verify time.
 
@@ -221,13 +195,20 @@ class LearnedPolicy(TreePolicy):
     plausible gain (the new nodes' path probabilities times the recent
     acceptance rate) pays for that level's draft time.
 
-    Drafting itself is gated: a running mean of what drafting has been worth
-    per round (accepted tokens times a target step, less the draft and extra
-    verify time spent) decides whether the next round drafts at all. While it
-    is negative the draft sits out, but never more than `probe_every` rounds in
-    a row, so the estimate is refreshed when the text gets easier. A round
+    Drafting itself is gated, so that the policy is never much slower than
+    plain decoding: a running mean of what drafting has been worth per round
+    (accepted tokens times a target step, less the draft and extra verify
+    time spent) decides whether the next round drafts at all. While it is
+    negative the draft sits out and is tried again after `probe_every`
+    plain rounds; each probe that loses doubles the wait (up to
+    `max_probe_gap`), so on a machine or text where drafting never pays the
+    probes cost a few percent at most, and one that wins resets it. A round
     without drafting is a plain target step; the draft catches up on the
     skipped tokens in its next forward.
+
+    Costs come from this machine's calibrated profile and are corrected
+    online: `observe_timing` folds every round's measured draft and verify
+    time into them (see `mcsd.profile.Costs`).
 
     Args:
         topology: the largest tree allowed (depth and fan-out bounds).
@@ -238,7 +219,8 @@ class LearnedPolicy(TreePolicy):
     name = "learned"
     default_tree = "4,3,2,2,1,1,1,1"
     uses_device_profile = True          # the decoder passes costs from the cached device profile
-    probe_every = 3                     # most rounds in a row without drafting
+    probe_every = 3                     # plain rounds before drafting is tried again
+    max_probe_gap = 48                  # the longest wait after probes that kept losing
 
     def __init__(self, topology: TreeTopology, model: AcceptanceModel | str | Path | None = None,
                  costs: Costs | None = None):
@@ -254,12 +236,14 @@ class LearnedPolicy(TreePolicy):
         self.predict_s = 0.0
         self.draft_value = 0.0          # running ms gained per drafted round; < 0: drafting loses
         self._skipped = 0               # rounds in a row without drafting (0: this round drafts)
+        self._gap = self.probe_every    # plain rounds to wait before the next probe
 
     def begin_round(self) -> int:
         self._path_pred = torch.ones(1, device=self.topology.parents.device)   # the root is certain
         self._draft_ms = self.costs.draft_ms(1)                               # the root's draft step
+        self._draft_base_ms = self.costs.base_draft_ms(1)                     # the same, uncorrected
         self._last = None
-        skip = self.draft_value < 0 and self._skipped < self.probe_every
+        skip = self.draft_value < 0 and self._skipped < self._gap
         self._skipped = self._skipped + 1 if skip else 0
         return 0 if skip else self.topology.max_depth
 
@@ -307,6 +291,7 @@ class LearnedPolicy(TreePolicy):
         if (tokens + gain) * time_now <= tokens * (time_now + extra):
             return False
         self._draft_ms += self.costs.draft_ms(width)
+        self._draft_base_ms += self.costs.base_draft_ms(width)
         return True
 
     def observe(self, n_accepted: int, tree: DraftTree) -> None:
@@ -314,7 +299,17 @@ class LearnedPolicy(TreePolicy):
         if self._skipped == 0:                                     # this round drafted
             step = self.costs.verify_ms(1)
             value = n_accepted * step - (self._draft_ms + self.costs.verify_ms(tree.size) - step)
+            was_losing = self.draft_value < 0
             self.draft_value = 0.5 * self.draft_value + 0.5 * value
+            if self.draft_value >= 0:
+                self._gap = self.probe_every
+            elif was_losing:                                       # a probe that lost: wait longer next time
+                self._gap = min(2 * self._gap, self.max_probe_gap)
+
+    def observe_timing(self, tree: DraftTree, draft_ms: float, verify_ms: float) -> None:
+        self.costs.observe("verify", tree.size, self.costs.base_verify_ms(tree.size), verify_ms)
+        if self._skipped == 0:
+            self.costs.observe("draft", 0, self._draft_base_ms, draft_ms)
 
 
 def recent_acceptance(recent: float, n_accepted: int, tree: DraftTree) -> float:

@@ -1,0 +1,117 @@
+"""Costs measured on the machine that runs: cached per machine, corrected online, the default policy
+calibrated and lossless, drafting switched off where it cannot pay, and `--dtype auto`."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from mcsd import TreeDecoder
+from mcsd.policies import LearnedPolicy
+from mcsd.profile import Costs, choose_dtype, expected_rate, load_cached, load_or_measure, profile_path
+
+PROMPT = torch.tensor([3, 17, 42, 5, 9, 11])
+QUICK = dict(sizes=(1, 2, 4), prefix_len=16, repeats=1, draft_sizes=(1, 2))
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    return TreeDecoder(target, None, attention="sdpa").generate_baseline(PROMPT, max_new_tokens=60).tokens
+
+
+def test_a_profile_from_another_machine_is_never_used(target, random_draft):
+    prof = load_or_measure(target, random_draft, force=True, quiet=True, **QUICK)
+    assert prof.meta["host"]["cpu_flags"] is not None
+    assert load_cached(target, random_draft) is not None
+    path = profile_path(target, random_draft)
+    moved = json.loads(path.read_text())
+    moved["meta"]["host"]["cpu"] = "Some Other CPU"                     # as if copied from elsewhere
+    path.write_text(json.dumps(moved))
+    assert load_cached(target, random_draft) is None
+    path.write_text("{not json")
+    assert load_cached(target, random_draft) is None                     # unreadable: measured again
+    assert profile_path(target, random_draft, torch.bfloat16) != path    # one profile per dtype
+
+
+def test_costs_follow_measured_rounds():
+    costs = Costs(verify={1: 10.0, 8: 20.0}, draft={1: 2.0}, adapt=0.5)
+    for _ in range(12):                                     # one-token steps take twice the profile's time
+        costs.observe("verify", 1, costs.base_verify_ms(1), 20.0)
+    assert costs.verify_ms(1) == pytest.approx(20.0, rel=1e-3)
+    assert costs.verify_ms(8) == pytest.approx(40.0, rel=1e-2)  # unseen sizes take the overall correction
+    for _ in range(12):
+        costs.observe("verify", 8, costs.base_verify_ms(8), 20.0)     # ... until measured themselves
+    assert costs.verify_ms(8) == pytest.approx(20.0, rel=1e-2)
+    costs.observe("draft", 0, 2.0, 6.0)
+    assert costs.draft_ms(1) == pytest.approx(4.0)          # (1 - 0.5) * 2 + 0.5 * 6 in units of the profile
+    costs.reset_corrections()
+    assert costs.verify_ms(1) == 10.0
+
+
+def test_default_decoder_is_the_calibrated_learned_policy(target, random_draft):
+    dec = TreeDecoder(target, random_draft)
+    assert isinstance(dec.policy, LearnedPolicy)
+    assert dec.policy.topology.max_depth == len(LearnedPolicy.default_tree.split(","))
+    assert dec.costs_source in ("measured", "cached")
+    assert TreeDecoder(target, random_draft).costs_source == "cached"          # measured once per setup
+    assert TreeDecoder(target, random_draft, calibrate=True).costs_source == "measured"
+    assert TreeDecoder(target, random_draft, policy="static").costs_source is None
+    assert TreeDecoder(target, None).policy.name == "static"                    # nothing to draft: no calibration
+
+
+@pytest.mark.parametrize("draft_name", ["same", "random"])
+def test_default_settings_are_lossless(target, random_draft, reference, draft_name):
+    draft = target if draft_name == "same" else random_draft
+    out = TreeDecoder(target, draft, attention="sdpa").generate(PROMPT, max_new_tokens=60)
+    assert out.tokens == reference
+
+
+def test_drafting_that_cannot_pay_is_switched_off(target):
+    """A draft as costly as the target that never agrees with it: after the first losing rounds
+    the calibrated policy runs plain steps, drafting only in ever rarer probes."""
+    useless = tiny_llama(99, layers=2)
+    dec = TreeDecoder(target, useless, attention="sdpa", calibrate=True)
+    stats = dec.generate(PROMPT, max_new_tokens=80).stats
+    assert stats.draft_forwards <= 8 and stats.rounds >= 70
+
+
+def test_expected_rate_prefers_cheap_verification():
+    flat = Costs(verify={1: 10.0, 16: 10.5}, draft={1: 1.0})           # verify cost barely grows
+    steep = Costs(verify={1: 10.0, 2: 20.0, 16: 160.0}, draft={1: 1.0})  # every token costs a full step
+    assert expected_rate(flat, drafting=True)[1] > 1
+    assert expected_rate(steep, drafting=True)[1] == 0                  # plain decoding wins
+    assert expected_rate(steep, drafting=False) == (100.0, 0)
+
+
+def test_choose_dtype_measures_each_candidate(target, random_draft):
+    t, d = tiny_llama(0), tiny_llama(1, layers=1)
+    choice = choose_dtype(t, d, calibrate=True, quiet=True)
+    assert choice.dtype in ("float32", "bfloat16") and set(choice.rates) == {"float32", "bfloat16"}
+    assert choice.dtype in choice.reason and "tokens/s" in choice.reason
+    assert next(t.parameters()).dtype == torch.float32                 # the originals are not converted
+    assert load_cached(t, d, torch.bfloat16) is not None               # both cached for the next run
+    again = choose_dtype(t, d, quiet=True)
+    assert again.rates == choice.rates                                  # from the cache, nothing re-measured
+
+
+def test_choose_dtype_without_calibration_uses_a_rule():
+    t = tiny_llama(5)
+    choice = choose_dtype(t, None, calibrate=False)
+    assert choice.rates == {} and "not calibrated" in choice.reason and choice.dtype in ("float32", "bfloat16")
+
+
+def test_cli_dtype_auto_is_a_choice_of_dtype(model_dirs, capsys):
+    from mcsd.cli import main
+    pair = ["--target", str(model_dirs / "target"), "--draft", str(model_dirs / "draft")]
+    common = ["--prompt", "w03 w17 w42 w05", "--max-new-tokens", "16", "--json"]
+    assert main(pair + ["--dtype", "auto"] + common) == 0
+    auto = json.loads(capsys.readouterr().out)
+    chosen = auto["settings"]["dtype"]
+    assert chosen in ("float32", "bfloat16") and chosen in auto["settings"]["dtype_reason"]
+    assert auto["settings"]["costs"] in ("measured", "cached")
+    assert main(pair + ["--dtype", chosen] + common) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == auto["tokens"]    # same output as asking for it
+    assert main(pair + ["--dtype", "auto", "--no-calibrate", "--stats"] + common) == 0
+    err = capsys.readouterr().err
+    assert "dtype: " in err and "costs: " in err
