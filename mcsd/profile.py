@@ -236,6 +236,12 @@ def _model_name(model) -> str:
     return str(getattr(model.config, "_name_or_path", "") or model.config.model_type)
 
 
+def _model_key(model) -> str:
+    # the name, plus the shape of what runs: models saved without a name path all read "llama"
+    module = model.head if _is_feature_drafter(model) else model
+    return f"{_model_name(model)}:{sum(p.numel() for p in module.parameters())}"
+
+
 def host_key(device) -> dict:
     """The part of `machine_info` a cached profile must match: the processor and its ISA flags
     (or the GPU), and torch. A profile measured anywhere else is never used."""
@@ -247,7 +253,7 @@ def profile_path(target, draft, dtype=None) -> Path:
     """Cache file for this machine, pair, dtype, device, attention backend and thread count."""
     dev = next(target.parameters()).device
     dtype = dtype or next(target.parameters()).dtype
-    key = "|".join([_model_name(target), _model_name(draft) if draft is not None else "-", str(dtype), str(dev),
+    key = "|".join([_model_key(target), _model_key(draft) if draft is not None else "-", str(dtype), str(dev),
                     str(getattr(target.config, "_attn_implementation", None)), str(torch.get_num_threads()),
                     json.dumps(host_key(dev), sort_keys=True)])
     digest = hashlib.sha1(key.encode()).hexdigest()[:12]
