@@ -25,7 +25,8 @@ def pytest_addoption(parser):
     g.addoption("--bench-drafter", default=None, choices=("model", "feature"),
                 help="with the preset: standalone draft model or target-feature head (default: the preset's own "
                      "choice; Hugging Face assisted generation keeps the preset's draft model)")
-    g.addoption("--bench-dtype", default="bfloat16")
+    g.addoption("--bench-dtype", default="bfloat16",
+                help="float32, bfloat16, float16, or auto (what --dtype auto picks for this pair on this machine)")
     g.addoption("--bench-device", default="cpu")
     g.addoption("--bench-threads", type=int, default=None, help="torch threads (default: torch's choice)")
 
@@ -45,8 +46,15 @@ class Bench:
         self.max_new_tokens = 16 if self.smoke else opt("--bench-max-new-tokens")
         self.dtype, self.device = opt("--bench-dtype"), opt("--bench-device")
         self.target, self.draft, self.tokenizer = load_model_pair(
-            opt("--bench-target"), opt("--bench-draft"), dtype=self.dtype, device=self.device,
-            drafter=opt("--bench-drafter"))
+            opt("--bench-target"), opt("--bench-draft"), dtype="float32" if self.dtype == "auto" else self.dtype,
+            device=self.device, drafter=opt("--bench-drafter"))
+        self.dtype_reason = None
+        if self.dtype == "auto":                       # as mcsd-generate --dtype auto decides it
+            from mcsd.models import cast_pair
+            from mcsd.profile import choose_dtype
+            choice = choose_dtype(self.target, self.draft)
+            self.dtype, self.dtype_reason = choice.dtype, choice.reason
+            self.target, self.draft = cast_pair(self.target, self.draft, self.dtype)
         self.draft_is_model = isinstance(self.draft, torch.nn.Module)
         # Hugging Face assisted generation needs a standalone draft model: with a
         # preset's feature head, it still runs with the preset's own draft model,
@@ -64,6 +72,8 @@ class Bench:
         self.decoders: dict = {}                       # (tree, policy) -> TreeDecoder, reused across prompts
         self.baseline: dict[int, list[int]] = {}      # question_id -> tokens of the reference method
         self.baseline_time: dict[int, float] = {}
+        from mcsd.profile import load_or_measure
+        load_or_measure(self.target, self.draft)       # calibration (once per machine) stays out of every timing
         with torch.inference_mode():                   # first-call overheads stay out of every timing
             self.target.generate(self.prompts[0][1][None], max_new_tokens=4, do_sample=False,
                                  attention_mask=torch.ones(1, self.prompts[0][1].numel(), dtype=torch.long),
@@ -71,7 +81,8 @@ class Bench:
         self.environment = {
             "machine": platform.machine(), "processor": platform.processor() or platform.machine(),
             "cpu_count": __import__("os").cpu_count(), "threads": torch.get_num_threads(),
-            "dtype": self.dtype, "device": self.device, "torch": torch.__version__,
+            "dtype": self.dtype, "dtype_reason": self.dtype_reason, "device": self.device, "torch": torch.__version__,
+            "host": __import__("mcsd.profile", fromlist=["machine_info"]).machine_info(str(self.device)),
             "transformers": __import__("transformers").__version__,
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "prompts": len(self.prompts), "max_new_tokens": self.max_new_tokens,

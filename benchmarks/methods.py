@@ -71,10 +71,14 @@ def _assistant_settings(draft, **settings):
 
 
 def _hf(bench, ids, assistant=False, **settings) -> Run:
+    """Hugging Face `generate`, greedy: `settings` go to the assistant's generation config with
+    `assistant`, else to `generate` itself."""
     target = bench.target
     ids = ids.to(target.device)[None]
     kwargs = dict(max_new_tokens=bench.max_new_tokens, do_sample=False, attention_mask=torch.ones_like(ids),
                   pad_token_id=bench.tokenizer.eos_token_id)
+    if not assistant:
+        kwargs.update(settings)
     ctx = _assistant_settings(bench.assistant, **settings) if assistant else contextlib.nullcontext()
     with ctx, _count_forwards(target) as calls, torch.inference_mode():
         t0 = time.perf_counter()
@@ -83,7 +87,25 @@ def _hf(bench, ids, assistant=False, **settings) -> Run:
     return Run(out[0, ids.shape[1]:].tolist(), seconds, calls[0])
 
 
-def _mcsd(bench, ids, tree: str, policy: str = "static", baseline: bool = False) -> Run:
+def _hf_static(bench, ids, compiled: bool) -> Run:
+    """Hugging Face greedy `generate` with a pre-allocated static KV cache, eager or compiled
+    (torch.compile, on every device). One cache length serves every prompt, so the compiled
+    decoding step is built once; building it is warm-up, outside the timing."""
+    from transformers import StaticCache
+    from transformers.generation import CompileConfig
+    length = -(-(max(p.numel() for _, p in bench.prompts) + bench.max_new_tokens) // 256) * 256
+    settings = {"disable_compile": True}
+    if compiled:
+        cfg = CompileConfig(mode="default" if bench.target.device.type == "cpu" else "reduce-overhead")
+        cfg._compile_all_devices = True                  # transformers compiles on accelerators only by default
+        settings = {"compile_config": cfg}
+        if not bench.decoders.get("hf_compiled_built"):
+            _hf(bench, ids, past_key_values=StaticCache(config=bench.target.config, max_cache_len=length), **settings)
+            bench.decoders["hf_compiled_built"] = True
+    return _hf(bench, ids, past_key_values=StaticCache(config=bench.target.config, max_cache_len=length), **settings)
+
+
+def _mcsd(bench, ids, tree: str | None, policy: str = "static", baseline: bool = False) -> Run:
     dec = bench.decoders.get((tree, policy))
     if dec is None:
         dec = bench.decoders[(tree, policy)] = TreeDecoder(bench.target, bench.draft, tokenizer=bench.tokenizer,
@@ -100,6 +122,10 @@ def all_methods() -> list[Method]:
     methods = [
         Method("baseline", "baseline", lambda b, ids: _hf(b, ids)),
         Method("baseline_mcsd", "baseline", lambda b, ids: _mcsd(b, ids, "", baseline=True)),
+        Method("hf_static", "baseline", lambda b, ids: _hf_static(b, ids, compiled=False)),
+        Method("hf_compiled", "baseline", lambda b, ids: _hf_static(b, ids, compiled=True)),
+        # what TreeDecoder(target, draft, tokenizer=...) and mcsd-generate run when nothing is asked for
+        Method("default", "policy", lambda b, ids: _mcsd(b, ids, None, "auto"), policy="auto"),
         Method("hf_assisted", "hf_assisted", lambda b, ids: _hf(b, ids, assistant=True)),
     ]
     for n in HF_FIXED:

@@ -31,11 +31,13 @@ def _summary(runs, seconds_base=None):
 def test_method(benchmark, bench, method):
     if method.family == "hf_assisted" and bench.assistant is None:
         pytest.skip("Hugging Face assisted generation needs a standalone draft model")
+    if method.name == "hf_compiled" and bench.smoke:
+        pytest.skip("compiling takes about a minute per shape on a CPU; not in the smoke run")
     if method.policy is not None:
         from mcsd.models import ModelLoadError
-        from mcsd.policies import make_policy
+        from mcsd.policies import make_policy, resolve_policy
         try:
-            make_policy(method.policy, method.tree)
+            make_policy(resolve_policy(method.policy), method.tree)
         except ModelLoadError as exc:            # e.g. a learned policy whose model is not shipped yet
             pytest.skip(str(exc))
     runs = {}
