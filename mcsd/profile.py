@@ -21,7 +21,7 @@ import torch
 
 from . import kv_cache
 from .lm import CachedLM
-from .models import cache_dir
+from .cache import cache_dir, cache_subdir, cache_writes
 from .tree import causal_allowed
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -253,7 +253,8 @@ def load_or_measure(target, draft=None, measure_if_missing: bool = True, **kwarg
             pass                                      # unreadable: measure again
     if not measure_if_missing:
         return None
+    cache_subdir(path.parent.name)                 # a cache that cannot be written fails before measuring
     prof = measure(target, draft, **kwargs)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(prof.to_json())
+    with cache_writes(path.parent):
+        path.write_text(prof.to_json())
     return prof
