@@ -53,12 +53,15 @@ class SamplingConfig:
     top_p: float = 1.0        # keep the smallest set of tokens whose mass reaches top_p; 1.0 disables
 
     def __post_init__(self):
-        temperature = _number("temperature", self.temperature)
+        temperature, top_p = _number("temperature", self.temperature), _number("top_p", self.top_p)
         if not (0.0 <= temperature < math.inf):
             raise ConfigError(f"temperature must be >= 0 and finite, got {self.temperature}")
-        _integer("top_k", self.top_k, 0)
-        if not (0.0 < _number("top_p", self.top_p) <= 1.0):
+        if not (0.0 < top_p <= 1.0):
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        # frozen: stored once here as plain Python numbers
+        object.__setattr__(self, "temperature", temperature)
+        object.__setattr__(self, "top_k", _integer("top_k", self.top_k, 0))
+        object.__setattr__(self, "top_p", top_p)
 
     @property
     def greedy(self) -> bool:
@@ -81,17 +84,16 @@ class DecodeConfig:
     ignore_eos: bool = False               # keep going past EOS (benchmarks of fixed length)
 
     def __post_init__(self):
-        _integer("max_new_tokens", self.max_new_tokens, 1)
-        if self.seed is not None:
-            _integer("seed", self.seed, *SEED_RANGE)
         stops = _as_tuple(self.stop_strings, str)
         if any(not isinstance(s, str) or not s for s in stops):
             raise ConfigError(f"stop_strings must be non-empty strings, got {self.stop_strings!r}")
-        eos = _as_tuple(self.eos_token_ids, numbers.Integral)
-        for i in eos:
-            _integer("each of eos_token_ids", i, 0)
-        object.__setattr__(self, "stop_strings", stops)     # frozen: normalised once, here
-        object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in eos))
+        eos = tuple(_integer("each of eos_token_ids", i, 0) for i in _as_tuple(self.eos_token_ids, numbers.Integral))
+        # frozen: stored once here in their plain forms
+        object.__setattr__(self, "max_new_tokens", _integer("max_new_tokens", self.max_new_tokens, 1))
+        if self.seed is not None:
+            object.__setattr__(self, "seed", _integer("seed", self.seed, *SEED_RANGE))
+        object.__setattr__(self, "stop_strings", stops)
+        object.__setattr__(self, "eos_token_ids", eos)
 
 
 def _as_tuple(value, single: type) -> tuple:

@@ -176,6 +176,7 @@ def preset_target_dir(preset: Preset) -> Path:
     directory = cache_dir() / "models" / preset.target_dir
     if _cache_is_valid(directory):
         return directory
+    cache_subdir("models")                              # an unwritable cache is named before any work starts
     if directory.exists():
         say(f"cached model in {directory} is incomplete or damaged; rebuilding")
     else:

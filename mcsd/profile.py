@@ -253,7 +253,7 @@ def load_or_measure(target, draft=None, measure_if_missing: bool = True, **kwarg
             pass                                      # unreadable: measure again
     if not measure_if_missing:
         return None
-    cache_subdir(path.parent.name)                 # a cache that cannot be written fails before measuring
+    cache_subdir("profiles")                       # a cache that cannot be written fails before measuring
     prof = measure(target, draft, **kwargs)
     with cache_writes(path.parent):
         path.write_text(prof.to_json())
