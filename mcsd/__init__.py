@@ -1,13 +1,34 @@
-"""mcsd: lossless multi-candidate tree speculative decoding for Hugging Face causal LMs."""
+"""mcsd: lossless multi-candidate tree speculative decoding for Hugging Face causal LMs.
 
-from .config import ConfigError, DecodeConfig, SamplingConfig, TreeConfig
-from .decoder import GenerationOutput, GenerationStats, TreeDecoder
-from .draft import Drafter, ModelDrafter
-from .models import ModelLoadError, TokenizerMismatchError, load_model_pair
-from .tree import DraftTree, TreeTopology, parse_tree_spec
+The names below are imported on first use (PEP 562), so `import mcsd` and the
+command line's quick paths (`--help`, `--list-models`) do not pay for torch.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = ["TreeDecoder", "load_model_pair", "GenerationOutput", "GenerationStats", "Drafter",
-           "ModelDrafter", "DraftTree", "TreeTopology", "parse_tree_spec", "ConfigError",
-           "ModelLoadError", "TokenizerMismatchError", "DecodeConfig", "SamplingConfig", "TreeConfig"]
+_EXPORTS = {
+    "TreeDecoder": "decoder", "GenerationOutput": "decoder", "GenerationStats": "decoder",
+    "Drafter": "draft", "ModelDrafter": "draft",
+    "load_model_pair": "models",
+    "ModelLoadError": "errors", "TokenizerMismatchError": "errors",
+    "DraftTree": "tree", "TreeTopology": "tree", "parse_tree_spec": "tree",
+    "ConfigError": "config", "DecodeConfig": "config", "SamplingConfig": "config", "TreeConfig": "config",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'mcsd' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value                      # later lookups skip this function
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

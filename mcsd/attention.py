@@ -22,9 +22,9 @@ import functools
 
 import torch
 
+from .config import ATTENTION_BACKENDS as BACKENDS
 from .config import ConfigError
 
-BACKENDS = ("auto", "sdpa", "xformers", "eager")
 XFORMERS_NAME = "mcsd_xformers"
 
 

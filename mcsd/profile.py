@@ -22,7 +22,7 @@ import torch
 
 from . import kv_cache
 from .lm import CachedLM
-from .models import cache_dir
+from .cache import cache_dir, cache_writes
 from .tree import causal_allowed
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -291,14 +291,12 @@ def load_or_measure(target, draft=None, measure_if_missing: bool = True, force: 
         dtype = str(next(target.parameters()).dtype).replace("torch.", "")
         print(f"mcsd: measuring this machine's costs for {_model_name(target)} ({dtype}; once, cached in "
               f"{path.parent})...", file=sys.stderr, flush=True)
+    with cache_writes(path.parent):                   # a cache that cannot be written fails before measuring
+        path.parent.mkdir(parents=True, exist_ok=True)
     kwargs.setdefault("repeats", CALIBRATION_REPEATS)
     prof = measure(target, draft, **kwargs)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+    with cache_writes(path.parent):
         path.write_text(prof.to_json())
-    except OSError as exc:                            # an unwritable cache costs a re-measure next time, no more
-        if not quiet:
-            print(f"mcsd: could not cache the cost profile in {path.parent} ({exc.strerror})", file=sys.stderr)
     return prof
 
 

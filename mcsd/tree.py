@@ -16,11 +16,12 @@ Two objects:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from .config import ConfigError
+from .config import MAX_TREE_DEPTH, MAX_TREE_NODES, ConfigError
 
 Paths = tuple[tuple[int, ...], ...]
 
@@ -40,21 +41,22 @@ def parse_tree_spec(spec) -> Paths:
     Raises:
         ConfigError: on anything malformed (non-integers, zero or negative
             branching, paths whose prefix is missing, duplicate paths, ranks
-            that skip a sibling).
+            that skip a sibling), and on trees past `MAX_TREE_NODES` nodes or
+            `MAX_TREE_DEPTH` levels (checked before the tree is expanded).
     """
     if isinstance(spec, str):
         text = spec.strip()
         if text in ("", "0"):
             return ()
-        parts = [p.strip() for p in text.split(",")]
         try:
-            widths = [int(p) for p in parts]
+            widths = [int(p) for p in text.split(",")]
         except ValueError:
             raise ConfigError(
-                f"malformed tree spec {spec!r}: expected comma-separated positive integers "
-                f"such as '4,2,2' (children per node at each depth)") from None
+                f"malformed tree spec {_shown(spec)}: expected comma-separated positive integers "
+                f"such as '4,2,2' (children per node at each depth), or 0 for no drafting") from None
         if any(w < 1 for w in widths):
-            raise ConfigError(f"malformed tree spec {spec!r}: every branching factor must be >= 1")
+            raise ConfigError(f"malformed tree spec {_shown(spec)}: every branching factor must be >= 1")
+        _check_size(spec, _k_config_nodes(widths), len(widths))
         paths: list[tuple[int, ...]] = [()]
         out: list[tuple[int, ...]] = []
         for w in widths:
@@ -65,7 +67,8 @@ def parse_tree_spec(spec) -> Paths:
     try:
         paths = [tuple(int(r) for r in p) for p in spec]
     except (TypeError, ValueError):
-        raise ConfigError(f"malformed tree spec {spec!r}: expected 'k1,k2,...' or a list of rank paths") from None
+        raise ConfigError(f"malformed tree spec {_shown(spec)}: expected 'k1,k2,...' or a list of rank paths") from None
+    _check_size(spec, len(paths), max(map(len, paths), default=0))
     for p in paths:
         if len(p) == 0:
             raise ConfigError("malformed tree spec: an explicit path must not be empty (the root is implicit)")
@@ -82,6 +85,29 @@ def parse_tree_spec(spec) -> Paths:
                 f"malformed tree spec: path {list(p)} skips sibling rank {p[-1] - 1} "
                 f"(children are the draft's top candidates in order, so ranks must be contiguous)")
     return _sorted_paths(paths)
+
+
+def _k_config_nodes(widths: list[int]) -> int:
+    """Draft nodes of a k-config: 4 + 4*2 + 4*2*2 for "4,2,2"."""
+    total, level = 0, 1
+    for w in widths:
+        level *= w
+        total += level
+    return total
+
+
+def _check_size(spec, n_nodes: int, depth: int) -> None:
+    if depth > MAX_TREE_DEPTH:
+        raise ConfigError(f"tree spec {_shown(spec)} is {depth} levels deep; the limit is {MAX_TREE_DEPTH}")
+    if n_nodes > MAX_TREE_NODES:
+        size = f"{n_nodes:,}" if n_nodes < 10**12 else f"about 10^{int(math.log10(n_nodes))}"
+        raise ConfigError(f"tree spec {_shown(spec)} has {size} draft nodes; the limit is {MAX_TREE_NODES:,}")
+
+
+def _shown(spec, width: int = 60) -> str:
+    """The spec as a message shows it: its repr, cut short when long."""
+    text = repr(spec)
+    return text if len(text) <= width else text[:width] + "..."
 
 
 def _sorted_paths(paths) -> Paths:

@@ -76,7 +76,8 @@ def test_drafting_that_cannot_pay_is_switched_off(target):
     begin = dec.drafter.begin_round
     dec.drafter.begin_round = lambda seq: (drafted.append(len(seq)), begin(seq))[1]
     stats = dec.generate(PROMPT, max_new_tokens=80).stats
-    assert stats.rounds >= 70 and len(drafted) <= 10            # probes after waits of 3, 6, 12, 24 rounds
+    # probes after waits of 3, 6, 12, 24 rounds (a chance acceptance shortens the next wait)
+    assert stats.rounds >= 70 and len(drafted) <= 12
 
 
 def test_expected_rate_prefers_cheap_verification():

@@ -1,5 +1,6 @@
 """mcsd-generate through main([...]): a run, --json, streaming, and every bad-input case (exit 2, no traceback)."""
 
+import io
 import json
 
 import pytest
@@ -33,7 +34,8 @@ def test_json_output_matches_baseline(model_dirs, capsys):
 
 
 def test_stream_and_stats(model_dirs, capsys):
-    assert main(_pair(model_dirs) + ["--prompt", "w03 w17", "--max-new-tokens", "10", "--stream", "--stats"]) == 0
+    assert main(_pair(model_dirs) + ["--prompt", "w03 w17", "--max-new-tokens", "10", "--stream", "--stats",
+                                     "--policy", "static"]) == 0
     captured = capsys.readouterr()
     assert len(captured.out.split()) == 10
     assert "tokens/s" in captured.err and "acceptance by depth" in captured.err
@@ -67,6 +69,23 @@ def test_list_models(capsys):
     (["--top-p", "0"], "top_p must be in (0, 1]"),
     (["--policy", "oracle"], "unknown policy 'oracle'"),
     (["--prompt-file", "/no/such/file.txt"], "cannot read --prompt-file"),
+    (["--tree", "100,100,100"], "tree spec '100,100,100' has 1,010,100 draft nodes; the limit is 1,024"),
+    (["--tree", "100,100,100", "--policy", "static"], "has 1,010,100 draft nodes; the limit is 1,024"),
+    (["--tree", "9" * 30], "has about 10^30 draft nodes; the limit is 1,024"),
+    (["--tree", ",".join(["1"] * 80)], "is 80 levels deep; the limit is 64"),
+    (["--tree", "1,,2"], "malformed tree spec"),
+    (["--tree", "1.5"], "malformed tree spec"),
+    (["--tree", "-1"], "every branching factor must be >= 1"),
+    (["--top-k", "-1"], "top_k must be an integer >= 0"),
+    (["--top-p", "1.5"], "top_p must be in (0, 1]"),
+    (["--temperature", "inf"], "temperature must be >= 0 and finite"),
+    (["--temperature", "nan"], "temperature must be >= 0 and finite"),
+    (["--stop", ""], "stop_strings must be non-empty strings"),
+    (["--seed", str(2**70)], "seed must be an integer between"),
+    (["--lossy-target-roots", "-1"], "--lossy-target-roots must be >= 0"),
+    (["--lossy-target-roots", "100"], "between 1 and the vocabulary size (64)"),
+    (["--lossy-target-roots", "2", "--temperature", "1"], "greedy decoding only"),
+    (["--show-tree", "/no/such/dir/tree.png"], "cannot write --show-tree /no/such/dir/tree.png"),
 ])
 def test_bad_input_exits_2_with_a_clear_message(model_dirs, capsys, extra, fragment):
     args = _pair(model_dirs) + ["--prompt", "w03 w17", "--max-new-tokens", "8"] + extra
@@ -74,8 +93,8 @@ def test_bad_input_exits_2_with_a_clear_message(model_dirs, capsys, extra, fragm
         args.remove("--prompt"); args.remove("w03 w17")
     assert main(args) == 2
     err = capsys.readouterr().err
+    assert err.startswith("mcsd-generate: error: ") and err.count("\n") == 1   # one line, nothing else
     assert fragment in err
-    assert "Traceback" not in err
 
 
 @pytest.mark.parametrize("args, fragment", [
@@ -123,3 +142,104 @@ def test_tree_graph_marks_the_accepted_path():
     assert [n for n in g.nodes if g.nodes[n]["accepted"]] == [0, 2, "next"]
     assert g.nodes[1]["label"] == "7\n0.60" and g.nodes["next"]["label"] == "9\n(target)"
     assert list(g.successors(2)) == ["next"]
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+    (["--attention", "flash"], "argument --attention: invalid choice: 'flash'"),
+    (["--drafter", "big"], "argument --drafter: invalid choice: 'big'"),
+    (["--max-new-tokens", "many"], "argument --max-new-tokens: invalid int value: 'many'"),
+    (["--top-p", "high"], "argument --top-p: invalid float value: 'high'"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_argument_mistakes_are_one_line(capsys, args, fragment):
+    assert main(args + ["--prompt", "w03"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"mcsd-generate: error: {err.split('error: ', 1)[1]}" and err.count("\n") == 1
+    assert fragment in err and "usage:" not in err
+
+
+def test_help_is_complete(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: mcsd-generate")
+    for flag in ("--target", "--drafter", "--list-models", "--dtype", "--prompt-file", "--tree", "--policy",
+                 "--baseline", "--lossy-target-roots", "--stats", "--json", "--show-tree"):
+        assert flag in out
+    words = " ".join(out.split())                     # argparse wraps lines
+    assert "0 = no drafting" in words and "at most 1024 draft nodes and 64 levels" in words
+
+
+def test_tree_0_is_plain_decoding_and_stats_show_no_empty_acceptance_line(model_dirs, capsys):
+    common = ["--prompt", "w03 w17 w42", "--max-new-tokens", "10", "--json"]
+    assert main(["--target", str(model_dirs / "target"), "--dtype", "float32", "--baseline"] + common) == 0
+    base = json.loads(capsys.readouterr().out)
+    assert main(_pair(model_dirs) + ["--tree", "0", "--stats"] + common) == 0
+    captured = capsys.readouterr()
+    run = json.loads(captured.out)
+    assert run["tokens"] == base["tokens"] and run["stats"]["draft_forwards"] == 0
+    assert run["stats"]["tree_nodes"] == 0 and run["settings"]["tree"] == "0"
+    assert "tokens/s" in captured.err and "acceptance by depth" not in captured.err
+
+
+def test_baseline_json_reports_what_ran(model_dirs, capsys):
+    common = ["--prompt", "w03 w17", "--max-new-tokens", "4", "--json"]
+    assert main(["--target", str(model_dirs / "target"), "--dtype", "float32", "--baseline"] + common) == 0
+    settings = json.loads(capsys.readouterr().out)["settings"]
+    assert settings["baseline"] is True
+    assert settings["tree"] is None and settings["policy"] is None and settings["drafter"] is None
+    assert main(_pair(model_dirs) + ["--tree", "2,1", "--policy", "static"] + common) == 0
+    settings = json.loads(capsys.readouterr().out)["settings"]
+    assert (settings["tree"], settings["policy"], settings["drafter"]) == ("2,1", "static", "model")
+
+
+class _Stdin(io.TextIOWrapper):
+    """A piped stdin holding raw bytes."""
+
+    def isatty(self):
+        return False
+
+
+@pytest.mark.parametrize("source", ["stdin", "file", "argument"])
+def test_non_utf8_prompt_names_the_source_and_byte_offset(model_dirs, tmp_path, capsys, monkeypatch, source):
+    data = b"w03 \xff w17"
+    args = _pair(model_dirs) + ["--max-new-tokens", "4"]
+    if source == "stdin":
+        monkeypatch.setattr("sys.stdin", _Stdin(io.BytesIO(data)))
+        where = "stdin"
+    elif source == "file":
+        (tmp_path / "p.txt").write_bytes(data)
+        args += ["--prompt-file", str(tmp_path / "p.txt")]
+        where = f"--prompt-file {tmp_path / 'p.txt'}"
+    else:                                  # how Python hands over undecodable argv bytes
+        args += ["--prompt", data.decode("utf-8", "surrogateescape")]
+        where = "--prompt"
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mcsd-generate: error: {where} is not UTF-8 text: byte 0xff at offset 4")
+    assert err.count("\n") == 1
+
+
+def test_utf8_stdin_bytes_are_read_as_text(model_dirs, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", _Stdin(io.BytesIO("w03 w17 \u00e9".encode())))
+    assert main(_pair(model_dirs) + ["--max-new-tokens", "4", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["tokens"]) == 4
+
+
+def test_list_models_names_both_drafters_and_the_default(capsys):
+    from mcsd.presets import PRESETS
+    assert main(["--list-models"]) == 0
+    out = capsys.readouterr().out
+    preset = PRESETS["smollm2-135m"]
+    assert "smollm2-135m (default)" in out and "Q4_1" in out
+    assert f"--drafter {preset.default_drafter} (default)" in out and preset.default_drafter == "feature"
+    assert "--drafter model:" in out and preset.draft_dir in out and preset.feature_dir in out
+
+
+def test_readme_flag_table_names_the_default_drafter():
+    from pathlib import Path
+    from mcsd.presets import DEFAULT_PRESET, PRESETS
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith("| `--drafter` |"))
+    default = PRESETS[DEFAULT_PRESET].default_drafter
+    assert f"`{default}` (default" in row and row.count("default") == 1

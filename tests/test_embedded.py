@@ -46,7 +46,8 @@ def test_real_pair_greedy_equals_baseline(pair):
 def test_cli_runs_the_default_pair(capsys):
     assert main(["--chat", "--prompt", "Say hello.", "--max-new-tokens", "8", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert len(out["tokens"]) >= 1 and out["settings"]["dtype"] == "bfloat16"
+    assert len(out["tokens"]) >= 1 and out["settings"]["dtype"] in ("float32", "bfloat16")   # --dtype auto
+    assert out["settings"]["dtype"] in out["settings"]["dtype_reason"]
     assert out["settings"]["policy"] == "learned"            # the shipped acceptance model is the default
 
 

@@ -1,7 +1,11 @@
 """Tree specs, topology tensors, the sliced mask, positions and paths, on hand-drawn trees."""
 
+import re
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mcsd.config import ConfigError
 from mcsd.tree import DraftTree, TreeTopology, additive_mask, ancestor_mask, parse_tree_spec
@@ -105,3 +109,38 @@ def test_select_keeps_a_parent_closed_subtree_and_slices_the_same_mask():
     assert sub.mask().tolist() == [[True, False, False], [True, True, False], [True, True, True]]
     with pytest.raises(ValueError, match="parent-closed"):
         tree.select(torch.tensor([True, False, False, True, False]))
+
+
+@pytest.mark.parametrize("spec, fragment", [
+    ("100,100,100", "has 1,010,100 draft nodes; the limit is 1,024"),
+    ("9" * 30, "has about 10^30 draft nodes; the limit is 1,024"),
+    (",".join(["1"] * 65), "is 65 levels deep; the limit is 64"),
+    ([(r,) for r in range(1025)], "has 1,025 draft nodes; the limit is 1,024"),
+    ([(0,) * d for d in range(1, 66)], "is 65 levels deep; the limit is 64"),
+])
+def test_oversized_specs_name_the_limit_and_their_size(spec, fragment):
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        TreeTopology.from_spec(spec)
+
+
+def test_specs_at_the_limits_are_accepted():
+    from mcsd.config import MAX_TREE_DEPTH, MAX_TREE_NODES
+    assert len(parse_tree_spec(",".join(["1"] * MAX_TREE_DEPTH))) == MAX_TREE_DEPTH
+    assert len(parse_tree_spec(str(MAX_TREE_NODES))) == MAX_TREE_NODES
+    assert TreeTopology.from_spec("0").size == 1 and parse_tree_spec(" 0 ") == ()
+
+
+spec_texts = st.one_of(st.text(max_size=40), st.from_regex(r"[0-9, +_-]{0,40}", fullmatch=True),
+                       st.lists(st.integers(-3, 10**40), max_size=70).map(lambda ks: ",".join(map(str, ks))))
+path_lists = st.lists(st.lists(st.integers(-2, 1100), max_size=70), max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(spec_texts, path_lists))
+def test_any_spec_parses_within_the_limits_or_raises_config_error(spec):
+    from mcsd.config import MAX_TREE_DEPTH, MAX_TREE_NODES
+    try:
+        paths = parse_tree_spec(spec)
+    except ConfigError:
+        return
+    assert len(paths) <= MAX_TREE_NODES and max(map(len, paths), default=0) <= MAX_TREE_DEPTH
