@@ -163,9 +163,11 @@ def _check_args(args) -> None:
     if args.show_tree:
         if args.baseline:
             raise UsageError("--show-tree draws a draft tree; it has none with --baseline")
-        folder = Path(args.show_tree).expanduser().parent
-        if not folder.is_dir():
-            raise UsageError(f"cannot write --show-tree {args.show_tree}: no directory {folder}")
+        png = Path(args.show_tree).expanduser()
+        if png.suffix.lower() != ".png":
+            raise UsageError(f"--show-tree writes a PNG image: name it FILE.png, not {args.show_tree}")
+        if not png.parent.is_dir():
+            raise UsageError(f"cannot write --show-tree {args.show_tree}: no directory {png.parent}")
     from .tree import parse_tree_spec
     DecodeConfig(max_new_tokens=args.max_new_tokens, seed=args.seed, stop_strings=tuple(args.stop),
                  sampling=SamplingConfig(args.temperature, args.top_k, args.top_p))
