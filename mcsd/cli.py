@@ -17,7 +17,8 @@ import json
 import sys
 from pathlib import Path
 
-from .config import ATTENTION_BACKENDS, DTYPE_NAMES, MAX_TREE_DEPTH, MAX_TREE_NODES, ConfigError
+from .config import (ATTENTION_BACKENDS, DTYPE_NAMES, MAX_TREE_DEPTH, MAX_TREE_NODES, ConfigError, DecodeConfig,
+                     SamplingConfig)
 from .errors import ModelLoadError
 from .presets import DEFAULT_PRESET, DRAFTERS, PRESETS, describe_presets
 
@@ -109,7 +110,7 @@ def _read_prompt(args) -> str:
         except OSError as exc:
             raise UsageError(f"cannot read --prompt-file {args.prompt_file}: {exc.strerror}") from None
         text = _decode_utf8(data, f"--prompt-file {args.prompt_file}")
-    elif not sys.stdin.isatty():
+    elif sys.stdin is not None and not sys.stdin.isatty():
         stdin = getattr(sys.stdin, "buffer", None)
         data = stdin.read() if stdin is not None else sys.stdin.read().encode("utf-8", "surrogateescape")
         text = _decode_utf8(data, "stdin")
@@ -175,10 +176,11 @@ def _check_args(args) -> None:
     if args.show_tree:
         if args.baseline:
             raise UsageError("--show-tree draws a draft tree; it has none with --baseline")
-        folder = Path(args.show_tree).expanduser().parent
-        if not folder.is_dir():
-            raise UsageError(f"cannot write --show-tree {args.show_tree}: no directory {folder}")
-    from .config import DecodeConfig, SamplingConfig
+        png = Path(args.show_tree).expanduser()
+        if png.suffix.lower() != ".png":
+            raise UsageError(f"--show-tree writes a PNG image: name it FILE.png, not {args.show_tree}")
+        if not png.parent.is_dir():
+            raise UsageError(f"cannot write --show-tree {args.show_tree}: no directory {png.parent}")
     from .tree import parse_tree_spec
     DecodeConfig(max_new_tokens=args.max_new_tokens, seed=args.seed, stop_strings=tuple(args.stop),
                  sampling=SamplingConfig(args.temperature, args.top_k, args.top_p))

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from . import kv_cache
-from .lm import CachedLM
 from .cache import cache_dir, cache_writes
+from .lm import CachedLM
 from .tree import causal_allowed
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)

@@ -4,6 +4,8 @@ import io
 import json
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from mcsd.cli import main
 
@@ -86,6 +88,7 @@ def test_list_models(capsys):
     (["--lossy-target-roots", "100"], "between 1 and the vocabulary size (64)"),
     (["--lossy-target-roots", "2", "--temperature", "1"], "greedy decoding only"),
     (["--show-tree", "/no/such/dir/tree.png"], "cannot write --show-tree /no/such/dir/tree.png"),
+    (["--show-tree", "tree.txt"], "--show-tree writes a PNG image: name it FILE.png, not tree.txt"),
 ])
 def test_bad_input_exits_2_with_a_clear_message(model_dirs, capsys, extra, fragment):
     args = _pair(model_dirs) + ["--prompt", "w03 w17", "--max-new-tokens", "8"] + extra
@@ -243,3 +246,27 @@ def test_readme_flag_table_names_the_default_drafter():
     row = next(line for line in readme.splitlines() if line.startswith("| `--drafter` |"))
     default = PRESETS[DEFAULT_PRESET].default_drafter
     assert f"`{default}` (default" in row and row.count("default") == 1
+
+
+_numbers = st.one_of(st.integers(-3, 300).map(str), st.floats(allow_nan=True, allow_infinity=True).map(str),
+                     st.text("0123456789.-e", max_size=6))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(tree=st.text("0123456789,-. x", max_size=12), top_k=_numbers, top_p=_numbers, temperature=_numbers,
+       max_new=_numbers, seed=_numbers, stop=st.text(max_size=3))
+def test_fuzzed_flags_either_run_or_fail_in_one_line(model_dirs, capsys, tree, top_k, top_p, temperature, max_new,
+                                                     seed, stop):
+    args = _pair(model_dirs) + ["--prompt", "w03 w17", "--tree", tree, "--top-k", top_k, "--top-p", top_p,
+                                "--temperature", temperature, "--max-new-tokens", max_new, "--seed", seed,
+                                "--stop", stop]
+    code = main(_as_option_pairs(args))
+    err = capsys.readouterr().err
+    assert code in (0, 2)
+    if code == 2:
+        assert err.startswith("mcsd-generate: error: ") and err.count("\n") == 1, err
+
+
+def _as_option_pairs(args):
+    """['--flag', 'value', ...] as ['--flag=value', ...]: values that start with '-' stay values."""
+    return [f"{flag}={value}" for flag, value in zip(args[::2], args[1::2])]

@@ -1,14 +1,10 @@
 """What a person sees and waits for: quick paths import nothing heavy, ready models load without
 bars, the one-time conversion reports each stage, and progress bars appear only in a terminal."""
 
-import fcntl
 import json
 import os
-import pty
-import struct
 import subprocess
 import sys
-import termios
 
 import pytest
 
@@ -26,10 +22,10 @@ def _python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=300)
 
 
-def test_list_models_help_and_import_load_no_torch():
+def test_list_models_help_argument_errors_and_import_load_no_torch():
     proc = _python("import sys, mcsd\n"
                    "from mcsd.cli import main\n"
-                   "main(['--list-models']); main(['--tree', '2', '--dtype', 'int8'])\n"
+                   "main(['--list-models']); main(['--help']); main(['--tree', '2', '--dtype', 'int8'])\n"
                    "print(sorted(m for m in ('torch', 'transformers', 'sklearn') if m in sys.modules))\n"
                    "print(mcsd.TreeDecoder.__name__)")
     assert proc.returncode == 0, proc.stderr
@@ -71,6 +67,10 @@ def test_off_a_terminal_the_cli_prints_no_bars(gguf_file):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pseudo-terminal test written for Linux")
 def test_in_a_terminal_only_the_one_time_work_shows_bars(gguf_file):
     """A .gguf target is de-quantised on every load: that bar shows in a terminal; loading bars do not."""
+    import fcntl
+    import pty
+    import struct
+    import termios
     primary, secondary = pty.openpty()
     fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
     proc = subprocess.Popen(_cli(gguf_file), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
