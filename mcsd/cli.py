@@ -154,7 +154,7 @@ def _auto_dtype(target, draft, args):
     """--dtype auto: the dtype this pair and method run fastest in here; the pair converted to it."""
     from .models import cast_pair
     from .profile import choose_dtype
-    if args.device not in ("cpu",) and not str(args.device).startswith("cuda"):
+    if args.device != "cpu" and not str(args.device).startswith("cuda"):
         return target, draft, "float32", "float32: --dtype auto measures on one cpu or cuda device only"
     choice = choose_dtype(target, draft, drafting=not args.baseline, calibrate=args.calibrate)
     if choice.dtype != "float32":

@@ -221,7 +221,7 @@ def stand_in(name: str, dtype=torch.bfloat16, device="cpu"):
     from .models import parse_dtype
     torch.manual_seed(0)
     with torch.device(device):
-        model = LlamaForCausalLM(LlamaConfig(**STAND_INS[name], dtype=parse_dtype(dtype)))
+        model = LlamaForCausalLM(LlamaConfig(**STAND_INS[name]))
     model.config._name_or_path = f"stand-in:{name}"
     return model.to(parse_dtype(dtype)).eval().requires_grad_(False)
 
@@ -269,9 +269,8 @@ def load_cached(target, draft=None, dtype=None) -> DeviceProfile | None:
         prof = DeviceProfile.from_json(path.read_text())
     except (ValueError, KeyError, TypeError):
         return None                                   # unreadable: measure again
-    host = prof.meta.get("host", {})
-    if {k: host.get(k) for k in host_key(next(target.parameters()).device)} != host_key(
-            next(target.parameters()).device):
+    here, host = host_key(next(target.parameters()).device), prof.meta.get("host", {})
+    if {k: host.get(k) for k in here} != here:
         return None                                   # measured on another machine
     return prof
 
@@ -336,28 +335,29 @@ class Costs:
     def _corr(self, kind: str, n: float) -> float:
         return self._factor[kind].get(int(n).bit_length(), self._overall[kind])
 
-    def verify_ms(self, n: int) -> float:
-        return interpolate(self.verify, n) * self._corr("verify", n)
-
-    def draft_ms(self, width: int) -> float:
-        return interpolate(self.draft, width) * self._corr("draft", width)
-
-    def observe(self, kind: str, n: int, predicted_ms: float, measured_ms: float) -> None:
-        """Fold one measured round into the correction ("verify": n tree tokens; "draft": the
-        round's draft levels, predicted_ms being their uncorrected sum)."""
-        if predicted_ms <= 0 or measured_ms <= 0:
-            return
-        ratio, a = measured_ms / predicted_ms, self.adapt
-        bucket = self._factor[kind]
-        b = int(n).bit_length()
-        bucket[b] = (1 - a) * bucket.get(b, self._overall[kind]) + a * ratio
-        self._overall[kind] = (1 - a) * self._overall[kind] + a * ratio
-
     def base_verify_ms(self, n: int) -> float:
         return interpolate(self.verify, n)
 
     def base_draft_ms(self, width: int) -> float:
         return interpolate(self.draft, width)
+
+    def verify_ms(self, n: int) -> float:
+        return self.base_verify_ms(n) * self._corr("verify", n)
+
+    def draft_ms(self, width: int) -> float:
+        return self.base_draft_ms(width) * self._corr("draft", width)
+
+    def observe(self, kind: str, n: int | None, predicted_ms: float, measured_ms: float) -> None:
+        """Fold one measured round into the correction: "verify" with n tree tokens, or "draft"
+        with n None (a round's draft levels of several widths, corrected as a whole; predicted_ms
+        is their uncorrected sum)."""
+        if predicted_ms <= 0 or measured_ms <= 0:
+            return
+        ratio, a = measured_ms / predicted_ms, self.adapt
+        if n is not None:
+            bucket, b = self._factor[kind], int(n).bit_length()
+            bucket[b] = (1 - a) * bucket.get(b, self._overall[kind]) + a * ratio
+        self._overall[kind] = (1 - a) * self._overall[kind] + a * ratio
 
 
 # ---------------------------------------------------------------------------- the dtype that wins

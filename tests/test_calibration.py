@@ -43,7 +43,7 @@ def test_costs_follow_measured_rounds():
     for _ in range(12):
         costs.observe("verify", 8, costs.base_verify_ms(8), 20.0)     # ... until measured themselves
     assert costs.verify_ms(8) == pytest.approx(20.0, rel=1e-2)
-    costs.observe("draft", 0, 2.0, 6.0)
+    costs.observe("draft", None, 2.0, 6.0)
     assert costs.draft_ms(1) == pytest.approx(4.0)          # (1 - 0.5) * 2 + 0.5 * 6 in units of the profile
     costs.reset_corrections()
     assert costs.verify_ms(1) == 10.0

@@ -67,13 +67,14 @@ def main(argv=None) -> int:
         if isinstance(draft, torch.nn.Module):
             set_backend(draft, args.attention)
     sizes = tuple(int(n) for n in args.sizes.split(",")) if args.sizes else DEFAULT_SIZES
-    path = args.out or profile_path(target, draft)
-    if args.force or args.out or args.sizes:
-        prof = measure(target, draft, sizes=sizes, repeats=args.repeats)
+    if args.out:
+        path, prof = args.out, measure(target, draft, sizes=sizes, repeats=args.repeats)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(prof.to_json())
     else:
-        prof = load_or_measure(target, draft, repeats=args.repeats)
+        path = profile_path(target, draft)
+        prof = load_or_measure(target, draft, force=args.force or args.sizes is not None, sizes=sizes,
+                               repeats=args.repeats)
     one = prof.verify_ms[min(prof.verify_ms)]
     print(f"profile: {path}")
     print(json.dumps(prof.meta.get("host", {})))

@@ -309,7 +309,7 @@ class LearnedPolicy(TreePolicy):
     def observe_timing(self, tree: DraftTree, draft_ms: float, verify_ms: float) -> None:
         self.costs.observe("verify", tree.size, self.costs.base_verify_ms(tree.size), verify_ms)
         if self._skipped == 0:
-            self.costs.observe("draft", 0, self._draft_base_ms, draft_ms)
+            self.costs.observe("draft", None, self._draft_base_ms, draft_ms)
 
 
 def recent_acceptance(recent: float, n_accepted: int, tree: DraftTree) -> float:
