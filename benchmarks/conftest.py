@@ -29,6 +29,15 @@ def pytest_addoption(parser):
                 help="float32, bfloat16, float16, or auto (what --dtype auto picks for this pair on this machine)")
     g.addoption("--bench-device", default="cpu")
     g.addoption("--bench-threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    g.addoption("--bench-interleave", action="store_true",
+                help="run the selected methods prompt by prompt in rotation (one interleaved run) instead of "
+                     "one method after another; each test then reports its share of that run")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Remember which methods were selected (-k, node ids), for the interleaved run."""
+    config.selected_methods = {item.callspec.params["method"].name for item in items
+                               if hasattr(item, "callspec") and "method" in item.callspec.params}
 
 
 class Bench:
@@ -43,6 +52,8 @@ class Bench:
         if opt("--bench-threads"):
             torch.set_num_threads(opt("--bench-threads"))
         self.smoke = opt("--bench-smoke")
+        self.interleave = opt("--bench-interleave")
+        self.interleaved: dict | None = None         # method -> question_id -> Run, once computed
         self.max_new_tokens = 16 if self.smoke else opt("--bench-max-new-tokens")
         self.dtype, self.device = opt("--bench-dtype"), opt("--bench-device")
         self.target, self.draft, self.tokenizer = load_model_pair(

@@ -22,6 +22,7 @@ from mcsd.policies import POLICIES
 CHAIN_KS = (2, 3, 4, 6)
 TREES = ("2,2,1", "4,2,2", "3,2,2,1")
 HF_FIXED = (2, 4, 6)
+HF_PROMPT_LOOKUP = (3, 5, 10)         # prompt_lookup_num_tokens; transformers' own default is 10
 
 
 @dataclass
@@ -35,12 +36,14 @@ class Run:
     accepted_per_round: list[int] = field(default_factory=list)
     accepted_by_depth: list[int] = field(default_factory=list)
     offered_by_depth: list[int] = field(default_factory=list)
+    context_nodes: int = 0
+    context_accepted: int = 0
 
 
 @dataclass(frozen=True)
 class Method:
     name: str
-    family: str                       # baseline | hf_assisted | chain | tree | policy
+    family: str                       # baseline | hf_assisted | hf_prompt_lookup | chain | tree | policy | context
     run: Callable[["object", torch.Tensor], Run]
     tree: str | None = None
     policy: str | None = None                  # tree policy name, checked before the run
@@ -105,16 +108,23 @@ def _hf_static(bench, ids, compiled: bool) -> Run:
     return _hf(bench, ids, past_key_values=StaticCache(config=bench.target.config, max_cache_len=length), **settings)
 
 
-def _mcsd(bench, ids, tree: str | None, policy: str = "static", baseline: bool = False) -> Run:
-    dec = bench.decoders.get((tree, policy))
+def _mcsd(bench, ids, tree: str | None, policy: str = "static", baseline: bool = False,
+          drafter: str = "model") -> Run:
+    """An mcsd TreeDecoder run. drafter: "model" (the bench's draft: a draft LM or a feature head),
+    "context" (context proposals alone) or "model+context" (both merged in one tree)."""
+    key = (tree, policy, drafter)
+    dec = bench.decoders.get(key)
     if dec is None:
-        dec = bench.decoders[(tree, policy)] = TreeDecoder(bench.target, bench.draft, tokenizer=bench.tokenizer,
-                                                           tree=tree, policy=policy)
+        from mcsd.context import ContextDrafter
+        draft = {"model": bench.draft, "context": ContextDrafter(),
+                 "model+context": [bench.draft, ContextDrafter()]}[drafter]
+        dec = bench.decoders[key] = TreeDecoder(bench.target, draft, tokenizer=bench.tokenizer, tree=tree,
+                                                policy=policy)
     gen = dec.generate_baseline if baseline else dec.generate
     out = gen(ids, max_new_tokens=bench.max_new_tokens)
     s = out.stats
     return Run(out.tokens, s.wall_s, s.target_forwards, s.draft_s, s.verify_s, s.policy_s, s.accepted_per_round,
-               s.accepted_by_depth, s.offered_by_depth)
+               s.accepted_by_depth, s.offered_by_depth, s.context_nodes, s.context_accepted)
 
 
 def all_methods() -> list[Method]:
@@ -132,6 +142,14 @@ def all_methods() -> list[Method]:
         methods.append(Method(f"hf_assisted_n{n}", "hf_assisted", lambda b, ids, n=n: _hf(
             b, ids, assistant=True, num_assistant_tokens=n, num_assistant_tokens_schedule="constant",
             assistant_confidence_threshold=0.0)))
+    for n in HF_PROMPT_LOOKUP:
+        methods.append(Method(f"hf_prompt_lookup_n{n}", "hf_prompt_lookup",
+                              lambda b, ids, n=n: _hf(b, ids, prompt_lookup_num_tokens=n)))
+    # free proposals from the context: alone, and merged with the drafter under the default policy
+    methods.append(Method("context", "context", lambda b, ids: _mcsd(b, ids, None, "auto", drafter="context"),
+                          policy="auto"))
+    methods.append(Method("default_context", "context",
+                          lambda b, ids: _mcsd(b, ids, None, "auto", drafter="model+context"), policy="auto"))
     for k in CHAIN_KS:
         spec = ",".join(["1"] * k)
         methods.append(Method(f"chain_k{k}", "chain", lambda b, ids, s=spec: _mcsd(b, ids, s), tree=spec))

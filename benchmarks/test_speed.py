@@ -5,6 +5,12 @@ in `benchmark.extra_info`: tokens/s, speedup over `baseline` (measured in this
 run), tau (tokens per target forward), acceptance by depth, the draft / verify /
 other time split, whether the output equals the baseline's token for token,
 and the same figures per category group. Nothing is asserted about speed.
+
+By default one method runs on every prompt, then the next. With
+`--bench-interleave` the selected methods run prompt by prompt in rotation
+(one interleaved run, as comparisons on a noisy machine want); the first test
+then carries the whole run in pytest-benchmark's own timing and the others
+none, so read the figures from `extra_info` (tools/bench_report.py does).
 """
 
 from __future__ import annotations
@@ -27,22 +33,48 @@ def _summary(runs, seconds_base=None):
     return out
 
 
-@pytest.mark.parametrize("method", METHODS, ids=[m.name for m in METHODS])
-def test_method(benchmark, bench, method):
+def skip_reason(bench, method) -> str | None:
+    """Why `method` cannot run in this session, or None."""
     if method.family == "hf_assisted" and bench.assistant is None:
-        pytest.skip("Hugging Face assisted generation needs a standalone draft model")
+        return "Hugging Face assisted generation needs a standalone draft model"
     if method.name == "hf_compiled" and bench.smoke:
-        pytest.skip("compiling takes about a minute per shape on a CPU; not in the smoke run")
+        return "compiling takes about a minute per shape on a CPU; not in the smoke run"
     if method.policy is not None:
         from mcsd.models import ModelLoadError
         from mcsd.policies import make_policy, resolve_policy
         try:
             make_policy(resolve_policy(method.policy), method.tree)
         except ModelLoadError as exc:            # e.g. a learned policy whose model is not shipped yet
-            pytest.skip(str(exc))
+            return str(exc)
+    return None
+
+
+def interleaved_runs(bench, selected) -> dict[str, dict]:
+    """Every runnable selected method on every prompt, prompt by prompt, the method order rotated
+    from one prompt to the next, so a slow spell of the machine is shared out rather than landing
+    on whichever methods happened to run then. Computed once per session."""
+    if bench.interleaved is None:
+        methods = [m for m in METHODS if m.name in selected and skip_reason(bench, m) is None]
+        results: dict[str, dict] = {m.name: {} for m in methods}
+        for i, (prompt, ids) in enumerate(bench.prompts):
+            shift = i % max(len(methods), 1)
+            for m in methods[shift:] + methods[:shift]:
+                results[m.name][prompt.question_id] = m.run(bench, ids)
+        bench.interleaved = results
+    return bench.interleaved
+
+
+@pytest.mark.parametrize("method", METHODS, ids=[m.name for m in METHODS])
+def test_method(benchmark, bench, method, request):
+    reason = skip_reason(bench, method)
+    if reason is not None:
+        pytest.skip(reason)
     runs = {}
 
     def run_all():
+        if bench.interleave:                    # already run, in rotation with the other methods
+            runs.update(interleaved_runs(bench, request.config.selected_methods)[method.name])
+            return
         for prompt, ids in bench.prompts:
             runs[prompt.question_id] = method.run(bench, ids)
 
@@ -67,8 +99,10 @@ def test_method(benchmark, bench, method):
     for prompt, _ in bench.prompts:
         by_group.setdefault(prompt.group, []).append(prompt.question_id)
     info.update({
-        "method": method.name, "family": method.family, "tree": method.tree,
+        "method": method.name, "family": method.family, "tree": method.tree, "interleaved": bench.interleave,
         "accept_by_depth": [a / o if o else 0.0 for a, o in zip(accepted, offered)],
+        "context_nodes": sum(r.context_nodes for r in runs.values()),
+        "context_accepted": sum(r.context_accepted for r in runs.values()),
         "draft_s": sum(r.draft_s for r in runs.values()),
         "verify_s": sum(r.verify_s for r in runs.values()),
         "policy_s": sum(r.policy_s for r in runs.values()),

@@ -22,6 +22,8 @@ from .config import (ATTENTION_BACKENDS, DTYPE_NAMES, MAX_TREE_DEPTH, MAX_TREE_N
 from .errors import ModelLoadError
 from .presets import DEFAULT_PRESET, DRAFTERS, PRESETS, describe_presets
 
+DRAFTER_CHOICES = (*DRAFTERS, "context", *(f"{d}+context" for d in DRAFTERS))
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a mistake in one line, without the usage block, like every other mistake."""
@@ -39,10 +41,15 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--target", help="target: preset name, model directory, .gguf file or hub id")
     src.add_argument("--draft", help="draft: model directory, .gguf file or hub id (same tokenizer as the target)")
     default_drafter = PRESETS[DEFAULT_PRESET].default_drafter
-    src.add_argument("--drafter", default=None, choices=tuple(DRAFTERS),
+    src.add_argument("--drafter", default=None, choices=DRAFTER_CHOICES,
                      help=f"with a preset: 'feature' (a head reading the target's features) or 'model' (a "
                           f"standalone draft LM); default: the preset's faster one, {default_drafter!r} for "
-                          f"{DEFAULT_PRESET}")
+                          f"{DEFAULT_PRESET}. 'context' drafts for free from the prompt, the output so far "
+                          f"and the target's recycled predictions (no draft model, any target); "
+                          f"'feature+context' / 'model+context' merge both into one tree")
+    src.add_argument("--context-store", metavar="FILE",
+                     help="with a context drafter: also look up continuations in this datastore of earlier "
+                          "outputs (built by tools/build_context_store.py; safetensors, never unpickled)")
     src.add_argument("--list-models", action="store_true", help="list the built-in presets and their drafters, "
                                                                 "and exit")
     src.add_argument("--dtype", default="auto", choices=("auto", *DTYPE_NAMES),
@@ -140,6 +147,8 @@ def _stats_summary(stats, baseline: bool) -> str:
         if stats.accept_by_depth:                   # empty when no round drafted (--tree 0, or a gated policy)
             lines.append("acceptance by depth: " + " ".join(f"d{d + 1}={r:.2f}" for d, r in
                                                              enumerate(stats.accept_by_depth)))
+        if stats.context_nodes:
+            lines.append(f"context: {stats.context_nodes} nodes proposed, {stats.context_accepted} accepted")
         lines.append(f"time split: draft {stats.draft_s:.2f}s, verify {stats.verify_s:.2f}s, "
                      f"prefill {stats.prefill_s:.2f}s, other {stats.other_s:.2f}s")
     return "\n".join(lines)
@@ -156,7 +165,8 @@ def _auto_dtype(target, draft, args):
     from .profile import choose_dtype
     if args.device != "cpu" and not str(args.device).startswith("cuda"):
         return target, draft, "float32", "float32: --dtype auto measures on one cpu or cuda device only"
-    choice = choose_dtype(target, draft, drafting=not args.baseline, calibrate=args.calibrate)
+    choice = choose_dtype(target, draft, drafting=not args.baseline, calibrate=args.calibrate,
+                          free_draft=_drafter_kinds(args)[1])
     if choice.dtype != "float32":
         target, draft = cast_pair(target, draft, choice.dtype)
     return target, draft, choice.dtype, choice.reason
@@ -168,11 +178,23 @@ def _check_args(args) -> None:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.lossy_target_roots < 0:
         raise UsageError(f"--lossy-target-roots must be >= 0, got {args.lossy_target_roots}")
-    if args.target is not None and args.draft is None and args.target not in PRESETS and not args.baseline:
-        raise UsageError(f"--target {args.target} needs a --draft (or use --baseline, or a preset: "
-                         f"{', '.join(PRESETS)})")
+    if (args.target is not None and args.draft is None and args.target not in PRESETS and not args.baseline
+            and args.drafter != "context"):
+        raise UsageError(f"--target {args.target} needs a --draft (or use --baseline, --drafter context, or a "
+                         f"preset: {', '.join(PRESETS)})")
     if args.draft is not None and args.target is None:
         raise UsageError("--draft needs --target")
+    model_kind, with_context = _drafter_kinds(args)
+    if args.context_store is not None:
+        if not with_context:
+            raise UsageError("--context-store needs a context drafter (--drafter context, feature+context or "
+                             "model+context)")
+        if not Path(args.context_store).expanduser().is_file():
+            raise UsageError(f"--context-store {args.context_store}: no such file")
+    if with_context and args.lossy_target_roots:
+        raise UsageError("--drafter with context is exact-only; it cannot be combined with --lossy-target-roots")
+    if model_kind is None and with_context and args.draft is not None:
+        raise UsageError("--drafter context uses no draft model; drop --draft, or use model+context")
     if args.show_tree:
         if args.baseline:
             raise UsageError("--show-tree draws a draft tree; it has none with --baseline")
@@ -187,22 +209,35 @@ def _check_args(args) -> None:
     parse_tree_spec(args.tree)
 
 
+def _drafter_kinds(args) -> tuple[str | None, bool]:
+    """(--drafter's model kind, or None for context alone or the preset's default; whether context is on)."""
+    if args.drafter is None:
+        return None, False
+    kind, context = args.drafter.replace("+context", ""), "context" in args.drafter
+    return (None if kind == "context" else kind), context
+
+
 def _load(args):
     """(decoder, tokenizer, why this dtype or None) for the run the flags ask for."""
     from .decoder import TreeDecoder
     from .models import load_model, load_model_pair, load_tokenizer
 
     load_dtype = "float32" if args.dtype == "auto" else args.dtype
-    if args.baseline:
+    model_kind, with_context = _drafter_kinds(args)
+    if args.baseline or (with_context and model_kind is None):
         target_src = args.target or DEFAULT_PRESET
         tokenizer = load_tokenizer(target_src)
         target, draft = load_model(target_src, load_dtype, args.device, role="target"), None
     else:
         target, draft, tokenizer = load_model_pair(args.target, args.draft, dtype=load_dtype, device=args.device,
-                                                    drafter=args.drafter)
+                                                    drafter=model_kind)
     dtype_reason = None
     if args.dtype == "auto":
         target, draft, args.dtype, dtype_reason = _auto_dtype(target, draft, args)
+    if with_context and not args.baseline:
+        from .context import ContextDrafter
+        context = ContextDrafter(store=Path(args.context_store).expanduser() if args.context_store else None)
+        draft = context if draft is None else [draft, context]
     decoder = TreeDecoder(target, draft, tokenizer=tokenizer, tree=args.tree, policy=args.policy,
                           attention=args.attention, lossy_target_roots=args.lossy_target_roots,
                           calibrate=args.calibrate)
@@ -213,8 +248,12 @@ def _settings(args, decoder, dtype_reason) -> dict:
     """What actually ran: a baseline run has no tree, policy or drafter."""
     drafter = decoder.drafter
     drafted = not args.baseline
-    return {"tree": args.tree if drafted else None, "policy": args.policy if drafted else None,
-            "drafter": ("feature" if getattr(drafter, "uses_target_hidden", False) else "model") if drafted else None,
+    kind = None if drafter is None else ("feature" if getattr(drafter, "uses_target_hidden", False) else "model")
+    if decoder.context is not None:
+        kind = "context" if kind is None else f"{kind}+context"
+    return {"tree": args.tree if drafted and drafter is not None else None,
+            "policy": args.policy if drafted and drafter is not None else None,
+            "drafter": kind if drafted else None,
             "dtype": args.dtype, "dtype_reason": dtype_reason, "costs": decoder.costs_source,
             "device": args.device, "attention": decoder.attention, "baseline": args.baseline,
             "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
@@ -226,7 +265,9 @@ def run(args) -> int:
         print("\n".join(describe_presets()))
         return 0
     from .policies import POLICIES, resolve_policy
-    args.policy = resolve_policy(args.policy, lossy=args.lossy_target_roots > 0, drafting=not args.baseline)
+    model_kind, with_context = _drafter_kinds(args)
+    args.policy = resolve_policy(args.policy, lossy=args.lossy_target_roots > 0,
+                                 drafting=not args.baseline and not (with_context and model_kind is None))
     if args.tree is None:
         args.tree = POLICIES[args.policy].default_tree if args.policy in POLICIES else "4,2,2"
     _check_args(args)                               # fail on a malformed flag before loading anything

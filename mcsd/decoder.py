@@ -27,6 +27,7 @@ import torch
 
 from .attention import set_backend
 from .config import ConfigError, DecodeConfig, SamplingConfig
+from .context import ContextDrafter, Graft
 from .draft import Drafter, GrownTree, ModelDrafter, grow_tree
 from .lm import CachedLM
 from .models import check_vocab_sizes
@@ -50,6 +51,8 @@ class GenerationStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     policy_s: float = 0.0             # inside draft_s: the policy's own decisions (features, predictions)
+    context_nodes: int = 0            # nodes proposed from context (grafted), summed over rounds
+    context_accepted: int = 0         # of those, accepted
     accepted_per_round: list[int] = field(default_factory=list)
     offered_by_depth: list[int] = field(default_factory=list)   # rounds that could accept depth d+1
     accepted_by_depth: list[int] = field(default_factory=list)  # rounds that did
@@ -90,7 +93,8 @@ class GenerationStats:
                 "mean_accepted": self.mean_accepted, "accept_by_depth": self.accept_by_depth,
                 "tree_nodes": self.tree_nodes, "tokens_per_s": self.tokens_per_s, "wall_s": self.wall_s,
                 "prefill_s": self.prefill_s, "draft_s": self.draft_s, "verify_s": self.verify_s,
-                "policy_s": self.policy_s, "other_s": self.other_s}
+                "policy_s": self.policy_s, "other_s": self.other_s, "context_nodes": self.context_nodes,
+                "context_accepted": self.context_accepted}
 
 
 @dataclass
@@ -116,7 +120,10 @@ class TreeDecoder:
     Args:
         target: a transformers causal LM (eval mode).
         draft: a draft causal LM sharing the target's tokenizer, any object
-            implementing the `Drafter` protocol, or None (only
+            implementing the `Drafter` protocol, a `ContextDrafter` (or
+            "context": free proposals from the prompt, the output so far and the
+            target's recycled predictions), a list of one model drafter and one
+            context drafter (both merged into one tree), or None (only
             `generate_baseline` is then available).
         tokenizer: used for string prompts, decoding, EOS and stop strings.
         tree: tree spec ("4,2,2", "1,1,1,1", or a list of rank paths); the
@@ -147,6 +154,14 @@ class TreeDecoder:
                  calibrate: bool | None = None):
         self.target = CachedLM(target)
         self.lossy_roots = int(lossy_target_roots)
+        draft, self.context = _split_drafters(draft)
+        if self.context is not None and self.lossy_roots:
+            raise ConfigError("context drafting is exact-only; it cannot be combined with lossy_target_roots")
+        if self.context is not None and draft is None:
+            if policy not in ("auto", "static"):
+                raise ConfigError(f"policy {policy!r} shapes a draft model's tree; context drafting alone "
+                                  f"(no draft model) takes no policy")
+            policy, tree = "static", ""                 # nothing to draft with a model: the root alone, then context
         policy = resolve_policy(policy, lossy=self.lossy_roots > 0, drafting=draft is not None)
         if tree is None and isinstance(policy, str):
             tree = POLICIES[policy].default_tree if policy in POLICIES else TreePolicy.default_tree
@@ -178,6 +193,13 @@ class TreeDecoder:
             self.costs_source = options["costs"].source
         self.policy = make_policy(policy, tree, **options)
         self._baseline_policy = make_policy("static", "")
+        self.context_costs = None                     # prices a context node's verify time
+        if self.context is not None:
+            self.context.bind(target.get_input_embeddings().weight.shape[0], self.target.device)
+            self.context_costs = getattr(self.policy, "costs", None)
+            if self.context_costs is None:
+                self.context_costs = self._device_costs(target, draft, calibrate)
+                self.costs_source = self.context_costs.source
         # Trees live where the target's inputs live (its embedding's device under a device_map).
         for pol in (self.policy, self._baseline_policy):
             pol.topology = pol.topology.to(self.target.device)
@@ -208,7 +230,7 @@ class TreeDecoder:
             distribution under these settings (token-identical to plain greedy
             decoding when temperature is 0, in float32).
         """
-        if self.drafter is None:
+        if self.drafter is None and self.context is None:
             raise ConfigError("this TreeDecoder has no draft; pass draft=... or use generate_baseline()")
         return self._collect(self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed,
                                          stop_strings, ignore_eos, eos_token_ids, on_round=on_round), streamer)
@@ -231,7 +253,8 @@ class TreeDecoder:
         self._check_length(prompt_ids.numel(), cfg.max_new_tokens)
         policy = self._baseline_policy if baseline else self.policy
         drafter = None if baseline else self.drafter
-        return (yield from self._decode(prompt_ids, cfg, policy, drafter, on_round))
+        context = None if baseline else self.context
+        return (yield from self._decode(prompt_ids, cfg, policy, drafter, on_round, context))
 
     def encode(self, prompt) -> torch.Tensor:
         """Prompt (str, list of ids, or tensor) -> (T,) long ids on the target's device."""
@@ -260,7 +283,7 @@ class TreeDecoder:
 
     @torch.inference_mode()
     def _decode(self, prompt_ids: torch.Tensor, cfg: DecodeConfig, policy: TreePolicy,
-                drafter: Drafter | None, on_round=None) -> Iterator[list[int]]:
+                drafter: Drafter | None, on_round=None, context: ContextDrafter | None = None) -> Iterator[list[int]]:
         stats, gen = GenerationStats(), make_generator(cfg.seed, self.target.device)
         eos = self._eos_ids(cfg)
         t_start = time.perf_counter()
@@ -276,6 +299,9 @@ class TreeDecoder:
             drafter.observe_target(prompt_hidden)               # features of every prompt position
         else:
             logits = self.target.extend(prompt_ids)
+        if context is not None:
+            context.reset(prompt_ids)
+            context.observe_logits(prompt_ids, logits)          # recycled predictions of the prompt
         lossy = self.lossy_roots if drafter is not None else 0
         if lossy and not cfg.sampling.greedy:
             raise ConfigError("lossy_target_roots is defined for greedy decoding only (temperature 0)")
@@ -300,9 +326,16 @@ class TreeDecoder:
             grown = (grow_tree(drafter, policy, sequence, depth, cfg.sampling, gen,
                                root_children=roots if lossy else None) if depth > 0
                      else GrownTree(DraftTree.root_only(policy.topology, sequence[-1]), None))
+            drafted, graft = grown.tree, None
+            if context is not None:                             # free branches from the context, merged in
+                costs = self.context_costs
+                spent_ms = (time.perf_counter() - t0) * 1000 + (costs.verify_ms(drafted.size) if costs else 0.0)
+                graft = context.graft(drafted, sequence, self._expected_tokens(policy, stats), spent_ms, costs)
+                grown = grown.with_graft(graft)
             t1 = time.perf_counter()
             # 3-4. verify every node in one target forward, then accept
-            acc, path_hidden, last = self._verify(grown, cfg.sampling, gen, policy, wants_hidden, bool(lossy))
+            acc, path_hidden, last = self._verify(grown, cfg.sampling, gen, policy, wants_hidden, bool(lossy),
+                                                  context)
             t2 = time.perf_counter()
             # 5. commit the accepted path into both caches
             if wants_hidden:
@@ -313,7 +346,13 @@ class TreeDecoder:
             stats.verify_s += t2 - t1
             stats.target_forwards += 1
             stats.record_round(grown.tree, acc.n_accepted)
-            policy.observe(acc.n_accepted, grown.tree)
+            if graft is not None:
+                context.observe(graft, acc.path)
+                n_grafted = grown.tree.size - drafted.size
+                stats.context_nodes += n_grafted
+                stats.context_accepted += int((acc.path >= drafted.size).sum())
+            # the policy hears about its own tree: the accepted path's drafted part
+            policy.observe(int((acc.path < drafted.size).sum()) - 1, drafted)
             policy.observe_timing(grown.tree, (t1 - t0) * 1000, (t2 - t1) * 1000)
             if on_round is not None:
                 on_round(grown.tree, acc)
@@ -337,7 +376,7 @@ class TreeDecoder:
         return GenerationOutput(tokens=out, text=text, stats=stats, finish_reason=finish)
 
     def _verify(self, grown: GrownTree, sampling: SamplingConfig, gen, policy: TreePolicy, hidden: bool = False,
-                skip_root: bool = False):
+                skip_root: bool = False, context: ContextDrafter | None = None):
         """One target forward over the tree's nodes, the acceptance rule, and the target cache commit.
 
         With skip_root (the lossy multi-root variant) the root is the last
@@ -358,6 +397,8 @@ class TreeDecoder:
         logits, states = out if hidden else (out, None)                   # (N-s, V), (N-s, H)
         if policy.wants_target_logits and not skip_root:
             policy.observe_target(tree, logits)
+        if context is not None:
+            context.observe_logits(tree.tokens, logits)                    # recycled for later rounds
         if sampling.greedy:
             argmax = logits.argmax(-1)
             if skip_root:   # the root's row is not computed; its children are accepted as given
@@ -367,7 +408,8 @@ class TreeDecoder:
         else:
             p_target = logits_to_probs(logits, sampling)
             q_draft = grown.q_draft if grown.q_draft is not None else torch.zeros_like(p_target)
-            acc = accept_sampling(tree.tokens, tree.parents, p_target, q_draft.to(p_target.device), gen)
+            acc = accept_sampling(tree.tokens, tree.parents, p_target, q_draft.to(p_target.device), gen,
+                                  deterministic=grown.deterministic)
         kept = acc.path[s:] - s                                            # rows of the fed block
         self.target.commit(prefix, kept)
         return acc, (states[kept] if hidden else None), logits[acc.path[-1] - s]
@@ -386,6 +428,15 @@ class TreeDecoder:
         if calibrate is False:
             return Costs.default()
         return Costs.from_profile(load_or_measure(target, timed, force=True), source="measured")
+
+    @staticmethod
+    def _expected_tokens(policy: TreePolicy, stats: GenerationStats) -> float:
+        """Tokens this round should emit before context nodes: the policy's estimate for its
+        tree where it has one, else the mean emitted per round so far (1 before any round)."""
+        own = policy.expected_tokens()
+        if own is not None:
+            return own
+        return 1.0 + sum(stats.accepted_per_round[-16:]) / max(len(stats.accepted_per_round[-16:]), 1)
 
     @staticmethod
     def _choose(logits: torch.Tensor, sampling: SamplingConfig, gen) -> torch.Tensor:
@@ -450,6 +501,25 @@ class TreeDecoder:
                 return done.value
             if streamer is not None and new:
                 streamer(new)
+
+
+def _split_drafters(draft):
+    """`draft` as given -> (model drafter or None, ContextDrafter or None)."""
+    items = list(draft) if isinstance(draft, (list, tuple)) else [draft]
+    model, context = None, None
+    for item in items:
+        if isinstance(item, str) and item == "context":
+            item = ContextDrafter()
+        if isinstance(item, ContextDrafter):
+            if context is not None:
+                raise ConfigError("draft lists at most one context drafter")
+            context = item
+        elif item is not None:
+            if model is not None:
+                raise ConfigError("draft lists at most one model drafter (a causal LM or a Drafter) "
+                                  "and one context drafter")
+            model = item
+    return model, context
 
 
 def _as_ids(prompt) -> torch.Tensor:

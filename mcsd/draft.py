@@ -103,10 +103,24 @@ class GrownTree:
         tree: the draft tree (root = target-initialised token).
         q_draft: (N, V) float draft distribution that each node's children were
             drawn from (rows of childless nodes are zero). Only kept when sampling.
+        deterministic: None, or (N,) bool marking nodes proposed from context
+            (point-mass proposals, see `mcsd.verify.accept_sampling`).
     """
 
     tree: DraftTree
     q_draft: torch.Tensor | None
+    deterministic: torch.Tensor | None = None
+
+    def with_graft(self, graft) -> "GrownTree":
+        """This tree with a `mcsd.context.Graft`'s nodes appended (their q rows are zero: nothing
+        is drawn beneath a context node; they are marked deterministic for verification)."""
+        added = graft.tree.size - self.tree.size
+        if added == 0:
+            return self
+        q = self.q_draft
+        if q is not None:
+            q = torch.cat([q, q.new_zeros(added, q.shape[-1])])
+        return GrownTree(graft.tree, q, graft.deterministic)
 
 
 def _draft_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:

@@ -368,14 +368,15 @@ ASSUMED_ACCEPTANCE = 0.6
 
 
 def expected_rate(costs: Costs, drafting: bool, max_depth: int = 8,
-                  acceptance: float = ASSUMED_ACCEPTANCE) -> tuple[float, int]:
-    """(tokens per second, chain depth) of the best chain under these costs; depth 0 is plain decoding."""
+                  acceptance: float = ASSUMED_ACCEPTANCE, free_draft: bool = False) -> tuple[float, int]:
+    """(tokens per second, chain depth) of the best chain under these costs; depth 0 is plain decoding.
+    `free_draft`: the proposals cost nothing to draft (context drafting), only to verify."""
     best = (1000.0 / costs.verify_ms(1), 0)
     if not drafting:
         return best
     for k in range(1, max_depth + 1):
         tokens = sum(acceptance ** i for i in range(k + 1))
-        rate = 1000.0 * tokens / (k * costs.draft_ms(1) + costs.verify_ms(k + 1))
+        rate = 1000.0 * tokens / ((0.0 if free_draft else k * costs.draft_ms(1)) + costs.verify_ms(k + 1))
         best = max(best, (rate, k))
     return best
 
@@ -388,12 +389,13 @@ class DtypeChoice:
 
 
 def choose_dtype(target, draft, candidates=None, drafting: bool = True, calibrate: bool | None = None,
-                 quiet: bool = False) -> DtypeChoice:
+                 quiet: bool = False, free_draft: bool = False) -> DtypeChoice:
     """The dtype in which this pair runs fastest here, from the calibrated cost of each candidate.
 
     `target` (and `draft`) must be in float32; a candidate other than float32
     is measured on a converted copy (only when its profile is not cached, or
-    when `calibrate` is True). Candidates default to float32 and bfloat16 on a
+    when `calibrate` is True). `free_draft`: proposals come from context
+    (nothing to draft, only verify). Candidates default to float32 and bfloat16 on a
     CPU, bfloat16 and float16 on CUDA. With `calibrate=False` and a profile
     missing, a fixed rule decides instead: bfloat16 on CUDA and on CPUs with
     native bf16 (AVX512-BF16 or AMX), float32 on other CPUs. The models are not
@@ -415,7 +417,8 @@ def choose_dtype(target, draft, candidates=None, drafting: bool = True, calibrat
             t, d = (target, draft) if dtype == next(target.parameters()).dtype else _cast_copy(target, draft, dtype)
             prof = load_or_measure(t, d, force=True, quiet=quiet)
             del t, d
-        rates[name], depths[name] = expected_rate(Costs.from_profile(prof), drafting and draft is not None)
+        rates[name], depths[name] = expected_rate(Costs.from_profile(prof), drafting and (draft is not None or free_draft),
+                                                  free_draft=free_draft and draft is None)
     best = max(rates, key=rates.get)
     others = ", ".join(f"{n} {r:.1f}" for n, r in rates.items() if n != best)
     what = f"chains of {depths[best]}" if depths[best] else "plain steps"

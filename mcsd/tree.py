@@ -12,6 +12,10 @@ Two objects:
 - `DraftTree`: one round's tree, a subset of a topology's nodes (closed under
   parents) with the draft's tokens and cumulative log-probabilities filled in.
   Its mask is the topology's mask sliced to its nodes; no per-round rebuild.
+  Context proposals (`mcsd.context`) can be grafted on after drafting: they
+  are appended after the drafted nodes (parents still before children, so the
+  tree is breadth-first in its drafted part and parent-ordered throughout),
+  and only their rows of the mask are computed.
 """
 
 from __future__ import annotations
@@ -245,7 +249,8 @@ class DraftTree:
         logp: (N,) float, cumulative draft log-probability of the path to each
             node (root 0).
         topo_ids: (N,) long, each node's index in the topology, used to slice
-            the precomputed mask.
+            the precomputed mask (-1 for grafted nodes).
+        grafted_mask: None, or the (N, N) ancestor mask once nodes were grafted.
     """
 
     topology: TreeTopology
@@ -254,6 +259,7 @@ class DraftTree:
     depth: torch.Tensor
     logp: torch.Tensor
     topo_ids: torch.Tensor
+    grafted_mask: torch.Tensor | None = None   # (N, N) once nodes outside the topology were grafted on
 
     @classmethod
     def root_only(cls, topology: TreeTopology, root_token: torch.Tensor) -> "DraftTree":
@@ -276,6 +282,9 @@ class DraftTree:
         Returns:
             (Q, K) bool visibility.
         """
+        if self.grafted_mask is not None:
+            m = self.grafted_mask if rows is None else self.grafted_mask[rows]
+            return m if cols is None else m[:, cols]
         q_ids = self.topo_ids if rows is None else self.topo_ids[rows]
         k_ids = self.topo_ids if cols is None else self.topo_ids[cols]
         return self.topology.mask[q_ids][:, k_ids]
@@ -292,6 +301,40 @@ class DraftTree:
         self.parents = torch.cat([self.parents, parents])
         self.logp = torch.cat([self.logp, logp.to(self.logp.dtype)])
         self.topo_ids = torch.cat([self.topo_ids, topo_ids])
+
+    def graft(self, tokens: torch.Tensor, parents: torch.Tensor, logp: torch.Tensor) -> "DraftTree":
+        """A new tree with nodes appended that are not in the topology (context proposals).
+
+        Args:
+            tokens, parents, logp: (M,) the new nodes; each parent indexes this tree or an
+                earlier new node (parents come before children, so paths stay in index order).
+        Returns:
+            DraftTree whose mask is the sliced topology mask extended by the new rows (each
+            sees its parent's ancestors and itself: one vectorised step per depth). The new
+            nodes have topo_ids -1; no more levels can be drafted beneath them.
+        """
+        n, m = self.size, tokens.numel()
+        dev = self.tokens.device
+        if m == 0:
+            return self
+        if bool((parents >= n + torch.arange(m, device=dev)).any()) or bool((parents < 0).any()):
+            raise ValueError("graft() needs every new node's parent to come before it")
+        all_parents = torch.cat([self.parents, parents])
+        depths = self.depth.tolist()
+        for p in parents.tolist():                                     # M is small (the graft budget)
+            depths.append(depths[p] + 1)
+        depth = torch.tensor(depths, dtype=self.depth.dtype, device=dev)
+        mask = torch.zeros(n + m, n + m, dtype=torch.bool, device=dev)
+        mask[:n, :n] = self.mask()
+        new = torch.arange(n, n + m, device=dev)
+        mask[new, new] = True
+        new_depth = depth[n:]
+        for d in range(int(new_depth.min()), int(new_depth.max()) + 1):
+            rows = new[new_depth == d]                                   # their parents' rows are complete
+            mask[rows] |= mask[all_parents[rows]]
+        return DraftTree(self.topology, torch.cat([self.tokens, tokens]), all_parents, depth,
+                         torch.cat([self.logp, logp.to(self.logp.dtype)]),
+                         torch.cat([self.topo_ids, torch.full((m,), -1, dtype=torch.long, device=dev)]), mask)
 
     def leaf_paths(self) -> torch.Tensor:
         """Root-to-leaf paths, Medusa style.
@@ -320,6 +363,7 @@ class DraftTree:
         new_par = torch.where(par >= 0, remap[par.clamp(min=0)], par)
         if bool((new_par[1:] < 0).any()):
             raise ValueError("select() needs a parent-closed set of nodes that includes the root")
+        mask = None if self.grafted_mask is None else self.grafted_mask[idx][:, idx]
         return DraftTree(self.topology, self.tokens[idx], new_par, self.depth[idx],
-                         self.logp[idx], self.topo_ids[idx])
+                         self.logp[idx], self.topo_ids[idx], mask)
 

@@ -18,6 +18,27 @@ child is accepted, one token is drawn from the final p. The emitted tokens are
 then distributed exactly as plain sampling from p_target. The walk down the
 tree is inherently sequential (each decision changes the next p), so it loops
 over the accepted depth and the siblings tried, not over all nodes.
+
+Deterministic siblings (context proposals, `mcsd.context`) join the same
+walk. The rule is SpecInfer's multi-step speculative sampling (Miao et al.,
+2023): candidates may come from different proposal distributions, and a
+candidate x drawn from q_i is tested against the current residual p with
+min(1, p(x) / q_i(x)); on rejection p <- normalise(max(p - q_i, 0)). Each step
+is then ordinary speculative sampling against the current p, which returns a
+token distributed as p, so by induction the emitted token follows the
+original p. What the induction needs is that, given everything tested
+before, each candidate is distributed as the q used in its test:
+- a model child is the r-th draw without replacement from q_draft, i.e.
+  distributed as q_draft with the earlier draws removed: the q kept here;
+- a context child is a fixed function of the committed text: q_i = the point
+  mass at x, so it is accepted with probability p(x), and a rejection removes
+  x from p and renormalises.
+Model children come first, then context children. A context token that
+duplicates a rejected sibling is never added as a second node: after a
+rejection its residual mass is exactly 0 (rejection is only possible where
+p(x) < q(x), and max(p - q, 0) is then 0 at x), so its own test would reject
+it with certainty and leave p unchanged. Dropping it changes nothing, which is
+why merging duplicate siblings in the trie keeps sampling exact.
 """
 
 from __future__ import annotations
@@ -74,16 +95,19 @@ def accept_greedy(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tens
 
 
 def accept_sampling(tokens: torch.Tensor, parents: torch.Tensor, p_target: torch.Tensor,
-                    q_draft: torch.Tensor, generator: torch.Generator | None) -> Acceptance:
-    """Multi-candidate rejection sampling without replacement.
+                    q_draft: torch.Tensor, generator: torch.Generator | None,
+                    deterministic: torch.Tensor | None = None) -> Acceptance:
+    """Multi-candidate rejection sampling without replacement, with deterministic siblings.
 
     Args:
-        tokens: (N,) node tokens, breadth-first; siblings stored in draw order.
+        tokens: (N,) node tokens, parents before children; siblings stored in draw order.
         parents: (N,) parent indices, root -1.
         p_target: (N, V) processed target distribution after each node.
-        q_draft: (N, V) processed draft distribution each node's children were
-            drawn from (rows of childless nodes are never read).
+        q_draft: (N, V) processed draft distribution each node's drawn children
+            came from (rows of nodes without drawn children are never read).
         generator: randomness for the accept tests and the final draw.
+        deterministic: optional (N,) bool, nodes proposed deterministically (q =
+            point mass; context proposals). They are tried after their drawn siblings.
     Returns:
         Acceptance with the accepted path and the emitted extra token.
     """
@@ -91,6 +115,10 @@ def accept_sampling(tokens: torch.Tensor, parents: torch.Tensor, p_target: torch
     for child, parent in enumerate(parents.tolist()[1:], start=1):            # one host copy per round
         children.setdefault(parent, []).append(child)
     toks = tokens.tolist()
+    det = [False] * len(toks) if deterministic is None else deterministic.tolist()
+    if deterministic is not None:
+        for kids in children.values():
+            kids.sort(key=det.__getitem__)                                     # stable: drawn ones first
 
     node, path = 0, [0]
     while True:
@@ -98,10 +126,19 @@ def accept_sampling(tokens: torch.Tensor, parents: torch.Tensor, p_target: torch
         p = p_target[node]
         if not kids:                                   # leaf, or every child accepted so far: bonus token
             return Acceptance(torch.tensor(path, device=tokens.device), sample(p, generator))
-        q = q_draft[node].clone()
+        q = q_draft[node].clone() if not det[kids[0]] else None
         u = torch.rand(len(kids), generator=generator, device=p.device)
         for i, child in enumerate(kids):
             x = toks[child]
+            if det[child]:                             # point mass: accept with probability p(x)
+                if bool(u[i] < p[x]):
+                    node = child
+                    path.append(child)
+                    break
+                p = p.clone()
+                p[x] = 0.0
+                p = _normalise(p, fallback=p)
+                continue
             if bool(u[i] * q[x] < p[x]):               # u < min(1, p/q) without dividing by q
                 node = child
                 path.append(child)

@@ -72,11 +72,19 @@ def _best(rows: list[dict]) -> str | None:
     def top(families):
         cands = [r for r in rows if r["family"] in families and r.get("speedup")]
         return max(cands, key=lambda r: r["speedup"]) if cands else None
+    lines = []
     ours, hf = top(("chain", "tree", "policy")), top(("hf_assisted",))
-    if not ours or not hf:
-        return None
-    return (f"Best mcsd method: {ours['method']} at {ours['speedup']:.2f}x over baseline; best Hugging Face "
-            f"assisted setting: {hf['method']} at {hf['speedup']:.2f}x; ratio {ours['speedup'] / hf['speedup']:.2f}.")
+    if ours and hf:
+        lines.append(f"Best mcsd method: {ours['method']} at {ours['speedup']:.2f}x over baseline; best Hugging "
+                     f"Face assisted setting: {hf['method']} at {hf['speedup']:.2f}x; ratio "
+                     f"{ours['speedup'] / hf['speedup']:.2f}.")
+    ctx, lookup = next((r for r in rows if r["method"] == "context" and r.get("speedup")), None), \
+        top(("hf_prompt_lookup",))
+    if ctx and lookup:
+        lines.append(f"Context drafting alone: {ctx['speedup']:.2f}x over baseline; best Hugging Face prompt "
+                     f"lookup setting: {lookup['method']} at {lookup['speedup']:.2f}x; ratio "
+                     f"{ctx['speedup'] / lookup['speedup']:.2f}.")
+    return " ".join(lines) or None
 
 
 def plots(rows: list[dict], out: Path) -> list[Path]:

@@ -91,5 +91,10 @@ class TreePolicy:
         """Called after each round with its measured draft time (policy decisions included)
         and verify time, in milliseconds; cost-aware policies correct their costs with it."""
 
+    def expected_tokens(self) -> float | None:
+        """Tokens this round's tree is expected to emit (the target's own included), once
+        drafting ended; None when the policy has no estimate. Prices context proposals."""
+        return None
+
     def reset(self) -> None:
         """Called at the start of every generation."""

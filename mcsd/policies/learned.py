@@ -294,6 +294,10 @@ class LearnedPolicy(TreePolicy):
         self._draft_base_ms += self.costs.base_draft_ms(width)
         return True
 
+    def expected_tokens(self) -> float | None:
+        path = getattr(self, "_path_pred", None)
+        return None if path is None else float(path.sum())
+
     def observe(self, n_accepted: int, tree: DraftTree) -> None:
         self.recent = recent_acceptance(self.recent, n_accepted, tree)
         if self._skipped == 0:                                     # this round drafted

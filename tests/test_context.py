@@ -1,0 +1,346 @@
+"""Context drafting: n-gram and suffix lookup, recycled target predictions, the datastore, the
+merged trie, and exactness (greedy token-identical in fp32, sampling by chi-square)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import assert_follows_target, tiny_llama
+from mcsd import TreeDecoder
+from mcsd.config import ConfigError, SamplingConfig
+from mcsd.context import ContextConfig, ContextDrafter, ContextStore, NGramIndex, parse_drafter_spec
+from mcsd.profile import Costs
+from mcsd.sampling import sample_without_replacement
+from mcsd.tree import DraftTree, TreeTopology, ancestor_mask
+from mcsd.verify import accept_sampling
+
+
+# ---------------------------------------------------------------------------- lookup
+
+def test_longest_match_first_most_recent_first():
+    idx = NGramIndex(1, 4)
+    #            0  1  2  3  4  5  6  7  8  9 10 11
+    idx.extend([5, 6, 7, 8, 1, 6, 7, 9, 2, 5, 6, 7])
+    got = idx.continuations(idx.tokens[-4:], max_matches=4, max_len=3)
+    # "5 6 7" (n=3) occurred at 0..2 -> 8 1 6; then n=2 "6 7" also at 5..6 -> 9 2 5 (after the n=3 match)
+    assert got[0] == ([8, 1, 6], 3)
+    assert ([9, 2, 5], 2) in got
+    assert all(n >= 2 for _, n in got)                   # enough long matches: no unigram noise
+
+
+def test_match_of_the_query_itself_is_excluded_and_incremental_extend_indexes_new_tokens():
+    idx = NGramIndex(1, 3)
+    idx.extend([1, 2, 3])
+    assert idx.continuations([1, 2, 3], 4, 4) == []     # only occurrence is the query itself
+    idx.extend([4, 1, 2, 3])
+    assert idx.continuations(idx.tokens[-3:], 4, 4)[0] == ([4, 1, 2, 3], 3)
+
+
+def test_store_documents_do_not_leak_into_each_other(tmp_path):
+    store = ContextStore([[1, 2, 3, 4], [9, 1, 2, 8, 7]], vocab_size=16)
+    path = tmp_path / "s.safetensors"
+    store.save(path)
+    idx, ends = ContextStore.load(path, 16).index(1, 3)
+    got = idx.continuations([1, 2], 8, 6, limit=len(idx), doc_ends=ends)
+    conts = sorted(c for c, _ in got)
+    assert conts == [[3, 4], [8, 7]]                     # neither runs past its document's end
+
+
+def test_store_errors_are_specific(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        ContextStore.load(tmp_path / "missing.safetensors")
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"\x00not a safetensors file")
+    with pytest.raises(ConfigError, match="cannot read context store"):
+        ContextStore.load(junk)
+    good = tmp_path / "good.safetensors"
+    ContextStore([[1, 2, 3]], vocab_size=100).save(good)
+    with pytest.raises(ConfigError, match="vocabulary of 100 tokens; this target has 64"):
+        ContextStore.load(good, vocab_size=64)
+    from safetensors.torch import save_file
+    other = tmp_path / "other.safetensors"
+    save_file({"tokens": torch.zeros(3, dtype=torch.int32)}, str(other), metadata={"format": "something-else"})
+    with pytest.raises(ConfigError, match="not an mcsd context store"):
+        ContextStore.load(other)
+    bad = tmp_path / "bad.safetensors"
+    save_file({"tokens": torch.tensor([1, 2, 99], dtype=torch.int32), "offsets": torch.tensor([0, 3])}, str(bad),
+              metadata={"format": "mcsd-context-store", "version": "1", "vocab_size": "16"})
+    with pytest.raises(ConfigError, match="corrupt: token ids"):
+        ContextStore.load(bad)
+    save_file({"tokens": torch.tensor([1, 2, 3], dtype=torch.int32), "offsets": torch.tensor([0, 5])}, str(bad),
+              metadata={"format": "mcsd-context-store", "version": "1", "vocab_size": "16"})
+    with pytest.raises(ConfigError, match="corrupt: document offsets"):
+        ContextStore.load(bad)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(sources=("ngram", "crystal-ball")), "unknown context source"),
+    (dict(sources=()), "unknown context source"),
+    (dict(min_ngram=4, max_ngram=2), "min_ngram <= max_ngram"),
+    (dict(max_nodes=0), "max_nodes must be >= 1"),
+    (dict(recycle_widths=(2, 0)), "recycle_widths must be positive"),
+    (dict(min_score=1.5), "min_score"),
+])
+def test_bad_context_settings(options, message):
+    with pytest.raises(ConfigError, match=message):
+        ContextConfig(**options)
+
+
+def test_drafter_specs():
+    assert parse_drafter_spec("feature+context") == ("feature", True)
+    assert parse_drafter_spec("context") == (None, True)
+    assert parse_drafter_spec("model") == ("model", False)
+    for bad in ("", "context+context", "feature+model", "oracle"):
+        with pytest.raises(ConfigError, match="unknown drafter"):
+            parse_drafter_spec(bad)
+
+
+# ---------------------------------------------------------------------------- the merged tree
+
+def test_graft_extends_the_sliced_mask_exactly():
+    topo = TreeTopology.from_spec("2,1")
+    tree = DraftTree.root_only(topo, torch.tensor(7))
+    tree.append_level(torch.tensor([3, 4]), torch.tensor([0, 0]), torch.zeros(2), topo.child_table[0, :2])
+    # grafted: 9 under the root, 5 under 9, 6 under model node 1
+    grafted = tree.graft(torch.tensor([9, 5, 6]), torch.tensor([0, 3, 1]), torch.zeros(3))
+    assert grafted.tokens.tolist() == [7, 3, 4, 9, 5, 6]
+    assert grafted.depth.tolist() == [0, 1, 1, 1, 2, 2]
+    assert torch.equal(grafted.mask(), ancestor_mask(grafted.parents, grafted.depth))
+    assert torch.equal(grafted.mask(torch.tensor([4]), torch.tensor([0, 3, 4])), torch.tensor([[True, True, True]]))
+    with pytest.raises(ValueError, match="parent to come before"):
+        tree.graft(torch.tensor([1]), torch.tensor([5]), torch.zeros(1))
+
+
+def test_candidates_merge_into_existing_nodes_without_duplicate_siblings():
+    ctx = ContextDrafter(sources=("ngram",), min_score=0.0)
+    ctx.bind(16, "cpu")
+    seq = torch.tensor([1, 2, 3, 4, 1, 2, 3, 5, 1, 2])
+    ctx.reset(seq)
+    topo = TreeTopology.from_spec("2")
+    tree = DraftTree.root_only(topo, torch.tensor(2))
+    tree.append_level(torch.tensor([3, 9]), torch.tensor([0, 0]), torch.zeros(2), topo.child_table[0, :2])
+    graft = ctx.graft(tree, seq, expected_tokens=1.0, round_ms=1.0, costs=None)
+    t = graft.tree
+    for parent in range(t.size):
+        kids = t.tokens[t.parents == parent].tolist()
+        assert len(kids) == len(set(kids))               # no duplicate siblings anywhere
+    # "3" under the root was the model's; the context continued beneath it (4 / 5), not beside it
+    assert t.tokens[(t.parents == 1)].tolist() and set(t.tokens[t.parents == 1].tolist()) <= {4, 5}
+    assert graft.deterministic.tolist() == [False] * 3 + [True] * (t.size - 3)
+    assert 1 in graft.proposed                            # the model node the context also proposed
+
+
+def test_costs_bound_the_graft():
+    ctx = ContextDrafter(sources=("ngram",), min_score=0.0)
+    ctx.bind(16, "cpu")
+    seq = torch.tensor([1, 2, 3, 4, 5, 6, 7, 1, 2, 3])
+    ctx.reset(seq)
+    tree = DraftTree.root_only(TreeTopology.from_spec(""), torch.tensor(3))
+    free = ctx.graft(tree, seq, 1.0, 10.0, costs=None).tree.size
+    cheap = Costs({1: 10.0, 64: 10.0}, {1: 1.0})
+    dear = Costs({1: 10.0, 2: 100.0, 64: 1000.0}, {1: 1.0})
+    assert ctx.graft(tree, seq, 1.0, 10.0, costs=cheap).tree.size == free > 1
+    assert ctx.graft(tree, seq, 1.0, 10.0, costs=dear).tree.size == 1
+
+
+# ---------------------------------------------------------------------------- exactness, the rule itself
+
+def _tv(counts, probs):
+    return 0.5 * float((counts / counts.sum() - probs).abs().sum())
+
+
+@pytest.mark.parametrize("context_tokens", [[4, 0], [2, 5, 1], [5]], ids=["two", "three", "one"])
+def test_mixed_drawn_and_deterministic_siblings_follow_p(context_tokens):
+    """Drawn children (without replacement from q) then context children (point masses), with the
+    duplicates of drawn ones merged away as the trie does: the first token follows p exactly."""
+    torch.manual_seed(0)
+    vocab, trials, width = 6, 20000, 2
+    p = torch.softmax(torch.randn(vocab) * 1.5, 0)
+    q = torch.softmax(torch.randn(vocab) * 1.5, 0)
+    gen = torch.Generator().manual_seed(1)
+    counts = torch.zeros(vocab)
+    drafts, _ = sample_without_replacement(q.expand(trials, vocab), width, gen)
+    for i in range(trials):
+        drawn = drafts[i].tolist()
+        extra = [t for t in context_tokens if t not in drawn]
+        tokens = torch.tensor([0] + drawn + extra)
+        n = tokens.numel()
+        parents = torch.tensor([-1] + [0] * (n - 1))
+        det = torch.tensor([False] * (1 + width) + [True] * len(extra))
+        p_rows = torch.cat([p[None], torch.full((n - 1, vocab), 1.0 / vocab)])
+        q_rows = torch.cat([q[None], torch.zeros(n - 1, vocab)])
+        acc = accept_sampling(tokens, parents, p_rows, q_rows, gen, deterministic=det)
+        first = tokens[acc.path[1]] if acc.n_accepted else acc.next_token
+        counts[int(first)] += 1
+    noise = float(torch.sqrt(p * (1 - p) / (2 * math.pi * trials)).sum())
+    assert _tv(counts, p) < 4 * noise
+
+
+def test_a_deterministic_child_alone_is_accepted_with_probability_p():
+    p = torch.tensor([0.2, 0.5, 0.3])
+    gen = torch.Generator().manual_seed(0)
+    tokens, parents, det = torch.tensor([0, 1]), torch.tensor([-1, 0]), torch.tensor([False, True])
+    hits, emitted = 0, torch.zeros(3)
+    for _ in range(6000):
+        acc = accept_sampling(tokens, parents, torch.stack([p, p]), torch.zeros(2, 3), gen, deterministic=det)
+        hits += acc.n_accepted
+        if not acc.n_accepted:
+            emitted[int(acc.next_token)] += 1
+    assert abs(hits / 6000 - 0.5) < 0.03
+    assert emitted[1] == 0                                   # a rejected proposal never comes back as the residual
+
+
+# ---------------------------------------------------------------------------- exactness, end to end
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_llama(0), tiny_llama(1)
+
+
+def _reference(target, prompt, n):
+    ids = prompt[None]
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                          do_sample=False, pad_token_id=0)
+    return out[0, prompt.numel():].tolist()
+
+
+REPEATING = torch.tensor([5, 9, 13, 2, 7, 30, 5, 9, 13, 2, 7, 31, 5, 9, 13])
+
+
+@pytest.mark.parametrize("which", ["context", "same+context", "random+context", "learned+context",
+                                   "ngram-only", "recycle-only"])
+def test_greedy_with_context_equals_plain_greedy(pair, which):
+    target, random_draft = pair
+    ref = _reference(target, REPEATING, 40)
+    ctx = ContextDrafter(sources=("ngram",) if which == "ngram-only" else ("recycle",) if which == "recycle-only"
+                         else ("ngram", "recycle"))
+    draft = {"context": ctx, "ngram-only": ctx, "recycle-only": ctx, "same+context": [target, ctx],
+             "random+context": [random_draft, ctx], "learned+context": [random_draft, ctx]}[which]
+    policy = "learned" if which == "learned+context" else "auto" if "+" not in which else "static"
+    dec = TreeDecoder(target, draft, tree="2,2,1", policy=policy, attention="sdpa", calibrate=False)
+    for _ in range(2):                                    # the second run starts with learned rates and recycled rows
+        out = dec.generate(REPEATING, max_new_tokens=40, ignore_eos=True)
+        assert out.tokens == ref
+    assert out.stats.context_nodes > 0
+
+
+def test_context_nodes_are_accepted_on_repetitive_text(pair):
+    target, _ = pair
+    ref = _reference(target, REPEATING, 30)
+    prompt = torch.cat([REPEATING, torch.tensor(ref), REPEATING])   # the target's own continuation, in context
+    dec = TreeDecoder(target, "context", attention="sdpa", calibrate=False)
+    out = dec.generate(prompt, max_new_tokens=30, ignore_eos=True)
+    assert out.stats.context_accepted > 10
+    assert out.stats.mean_accepted > 1.5
+
+
+def test_store_source_is_exact_and_used(pair, tmp_path):
+    target, _ = pair
+    ref = _reference(target, REPEATING, 30)
+    path = tmp_path / "outputs.safetensors"
+    ContextStore([REPEATING.tolist() + ref], vocab_size=64).save(path)
+    ctx = ContextDrafter(sources=("ngram",), store=path)
+    dec = TreeDecoder(target, ctx, attention="sdpa", calibrate=False)
+    out = dec.generate(REPEATING, max_new_tokens=30, ignore_eos=True)
+    assert out.tokens == ref
+    assert any(key[0] == "store" for key in ctx.rates)
+    assert out.stats.mean_accepted > 2.0                  # the earlier output, found in the store
+
+
+def test_context_with_a_feature_drafter_is_exact(pair):
+    from mcsd.feature_draft import FeatureDrafter, FeatureHead, FeatureHeadConfig
+    target, _ = pair
+    torch.manual_seed(3)
+    head = FeatureHead(FeatureHeadConfig(target_hidden=32, vocab_size=64, heads=4, kv_heads=2)).eval()
+    drafter = FeatureDrafter(head, target)
+    ref = _reference(target, REPEATING, 30)
+    dec = TreeDecoder(target, [drafter, "context"], tree="2,2", policy="static", attention="sdpa", calibrate=False)
+    assert dec.generate(REPEATING, max_new_tokens=30, ignore_eos=True).tokens == ref
+
+
+V_SMALL = 8
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    target = tiny_llama(10, vocab=V_SMALL, layers=1, sharpness=6.0, hidden=16)
+    return target, tiny_llama(11, vocab=V_SMALL, layers=1, sharpness=3.0, hidden=16)
+
+
+@pytest.mark.parametrize("sampling, with_model", [
+    (SamplingConfig(1.0), False),
+    (SamplingConfig(1.0), True),
+    (SamplingConfig(0.8, top_k=4), True),
+], ids=["context-t1", "model+context-t1", "model+context-t0.8-k4"])
+def test_sampling_with_context_follows_the_target_distribution(small_pair, sampling, with_model):
+    """Chi-square of 1,500 seeded runs' first two tokens against exact enumeration. The prompt
+    repeats, so n-gram and recycled proposals appear in the first rounds."""
+    target, draft = small_pair
+    ctx = ContextDrafter(min_score=0.0)
+    dec = TreeDecoder(target, [draft, ctx] if with_model else ctx, tree="2,1", policy="static",
+                      attention="sdpa", calibrate=False)
+    dec.context_costs = None                              # price nothing: graft every candidate
+    assert_follows_target(dec, target, sampling, n=1500, prompt=(1, 2, 3, 1, 2, 3, 1, 2))
+    assert ctx.proposed_nodes > 0
+
+
+# ---------------------------------------------------------------------------- bad input
+
+def test_bad_combinations_are_refused(pair):
+    target, draft = pair
+    with pytest.raises(ConfigError, match="at most one context drafter"):
+        TreeDecoder(target, ["context", ContextDrafter()], calibrate=False)
+    with pytest.raises(ConfigError, match="at most one model drafter"):
+        TreeDecoder(target, [draft, draft, "context"], calibrate=False)
+    with pytest.raises(ConfigError, match="lossy_target_roots"):
+        TreeDecoder(target, [draft, "context"], lossy_target_roots=2, calibrate=False)
+    with pytest.raises(ConfigError, match="takes no policy"):
+        TreeDecoder(target, "context", policy="heuristic", calibrate=False)
+    with pytest.raises(ConfigError, match="needs a store file"):
+        ContextDrafter(sources=("ngram", "store"))
+    ctx = ContextDrafter(store=ContextStore([[1, 2]], vocab_size=100))
+    with pytest.raises(ConfigError, match="vocabulary of 100"):
+        TreeDecoder(target, ctx, calibrate=False)
+
+
+# ---------------------------------------------------------------------------- the command line
+
+def test_cli_context_drafters_match_the_baseline(model_dirs, tmp_path, capsys):
+    import json
+
+    from mcsd.cli import main
+    target = ["--target", str(model_dirs / "target"), "--dtype", "float32", "--no-calibrate"]
+    common = ["--prompt", "w03 w17 w42 w05 w03 w17 w42", "--max-new-tokens", "20", "--json"]
+    assert main(target + ["--baseline"] + common) == 0
+    base = json.loads(capsys.readouterr().out)
+    assert main(target + ["--drafter", "context"] + common) == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert alone["tokens"] == base["tokens"]
+    assert alone["settings"]["drafter"] == "context" and alone["settings"]["tree"] is None
+    store = tmp_path / "store.safetensors"
+    ContextStore([base["tokens"]], vocab_size=64).save(store)
+    assert main(target + ["--draft", str(model_dirs / "draft"), "--drafter", "model+context",
+                          "--context-store", str(store)] + common) == 0
+    both = json.loads(capsys.readouterr().out)
+    assert both["tokens"] == base["tokens"] and both["settings"]["drafter"] == "model+context"
+    assert both["stats"]["context_nodes"] > 0
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["--drafter", "context", "--draft", "DRAFT"], "uses no draft model"),
+    (["--draft", "DRAFT", "--drafter", "model", "--context-store", "STORE"], "--context-store needs a context drafter"),
+    (["--drafter", "context", "--context-store", "nope.safetensors"], "no such file"),
+    (["--draft", "DRAFT", "--drafter", "model+context", "--lossy-target-roots", "2"], "exact-only"),
+    (["--drafter", "oracle"], "invalid choice"),
+])
+def test_cli_context_mistakes_are_one_line(model_dirs, tmp_path, capsys, extra, fragment):
+    from mcsd.cli import main
+    store = tmp_path / "s.safetensors"
+    ContextStore([[1, 2]], vocab_size=64).save(store)
+    extra = [str(model_dirs / "draft") if a == "DRAFT" else str(store) if a == "STORE" else a for a in extra]
+    code = main(["--target", str(model_dirs / "target"), "--prompt", "w03"] + extra)
+    err = capsys.readouterr().err
+    assert code == 2 and fragment in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
