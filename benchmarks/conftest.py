@@ -85,6 +85,7 @@ class Bench:
         self.baseline_time: dict[int, float] = {}
         from mcsd.profile import load_or_measure
         load_or_measure(self.target, self.draft)       # calibration (once per machine) stays out of every timing
+        load_or_measure(self.target, None)             # ... also the target alone (what context drafting prices)
         with torch.inference_mode():                   # first-call overheads stay out of every timing
             self.target.generate(self.prompts[0][1][None], max_new_tokens=4, do_sample=False,
                                  attention_mask=torch.ones(1, self.prompts[0][1].numel(), dtype=torch.long),

@@ -61,6 +61,7 @@ class ContextConfig:
     recycle_k: int = 4              # target predictions kept per token
     recycle_widths: tuple[int, ...] = (3, 2, 1, 1)   # recycled tree: children per node at each depth
     max_nodes: int = 32             # most context nodes grafted in one round
+    max_anchors: int = 16           # drafted nodes (root included) that context is looked up beneath
     min_score: float = 0.02         # a node less likely than this to be accepted is never grafted
     learning_rate: float = 0.05     # how fast a source's measured acceptance moves
     sources: tuple[str, ...] = ("ngram", "recycle")
@@ -72,7 +73,7 @@ class ContextConfig:
         if not 1 <= self.min_ngram <= self.max_ngram <= 32:
             raise ConfigError(f"context n-gram sizes need 1 <= min_ngram <= max_ngram <= 32, "
                               f"got {self.min_ngram}..{self.max_ngram}")
-        for name in ("max_matches", "max_len", "recycle_k", "max_nodes"):
+        for name in ("max_matches", "max_len", "recycle_k", "max_nodes", "max_anchors"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"context {name} must be >= 1, got {getattr(self, name)}")
         if any(w < 1 for w in self.recycle_widths):
@@ -337,18 +338,17 @@ class ContextDrafter:
             r = _PRIORS[src].get(bucket, 0.05) * (0.85 ** (key[2] - 1))
         return r
 
-    def _candidates(self, sequence: torch.Tensor) -> _Node:
-        """The merged candidate trie under the root (root token = sequence[-1])."""
+    def _propose_under(self, anchor: _Node, suffix: list[int], recycle_widths: tuple[int, ...],
+                       evidence: dict[int, list[float]]) -> None:
+        """Add every source's candidates beneath `anchor`, the trie node whose path spells the end
+        of `suffix` (the committed text, then the drafted path to the anchor)."""
         cfg = self.config
-        root = _Node(int(sequence[-1]))
-        evidence: dict[int, list[tuple[float, tuple]]] = {}      # id(node) -> [(cond, key)]
 
         def add(node: _Node, cond: float, key: tuple) -> None:
-            if not node.keys or key not in node.keys:
+            if key not in node.keys:
                 node.keys.append(key)
             evidence.setdefault(id(node), []).append(cond)
 
-        suffix = self.history.tokens[-cfg.max_ngram:]
         lookups = []
         if "ngram" in cfg.sources:
             lookups.append(("ngram", self.history.continuations(suffix, cfg.max_matches, cfg.max_len)))
@@ -362,51 +362,44 @@ class ContextDrafter:
             # count trie: how many matches pass through each node, and the longest match among them
             counts: dict[int, list] = {}
             for cont, n in matches:
-                node, depth = root, 0
-                for t in cont:
-                    depth += 1
+                node = anchor
+                for depth, t in enumerate(cont, start=1):
                     child = node.child(t)
                     c = counts.setdefault(id(child), [child, node, 0, 0, depth])
                     c[2] += 1
                     c[3] = max(c[3], n)
                     node = child
-            through = {id(root): len(matches)}
-            for child, parent, cnt, _, _ in counts.values():
+            through = {id(anchor): len(matches)}
+            for child, _, cnt, _, _ in counts.values():
                 through[id(child)] = cnt
             for child, parent, cnt, n, depth in counts.values():
                 key = (src, _ngram_bucket(n), _depth_bucket(depth))
                 add(child, self._rate(key) * cnt / through[id(parent)], key)
         if self._next is not None:
-            frontier = [root]
-            for depth, width in enumerate(cfg.recycle_widths, start=1):
+            frontier = [anchor]
+            for depth, width in enumerate(recycle_widths, start=1):
                 nxt = []
-                tables = self._next[torch.tensor([n.token for n in frontier])][:, :width].tolist()
-                for node, row in zip(frontier, tables):
+                rows = self._next[torch.tensor([n.token for n in frontier])][:, :width].tolist()
+                for node, row in zip(frontier, rows):
                     for rank, t in enumerate(row):
                         if t < 0:
                             break
+                        key = ("recycle", min(rank, 3), _depth_bucket(depth))
                         child = node.child(t)
-                        add(child, self._rate(("recycle", min(rank, 3), _depth_bucket(depth))),
-                            ("recycle", min(rank, 3), _depth_bucket(depth)))
+                        add(child, self._rate(key), key)
                         nxt.append(child)
                 frontier = nxt
                 if not frontier:
                     break
-        # independent evidence from several sources: 1 - prod(1 - cond)
-        stack = [root]
-        while stack:
-            node = stack.pop()
-            for kid in node.kids.values():
-                miss = 1.0
-                for c in evidence.get(id(kid), ()):
-                    miss *= 1.0 - min(c, 0.99)
-                kid.cond = 1.0 - miss
-                stack.append(kid)
-        return root
 
     def graft(self, tree: DraftTree, sequence: torch.Tensor, expected_tokens: float, round_ms: float,
-              costs=None) -> Graft:
+              costs=None, node_probs: torch.Tensor | None = None) -> Graft:
         """Merge this round's candidates into `tree` and append the ones that pay.
+
+        Candidates are looked up beneath the root and beneath every drafted node
+        likely enough to be accepted (an *anchor*: the committed text plus the
+        drafted path to it is the suffix looked up), so context continues a
+        model branch where the text repeats, and adds alternatives beside it.
 
         Args:
             tree: the round's tree so far (the root alone, or the model drafter's tree).
@@ -415,6 +408,8 @@ class ContextDrafter:
             round_ms: the round's time so far (draft time spent + verify of `tree`) in ms.
             costs: `mcsd.profile.Costs` for the marginal verify time of a node, or None
                 (then only `max_nodes` and `min_score` bound the graft).
+            node_probs: (N,) each drafted node's probability of being accepted, where the
+                policy estimates it; default: its draft path probability exp(logp).
         Returns:
             Graft. Nodes are chosen best first by path probability (the product of
             their and their ancestors' acceptance estimates); a node joins while
@@ -422,31 +417,49 @@ class ContextDrafter:
         """
         self._sync(sequence)
         cfg = self.config
-        root = self._candidates(sequence)
         n_tree = tree.size
-        # the model tree's children by (parent, token): candidates already there cost nothing
-        kids_of: dict[tuple[int, int], int] = {}
-        for i, (p, t) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist())):
-            if p >= 0:
-                kids_of[(p, t)] = i
-        root.tree_idx = 0
+        toks, pars = tree.tokens.tolist(), tree.parents.tolist()
+        est = (node_probs if node_probs is not None else tree.logp.float().exp()).tolist()
+        est[0] = 1.0
+        # the drafted tree as trie nodes (parents come first), so candidates merge into it
+        nodes = [_Node(toks[0])]
+        paths: list[list[int]] = [[]]
+        for i in range(1, n_tree):
+            nodes.append(nodes[pars[i]].child(toks[i]))
+            paths.append(paths[pars[i]] + [toks[i]])
+        for i, node in enumerate(nodes):
+            node.tree_idx = i
+        evidence: dict[int, list[float]] = {}
+        history_tail = self.history.tokens[-cfg.max_ngram:]
+        anchors = sorted((i for i in range(n_tree) if est[i] >= cfg.min_score), key=lambda i: -est[i])
+        for i in anchors[:cfg.max_anchors]:
+            suffix = (history_tail + paths[i])[-cfg.max_ngram:]
+            self._propose_under(nodes[i], suffix, cfg.recycle_widths if i == 0 else cfg.recycle_widths[:2],
+                                evidence)
         proposed: dict[int, list[tuple]] = {}
-        heap: list[tuple[float, int, _Node, _Node, float]] = []
+        heap: list[tuple[float, int, _Node, int, float]] = []
         tie = 0
+
+        def cond(node: _Node) -> float:           # several sources' evidence, as independent: 1 - prod(1 - c)
+            miss = 1.0
+            for c in evidence.get(id(node), ()):
+                miss *= 1.0 - min(c, 0.99)
+            return 1.0 - miss
 
         def push_kids(node: _Node, path: float) -> None:
             nonlocal tie
             for kid in node.kids.values():
+                kid.cond = cond(kid)
                 s = path * kid.cond
-                if node.tree_idx >= 0 and (node.tree_idx, kid.token) in kids_of:
-                    kid.tree_idx = kids_of[(node.tree_idx, kid.token)]
-                    proposed[kid.tree_idx] = kid.keys
-                    push_kids(kid, s)                    # already in the tree: free, look beneath it
+                if 0 <= kid.tree_idx < n_tree:            # a drafted node: free; look beneath it
+                    if kid.keys:
+                        proposed[kid.tree_idx] = kid.keys
+                    push_kids(kid, max(s, est[kid.tree_idx]))
                 elif s >= cfg.min_score:
                     tie += 1
-                    heapq.heappush(heap, (-s, tie, kid, node, s))
+                    heapq.heappush(heap, (-s, tie, kid, node.tree_idx, s))
 
-        push_kids(root, 1.0)
+        push_kids(nodes[0], 1.0)
         tokens, parents, logp = [], [], []
         tokens_now, ms_now, n_now = max(expected_tokens, 1.0), max(round_ms, 1e-3), n_tree
         base_logp = tree.logp.tolist()
@@ -461,8 +474,8 @@ class ContextDrafter:
             kid.tree_idx = n_now
             n_now += 1
             tokens.append(kid.token)
-            parents.append(parent.tree_idx)
-            logp.append((base_logp[parent.tree_idx] if parent.tree_idx < n_tree else logp[parent.tree_idx - n_tree])
+            parents.append(parent)
+            logp.append((base_logp[parent] if parent < n_tree else logp[parent - n_tree])
                         + math.log(max(kid.cond, 1e-6)))
             proposed[kid.tree_idx] = kid.keys
             push_kids(kid, s)

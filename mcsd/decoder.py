@@ -330,7 +330,9 @@ class TreeDecoder:
             if context is not None:                             # free branches from the context, merged in
                 costs = self.context_costs
                 spent_ms = (time.perf_counter() - t0) * 1000 + (costs.verify_ms(drafted.size) if costs else 0.0)
-                graft = context.graft(drafted, sequence, self._expected_tokens(policy, stats), spent_ms, costs)
+                probs = policy.node_probabilities()
+                graft = context.graft(drafted, sequence, self._expected_tokens(policy, stats), spent_ms, costs,
+                                      probs if probs is not None and probs.numel() == drafted.size else None)
                 grown = grown.with_graft(graft)
             t1 = time.perf_counter()
             # 3-4. verify every node in one target forward, then accept
@@ -397,8 +399,6 @@ class TreeDecoder:
         logits, states = out if hidden else (out, None)                   # (N-s, V), (N-s, H)
         if policy.wants_target_logits and not skip_root:
             policy.observe_target(tree, logits)
-        if context is not None:
-            context.observe_logits(tree.tokens, logits)                    # recycled for later rounds
         if sampling.greedy:
             argmax = logits.argmax(-1)
             if skip_root:   # the root's row is not computed; its children are accepted as given
@@ -411,6 +411,8 @@ class TreeDecoder:
             acc = accept_sampling(tree.tokens, tree.parents, p_target, q_draft.to(p_target.device), gen,
                                   deterministic=grown.deterministic)
         kept = acc.path[s:] - s                                            # rows of the fed block
+        if context is not None:                  # the target's predictions along the accepted path, recycled
+            context.observe_logits(tree.tokens[acc.path], logits[kept])
         self.target.commit(prefix, kept)
         return acc, (states[kept] if hidden else None), logits[acc.path[-1] - s]
 

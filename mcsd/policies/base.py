@@ -96,5 +96,10 @@ class TreePolicy:
         drafting ended; None when the policy has no estimate. Prices context proposals."""
         return None
 
+    def node_probabilities(self) -> torch.Tensor | None:
+        """(N,) each node of this round's tree's probability of being accepted, where the policy
+        estimates it (None otherwise). Prices context proposals beneath drafted nodes."""
+        return None
+
     def reset(self) -> None:
         """Called at the start of every generation."""

@@ -294,6 +294,9 @@ class LearnedPolicy(TreePolicy):
         self._draft_base_ms += self.costs.base_draft_ms(width)
         return True
 
+    def node_probabilities(self) -> torch.Tensor | None:
+        return getattr(self, "_path_pred", None)
+
     def expected_tokens(self) -> float | None:
         path = getattr(self, "_path_pred", None)
         return None if path is None else float(path.sum())
