@@ -257,7 +257,16 @@ def _settings(args, decoder, dtype_reason) -> dict:
             "dtype": args.dtype, "dtype_reason": dtype_reason, "costs": decoder.costs_source,
             "device": args.device, "attention": decoder.attention, "baseline": args.baseline,
             "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
-            "lossy_target_roots": args.lossy_target_roots}
+            "lossy_target_roots": args.lossy_target_roots,
+            "context": _context_settings(decoder) if drafted else None}
+
+
+def _context_settings(decoder) -> dict | None:
+    """The context drafter's sources and their measured acceptance, or None without one."""
+    if decoder.context is None:
+        return None
+    from .context import describe
+    return describe(decoder.context)
 
 
 def run(args) -> int:

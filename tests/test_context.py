@@ -327,6 +327,8 @@ def test_cli_context_drafters_match_the_baseline(model_dirs, tmp_path, capsys):
     both = json.loads(capsys.readouterr().out)
     assert both["tokens"] == base["tokens"] and both["settings"]["drafter"] == "model+context"
     assert both["stats"]["context_nodes"] > 0
+    assert both["settings"]["context"]["sources"] == ["ngram", "recycle", "store"]
+    assert any(k.startswith("store/") for k in both["settings"]["context"]["rates"])
 
 
 @pytest.mark.parametrize("extra, fragment", [
