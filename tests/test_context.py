@@ -346,3 +346,30 @@ def test_cli_context_mistakes_are_one_line(model_dirs, tmp_path, capsys, extra, 
     code = main(["--target", str(model_dirs / "target"), "--prompt", "w03"] + extra)
     err = capsys.readouterr().err
     assert code == 2 and fragment in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_build_context_store_tool(model_dirs, tmp_path, capsys):
+    import json
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import build_context_store
+
+    outputs = tmp_path / "outputs.jsonl"
+    outputs.write_text(json.dumps({"tokens": [3, 4, 5]}) + "\n\n" + json.dumps({"text": "w07 w08"}) + "\n")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("w09 w10 w11")
+    store = tmp_path / "store.safetensors"
+    target = str(model_dirs / "target")
+    assert build_context_store.main([str(outputs), str(notes), "--target", target, "--out", str(store)]) == 0
+    assert ContextStore.load(store, 64).documents == [[3, 4, 5], [7, 8], [9, 10, 11]]
+    more = tmp_path / "more.safetensors"
+    assert build_context_store.main([str(notes), "--target", target, "--append", str(store), "--out", str(more)]) == 0
+    assert len(ContextStore.load(more, 64).documents) == 4
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"tokens": [1, 999]}\n')
+    with pytest.raises(SystemExit, match="outside this tokenizer's vocabulary"):
+        build_context_store.main([str(bad), "--target", target, "--out", str(tmp_path / "x.safetensors")])
+    bad.write_text('{"words": 1}\n')
+    with pytest.raises(SystemExit, match="expected a 'tokens' or 'text' field"):
+        build_context_store.main([str(bad), "--target", target, "--out", str(tmp_path / "x.safetensors")])
