@@ -294,8 +294,9 @@ class TreeDecoder:
         # Prefill: the target reads the prompt and chooses the first token itself.
         self.target.reset()
         wants_hidden = drafter is not None and getattr(drafter, "uses_target_hidden", False)
-        if wants_hidden:
-            logits, prompt_hidden = self.target.extend(prompt_ids, hidden=True)
+        if wants_hidden:                                        # which target layers it reads (default: the last)
+            wants_hidden = tuple(getattr(drafter, "feature_layers", (-1,)))
+            logits, prompt_hidden = self.target.extend(prompt_ids, hidden=wants_hidden)
             drafter.observe_target(prompt_hidden)               # features of every prompt position
         else:
             logits = self.target.extend(prompt_ids)
@@ -377,7 +378,8 @@ class TreeDecoder:
         text = self.tokenizer.decode(out, skip_special_tokens=True) if self.tokenizer is not None else None
         return GenerationOutput(tokens=out, text=text, stats=stats, finish_reason=finish)
 
-    def _verify(self, grown: GrownTree, sampling: SamplingConfig, gen, policy: TreePolicy, hidden: bool = False,
+    def _verify(self, grown: GrownTree, sampling: SamplingConfig, gen, policy: TreePolicy,
+                hidden: bool | tuple[int, ...] = False,
                 skip_root: bool = False, context: ContextDrafter | None = None):
         """One target forward over the tree's nodes, the acceptance rule, and the target cache commit.
 
@@ -387,9 +389,9 @@ class TreeDecoder:
         accepted as given.
 
         Returns:
-            (Acceptance; with hidden=True the target's last hidden states along the
-            newly committed path (else None); the target's logits (V,) after the
-            deepest accepted node).
+            (Acceptance; with `hidden` (True, or target layer indices) those hidden
+            states along the newly committed path (else None); the target's logits
+            (V,) after the deepest accepted node).
         """
         tree = grown.tree
         prefix = self.target.length

@@ -47,11 +47,28 @@ class FeatureHeadConfig:
     rms_norm_eps: float = 1e-5
     vocab_size: int = 0                # the target's vocabulary size
     sub_vocab: int = 0                 # rows of the LM head scored (0 = all)
+    # v2: which of the target's hidden states the head reads at committed positions, as indices
+    # into transformers' `hidden_states` (0 = embeddings, i = after decoder layer i; -1 = the
+    # final, normed state). () = v1: the final state alone. Several are fused by a projection.
+    feature_layers: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
 
     @property
     def width(self) -> int:
         return self.hidden or self.target_hidden
 
+    @property
+    def read_layers(self) -> tuple[int, ...]:
+        """The target hidden states the head reads (v1: the final one)."""
+        return self.feature_layers or (-1,)
+
+
+def default_feature_layers(n_layers: int) -> tuple[int, int, int]:
+    """Low, middle and high layers of an n-layer target (EAGLE-3's choice of three)."""
+    low, mid, high = min(2, n_layers), n_layers // 2, max(n_layers - 3, 1)
+    return tuple(sorted({low, mid, high}))
 
 class FeatureHead(nn.Module):
     """The trainable part: reduction, decoder layers, output projection back to the target's feature space.
@@ -66,6 +83,9 @@ class FeatureHead(nn.Module):
 
         self.cfg = cfg
         w = cfg.width
+        # v2: the chosen target layers, concatenated, fused into one feature of the target's width
+        self.fuse = nn.Linear(len(cfg.feature_layers) * cfg.target_hidden, cfg.target_hidden, bias=False) \
+            if len(cfg.feature_layers) > 1 else nn.Identity()
         self.reduce = nn.Linear(2 * cfg.target_hidden, w, bias=False)
         body_cfg = LlamaConfig(vocab_size=1, hidden_size=w, intermediate_size=cfg.intermediate or int(2.5 * w),
                                num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
@@ -97,6 +117,11 @@ class FeatureHead(nn.Module):
         out = self.body(inputs_embeds=x, position_ids=position_ids, attention_mask=attention_mask,
                         past_key_values=past_key_values, use_cache=past_key_values is not None)
         return self.expand(out.last_hidden_state)
+
+    def fused(self, target_states: torch.Tensor) -> torch.Tensor:
+        """(..., L*H) the target's chosen hidden states, concatenated -> (..., H) the feature f_t
+        the head reads at a committed position (v1: the final state, unchanged)."""
+        return self.fuse(target_states)
 
     def sub_scores(self, predicted: torch.Tensor) -> torch.Tensor:
         """(..., H) predicted features -> (..., K) logits over the sub-vocabulary `vocab_ids`."""
@@ -159,6 +184,12 @@ class FeatureDrafter:
     uses_target_hidden = True
 
     def __init__(self, head: FeatureHead, target: nn.Module, name: str = "feature-head"):
+        n_layers = getattr(target.config, "num_hidden_layers", None)
+        bad = [i for i in head.cfg.feature_layers if n_layers is not None and not -1 <= i <= n_layers]
+        if bad:
+            from .config import ConfigError
+            raise ConfigError(f"feature head reads target layers {list(head.cfg.feature_layers)}, but the target "
+                              f"has {n_layers} (valid: 0..{n_layers}, or -1 for the final state)")
         self.head = head
         self.name = name                                # names its device profile
         self.embed = target.get_input_embeddings()
@@ -178,8 +209,15 @@ class FeatureDrafter:
         self._slots = torch.zeros(0, dtype=torch.long, device=self.device)
         self._pred: torch.Tensor | None = None          # (N, H) predicted feature per processed tree node
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target hidden states the decoder hands to `observe_target`, concatenated."""
+        return self.head.cfg.read_layers
+
+    @torch.inference_mode()
     def observe_target(self, hidden: torch.Tensor) -> None:
-        self._features = torch.cat([self._features, hidden.to(self.dtype)])
+        """hidden: (n, L*H) the target's `feature_layers` states of newly committed positions."""
+        self._features = torch.cat([self._features, self.head.fused(hidden.to(self.dtype))])
 
     def _run(self, feats, tokens, positions, allowed):
         prefix = kv_cache.cache_length(self.cache) - (allowed.shape[1] - tokens.numel())

@@ -38,7 +38,7 @@ class CachedLM:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
-                hidden: bool = False):
+                hidden: bool | tuple[int, ...] = False):
         """Append a block to the cache and return its logits.
 
         Args:
@@ -47,9 +47,11 @@ class CachedLM:
             allowed: (Q, K) bool visibility among the block's keys already in the
                 cache *after the committed prefix* plus the block itself
                 (K = entries after the prefix once this block is appended).
-            hidden: also return the last hidden states.
+            hidden: also return hidden states: True for the last (final, normed) ones,
+                or a tuple of indices into transformers' `hidden_states` (0 =
+                embeddings, i = after decoder layer i, -1 = final), concatenated.
         Returns:
-            logits (Q, V) float in the model dtype; with hidden=True also (Q, H).
+            logits (Q, V) float in the model dtype; with hidden also (Q, H) or (Q, len(hidden) * H).
         """
         prefix = self.length - (allowed.shape[1] - tokens.numel())
         mask = additive_mask(allowed.to(self.device), prefix, self.dtype)          # (1, 1, Q, prefix+K)
@@ -57,9 +59,14 @@ class CachedLM:
                          attention_mask=mask, past_key_values=self.cache, use_cache=True,
                          output_hidden_states=hidden)
         logits = out.logits[0].to(self.device)          # a device_map may end on another GPU
-        return (logits, out.hidden_states[-1][0].to(self.device)) if hidden else logits
+        if not hidden:
+            return logits
+        layers = (-1,) if hidden is True else hidden
+        states = torch.cat([out.hidden_states[i][0] for i in layers], dim=-1) if len(layers) > 1 \
+            else out.hidden_states[layers[0]][0]
+        return logits, states.to(self.device)
 
-    def extend(self, tokens: torch.Tensor, hidden: bool = False):
+    def extend(self, tokens: torch.Tensor, hidden: bool | tuple[int, ...] = False):
         """Feed ordinary tokens (causal) after everything in the cache; returns their logits (Q, V)."""
         start = self.length
         n = tokens.numel()

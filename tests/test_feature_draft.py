@@ -115,3 +115,61 @@ def test_cost_measurement_of_a_feature_head(target):
     assert cost["target_ms"] > 0 and cost["draft_ms"] > 0 and cost["ratio"] == pytest.approx(
         cost["draft_ms"] / cost["target_ms"], rel=0.01)
     assert drafter.cache.get_seq_length() == 19                  # the cache is back at its length after timing
+
+
+# ---------------------------------------------------------------------------- v2: multi-layer features
+
+def random_v2_head(target, layers=(1, -1), sub_vocab=0, seed=6):
+    torch.manual_seed(seed)
+    cfg = FeatureHeadConfig(target_hidden=target.config.hidden_size, hidden=16, layers=1, heads=2, kv_heads=1,
+                            vocab_size=target.config.vocab_size, sub_vocab=sub_vocab, feature_layers=layers)
+    head = FeatureHead(cfg).eval()
+    if sub_vocab:
+        head.vocab_ids = torch.randperm(cfg.vocab_size)[:sub_vocab].sort().values
+    return head
+
+
+@pytest.mark.parametrize("layers", [(0, 1, 2), (1, -1), (2,)])
+@pytest.mark.parametrize("spec", ["1,1,1", "3,2,2,1"])
+def test_random_v2_head_is_lossless_greedy(target, reference, layers, spec):
+    drafter = FeatureDrafter(random_v2_head(target, layers), target)
+    assert drafter.feature_layers == layers
+    out = TreeDecoder(target, drafter, tree=spec, policy="static", attention="sdpa").generate(PROMPT, max_new_tokens=60)
+    assert out.tokens == reference
+
+
+def test_v2_head_reads_the_fused_chosen_layers(target):
+    """The head's input at committed positions is fuse(concat of the chosen target layers)."""
+    head = random_v2_head(target, (0, 2))
+    drafter = FeatureDrafter(head, target)
+    seen = []
+    inner = head.forward
+    head.forward = lambda feats, emb, pos, mask=None, past_key_values=None: (
+        seen.append(feats.clone()) or inner(feats, emb, pos, mask, past_key_values))
+    TreeDecoder(target, drafter, tree="1", policy="static", attention="sdpa").generate(PROMPT, max_new_tokens=3)
+    with torch.no_grad():
+        hs = target(PROMPT[None], output_hidden_states=True).hidden_states
+        expected = head.fuse(torch.cat([hs[0][0], hs[2][0]], dim=-1))
+    assert torch.allclose(seen[0][0], expected, atol=1e-5)
+
+
+def test_v2_sampling_is_exact():
+    from mcsd.config import SamplingConfig
+    small = tiny_llama(10, vocab=8, layers=1, sharpness=6.0, hidden=16)
+    drafter = FeatureDrafter(random_v2_head(small, (0, 1), sub_vocab=5, seed=2), small)
+    dec = TreeDecoder(small, drafter, tree="3,2", policy="static", attention="sdpa")
+    assert_follows_target(dec, small, SamplingConfig(1.0), n=1200)
+
+
+def test_v2_save_load_and_bad_layers(target, tmp_path):
+    from mcsd.config import ConfigError
+    from mcsd.feature_draft import default_feature_layers
+    head = random_v2_head(target, (0, 1, 2))
+    head.save(tmp_path / "v2")
+    loaded = FeatureHead.load(tmp_path / "v2")
+    assert loaded.cfg.feature_layers == (0, 1, 2)
+    assert torch.equal(loaded.fuse.weight, head.fuse.weight)
+    with pytest.raises(ConfigError, match="reads target layers \\[0, 9\\], but the target has 2"):
+        FeatureDrafter(random_v2_head(target, (0, 9)), target)
+    assert default_feature_layers(30) == (2, 15, 27)
+    assert default_feature_layers(2) == (1, 2)
