@@ -76,3 +76,23 @@ def test_init_from_a_head_for_another_target_is_refused(setup):
     args[args.index("--target") + 1] = str(tmp_path / "other")
     with pytest.raises(SystemExit, match="another target"):
         tfd.main(args + ["--init", str(head_dir), "--out", str(tmp_path / "x")])
+
+
+def test_v2_head_end_to_end_from_the_teacher_stage(setup):
+    """teacher --store-layers, then --feature-layers trains and saves a v2 head; runs without the
+    layers are named."""
+    tmp_path, common, _ = setup
+    with pytest.raises(SystemExit, match="--store-layers 1,2"):
+        tfd.main(common + ["--feature-layers", "1,2", "--out", str(tmp_path / "x")])
+    data = Path(common[common.index("--data-dir") + 1])
+    from conftest import word_tokenizer
+    word_tokenizer().save_pretrained(tmp_path / "target")       # the teacher stage pads with its tokenizer
+    for run in ("fit", "held"):
+        target_data.main(["--target", str(tmp_path / "target"), "--data-dir", str(data), "--threads", "1",
+                          "teacher", run, "--store-layers", "1,2"])
+    head_dir = tmp_path / "v2-head"
+    assert tfd.main(common + ["--feature-layers", "1,2", "--out", str(head_dir)]) == 0
+    head = FeatureHead.load(head_dir)
+    assert head.cfg.feature_layers == (1, 2) and head.fuse.weight.shape == (32, 64)
+    with pytest.raises(SystemExit, match="stores target layers \\[1, 2\\], not \\[0, 2\\]"):
+        tfd.main(common + ["--feature-layers", "0,2", "--out", str(tmp_path / "y")])

@@ -61,3 +61,40 @@ def test_trained_head_agrees_and_is_accepted(target):
     out = dec.generate(prompt, max_new_tokens=30, ignore_eos=True)
     assert out.tokens == data[0]["response"][:30].tolist()
     assert out.stats.mean_accepted > 1.5, out.stats.as_dict()
+
+
+def test_v2_head_trains_on_fused_layers_and_is_accepted(target):
+    """A v2 head (reading target layers 1 and 2, fused) learns from the trainer's v2 batches."""
+    torch.manual_seed(0)
+    data = _examples(target)
+    for ex in data:                                   # the stored layers, as target_data's teacher stage writes them
+        seq = torch.cat([ex["prompt"], ex["response"]])[None]
+        with torch.no_grad():
+            hs = target(seq, output_hidden_states=True).hidden_states
+        p, r = len(ex["prompt"]), len(ex["response"])
+        ex["layers"] = torch.cat([hs[1][0, p - 1:p - 1 + r], hs[2][0, p - 1:p - 1 + r]], dim=-1)
+    vocab = target.config.vocab_size
+    cfg = FeatureHeadConfig(target_hidden=32, layers=1, heads=4, kv_heads=2, vocab_size=vocab, sub_vocab=48,
+                            feature_layers=(1, 2))
+    head = FeatureHead(cfg)
+    head.vocab_ids = tfd.sub_vocabulary(data, 48, vocab)
+    head.attach_lm_head(target.get_output_embeddings().weight)
+    slot = torch.full((vocab,), -1, dtype=torch.long)
+    slot[head.vocab_ids] = torch.arange(head.vocab_ids.numel())
+    embed = target.get_input_embeddings()
+    hid, inp, *_ = tfd.batch(data, [(0, 0)], 64, "cpu")
+    assert inp.shape[-1] == 64 and torch.equal(hid[0, :40], data[0]["hidden"])
+    opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=3e-3)
+    items = tfd.windows(data, 64)
+    for _ in range(150):
+        loss, _ = tfd.unrolled_loss(head, embed, *tfd.batch(data, items, 64, "cpu"), 3, slot, 1.0)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    head.eval()
+    after = tfd.agreement(head, embed, data[:3], 64, "cpu")
+    assert after[0]["top1"] > 0.5, after
+    dec = TreeDecoder(target, FeatureDrafter(head, target), tree="2,1,1", policy="static", attention="sdpa")
+    out = dec.generate(data[0]["prompt"], max_new_tokens=30, ignore_eos=True)
+    assert out.tokens == data[0]["response"][:30].tolist()
+    assert out.stats.mean_accepted > 1.5

@@ -56,3 +56,14 @@ def test_load_examples_names_a_run_without_hidden(tmp_path, target):
                            {"n_sequences": 1, "n_tokens": len(out["response"])})
     with pytest.raises(ValueError, match="plain.*--store-hidden"):
         target_data.load_examples(tmp_path, ["plain"], with_hidden=True)
+
+
+def test_teacher_stores_the_chosen_layers(target):
+    records = [{"key": "a", "prompt": torch.tensor([3, 4, 9]), "response": torch.tensor([5, 6, 7, 8])}]
+    out = target_data.teacher_batch(target, records, topk=4, store_hidden=True, pad_id=0, store_layers=(0, 2, -1))[0]
+    with torch.no_grad():
+        hs = target(torch.tensor([[3, 4, 9, 5, 6, 7, 8]]), output_hidden_states=True).hidden_states
+    want = torch.cat([hs[0][0, 2:6], hs[2][0, 2:6], hs[-1][0, 2:6]], dim=-1).half()
+    assert out["layers"].shape == (4, 96)
+    assert torch.allclose(out["layers"].float(), want.float(), atol=1e-2)
+    assert torch.allclose(out["hidden"].float(), hs[-1][0, 2:6], atol=1e-2)

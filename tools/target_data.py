@@ -515,7 +515,7 @@ def run_prompttext(args):
 
 @torch.inference_mode()
 def teacher_batch(model, records: list[dict], topk: int = TOPK, store_hidden: bool = False,
-                  pad_id: int = 2) -> list[dict]:
+                  pad_id: int = 2, store_layers: tuple[int, ...] = ()) -> list[dict]:
     """The target's next-token distribution at every response position,
     teacher-forced on prompt + response (right padding).
 
@@ -524,7 +524,10 @@ def teacher_batch(model, records: list[dict], topk: int = TOPK, store_hidden: bo
 
     Returns per record: topk_ids (R, k) int32, topk_probs (R, k) float16 and,
     with store_hidden, hidden (R, H) float16: the final normed hidden state
-    that the LM head reads (what feature-level drafters such as EAGLE use).
+    that the LM head reads (what feature-level drafters such as EAGLE use);
+    with store_layers (indices into transformers' `hidden_states`: 0 =
+    embeddings, i = after decoder layer i, -1 = final), layers (R, L*H)
+    float16: those states concatenated, what a v2 feature head reads.
     """
     device = next(model.parameters()).device
     seqs = [torch.cat([r["prompt"], r["response"]]).long() for r in records]
@@ -534,7 +537,9 @@ def teacher_batch(model, records: list[dict], topk: int = TOPK, store_hidden: bo
     for b, s in enumerate(seqs):
         input_ids[b, : len(s)] = s
         attention_mask[b, : len(s)] = 1
-    hidden = model.model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)).last_hidden_state
+    body = model.model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                       output_hidden_states=bool(store_layers))
+    hidden = body.last_hidden_state
     results = []
     for b, r in enumerate(records):
         P, R = len(r["prompt"]), len(r["response"])
@@ -544,6 +549,9 @@ def teacher_batch(model, records: list[dict], topk: int = TOPK, store_hidden: bo
         out = {"key": r["key"], "topk_ids": top_i.int().cpu(), "topk_probs": top_p.half().cpu()}
         if store_hidden:
             out["hidden"] = h.half().cpu()
+        if store_layers:
+            out["layers"] = torch.cat([body.hidden_states[i][b, P - 1 : P - 1 + R] for i in store_layers],
+                                      dim=-1).half().cpu()
         results.append(out)
     return results
 
@@ -555,6 +563,8 @@ def run_teacher(args):
     for run in args.runs:
         settings = {"topk": TOPK, "store_hidden": args.store_hidden, "target": Path(args.target).name,
                     "dtype": str(pick_dtype(args.dtype)).removeprefix("torch.")}
+        if args.store_layers:
+            settings["store_layers"] = list(args.store_layers)
         done = start_run(data_dir, "teacher", run, settings, args.command)
         records = [r for r in iter_records(data_dir, run) if r["key"] not in done]
         lengths = [len(r["prompt"]) + len(r["response"]) for r in records]
@@ -563,7 +573,7 @@ def run_teacher(args):
         for batch in length_batches(records, lengths, args.batch_size, args.token_budget):
             t_batch = time.time()
             outs = teacher_batch(model, [records[i] for i in batch], TOPK, args.store_hidden,
-                                 tokenizer.pad_token_id)
+                                 _pad_id(tokenizer), tuple(args.store_layers))
             tokens = sum(len(records[i]["response"]) for i in batch)
             save_shard(data_dir, "teacher", run, outs, {"n_sequences": len(outs), "n_tokens": tokens,
                                                         "seconds": round(time.time() - t_batch, 1)})
@@ -612,6 +622,7 @@ def load_examples(data_dir: Path, runs: list[str], with_hidden: bool | str = Fal
             r = {**r, **labels.get(r["key"], {})}
             if not with_hidden:
                 r.pop("hidden", None)  # 1 KB a position that only the feature trainer reads
+                r.pop("layers", None)
             if "topk_ids" not in r or (required and "hidden" not in r):
                 unlabelled += 1  # e.g. a prompttext run whose teacher pass is not finished
                 continue
@@ -640,6 +651,21 @@ def run_status(args):
 
 
 # -----------------------------------------------------------------------------
+
+
+def _pad_id(tokenizer) -> int:
+    """Right padding under an attention mask: any id will do where the tokenizer names none."""
+    for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if tid is not None:
+            return int(tid)
+    return 0
+
+
+def _layer_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices such as 2,15,27, got {text!r}")
 
 
 def main(argv=None):
@@ -685,12 +711,17 @@ def main(argv=None):
     t = sub.add_parser("teacher", help="teacher-forced top-k labels for stored runs")
     t.add_argument("runs", nargs="+")
     t.add_argument("--store-hidden", action="store_true", help="also keep the last hidden state")
+    t.add_argument("--store-layers", type=_layer_list, default=(),
+                   help="also keep these target hidden states, concatenated (e.g. 2,15,27: low, middle and "
+                        "high layers, what a v2 feature head reads; implies --store-hidden)")
     t.add_argument("--batch-size", type=int, default=16)
     t.add_argument("--token-budget", type=int, default=4096, help="padded tokens per batch")
 
     sub.add_parser("status", help="print what is stored")
 
     args = parser.parse_args(argv)
+    if getattr(args, "store_layers", ()):
+        args.store_hidden = True          # the final state stays the trainer's regression target
     args.command = "python tools/target_data.py " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))
     args.data_dir = args.data_dir or str(default_data_dir(args.target))
     torch.set_num_threads(args.threads)

@@ -65,11 +65,15 @@ def windows(examples: list[dict], length: int) -> list[tuple[int, int]]:
 
 
 def batch(examples, items, length, device):
-    """Stack windows: hidden (B, L, H), tokens (B, L), topk ids/probs (B, L, k), valid (B, L)."""
+    """Stack windows: hidden (B, L, H), the head's inputs (B, L, L'*H: the stored target layers of a v2
+    head, else the hidden states again), tokens (B, L), topk ids/probs (B, L, k), valid (B, L), positions."""
     h_dim = examples[items[0][0]]["hidden"].shape[1]
+    v2 = "layers" in examples[items[0][0]]
+    in_dim = examples[items[0][0]]["layers"].shape[1] if v2 else h_dim
     k = examples[items[0][0]]["topk_ids"].shape[1]
     B = len(items)
     hid = torch.zeros(B, length, h_dim)
+    inp = torch.zeros(B, length, in_dim) if v2 else hid
     tok = torch.zeros(B, length, dtype=torch.long)
     ids = torch.zeros(B, length, k, dtype=torch.long)
     probs = torch.zeros(B, length, k)
@@ -79,23 +83,27 @@ def batch(examples, items, length, device):
         ex = examples[i]
         n = min(length, len(ex["response"]) - s)
         hid[b, :n] = ex["hidden"][s:s + n].float()
+        if v2:
+            inp[b, :n] = ex["layers"][s:s + n].float()
         tok[b, :n] = ex["response"][s:s + n].long()
         ids[b, :n] = ex["topk_ids"][s:s + n].long()
         probs[b, :n] = ex["topk_probs"][s:s + n].float()
         valid[b, :n] = True
         pos[b, :n] = torch.arange(len(ex["prompt"]) + s, len(ex["prompt"]) + s + n)
-    return hid.to(device), tok.to(device), ids.to(device), probs.to(device), valid.to(device), pos.to(device)
+    inp = inp.to(device) if v2 else None
+    return hid.to(device), inp, tok.to(device), ids.to(device), probs.to(device), valid.to(device), pos.to(device)
 
 
-def unrolled_loss(head, embed, hid, tok, ids, probs, valid, pos, steps: int, slot, feat_weight: float):
+def unrolled_loss(head, embed, hid, inp, tok, ids, probs, valid, pos, steps: int, slot, feat_weight: float):
     """Loss over `steps` unrolled steps, and per-step top-1 agreement counts.
 
     Entry t reads (f_t, emb(tok[t])) at position pos[t] (the token's own
     position) and predicts f_{t+1}; its scores are matched to the target's
     distribution at t+1.
-    Step j reads the step j-1 predictions shifted by one position.
+    Step j reads the step j-1 predictions shifted by one position. Step 1 of a
+    v2 head reads the fused target layers `inp`; every step predicts the final state.
     """
-    feats = hid
+    feats = hid if inp is None else head.fused(inp)
     total = hid.new_zeros(())
     stats = []
     for j in range(steps):
@@ -130,8 +138,8 @@ def agreement(head, embed, examples, length, device, steps=3):
     hits1, hits4, n = [0] * steps, [0] * steps, [0] * steps
     for i in range(len(examples)):
         for start in range(0, max(len(examples[i]["response"]) - 1, 1), length):
-            hid, tok, ids, probs, valid, pos = batch(examples, [(i, start)], length, device)
-            feats = hid
+            hid, inp, tok, ids, probs, valid, pos = batch(examples, [(i, start)], length, device)
+            feats = hid if inp is None else head.fused(inp)
             for j in range(steps):
                 span = hid.shape[1] - 1 - j
                 if span <= 0:
@@ -196,6 +204,9 @@ def main(argv=None) -> int:
                          "training a shipped head on new data; the size options below are then ignored")
     ap.add_argument("--hidden", type=int, default=0, help="head width (0 = the target's)")
     ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--feature-layers", default="",
+                    help="v2: the target hidden states the head reads, e.g. 2,15,27 (the runs must hold them: "
+                         "tools/target_data.py teacher RUN --store-layers 2,15,27); default: the final state (v1)")
     ap.add_argument("--sub-vocab", type=int, default=8192)
     ap.add_argument("--steps-unrolled", type=int, default=3)
     ap.add_argument("--window", type=int, default=128)
@@ -230,6 +241,24 @@ def main(argv=None) -> int:
         train = [e for e in train if e["prompt_id"] in keep]
     if not train:
         sys.exit("no training examples with hidden states; run tools/target_data.py teacher RUN --store-hidden first")
+    feature_layers = tuple(int(x) for x in args.feature_layers.split(",") if x.strip())
+    if args.init is not None:
+        feature_layers = FeatureHead.load(args.init).cfg.feature_layers
+    width = target.config.hidden_size * len(feature_layers)
+    if feature_layers:
+        manifest = target_data.read_manifest(Path(data_dir))
+        for run in args.runs + ([args.heldout_run] if args.heldout_run else []):
+            stored = (manifest["teacher"].get(run) or {}).get("settings", {}).get("store_layers")
+            if stored is not None and tuple(stored) != feature_layers:
+                sys.exit(f"run {run!r} stores target layers {stored}, not {list(feature_layers)}")
+    for split in (train, held):
+        for ex in split:
+            if not feature_layers:
+                ex.pop("layers", None)                    # v1 reads the final state only
+            elif "layers" not in ex or ex["layers"].shape[1] != width:
+                sys.exit(f"--feature-layers {args.feature_layers or list(feature_layers)} needs the runs' stored "
+                         f"target layers ({width} values a position); run tools/target_data.py teacher RUN "
+                         f"--store-layers {','.join(map(str, feature_layers))}")
     vocab = target.get_output_embeddings().weight.shape[0]
     init_card = None
     if args.init is not None:
@@ -245,6 +274,7 @@ def main(argv=None) -> int:
     else:
         sub = sub_vocabulary(train, args.sub_vocab, vocab)
         cfg = FeatureHeadConfig(target_hidden=target.config.hidden_size, hidden=args.hidden, layers=args.layers,
+                                feature_layers=feature_layers,
                                 heads=target.config.num_attention_heads, kv_heads=target.config.num_key_value_heads,
                                 rope_theta=float(getattr(target.config, "rope_theta", None)
                                                  or target.config.rope_parameters["rope_theta"]),
