@@ -177,6 +177,8 @@ class TreeDecoder:
         if "costs" in options:
             self.costs_source = options["costs"].source
         self.policy = make_policy(policy, tree, **options)
+        if self.drafter is not None:
+            self.policy.bind_drafter(self.drafter)
         self._baseline_policy = make_policy("static", "")
         # Trees live where the target's inputs live (its embedding's device under a device_map).
         for pol in (self.policy, self._baseline_policy):

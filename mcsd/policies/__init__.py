@@ -8,12 +8,14 @@ from .base import Frontier, TreePolicy
 from .heuristic import ConfidencePolicy, HeuristicPolicy
 from .learned import FEATURE_NAMES, AcceptanceModel, LearnedPolicy
 from .static import StaticPolicy
+from .svip import SVIPPolicy
 
 POLICIES: dict[str, type[TreePolicy]] = {
     StaticPolicy.name: StaticPolicy,
     HeuristicPolicy.name: HeuristicPolicy,
     ConfidencePolicy.name: ConfidencePolicy,
     LearnedPolicy.name: LearnedPolicy,
+    SVIPPolicy.name: SVIPPolicy,
 }
 
 
@@ -45,5 +47,5 @@ def make_policy(policy, tree_spec, **options) -> TreePolicy:
 
 
 __all__ = ["POLICIES", "Frontier", "TreePolicy", "StaticPolicy", "HeuristicPolicy",
-           "ConfidencePolicy", "LearnedPolicy", "AcceptanceModel", "FEATURE_NAMES", "register_policy", "make_policy",
+           "ConfidencePolicy", "LearnedPolicy", "SVIPPolicy", "AcceptanceModel", "FEATURE_NAMES", "register_policy", "make_policy",
            "resolve_policy"]
