@@ -3,20 +3,27 @@
 Each policy runs on tiny random models made here: greedy output must equal
 plain greedy decoding token for token (float32; a "same" draft and a
 "random" draft; chains and a tree), and sampled output must follow the
-target's exact distribution (chi-square against enumeration). Thresholds are
-chosen so that each policy both drafts and stops in these runs; the tests
-check that it did, so a policy that never cuts (or always cuts) fails.
+target's exact distribution (chi-square against enumeration of the first
+three tokens). DISCO's classifier and SpecDec++'s head are small hand-made or
+random models written here, not the shipped ones. Thresholds are chosen so
+that each policy both drafts and stops in these runs; the tests check that it
+did, so a policy that never cuts (or always cuts) fails.
 """
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from conftest import assert_follows_target, tiny_llama
+from conftest import tiny_llama
 from mcsd import TreeDecoder
 from mcsd.config import ConfigError, SamplingConfig
+from mcsd.errors import ModelLoadError
 from mcsd.policies import POLICIES, make_policy
+from mcsd.policies.disco import DISCO_FEATURES, DiscoClassifier
+from mcsd.policies.specdecpp import AcceptanceHead, SpecDecHead
 from mcsd.tree import TreeTopology
 from test_equivalence import perturbed
 
@@ -60,14 +67,70 @@ def reference(pair):
     return out[0, PROMPT.numel():].tolist()
 
 
+def disco_spec(top1_cut: float, threshold: float = 0.5) -> dict:
+    """A hand-made DISCO classifier: P(continue) = sigmoid(20 (top1 - top1_cut))."""
+    n = len(DISCO_FEATURES)
+    coef = [0.0] * n
+    coef[DISCO_FEATURES.index("top1")] = 20.0
+    return {"format": "mcsd-disco-classifier", "version": 1, "features": list(DISCO_FEATURES), "kind": "logistic",
+            "mean": [0.0] * n, "scale": [1.0] * n, "coef": coef, "intercept": -20.0 * top1_cut,
+            "threshold": threshold}
+
+
+def specdec_head(hidden: int, threshold: float = 0.5, drafter: str | None = "model", seed: int = 0) -> SpecDecHead:
+    """A random acceptance head (its predictions spread over (0, 1))."""
+    torch.manual_seed(seed)
+    head = AcceptanceHead(hidden, layers=1)
+    with torch.no_grad():
+        head.out.weight.mul_(8.0)
+    return SpecDecHead(head, threshold, drafter)
+
+
 # Per policy: options that make it both draft and stop on `pair` (greedy) and on `small_pair` (sampling).
-GREEDY_OPTIONS = {"svip": {"h": 0.49}}
-SAMPLING_OPTIONS = {"svip": {"h": 0.548, "min_depth": 0}}   # rounds are 1-2 levels deep here
+GREEDY_OPTIONS = {
+    "svip": lambda draft: {"h": 0.49},
+    "disco": lambda draft: {"model": DiscoClassifier(disco_spec(0.5))},
+    "specdecpp": lambda draft: {"model": specdec_head(draft.config.hidden_size)},
+}
+SAMPLING_OPTIONS = {
+    "svip": lambda draft: {"h": 0.548},
+    "disco": lambda draft: {"model": DiscoClassifier(disco_spec(0.21))},
+    "specdecpp": lambda draft: {"model": specdec_head(draft.config.hidden_size)},
+}
 
 
 def build(name, spec, draft, options):
-    policy = make_policy(name, spec, **options)
+    policy = make_policy(name, spec, **options(draft))
     return policy, Recorder(policy)
+
+
+def exact_three_token_probs(model, prompt, vocab):
+    """P(first three new tokens = (a, b, c)) under plain sampling at temperature 1: (vocab ** 3,)."""
+    with torch.no_grad():
+        p0 = model(prompt[None]).logits[0, -1].softmax(-1)
+        two = torch.stack([torch.cat([prompt, torch.tensor([a])]) for a in range(vocab)])
+        p1 = model(two).logits[:, -1].softmax(-1)                                           # (V, V)
+        three = torch.stack([torch.cat([prompt, torch.tensor([a, b])]) for a in range(vocab) for b in range(vocab)])
+        p2 = model(three).logits[:, -1].softmax(-1).view(vocab, vocab, vocab)
+    return (p0[:, None, None] * p1[:, :, None] * p2).flatten()
+
+
+def assert_three_tokens_follow_target(decoder, target, n=1200, prompt=(1, 2, 3)):
+    """Chi-square (reject at p < 0.001) of n seeded generations' first three tokens against enumeration;
+    4 new tokens, so the first round drafts up to 3 levels and the policies' decisions below the root count."""
+    from scipy.stats import chisquare
+    prompt = torch.tensor(prompt)
+    vocab = target.config.vocab_size
+    exact = exact_three_token_probs(target, prompt, vocab)
+    counts = torch.zeros(vocab ** 3)
+    for seed in range(n):
+        t = decoder.generate(prompt, max_new_tokens=4, temperature=1.0, seed=seed).tokens
+        counts[(t[0] * vocab + t[1]) * vocab + t[2]] += 1
+    big = exact * n >= 5
+    observed = torch.cat([counts[big], counts[~big].sum()[None]])
+    expected = torch.cat([exact[big], exact[~big].sum()[None]]) * n
+    p = chisquare(observed.numpy(), (expected * observed.sum() / expected.sum()).numpy()).pvalue
+    assert p > 1e-3, f"chi-square p = {p:.2e}"
 
 
 @pytest.mark.parametrize("spec", ["1,1,1,1,1,1,1,1", "2,2,1,1"], ids=["chain", "tree"])
@@ -87,15 +150,22 @@ def test_greedy_equals_plain_greedy(pair, reference, name, draft_name, spec):
 @pytest.mark.parametrize("name", sorted(SAMPLING_OPTIONS))
 def test_sampling_follows_the_target(small_pair, name):
     target, draft = small_pair
-    policy, rec = build(name, "3,2", draft, SAMPLING_OPTIONS[name])
+    policy, rec = build(name, "2,2,1", draft, SAMPLING_OPTIONS[name])
     dec = TreeDecoder(target, draft, policy=policy, attention="sdpa")
-    accepted = assert_follows_target(dec, target, SamplingConfig(1.0), n=1200)
-    assert 0 < accepted < 1200
+    assert_three_tokens_follow_target(dec, target, n=1200)
     assert rec.drafted > 0 and rec.stopped > 0
 
 
+def test_the_sampling_check_can_fail(small_pair):
+    """Output that follows another distribution (here the draft's own) is rejected by the same check."""
+    target, draft = small_pair
+    dec = TreeDecoder(target, draft, policy=make_policy("svip", "2,2,1", h=0.548), attention="sdpa")
+    with pytest.raises(AssertionError, match="chi-square"):
+        assert_three_tokens_follow_target(dec, draft, n=1200)
+
+
 def test_registered_by_name():
-    for name in ("svip",):
+    for name in ("svip", "disco", "specdecpp"):
         assert name in POLICIES and POLICIES[name].default_tree == "1,1,1,1,1,1,1,1"
 
 
@@ -121,3 +191,65 @@ def test_svip_rule_on_hand_made_distributions():
 def test_svip_bad_settings(options):
     with pytest.raises(ConfigError):
         make_policy("svip", None, **options)
+
+
+# ---------------------------------------------------------------------------- DISCO and SpecDec++ files
+
+def test_disco_file_round_trip_and_errors(tmp_path):
+    path = tmp_path / "disco.json"
+    path.write_text(json.dumps(disco_spec(0.5, threshold=0.7)))
+    policy = make_policy("disco", None, model=path)
+    assert policy.threshold == 0.7 and make_policy("disco", None, model=path, threshold=0.2).threshold == 0.2
+    with pytest.raises(ModelLoadError, match="tools/train_disco.py"):
+        make_policy("disco", None, model=tmp_path / "missing.json")
+    for bad in ("{not json", json.dumps({"format": "other"}), json.dumps({**disco_spec(0.5), "coef": [1.0]}),
+                json.dumps({**disco_spec(0.5), "threshold": 1.5}), json.dumps([1, 2])):
+        path.write_text(bad)
+        with pytest.raises(ModelLoadError, match="DISCO"):
+            make_policy("disco", None, model=path)
+    for threshold in (-0.1, 1.1, float("nan"), "high"):
+        with pytest.raises(ConfigError):
+            make_policy("disco", None, model=DiscoClassifier(disco_spec(0.5)), threshold=threshold)
+
+
+def test_specdecpp_file_round_trip_and_errors(tmp_path, pair):
+    target, noisy = pair
+    head = specdec_head(noisy.config.hidden_size, threshold=0.4)
+    head.head.save(tmp_path, 0.4, "model")
+    loaded = SpecDecHead.load(tmp_path / "specdecpp.json")
+    x = torch.randn(5, noisy.config.hidden_size)
+    assert torch.allclose(loaded.predict(x), head.predict(x)) and loaded.threshold == 0.4
+    with pytest.raises(ModelLoadError, match="tools/train_specdecpp.py"):
+        make_policy("specdecpp", None, model=tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text((tmp_path / "specdecpp.json").read_text())
+    (tmp_path / "bad.safetensors").write_bytes(b"\x00" * 64)                        # corrupt weights
+    with pytest.raises(ModelLoadError, match="SpecDec"):
+        make_policy("specdecpp", None, model=tmp_path / "bad.json")
+    cfg = json.loads((tmp_path / "specdecpp.json").read_text())
+    (tmp_path / "bad.safetensors").write_bytes((tmp_path / "specdecpp.safetensors").read_bytes())
+    for change in ({"hidden": 7}, {"threshold": 0.0}, {"format": "x"}):
+        (tmp_path / "bad.json").write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(ModelLoadError, match="SpecDec"):
+            make_policy("specdecpp", None, model=tmp_path / "bad.json")
+    with pytest.raises(ConfigError):
+        make_policy("specdecpp", None, model=head, threshold=2.0)
+    # a head trained for the feature drafter refuses a standalone draft model
+    with pytest.raises(ConfigError, match="feature"):
+        TreeDecoder(target, noisy, policy=make_policy("specdecpp", None, model=specdec_head(
+            noisy.config.hidden_size, drafter="feature")), attention="sdpa")
+    # a head of the wrong width is refused on the first round, with both widths named
+    dec = TreeDecoder(target, noisy, policy=make_policy("specdecpp", None, model=specdec_head(8)), attention="sdpa")
+    with pytest.raises(ConfigError, match="width 8"):
+        dec.generate(PROMPT, max_new_tokens=8)
+
+
+def test_specdecpp_reads_the_feature_drafters_predicted_features(pair, reference):
+    from mcsd.feature_draft import FeatureDrafter, FeatureHead, FeatureHeadConfig
+    target = pair[0]
+    torch.manual_seed(0)
+    head = FeatureHead(FeatureHeadConfig(target_hidden=32, hidden=32, heads=4, kv_heads=2, vocab_size=64)).eval()
+    policy = make_policy("specdecpp", "2,1,1,1", model=specdec_head(32, drafter="feature"))
+    rec = Recorder(policy)
+    out = TreeDecoder(target, FeatureDrafter(head, target), policy=policy, attention="sdpa").generate(
+        PROMPT, max_new_tokens=N_NEW)
+    assert out.tokens == reference and rec.drafted > 0 and rec.stopped > 0

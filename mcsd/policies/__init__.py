@@ -8,6 +8,8 @@ from .base import Frontier, TreePolicy
 from .heuristic import ConfidencePolicy, HeuristicPolicy
 from .learned import FEATURE_NAMES, AcceptanceModel, LearnedPolicy
 from .static import StaticPolicy
+from .disco import DiscoPolicy
+from .specdecpp import SpecDecPPPolicy
 from .svip import SVIPPolicy
 
 POLICIES: dict[str, type[TreePolicy]] = {
@@ -16,6 +18,8 @@ POLICIES: dict[str, type[TreePolicy]] = {
     ConfidencePolicy.name: ConfidencePolicy,
     LearnedPolicy.name: LearnedPolicy,
     SVIPPolicy.name: SVIPPolicy,
+    DiscoPolicy.name: DiscoPolicy,
+    SpecDecPPPolicy.name: SpecDecPPPolicy,
 }
 
 
@@ -47,5 +51,6 @@ def make_policy(policy, tree_spec, **options) -> TreePolicy:
 
 
 __all__ = ["POLICIES", "Frontier", "TreePolicy", "StaticPolicy", "HeuristicPolicy",
-           "ConfidencePolicy", "LearnedPolicy", "SVIPPolicy", "AcceptanceModel", "FEATURE_NAMES", "register_policy", "make_policy",
+           "ConfidencePolicy", "LearnedPolicy", "SVIPPolicy", "DiscoPolicy",
+           "SpecDecPPPolicy", "AcceptanceModel", "FEATURE_NAMES", "register_policy", "make_policy",
            "resolve_policy"]
