@@ -30,6 +30,7 @@ from .config import ConfigError, DecodeConfig, SamplingConfig
 from .draft import Drafter, GrownTree, ModelDrafter, grow_tree
 from .lm import CachedLM
 from .models import check_vocab_sizes
+from .pearl import PearlMode
 from .policies import POLICIES, TreePolicy, make_policy, resolve_policy
 from .sampling import logits_to_probs, make_generator, sample
 from .tree import DraftTree
@@ -150,6 +151,8 @@ class TreeDecoder:
         policy = resolve_policy(policy, lossy=self.lossy_roots > 0, drafting=draft is not None)
         if tree is None and isinstance(policy, str):
             tree = POLICIES[policy].default_tree if policy in POLICIES else TreePolicy.default_tree
+        if self.lossy_roots and policy == "pearl":
+            raise ConfigError("PEARL drafts exact chains; it does not combine with lossy_target_roots")
         if self.lossy_roots:
             vocab = target.get_input_embeddings().weight.shape[0]
             if not 1 <= self.lossy_roots <= vocab or not isinstance(tree, str):
@@ -263,6 +266,9 @@ class TreeDecoder:
     @torch.inference_mode()
     def _decode(self, prompt_ids: torch.Tensor, cfg: DecodeConfig, policy: TreePolicy,
                 drafter: Drafter | None, on_round=None) -> Iterator[list[int]]:
+        if isinstance(policy, PearlMode) and drafter is not None:    # draft and target run concurrently
+            from . import pearl
+            return (yield from pearl.decode(self, prompt_ids, cfg, policy, drafter))
         stats, gen = GenerationStats(), make_generator(cfg.seed, self.target.device)
         eos = self._eos_ids(cfg)
         t_start = time.perf_counter()
