@@ -56,7 +56,8 @@ def pair():
 
 @pytest.fixture(scope="module")
 def small_pair():
-    target = tiny_llama(10, vocab=8, layers=1, sharpness=6.0, hidden=16)
+    """Vocabulary 8, peaked enough that 600 runs fill the common three-token cells."""
+    target = tiny_llama(10, vocab=8, layers=1, sharpness=25.0, hidden=16)
     return target, perturbed(target, 0.5, seed=3)
 
 
@@ -93,8 +94,8 @@ GREEDY_OPTIONS = {
     "specdecpp": lambda draft: {"model": specdec_head(draft.config.hidden_size)},
 }
 SAMPLING_OPTIONS = {
-    "svip": lambda draft: {"h": 0.548},
-    "disco": lambda draft: {"model": DiscoClassifier(disco_spec(0.21))},
+    "svip": lambda draft: {"h": 0.453},
+    "disco": lambda draft: {"model": DiscoClassifier(disco_spec(0.46))},
     "specdecpp": lambda draft: {"model": specdec_head(draft.config.hidden_size)},
 }
 
@@ -115,22 +116,28 @@ def exact_three_token_probs(model, prompt, vocab):
     return (p0[:, None, None] * p1[:, :, None] * p2).flatten()
 
 
-def assert_three_tokens_follow_target(decoder, target, n=1200, prompt=(1, 2, 3)):
-    """Chi-square (reject at p < 0.001) of n seeded generations' first three tokens against enumeration;
-    4 new tokens, so the first round drafts up to 3 levels and the policies' decisions below the root count."""
-    from scipy.stats import chisquare
-    prompt = torch.tensor(prompt)
-    vocab = target.config.vocab_size
-    exact = exact_three_token_probs(target, prompt, vocab)
+def three_token_counts(decoder, n, vocab, prompt=(1, 2, 3)) -> torch.Tensor:
+    """Counts of n seeded generations' first three tokens, (vocab ** 3,). Four new tokens, so the first
+    round drafts up to three levels and the policies' decisions below the root count."""
     counts = torch.zeros(vocab ** 3)
     for seed in range(n):
-        t = decoder.generate(prompt, max_new_tokens=4, temperature=1.0, seed=seed).tokens
+        t = decoder.generate(torch.tensor(prompt), max_new_tokens=4, temperature=1.0, seed=seed).tokens
         counts[(t[0] * vocab + t[1]) * vocab + t[2]] += 1
+    return counts
+
+
+def chi_square_p(counts: torch.Tensor, exact: torch.Tensor) -> float:
+    """Goodness of fit of counts against exact probabilities; cells expecting fewer than 5 are pooled."""
+    from scipy.stats import chisquare
+    n = counts.sum()
     big = exact * n >= 5
     observed = torch.cat([counts[big], counts[~big].sum()[None]])
     expected = torch.cat([exact[big], exact[~big].sum()[None]]) * n
-    p = chisquare(observed.numpy(), (expected * observed.sum() / expected.sum()).numpy()).pvalue
-    assert p > 1e-3, f"chi-square p = {p:.2e}"
+    keep = expected > 0
+    if bool((observed[~keep] > 0).any()):          # an outcome of probability zero
+        return 0.0
+    observed, expected = observed[keep], expected[keep]
+    return float(chisquare(observed.numpy(), (expected * observed.sum() / expected.sum()).numpy()).pvalue)
 
 
 @pytest.mark.parametrize("spec", ["1,1,1,1,1,1,1,1", "2,2,1,1"], ids=["chain", "tree"])
@@ -149,19 +156,19 @@ def test_greedy_equals_plain_greedy(pair, reference, name, draft_name, spec):
 
 @pytest.mark.parametrize("name", sorted(SAMPLING_OPTIONS))
 def test_sampling_follows_the_target(small_pair, name):
+    """Chi-square of 600 seeded runs against enumeration (reject at p < 0.001). The same counts
+    against the draft's own distribution must be rejected: the check has the power to fail."""
     target, draft = small_pair
     policy, rec = build(name, "2,2,1", draft, SAMPLING_OPTIONS[name])
     dec = TreeDecoder(target, draft, policy=policy, attention="sdpa")
-    assert_three_tokens_follow_target(dec, target, n=1200)
+    counts = three_token_counts(dec, 600, target.config.vocab_size)
+    prompt = torch.tensor([1, 2, 3])
+    exact = exact_three_token_probs(target, prompt, target.config.vocab_size)
+    assert counts[exact == 0].sum() == 0
+    p = chi_square_p(counts, exact)
+    assert p > 1e-3, f"chi-square p = {p:.2e}"
+    assert chi_square_p(counts, exact_three_token_probs(draft, prompt, target.config.vocab_size)) < 1e-3
     assert rec.drafted > 0 and rec.stopped > 0
-
-
-def test_the_sampling_check_can_fail(small_pair):
-    """Output that follows another distribution (here the draft's own) is rejected by the same check."""
-    target, draft = small_pair
-    dec = TreeDecoder(target, draft, policy=make_policy("svip", "2,2,1", h=0.548), attention="sdpa")
-    with pytest.raises(AssertionError, match="chi-square"):
-        assert_three_tokens_follow_target(dec, draft, n=1200)
 
 
 def test_registered_by_name():
