@@ -29,8 +29,8 @@ def _summary(runs, seconds_base=None):
 
 @pytest.mark.parametrize("method", METHODS, ids=[m.name for m in METHODS])
 def test_method(benchmark, bench, method):
-    if method.family == "hf_assisted" and bench.assistant is None:
-        pytest.skip("Hugging Face assisted generation needs a standalone draft model")
+    if method.family in ("hf_assisted", "pearl") and bench.assistant is None:
+        pytest.skip(f"{method.name} needs a standalone draft model")
     if method.name == "hf_compiled" and bench.smoke:
         pytest.skip("compiling takes about a minute per shape on a CPU; not in the smoke run")
     if method.policy is not None:

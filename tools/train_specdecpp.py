@@ -12,7 +12,7 @@ soft label min(1, p/q) the trace recorded (p the target's, q the draft's
 probability of the node's token, temperature 1). Loss: binary cross-entropy
 on the soft label, the rejection term weighted `--reject-weight` (6, as in
 the paper). The head is a residual MLP (`mcsd.policies.specdecpp.AcceptanceHead`).
-h is chosen on a grid (0.05-0.95) by simulated tokens per second of the
+h is chosen on a grid (0.05-0.99) by simulated tokens per second of the
 fitting split's rounds replayed as chains (costs from a device profile).
 Output: `specdecpp.safetensors` + `specdecpp.json` (no pickles) and
 `specdecpp-card.json`, under models/decision-models by default.
@@ -38,7 +38,7 @@ from mcsd.models import models_dir  # noqa: E402
 from mcsd.policies.specdecpp import AcceptanceHead, SpecDecHead  # noqa: E402
 
 MAX_DEPTH = 8
-GRID = np.round(np.arange(0.05, 0.96, 0.05), 2)
+GRID = np.round(np.concatenate([np.arange(0.05, 0.9, 0.05), [0.9, 0.92, 0.94, 0.96, 0.97, 0.98, 0.99]]), 2)
 
 
 def weighted_bce(logits: torch.Tensor, soft: torch.Tensor, reject_weight: float) -> torch.Tensor:
