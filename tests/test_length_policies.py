@@ -260,3 +260,31 @@ def test_specdecpp_reads_the_feature_drafters_predicted_features(pair, reference
     out = TreeDecoder(target, FeatureDrafter(head, target), policy=policy, attention="sdpa").generate(
         PROMPT, max_new_tokens=N_NEW)
     assert out.tokens == reference and rec.drafted > 0 and rec.stopped > 0
+
+
+def test_unknown_setting_is_named():
+    with pytest.raises(ConfigError, match="no setting 'hh'.*c, h, min_depth"):
+        make_policy("svip", None, hh=0.3)
+
+
+def test_cli_policy_options():
+    from mcsd.cli import parse_policy_options
+    assert parse_policy_options(["h=0.4", "min_depth=2", "post_verify=false", "model=a.json"]) == \
+        {"h": 0.4, "min_depth": 2, "post_verify": False, "model": "a.json"}
+    for bad in (["h"], ["=1"], ["a b=1"]):
+        with pytest.raises(ConfigError, match="NAME=VALUE"):
+            parse_policy_options(bad)
+
+
+@pytest.mark.parametrize("policy, options", [("svip", ["h=0.9"]), ("pearl", ["post_verify=false"])])
+def test_cli_runs_the_paper_methods(model_dirs, capsys, policy, options):
+    from mcsd.cli import main
+    common = ["--prompt", "w03 w17 w42 w05", "--max-new-tokens", "16", "--json"]
+    pair = ["--target", str(model_dirs / "target"), "--draft", str(model_dirs / "draft"), "--dtype", "float32"]
+    assert main(pair + ["--policy", policy] + [f"--policy-option={o}" for o in options] + common) == 0
+    run = json.loads(capsys.readouterr().out)
+    assert main(["--target", str(model_dirs / "target"), "--dtype", "float32", "--baseline"] + common) == 0
+    assert run["tokens"] == json.loads(capsys.readouterr().out)["tokens"]
+    assert run["settings"]["policy"] == policy and run["settings"]["tree"] == POLICIES[policy].default_tree
+    assert main(pair + ["--policy", policy, "--policy-option", "nope=1"] + common) == 2
+    assert "no setting 'nope'" in capsys.readouterr().err

@@ -47,6 +47,12 @@ def make_policy(policy, tree_spec, **options) -> TreePolicy:
         cls = POLICIES[policy]
     except KeyError:
         raise ConfigError(f"unknown policy {policy!r}; choose one of {', '.join(sorted(POLICIES))}") from None
+    import inspect
+    known = [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "topology")]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ConfigError(f"policy {policy!r} has no setting {', '.join(map(repr, unknown))}; "
+                          f"its settings: {', '.join(known) or 'none'}")
     return cls(TreeTopology.from_spec(cls.default_tree if tree_spec is None else tree_spec), **options)
 
 
