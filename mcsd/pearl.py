@@ -162,6 +162,7 @@ def _check(p: torch.Tensor, token: int, q: torch.Tensor | None, greedy: bool, ge
     if greedy:
         best = int(p.argmax())
         return None if best == token else best
+    q = q.to(p.device)
     u = torch.rand((), generator=gen, device=p.device)
     if bool(u * q[token] < p[token]):
         return None
