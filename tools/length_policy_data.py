@@ -110,3 +110,10 @@ def static_table(path_ok: np.ndarray, valid: np.ndarray, costs: ChainCosts, max_
         drafted = np.minimum(valid.sum(1), k)
         out[k] = simulate(drafted, path_ok, costs, k)
     return out
+
+
+def auc_or_none(y: np.ndarray, p: np.ndarray) -> float | None:
+    """ROC AUC, or None when the labels hold one class only (tiny trace sets)."""
+    from sklearn.metrics import roc_auc_score
+    y = np.asarray(y).astype(bool)
+    return float(roc_auc_score(y, p)) if 0 < y.sum() < len(y) else None

@@ -1,7 +1,9 @@
 """Fit DISCO's continue-or-stop classifier on fitting-split traces and pick its threshold for speed.
 
-    python tools/collect_traces.py --drafter feature --split fit --tree 3,2,1,1,1,1,1,1 --out ~/.cache/mcsd/traces/fit-chain
-    python tools/collect_traces.py --drafter feature --split heldout --tree 3,2,1,1,1,1,1,1 --out ~/.cache/mcsd/traces/heldout-chain
+    python tools/collect_traces.py --drafter feature --split fit --tree 3,2,1,1,1,1,1,1 \\
+        --out ~/.cache/mcsd/traces/fit-chain
+    python tools/collect_traces.py --drafter feature --split heldout --tree 3,2,1,1,1,1,1,1 \\
+        --out ~/.cache/mcsd/traces/heldout-chain
     python tools/train_disco.py --fit ~/.cache/mcsd/traces/fit-chain --heldout ~/.cache/mcsd/traces/heldout-chain \\
         --profile ~/.cache/mcsd/profiles/<pair>.json
 
@@ -28,7 +30,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from length_policy_data import COL, ChainCosts, chains, drafted_from_decisions, path_labels, simulate, static_table  # noqa: E402
+from length_policy_data import (COL, ChainCosts, auc_or_none, chains, drafted_from_decisions,  # noqa: E402
+                                path_labels, simulate, static_table)
 from train_decision_models import load_traces, trace_command  # noqa: E402
 
 from mcsd.models import models_dir  # noqa: E402
@@ -84,7 +87,6 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="folder (default models/decision-models)")
     args = ap.parse_args(argv)
     from sklearn.linear_model import LogisticRegression
-    from sklearn.metrics import roc_auc_score
 
     costs = ChainCosts.load(args.profile)
     fit, held = load_traces(args.fit), load_traces(args.heldout)
@@ -115,7 +117,7 @@ def main(argv=None) -> int:
         "label": "oracle: the rank-0 child lies on the greedy-accepted path",
         "threshold": threshold, "threshold_rule": "max simulated tokens/s on the fitting split's chains",
         "threshold_roc_fpr_plus_3fnr": roc_threshold(yf > 0.5, prob_fit[valid_fit]),
-        "metrics_heldout": {"auc": float(roc_auc_score(y_held, prob_held[valid_held])),
+        "metrics_heldout": {"auc": auc_or_none(y_held, prob_held[valid_held]),
                             "rows": int(valid_held.sum()), "base_rate": float(y_held.mean()),
                             "simulated_disco": held_sim, "simulated_best_static": {"k": best_k, **statics[best_k]},
                             "simulated_static": statics},
@@ -135,7 +137,7 @@ def main(argv=None) -> int:
     DiscoClassifier(spec, "export")                                   # what is written must load
     (out / "disco.json").write_text(json.dumps(spec, indent=1))
     (out / "disco-card.json").write_text(json.dumps(card, indent=1))
-    print(f"DISCO: held-out AUC {card['metrics_heldout']['auc']:.3f}, threshold {threshold}; simulated held-out "
+    print(f"DISCO: held-out AUC {card['metrics_heldout']['auc']}, threshold {threshold}; simulated held-out "
           f"tau {held_sim['tau']:.2f}, {held_sim['tokens_per_s']:.1f} tok/s vs best static k={best_k} "
           f"{statics[best_k]['tokens_per_s']:.1f} tok/s -> {out}")
     return 0

@@ -31,7 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from length_policy_data import ChainCosts, chains, drafted_from_decisions, path_labels, simulate, static_table  # noqa: E402
+from length_policy_data import (ChainCosts, auc_or_none, chains, drafted_from_decisions, path_labels,  # noqa: E402
+                                simulate, static_table)
 from train_decision_models import load_traces, trace_command  # noqa: E402
 
 from mcsd.models import models_dir  # noqa: E402
@@ -101,8 +102,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from sklearn.metrics import roc_auc_score
-
     costs = ChainCosts.load(args.profile)
     fit, held = load_traces(args.fit), load_traces(args.heldout)
     for name, d in (("fit", fit), ("heldout", held)):
@@ -140,8 +139,8 @@ def main(argv=None) -> int:
         "threshold": h_best, "threshold_rule": "max simulated tokens/s on the fitting split's chains",
         "metrics_heldout": {
             "weighted_bce": held_loss, "rows": int(hv.sum()),
-            "auc_greedy_label": float(roc_auc_score(held["label_greedy"][hv], acc_held[hv])),
-            "auc_soft_label_above_half": float(roc_auc_score(soft_h > 0.5, acc_held[hv])),
+            "auc_greedy_label": auc_or_none(held["label_greedy"][hv], acc_held[hv]),
+            "auc_soft_label_above_half": auc_or_none(soft_h > 0.5, acc_held[hv]),
             "mean_pred": float(acc_held[hv].mean()), "mean_soft_label": float(soft_h.mean()),
             "simulated_specdecpp": held_sim, "simulated_best_static": {"k": best_k, **statics[best_k]},
             "simulated_static": statics},
@@ -157,7 +156,7 @@ def main(argv=None) -> int:
     head.save(out, h_best, drafter, meta={"trained_on": card["data"]["fit"]["command"]})
     SpecDecHead.load(out / "specdecpp.json")                          # what is written must load
     (out / "specdecpp-card.json").write_text(json.dumps(card, indent=1))
-    print(f"SpecDec++: held-out AUC {card['metrics_heldout']['auc_greedy_label']:.3f} (greedy labels), h {h_best}; "
+    print(f"SpecDec++: held-out AUC {card['metrics_heldout']['auc_greedy_label']} (greedy labels), h {h_best}; "
           f"simulated held-out tau {held_sim['tau']:.2f}, {held_sim['tokens_per_s']:.1f} tok/s vs best static "
           f"k={best_k} {statics[best_k]['tokens_per_s']:.1f} tok/s; {train_s:.0f} s training -> {out}")
     return 0
