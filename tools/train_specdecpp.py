@@ -150,7 +150,7 @@ def main(argv=None) -> int:
                          "command": trace_command(fit["settings"], args.fit)},
                  "heldout": {"rows": int(hv.sum()), "questions": int(len(np.unique(held["question_id"]))),
                              "command": trace_command(held["settings"], args.heldout)}},
-        "command": "python tools/train_specdecpp.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python tools/train_specdecpp.py " + " ".join(argv if argv is not None else sys.argv[1:]).replace(str(Path.home()), "~"),
     }
     out = args.out or models_dir() / "decision-models"
     head.save(out, h_best, drafter, meta={"trained_on": card["data"]["fit"]["command"]})
