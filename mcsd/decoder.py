@@ -123,7 +123,9 @@ class TreeDecoder:
         tree: tree spec ("4,2,2", "1,1,1,1", or a list of rank paths); the
             largest tree the policy may grow. None: the policy's own default.
         policy: policy name ("auto", "static", "heuristic", "confidence",
-            "learned", ...) or a TreePolicy. "auto" (the default, as on the
+            "learned", the papers' "svip", "disco", "specdecpp", or "pearl",
+            which runs draft and target concurrently: see mcsd/pearl.py) or a
+            TreePolicy. "auto" (the default, as on the
             command line) is the learned policy with this machine's calibrated
             costs where its acceptance model is installed, else "static".
         attention: "auto" | "sdpa" | "xformers" | "eager".
