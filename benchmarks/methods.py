@@ -4,7 +4,9 @@ A runner takes the session's `Bench` and one prompt's ids and returns a `Run`.
 Static trees, chains and Hugging Face's settings are listed here; every tree
 policy registered in `mcsd.policies.POLICIES` (other than "static") is added
 automatically under "policy_<name>", with the policy's own `default_tree`, so
-a new policy shows up in the comparison without editing this file.
+a new policy shows up in the comparison without editing this file. PEARL
+("pearl", an execution mode registered like a policy) is listed on its own:
+it runs the standalone draft model, as Hugging Face assisted generation does.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from mcsd import TreeDecoder
 from mcsd.policies import POLICIES
 
-CHAIN_KS = (2, 3, 4, 6)
+CHAIN_KS = (1, 2, 3, 4, 6)
 TREES = ("2,2,1", "4,2,2", "3,2,2,1")
 HF_FIXED = (2, 4, 6)
 HF_PROMPT_LOOKUP = (3, 5, 10)         # prompt_lookup_num_tokens; transformers' own default is 10
@@ -43,7 +45,7 @@ class Run:
 @dataclass(frozen=True)
 class Method:
     name: str
-    family: str                       # baseline | hf_assisted | hf_prompt_lookup | chain | tree | policy | context
+    family: str                       # baseline | hf_assisted | hf_prompt_lookup | chain | tree | policy | context | pearl
     run: Callable[["object", torch.Tensor], Run]
     tree: str | None = None
     policy: str | None = None                  # tree policy name, checked before the run
@@ -109,16 +111,16 @@ def _hf_static(bench, ids, compiled: bool) -> Run:
 
 
 def _mcsd(bench, ids, tree: str | None, policy: str = "static", baseline: bool = False,
-          drafter: str = "model") -> Run:
-    """An mcsd TreeDecoder run. drafter: "model" (the bench's draft: a draft LM or a feature head),
-    "context" (context proposals alone) or "model+context" (both merged in one tree)."""
-    key = (tree, policy, drafter)
+          drafter: str = "model", draft=None) -> Run:
+    """An mcsd TreeDecoder run. drafter: "model" (`draft`, default the bench's draft: a draft LM or a
+    feature head), "context" (context proposals alone) or "model+context" (both merged in one tree)."""
+    draft = bench.draft if draft is None else draft
+    key = (tree, policy, drafter, id(draft))
     dec = bench.decoders.get(key)
     if dec is None:
         from mcsd.context import ContextDrafter
-        draft = {"model": bench.draft, "context": ContextDrafter(),
-                 "model+context": [bench.draft, ContextDrafter()]}[drafter]
-        dec = bench.decoders[key] = TreeDecoder(bench.target, draft, tokenizer=bench.tokenizer, tree=tree,
+        chosen = {"model": draft, "context": ContextDrafter(), "model+context": [draft, ContextDrafter()]}[drafter]
+        dec = bench.decoders[key] = TreeDecoder(bench.target, chosen, tokenizer=bench.tokenizer, tree=tree,
                                                 policy=policy)
     gen = dec.generate_baseline if baseline else dec.generate
     out = gen(ids, max_new_tokens=bench.max_new_tokens)
@@ -156,8 +158,13 @@ def all_methods() -> list[Method]:
     for spec in TREES:
         methods.append(Method(f"tree_{spec.replace(',', '-')}", "tree", lambda b, ids, s=spec: _mcsd(b, ids, s),
                               tree=spec))
+    # PEARL runs a standalone draft model next to the target (the preset's, as Hugging Face assisted
+    # generation does, when the session's drafter is the feature head)
+    pearl_tree = POLICIES["pearl"].default_tree
+    methods.append(Method("pearl", "pearl", lambda b, ids: _mcsd(b, ids, pearl_tree, "pearl", draft=b.assistant),
+                          tree=pearl_tree, policy="pearl"))
     for name, cls in sorted(POLICIES.items()):
-        if name == "static":
+        if name in ("static", "pearl"):
             continue
         spec = cls.default_tree
         methods.append(Method(f"policy_{name}", "policy", lambda b, ids, s=spec, p=name: _mcsd(b, ids, s, p),

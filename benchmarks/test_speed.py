@@ -35,8 +35,8 @@ def _summary(runs, seconds_base=None):
 
 def skip_reason(bench, method) -> str | None:
     """Why `method` cannot run in this session, or None."""
-    if method.family == "hf_assisted" and bench.assistant is None:
-        return "Hugging Face assisted generation needs a standalone draft model"
+    if method.family in ("hf_assisted", "pearl") and bench.assistant is None:
+        return f"{method.name} needs a standalone draft model"
     if method.name == "hf_compiled" and bench.smoke:
         return "compiling takes about a minute per shape on a CPU; not in the smoke run"
     if method.policy is not None:

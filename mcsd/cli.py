@@ -76,8 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
                           f"draft nodes and {MAX_TREE_DEPTH} levels; 0 = no drafting (plain target steps); with "
                           f"a dynamic policy, the largest tree it may grow (default: the policy's own)")
     gen.add_argument("--policy", default="auto",
-                     help="tree policy: static, heuristic, confidence, learned, ... (default auto: learned when "
-                          "its acceptance model is installed, else static)")
+                     help="tree policy: static, heuristic, confidence, learned, svip, disco, specdecpp, or the "
+                          "pearl execution mode (default auto: learned when its acceptance model is installed, "
+                          "else static)")
+    gen.add_argument("--policy-option", action="append", default=[], metavar="NAME=VALUE",
+                     help="a policy setting, e.g. h=0.4 (svip, specdecpp), threshold=0.1 (disco), "
+                          "post_verify=false (pearl); repeatable")
     gen.add_argument("--baseline", action="store_true", help="plain target-only decoding, for comparison")
     gen.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None,
                      help="--calibrate measures this machine's costs again; --no-calibrate never measures (cached "
@@ -240,7 +244,7 @@ def _load(args):
         draft = context if draft is None else [draft, context]
     decoder = TreeDecoder(target, draft, tokenizer=tokenizer, tree=args.tree, policy=args.policy,
                           attention=args.attention, lossy_target_roots=args.lossy_target_roots,
-                          calibrate=args.calibrate)
+                          calibrate=args.calibrate, policy_options=parse_policy_options(args.policy_option) or None)
     return decoder, tokenizer, dtype_reason
 
 
@@ -269,11 +273,36 @@ def _context_settings(decoder) -> dict | None:
     return describe(decoder.context)
 
 
+def parse_policy_options(items: list[str]) -> dict:
+    """["h=0.4", "post_verify=false"] -> {"h": 0.4, "post_verify": False}: numbers and true/false are
+    converted, anything else stays a string (a path, say). ConfigError on an item without "=". The policy
+    itself checks names and ranges."""
+    options = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip().isidentifier():
+            raise ConfigError(f"--policy-option takes NAME=VALUE, got {item!r}")
+        low = value.strip().lower()
+        if low in ("true", "false"):
+            options[name.strip()] = low == "true"
+            continue
+        try:
+            options[name.strip()] = int(value)
+        except ValueError:
+            try:
+                options[name.strip()] = float(value)
+            except ValueError:
+                options[name.strip()] = value
+    return options
+
+
 def run(args) -> int:
     if args.list_models:
         print("\n".join(describe_presets()))
         return 0
+    from . import pearl  # noqa: F401  (registers the "pearl" execution mode)
     from .policies import POLICIES, resolve_policy
+    parse_policy_options(args.policy_option)        # a malformed setting fails before anything loads
     model_kind, with_context = _drafter_kinds(args)
     args.policy = resolve_policy(args.policy, lossy=args.lossy_target_roots > 0,
                                  drafting=not args.baseline and not (with_context and model_kind is None))

@@ -31,6 +31,7 @@ from .context import ContextDrafter, Graft
 from .draft import Drafter, GrownTree, ModelDrafter, grow_tree
 from .lm import CachedLM
 from .models import check_vocab_sizes
+from .pearl import PearlMode
 from .policies import POLICIES, TreePolicy, make_policy, resolve_policy
 from .sampling import logits_to_probs, make_generator, sample
 from .tree import DraftTree
@@ -129,7 +130,9 @@ class TreeDecoder:
         tree: tree spec ("4,2,2", "1,1,1,1", or a list of rank paths); the
             largest tree the policy may grow. None: the policy's own default.
         policy: policy name ("auto", "static", "heuristic", "confidence",
-            "learned", ...) or a TreePolicy. "auto" (the default, as on the
+            "learned", the papers' "svip", "disco", "specdecpp", or "pearl",
+            which runs draft and target concurrently: see mcsd/pearl.py) or a
+            TreePolicy. "auto" (the default, as on the
             command line) is the learned policy with this machine's calibrated
             costs where its acceptance model is installed, else "static".
         attention: "auto" | "sdpa" | "xformers" | "eager".
@@ -165,6 +168,8 @@ class TreeDecoder:
         policy = resolve_policy(policy, lossy=self.lossy_roots > 0, drafting=draft is not None)
         if tree is None and isinstance(policy, str):
             tree = POLICIES[policy].default_tree if policy in POLICIES else TreePolicy.default_tree
+        if self.lossy_roots and policy == "pearl":
+            raise ConfigError("PEARL drafts exact chains; it does not combine with lossy_target_roots")
         if self.lossy_roots:
             vocab = target.get_input_embeddings().weight.shape[0]
             if not 1 <= self.lossy_roots <= vocab or not isinstance(tree, str):
@@ -192,8 +197,12 @@ class TreeDecoder:
         if "costs" in options:
             self.costs_source = options["costs"].source
         self.policy = make_policy(policy, tree, **options)
+        if self.drafter is not None:
+            self.policy.bind_drafter(self.drafter)
         self._baseline_policy = make_policy("static", "")
         self.context_costs = None                     # prices a context node's verify time
+        if self.context is not None and isinstance(self.policy, PearlMode):
+            raise ConfigError("the pearl mode drafts a chain with a draft model; it does not take context drafting")
         if self.context is not None:
             self.context.bind(target.get_input_embeddings().weight.shape[0], self.target.device)
             self.context_costs = getattr(self.policy, "costs", None)
@@ -284,6 +293,9 @@ class TreeDecoder:
     @torch.inference_mode()
     def _decode(self, prompt_ids: torch.Tensor, cfg: DecodeConfig, policy: TreePolicy,
                 drafter: Drafter | None, on_round=None, context: ContextDrafter | None = None) -> Iterator[list[int]]:
+        if isinstance(policy, PearlMode) and drafter is not None:    # draft and target run concurrently
+            from . import pearl
+            return (yield from pearl.decode(self, prompt_ids, cfg, policy, drafter))
         stats, gen = GenerationStats(), make_generator(cfg.seed, self.target.device)
         eos = self._eos_ids(cfg)
         t_start = time.perf_counter()

@@ -58,6 +58,8 @@ class ModelDrafter:
     def __init__(self, model: torch.nn.Module):
         self.lm = CachedLM(model)
         self.forwards = 0
+        self.keep_hidden = False                # set by a policy that reads the draft's hidden states
+        self.last_hidden: torch.Tensor | None = None   # (M, H) last hidden states of the rows just run
         self._base = 0                          # cache position of this round's root
         self._slots = torch.zeros(0, dtype=torch.long)  # tree node held at cache offset i after _base
 
@@ -73,7 +75,10 @@ class ModelDrafter:
         if self.lm.length >= sequence.numel():              # root already cached (lossy multi-root rounds):
             kv_cache.truncate(self.lm.cache, sequence.numel() - 1)   # re-read it for its logits
         pending = sequence[self.lm.length:]                 # the root, plus any accepted leaf not yet seen
-        logits = self.lm.extend(pending)                    # (P, V)
+        logits = self.lm.extend(pending, hidden=self.keep_hidden)          # (P, V)
+        if self.keep_hidden:
+            logits, hidden = logits
+            self.last_hidden = hidden[-1:]                  # (1, H) the root's
         self.forwards += 1
         self._base = sequence.numel() - 1
         self._slots = torch.zeros(1, dtype=torch.long, device=pending.device)   # node 0 = root
@@ -81,7 +86,10 @@ class ModelDrafter:
 
     def step(self, tree: DraftTree, rows: torch.Tensor) -> torch.Tensor:
         cols = torch.cat([self._slots, rows])               # keys: nodes already cached, then these
-        logits = self.lm.forward(tree.tokens[rows], tree.positions(self._base, rows), tree.mask(rows, cols))
+        logits = self.lm.forward(tree.tokens[rows], tree.positions(self._base, rows), tree.mask(rows, cols),
+                                 hidden=self.keep_hidden)
+        if self.keep_hidden:
+            logits, self.last_hidden = logits               # (M, V), (M, H)
         self.forwards += 1
         self._slots = cols
         return logits

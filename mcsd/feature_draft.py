@@ -198,6 +198,7 @@ class FeatureDrafter:
         self.device = self.embed.weight.device
         self.dtype = self.embed.weight.dtype
         self.forwards = 0
+        self.last_hidden: torch.Tensor | None = None    # (M, H) predicted features of the rows just run
         self.reset()
 
     def reset(self) -> None:
@@ -238,6 +239,7 @@ class FeatureDrafter:
         self._base = t_end - 1                          # cache position of the root's entry
         self._slots = torch.zeros(1, dtype=torch.long, device=self.device)
         self._pred = pred[-1:]                          # node 0 (root) -> predicted feature
+        self.last_hidden = self._pred
         return self.head.scores(pred[-1])
 
     @torch.inference_mode()
@@ -250,6 +252,7 @@ class FeatureDrafter:
         pred = self._run(feats, tree.tokens[rows], tree.positions(self._base + 1, rows), tree.mask(rows, cols))
         self._slots = cols
         self._pred = torch.cat([self._pred, pred])
+        self.last_hidden = pred
         return self.head.scores(pred)
 
     @torch.inference_mode()

@@ -19,6 +19,11 @@ Output (columnar, one folder per run, resumable; no pickles):
                                  question_id   (M,) int64
                                  group         (M,) int16  index into manifest["groups"]
                                  round         (M,) int64  decoding round within the question
+                                 hidden        (M, H) float16 (with --hidden) the draft's last hidden
+                                               state after reading the node (the standalone draft's, or
+                                               the feature head's predicted feature); rows of nodes the
+                                               draft never read (the deepest level) are zero
+                                 hidden_valid  (M,) uint8   (with --hidden) 1 where `hidden` was recorded
 
 The `parent_pred` column is left at 1.0 here; the trainer fills it with its
 own first-stage predictions along each path.
@@ -54,11 +59,18 @@ class TracePolicy(TreePolicy):
     name = "trace"
     wants_target_logits = True
 
-    def __init__(self, topology: TreeTopology, label_temperature: float = 1.0):
+    def __init__(self, topology: TreeTopology, label_temperature: float = 1.0, hidden: bool = False):
         super().__init__(topology)
         self.label_temperature = label_temperature
+        self.record_hidden = hidden
+        self.drafter = None
         self.rows: list[dict] = []
         self.reset()
+
+    def bind_drafter(self, drafter) -> None:
+        self.drafter = drafter
+        if self.record_hidden:
+            drafter.keep_hidden = True
 
     def reset(self) -> None:
         self.recent = 0.5
@@ -67,10 +79,14 @@ class TracePolicy(TreePolicy):
     def begin_round(self) -> int:
         self._features = [torch.zeros(1, len(FEATURE_NAMES))]          # the root has no features
         self._last = None
+        self._hidden: dict[int, torch.Tensor] = {}                     # node -> draft hidden state (H,)
         return self.topology.max_depth
 
     def expand(self, frontier: Frontier):
         k = int(frontier.max_children.max())
+        if self.record_hidden:
+            for node, h in zip(frontier.nodes.tolist(), self.drafter.last_hidden.float().cpu()):
+                self._hidden[node] = h
         self._last = candidate_features(frontier, k, torch.ones(frontier.nodes.numel()), self.recent)
         return None
 
@@ -86,9 +102,18 @@ class TracePolicy(TreePolicy):
         greedy = (logits[parents].argmax(-1) == tokens).cpu()
         p = torch.softmax(logits[parents].float() / self.label_temperature, -1).gather(1, tokens[:, None])[:, 0]
         q = (tree.logp[1:] - tree.logp[parents]).exp()
-        self.rows.append({"features": feats.numpy(), "label_greedy": greedy.numpy().astype(np.uint8),
-                          "label_sampling": torch.clamp(p / q, max=1.0).cpu().numpy().astype(np.float32),
-                          "parent": (parents - 1).cpu().numpy(), "round": self.round})
+        row = {"features": feats.numpy(), "label_greedy": greedy.numpy().astype(np.uint8),
+               "label_sampling": torch.clamp(p / q, max=1.0).cpu().numpy().astype(np.float32),
+               "parent": (parents - 1).cpu().numpy(), "round": self.round}
+        if self.record_hidden:
+            width = self.drafter.last_hidden.shape[-1]
+            hidden = torch.zeros(tree.size - 1, width)
+            valid = torch.zeros(tree.size - 1, dtype=torch.uint8)
+            for node, h in self._hidden.items():
+                if node > 0:
+                    hidden[node - 1], valid[node - 1] = h, 1
+            row.update(hidden=hidden.half().numpy(), hidden_valid=valid.numpy())
+        self.rows.append(row)
 
     def observe(self, n_accepted: int, tree: DraftTree) -> None:
         self.recent = recent_acceptance(self.recent, n_accepted, tree)       # as LearnedPolicy does
@@ -101,11 +126,16 @@ class TracePolicy(TreePolicy):
 
 def flatten(rounds: list[dict], question_id: int, group: int) -> dict[str, np.ndarray]:
     """Concatenate one question's rounds into columns, turning parent indices into row numbers."""
-    cols: dict[str, list] = {k: [] for k in ("features", "label_greedy", "label_sampling", "parent_row",
-                                             "question_id", "group", "round")}
+    names = ["features", "label_greedy", "label_sampling", "parent_row", "question_id", "group", "round"]
+    if rounds and "hidden" in rounds[0]:
+        names += ["hidden", "hidden_valid"]
+    cols: dict[str, list] = {k: [] for k in names}
     offset = 0
     for r in rounds:
         n = len(r["label_greedy"])
+        if "hidden" in cols:
+            cols["hidden"].append(r["hidden"])
+            cols["hidden_valid"].append(r["hidden_valid"])
         cols["features"].append(r["features"])
         cols["label_greedy"].append(r["label_greedy"])
         cols["label_sampling"].append(r["label_sampling"])
@@ -145,9 +175,14 @@ def main(argv=None) -> int:
     ap.add_argument("--label-temperature", type=float, default=1.0)
     ap.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     ap.add_argument("--shard-size", type=int, default=8, help="questions per shard")
+    ap.add_argument("--hidden", action="store_true",
+                    help="also record the draft's last hidden state per node (SpecDec++ head training)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's choice)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     out = args.out or cache_dir() / "traces" / args.split
     out.mkdir(parents=True, exist_ok=True)
     manifest_path = out / "manifest.json"
@@ -159,7 +194,7 @@ def main(argv=None) -> int:
 
     target, draft, tok = load_model_pair(args.target, args.draft, dtype=args.dtype, device=args.device,
                                          drafter=args.drafter)
-    policy = TracePolicy(TreeTopology.from_spec(args.tree), args.label_temperature)
+    policy = TracePolicy(TreeTopology.from_spec(args.tree), args.label_temperature, hidden=args.hidden)
     dec = TreeDecoder(target, draft, tokenizer=tok, policy=policy)
     prompts = load_prompts(args.prompts, split=args.split)
     if args.limit:

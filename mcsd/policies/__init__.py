@@ -8,12 +8,18 @@ from .base import Frontier, TreePolicy
 from .heuristic import ConfidencePolicy, HeuristicPolicy
 from .learned import FEATURE_NAMES, AcceptanceModel, LearnedPolicy
 from .static import StaticPolicy
+from .disco import DiscoPolicy
+from .specdecpp import SpecDecPPPolicy
+from .svip import SVIPPolicy
 
 POLICIES: dict[str, type[TreePolicy]] = {
     StaticPolicy.name: StaticPolicy,
     HeuristicPolicy.name: HeuristicPolicy,
     ConfidencePolicy.name: ConfidencePolicy,
     LearnedPolicy.name: LearnedPolicy,
+    SVIPPolicy.name: SVIPPolicy,
+    DiscoPolicy.name: DiscoPolicy,
+    SpecDecPPPolicy.name: SpecDecPPPolicy,
 }
 
 
@@ -41,9 +47,16 @@ def make_policy(policy, tree_spec, **options) -> TreePolicy:
         cls = POLICIES[policy]
     except KeyError:
         raise ConfigError(f"unknown policy {policy!r}; choose one of {', '.join(sorted(POLICIES))}") from None
+    import inspect
+    known = [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "topology")]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ConfigError(f"policy {policy!r} has no setting {', '.join(map(repr, unknown))}; "
+                          f"its settings: {', '.join(known) or 'none'}")
     return cls(TreeTopology.from_spec(cls.default_tree if tree_spec is None else tree_spec), **options)
 
 
 __all__ = ["POLICIES", "Frontier", "TreePolicy", "StaticPolicy", "HeuristicPolicy",
-           "ConfidencePolicy", "LearnedPolicy", "AcceptanceModel", "FEATURE_NAMES", "register_policy", "make_policy",
+           "ConfidencePolicy", "LearnedPolicy", "SVIPPolicy", "DiscoPolicy",
+           "SpecDecPPPolicy", "AcceptanceModel", "FEATURE_NAMES", "register_policy", "make_policy",
            "resolve_policy"]

@@ -3,6 +3,8 @@
 A policy owns the *largest* tree it may grow (a `TreeTopology`, whose mask is
 built once) and decides, round by round, how much of it to use:
 
+- `bind_drafter(drafter)` is told the draft source once (for policies that
+  read its hidden states);
 - `begin_round()` returns the depth limit for this round;
 - `expand(frontier)` sees one level of frontier nodes (as tensors, in one
   call), each with the draft distribution its children would be drawn from,
@@ -78,6 +80,11 @@ class TreePolicy:
     def continue_drafting(self, tree: DraftTree, new_nodes: torch.Tensor) -> bool:
         """Whether to run the next draft forward over `new_nodes` (the level just added)."""
         return True
+
+    def bind_drafter(self, drafter) -> None:
+        """Called once by the decoder with its drafter. A policy that reads the draft's last hidden
+        states sets `drafter.keep_hidden = True` here and reads `drafter.last_hidden` ((F, H), the
+        frontier's rows, in order) in `expand`."""
 
     wants_target_logits = False   # True: the decoder also calls observe_target after each verify
 

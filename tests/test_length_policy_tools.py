@@ -1,0 +1,64 @@
+"""Traces with draft hidden states -> DISCO classifier and SpecDec++ head -> policies that load them, end to end."""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+
+import collect_traces  # noqa: E402
+import train_disco  # noqa: E402
+import train_specdecpp  # noqa: E402
+from length_policy_data import chains, drafted_from_decisions, path_labels  # noqa: E402
+
+from mcsd import TreeDecoder  # noqa: E402
+from mcsd.policies import make_policy  # noqa: E402
+from test_trace_tools import _prompts  # noqa: E402
+
+
+def test_path_labels_chains_and_drafted_lengths():
+    # one round: root children rows 0 (rank 0) and 1 (rank 1); row 2 under row 0; row 3 under row 2
+    data = {"features": np.zeros((4, 9)), "parent_row": np.array([-1, -1, 0, 2])}
+    data["features"][:, 6] = [0, 1, 0, 0]                                   # the rank column
+    assert chains(data, 4).tolist() == [[0, 2, 3, -1]]
+    assert path_labels(np.array([1, 1, 0, 1]), data["parent_row"]).tolist() == [1, 1, 0, 0]
+    go = np.array([[False, True, False, True], [True, True, True, False]])
+    assert drafted_from_decisions(go, 1).tolist() == [2, 3]                 # the first decision is forced on
+
+
+def test_collect_train_and_use(model_dirs, tmp_path, target):
+    from conftest import word_tokenizer
+    from test_equivalence import perturbed
+    noisy = perturbed(target, 0.3)
+    noisy.save_pretrained(tmp_path / "noisy")
+    word_tokenizer().save_pretrained(tmp_path / "noisy")
+    _prompts(tmp_path / "q.jsonl")
+    common = ["--target", str(model_dirs / "target"), "--draft", str(tmp_path / "noisy"), "--dtype", "float32",
+              "--prompts", str(tmp_path / "q.jsonl"), "--no-chat", "--max-new-tokens", "24", "--tree", "2,1,1,1",
+              "--hidden"]
+    assert collect_traces.main(common + ["--split", "fit", "--out", str(tmp_path / "fit")]) == 0
+    assert collect_traces.main(common + ["--split", "heldout", "--out", str(tmp_path / "held")]) == 0
+    with np.load(tmp_path / "fit" / "shard-00000.npz") as z:
+        hidden, valid, depth = z["hidden"], z["hidden_valid"], z["features"][:, 4]
+    assert hidden.shape[1] == noisy.config.hidden_size
+    assert not valid[depth == 4].any()                  # the deepest level is never read by the draft
+    assert valid[depth < 4].mean() > 0.9                # the rest is (but the last level of a short final round)
+    assert np.abs(hidden[valid > 0]).sum(1).min() > 0
+
+    out = tmp_path / "dm"
+    folders = ["--fit", str(tmp_path / "fit"), "--heldout", str(tmp_path / "held"), "--out", str(out)]
+    assert train_disco.main(folders) == 0
+    assert train_specdecpp.main(folders + ["--epochs", "1"]) == 0
+    for card in ("disco-card.json", "specdecpp-card.json"):
+        c = json.loads((out / card).read_text())
+        assert 0 < c["threshold"] <= 1 and "collect_traces.py" in c["data"]["fit"]["command"]
+    assert json.loads((out / "specdecpp.json").read_text())["drafter"] == "model"
+
+    prompt = torch.tensor([3, 17, 42, 5, 9, 11])
+    ref = TreeDecoder(target, None, attention="sdpa").generate_baseline(prompt, max_new_tokens=30).tokens
+    for name, model in (("disco", out / "disco.json"), ("specdecpp", out / "specdecpp.json")):
+        dec = TreeDecoder(target, noisy, policy=make_policy(name, "1,1,1,1", model=model), attention="sdpa")
+        assert dec.generate(prompt, max_new_tokens=30).tokens == ref
