@@ -43,10 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     default_drafter = PRESETS[DEFAULT_PRESET].default_drafter
     src.add_argument("--drafter", default=None, choices=DRAFTER_CHOICES,
                      help=f"with a preset: 'feature' (a head reading the target's features) or 'model' (a "
-                          f"standalone draft LM); default: the preset's faster one, {default_drafter!r} for "
-                          f"{DEFAULT_PRESET}. 'context' drafts for free from the prompt, the output so far "
-                          f"and the target's recycled predictions (no draft model, any target); "
-                          f"'feature+context' / 'model+context' merge both into one tree")
+                          f"standalone draft LM), alone; 'context' drafts for free from the prompt, the output "
+                          f"so far and the target's recycled predictions (no draft model, any target); "
+                          f"'feature+context' / 'model+context' merge both into one tree. Default: the preset's "
+                          f"faster drafter ({default_drafter!r} for {DEFAULT_PRESET}), or --draft, with context "
+                          f"merged in")
     src.add_argument("--context-store", metavar="FILE",
                      help="with a context drafter: also look up continuations in this datastore of earlier "
                           "outputs (built by tools/build_context_store.py; safetensors, never unpickled)")
@@ -170,7 +171,7 @@ def _auto_dtype(target, draft, args):
     if args.device != "cpu" and not str(args.device).startswith("cuda"):
         return target, draft, "float32", "float32: --dtype auto measures on one cpu or cuda device only"
     choice = choose_dtype(target, draft, drafting=not args.baseline, calibrate=args.calibrate,
-                          free_draft=_drafter_kinds(args)[1])
+                          free_draft=_drafter_kinds(args)[2])
     if choice.dtype != "float32":
         target, draft = cast_pair(target, draft, choice.dtype)
     return target, draft, choice.dtype, choice.reason
@@ -188,7 +189,7 @@ def _check_args(args) -> None:
                          f"preset: {', '.join(PRESETS)})")
     if args.draft is not None and args.target is None:
         raise UsageError("--draft needs --target")
-    model_kind, with_context = _drafter_kinds(args)
+    model_kind, with_context, context_only = _drafter_kinds(args)
     if args.context_store is not None:
         if not with_context:
             raise UsageError("--context-store needs a context drafter (--drafter context, feature+context or "
@@ -197,7 +198,9 @@ def _check_args(args) -> None:
             raise UsageError(f"--context-store {args.context_store}: no such file")
     if with_context and args.lossy_target_roots:
         raise UsageError("--drafter with context is exact-only; it cannot be combined with --lossy-target-roots")
-    if model_kind is None and with_context and args.draft is not None:
+    if with_context and args.policy == "pearl":
+        raise UsageError("--policy pearl drafts a chain with a draft model; it cannot take a context drafter")
+    if context_only and args.draft is not None:
         raise UsageError("--drafter context uses no draft model; drop --draft, or use model+context")
     if args.show_tree:
         if args.baseline:
@@ -213,12 +216,16 @@ def _check_args(args) -> None:
     parse_tree_spec(args.tree)
 
 
-def _drafter_kinds(args) -> tuple[str | None, bool]:
-    """(--drafter's model kind, or None for context alone or the preset's default; whether context is on)."""
+def _drafter_kinds(args) -> tuple[str | None, bool, bool]:
+    """(the model drafter's kind, None for the preset's default or none; whether context drafting is
+    on; whether it is context alone). Without --drafter: the preset's (or --draft's) drafter with
+    context merged in, except where context cannot join (--lossy-target-roots, the pearl mode) or
+    nothing is to be drafted (--tree 0)."""
     if args.drafter is None:
-        return None, False
+        no_drafting = args.tree is not None and args.tree.strip() in ("", "0")
+        return None, not (args.lossy_target_roots or args.policy == "pearl" or no_drafting), False
     kind, context = args.drafter.replace("+context", ""), "context" in args.drafter
-    return (None if kind == "context" else kind), context
+    return (None if kind == "context" else kind), context, kind == "context"
 
 
 def _load(args):
@@ -227,8 +234,8 @@ def _load(args):
     from .models import load_model, load_model_pair, load_tokenizer
 
     load_dtype = "float32" if args.dtype == "auto" else args.dtype
-    model_kind, with_context = _drafter_kinds(args)
-    if args.baseline or (with_context and model_kind is None):
+    model_kind, with_context, context_only = _drafter_kinds(args)
+    if args.baseline or context_only:
         target_src = args.target or DEFAULT_PRESET
         tokenizer = load_tokenizer(target_src)
         target, draft = load_model(target_src, load_dtype, args.device, role="target"), None
@@ -303,9 +310,8 @@ def run(args) -> int:
     from . import pearl  # noqa: F401  (registers the "pearl" execution mode)
     from .policies import POLICIES, resolve_policy
     parse_policy_options(args.policy_option)        # a malformed setting fails before anything loads
-    model_kind, with_context = _drafter_kinds(args)
     args.policy = resolve_policy(args.policy, lossy=args.lossy_target_roots > 0,
-                                 drafting=not args.baseline and not (with_context and model_kind is None))
+                                 drafting=not args.baseline and not _drafter_kinds(args)[2])
     if args.tree is None:
         args.tree = POLICIES[args.policy].default_tree if args.policy in POLICIES else "4,2,2"
     _check_args(args)                               # fail on a malformed flag before loading anything

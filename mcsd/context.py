@@ -46,6 +46,7 @@ from .config import ConfigError
 from .tree import DraftTree
 
 SOURCES = ("ngram", "recycle", "store")
+MAX_MATCH = 32            # the longest match length measured (a copy in progress)
 STORE_FORMAT = "mcsd-context-store"
 STORE_VERSION = "1"
 
@@ -57,12 +58,12 @@ class ContextConfig:
     max_ngram: int = 6              # longest suffix looked up (prompt lookup's matching window)
     min_ngram: int = 1              # shortest; unigram matches are many and weak, their measured rate decides
     max_matches: int = 8            # occurrences whose continuations are kept (most recent first)
-    max_len: int = 8                # longest continuation proposed (tree depth from context)
+    max_len: int = 16               # longest continuation proposed (tree depth from context)
     recycle_k: int = 4              # target predictions kept per token
     recycle_widths: tuple[int, ...] = (3, 2, 1, 1)   # recycled tree: children per node at each depth
-    max_nodes: int = 32             # most context nodes grafted in one round
+    max_nodes: int = 48             # most context nodes grafted in one round
     max_anchors: int = 16           # drafted nodes (root included) that context is looked up beneath
-    min_score: float = 0.02         # a node less likely than this to be accepted is never grafted
+    min_score: float = 0.005        # a node less likely than this to be accepted is never grafted
     learning_rate: float = 0.05     # how fast a source's measured acceptance moves
     sources: tuple[str, ...] = ("ngram", "recycle")
 
@@ -98,6 +99,7 @@ class NGramIndex:
         self.tokens: list[int] = []
         self.ends: list[dict[tuple[int, ...], list[int]]] = [dict() for _ in range(max_n + 1)]
         self._doc_start = 0
+        self._doc_starts: list[int] = []
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -113,13 +115,20 @@ class NGramIndex:
     def end_document(self) -> None:
         """The next tokens start a new document: no n-gram spans the boundary."""
         self._doc_start = len(self.tokens)
+        self._doc_starts.append(self._doc_start)
+
+    def _doc_floor(self, e: int) -> int:
+        """The first index of the document holding position e."""
+        return self._doc_starts[bisect.bisect_right(self._doc_starts, e) - 1] if self._doc_starts else 0
 
     def continuations(self, suffix: list[int], max_matches: int, max_len: int, limit: int | None = None,
                       doc_ends: list[int] | None = None) -> list[tuple[list[int], int]]:
         """Continuations of the longest matching suffixes, most recent first.
 
         Args:
-            suffix: the query (its last `max_n` tokens are used).
+            suffix: the query (its last `max_n` tokens are looked up; a match of `max_n`
+                is then extended backwards through the rest, up to `MAX_MATCH` tokens,
+                so the match length returned says how long the copy has been going).
             max_matches: occurrences to return at most.
             max_len: tokens per continuation at most.
             limit: only occurrences ending before this index count (the query's own
@@ -139,6 +148,12 @@ class NGramIndex:
                 if e >= limit or e in seen:
                     continue
                 seen.add(e)
+                length = n
+                if n == self.max_n:                      # how far back does the match really go?
+                    toks = self.tokens
+                    while (length < min(len(suffix), MAX_MATCH) and e - length >= self._doc_floor(e)
+                           and toks[e - length] == suffix[-length - 1]):
+                        length += 1
                 stop = e + 1 + max_len
                 if doc_ends is not None:
                     j = bisect.bisect_right(doc_ends, e)
@@ -146,7 +161,7 @@ class NGramIndex:
                         stop = min(stop, doc_ends[j])
                 cont = self.tokens[e + 1:stop]
                 if cont:
-                    out.append((cont, n))
+                    out.append((cont, length))
                     if len(out) >= max_matches:
                         return out
             if len(out) >= max_matches // 2:          # enough from long matches; shorter ones add noise
@@ -241,10 +256,12 @@ def _depth_bucket(depth: int) -> int:
 
 
 def _ngram_bucket(n: int) -> int:
-    return min(n, 4)
+    """Match lengths 1, 2, 3, 4-5, 6-11, 12+: how long the copy has been going."""
+    return n if n < 4 else 4 if n < 6 else 6 if n < 12 else 12
 
 
-_PRIORS = {"ngram": {1: 0.10, 2: 0.25, 3: 0.45, 4: 0.6}, "store": {2: 0.15, 3: 0.3, 4: 0.45},
+_PRIORS = {"ngram": {1: 0.10, 2: 0.25, 3: 0.45, 4: 0.6, 6: 0.7, 12: 0.85},
+           "store": {2: 0.15, 3: 0.3, 4: 0.45, 6: 0.6, 12: 0.75},
            "recycle": {0: 0.35, 1: 0.12, 2: 0.06, 3: 0.03}}
 
 
@@ -430,10 +447,10 @@ class ContextDrafter:
         for i, node in enumerate(nodes):
             node.tree_idx = i
         evidence: dict[int, list[float]] = {}
-        history_tail = self.history.tokens[-cfg.max_ngram:]
+        history_tail = self.history.tokens[-MAX_MATCH:]
         anchors = sorted((i for i in range(n_tree) if est[i] >= cfg.min_score), key=lambda i: -est[i])
         for i in anchors[:cfg.max_anchors]:
-            suffix = (history_tail + paths[i])[-cfg.max_ngram:]
+            suffix = (history_tail + paths[i])[-MAX_MATCH:]
             self._propose_under(nodes[i], suffix, cfg.recycle_widths if i == 0 else cfg.recycle_widths[:2],
                                 evidence)
         proposed: dict[int, list[tuple]] = {}

@@ -193,7 +193,10 @@ def test_baseline_json_reports_what_ran(model_dirs, capsys):
     assert settings["tree"] is None and settings["policy"] is None and settings["drafter"] is None
     assert main(_pair(model_dirs) + ["--tree", "2,1", "--policy", "static"] + common) == 0
     settings = json.loads(capsys.readouterr().out)["settings"]
-    assert (settings["tree"], settings["policy"], settings["drafter"]) == ("2,1", "static", "model")
+    assert (settings["tree"], settings["policy"], settings["drafter"]) == ("2,1", "static", "model+context")
+    assert main(_pair(model_dirs) + ["--tree", "2,1", "--policy", "static", "--drafter", "model"] + common) == 0
+    settings = json.loads(capsys.readouterr().out)["settings"]
+    assert settings["drafter"] == "model" and settings["context"] is None
 
 
 class _Stdin(io.TextIOWrapper):

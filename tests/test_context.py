@@ -39,6 +39,13 @@ def test_match_of_the_query_itself_is_excluded_and_incremental_extend_indexes_ne
     assert idx.continuations(idx.tokens[-3:], 4, 4)[0] == ([4, 1, 2, 3], 3)
 
 
+def test_a_full_length_match_is_measured_back_to_where_the_copy_began():
+    idx = NGramIndex(1, 3)
+    idx.extend([1, 2, 3, 4, 5, 9, 7, 2, 3, 4, 5])
+    got = dict((tuple(c), n) for c, n in idx.continuations(idx.tokens, 4, 2))
+    assert got[(9, 7)] == 4                  # "2 3 4 5" matched, not just the 3 tokens looked up
+
+
 def test_store_documents_do_not_leak_into_each_other(tmp_path):
     store = ContextStore([[1, 2, 3, 4], [9, 1, 2, 8, 7]], vocab_size=16)
     path = tmp_path / "s.safetensors"

@@ -32,12 +32,9 @@ def _examples(target, n=12, length=40):
     return out
 
 
-def test_trained_head_agrees_and_is_accepted(target):
-    torch.manual_seed(0)
-    data = _examples(target)
+def _fit(head, target, data, updates=150):
+    """Train `head` on `data` with the trainer's own batches and loss; (step-1 top-1 before, agreement after)."""
     vocab = target.config.vocab_size
-    cfg = FeatureHeadConfig(target_hidden=32, layers=1, heads=4, kv_heads=2, vocab_size=vocab, sub_vocab=48)
-    head = FeatureHead(cfg)
     head.vocab_ids = tfd.sub_vocabulary(data, 48, vocab)
     head.attach_lm_head(target.get_output_embeddings().weight)
     slot = torch.full((vocab,), -1, dtype=torch.long)
@@ -46,13 +43,22 @@ def test_trained_head_agrees_and_is_accepted(target):
     before = tfd.agreement(head, embed, data[:3], 64, "cpu")[0]["top1"]
     opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=3e-3)
     items = tfd.windows(data, 64)
-    for _ in range(150):
+    for _ in range(updates):
         loss, _ = tfd.unrolled_loss(head, embed, *tfd.batch(data, items, 64, "cpu"), 3, slot, 1.0)
         opt.zero_grad()
         loss.backward()
         opt.step()
     head.eval()
-    after = tfd.agreement(head, embed, data[:3], 64, "cpu")
+    return before, tfd.agreement(head, embed, data[:3], 64, "cpu")
+
+
+def test_trained_head_agrees_and_is_accepted(target):
+    torch.manual_seed(0)
+    data = _examples(target)
+    vocab = target.config.vocab_size
+    cfg = FeatureHeadConfig(target_hidden=32, layers=1, heads=4, kv_heads=2, vocab_size=vocab, sub_vocab=48)
+    head = FeatureHead(cfg)
+    before, after = _fit(head, target, data)
     assert after[0]["top1"] > max(0.5, before + 0.2), (before, after)
     assert after[1]["top1"] > 0.3                        # step 2 reads the head's own predictions
     # the same head, used by the drafter at inference, gets its drafts accepted
@@ -77,22 +83,9 @@ def test_v2_head_trains_on_fused_layers_and_is_accepted(target):
     cfg = FeatureHeadConfig(target_hidden=32, layers=1, heads=4, kv_heads=2, vocab_size=vocab, sub_vocab=48,
                             feature_layers=(1, 2))
     head = FeatureHead(cfg)
-    head.vocab_ids = tfd.sub_vocabulary(data, 48, vocab)
-    head.attach_lm_head(target.get_output_embeddings().weight)
-    slot = torch.full((vocab,), -1, dtype=torch.long)
-    slot[head.vocab_ids] = torch.arange(head.vocab_ids.numel())
-    embed = target.get_input_embeddings()
     hid, inp, *_ = tfd.batch(data, [(0, 0)], 64, "cpu")
     assert inp.shape[-1] == 64 and torch.equal(hid[0, :40], data[0]["hidden"])
-    opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=3e-3)
-    items = tfd.windows(data, 64)
-    for _ in range(150):
-        loss, _ = tfd.unrolled_loss(head, embed, *tfd.batch(data, items, 64, "cpu"), 3, slot, 1.0)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    head.eval()
-    after = tfd.agreement(head, embed, data[:3], 64, "cpu")
+    _, after = _fit(head, target, data)
     assert after[0]["top1"] > 0.5, after
     dec = TreeDecoder(target, FeatureDrafter(head, target), tree="2,1,1", policy="static", attention="sdpa")
     out = dec.generate(data[0]["prompt"], max_new_tokens=30, ignore_eos=True)
