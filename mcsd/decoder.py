@@ -27,7 +27,7 @@ import torch
 
 from .attention import set_backend
 from .config import ConfigError, DecodeConfig, SamplingConfig
-from .context import ContextDrafter, Graft
+from .context import ContextDrafter
 from .draft import Drafter, GrownTree, ModelDrafter, grow_tree
 from .lm import CachedLM
 from .models import check_vocab_sizes
