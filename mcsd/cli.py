@@ -20,7 +20,7 @@ from pathlib import Path
 from .config import (ATTENTION_BACKENDS, DTYPE_NAMES, MAX_TREE_DEPTH, MAX_TREE_NODES, ConfigError, DecodeConfig,
                      SamplingConfig)
 from .errors import ModelLoadError
-from .presets import DEFAULT_PRESET, DRAFTERS, PRESETS, describe_presets
+from .presets import DEFAULT_PRESET, DRAFTERS, PRESETS, describe_presets, parse_drafter_spec
 
 DRAFTER_CHOICES = (*DRAFTERS, "context", *(f"{d}+context" for d in DRAFTERS))
 
@@ -224,8 +224,8 @@ def _drafter_kinds(args) -> tuple[str | None, bool, bool]:
     if args.drafter is None:
         no_drafting = args.tree is not None and args.tree.strip() in ("", "0")
         return None, not (args.lossy_target_roots or args.policy == "pearl" or no_drafting), False
-    kind, context = args.drafter.replace("+context", ""), "context" in args.drafter
-    return (None if kind == "context" else kind), context, kind == "context"
+    kind, context = parse_drafter_spec(args.drafter)
+    return kind, context, kind is None
 
 
 def _load(args):

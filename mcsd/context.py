@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from .config import ConfigError
+from .presets import parse_drafter_spec  # noqa: F401  (the --drafter grammar, re-exported)
 from .tree import DraftTree
 
 SOURCES = ("ngram", "recycle", "store")
@@ -527,16 +528,6 @@ class ContextDrafter:
             for key in keys:
                 r = self._rate(key)
                 self.rates[key] = r + lr * (float(hit) - r)
-
-
-def parse_drafter_spec(spec: str) -> tuple[str | None, bool]:
-    """"feature", "model", "context", "feature+context", "model+context" -> (model kind or None, context?)."""
-    parts = [p.strip() for p in str(spec).split("+") if p.strip()]
-    kinds = [p for p in parts if p != "context"]
-    if not parts or len(kinds) > 1 or parts.count("context") > 1 or any(k not in ("feature", "model") for k in kinds):
-        raise ConfigError(f"unknown drafter {spec!r}; choose feature, model, context, feature+context "
-                          f"or model+context")
-    return (kinds[0] if kinds else None), "context" in parts
 
 
 def describe(drafter: ContextDrafter) -> dict:

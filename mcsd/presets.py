@@ -7,8 +7,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .config import ConfigError
+
 DRAFTERS = {"feature": "target-feature head (reads the target's hidden states)",
             "model": "standalone draft model (its own small causal LM)"}
+
+
+def parse_drafter_spec(spec: str) -> tuple[str | None, bool]:
+    """"feature", "model", "context", "feature+context", "model+context" -> (model kind or None, context?)."""
+    parts = [p.strip() for p in str(spec).split("+") if p.strip()]
+    kinds = [p for p in parts if p != "context"]
+    if not parts or len(kinds) > 1 or parts.count("context") > 1 or any(k not in DRAFTERS for k in kinds):
+        raise ConfigError(f"unknown drafter {spec!r}; choose {', '.join(DRAFTERS)}, context, "
+                          f"{' or '.join(f'{d}+context' for d in DRAFTERS)}")
+    return (kinds[0] if kinds else None), "context" in parts
 
 
 @dataclass(frozen=True)
