@@ -10,8 +10,8 @@ for free. Three sources, each a function of the committed text only:
   far, indexed incrementally. The longest suffix of the committed text that
   occurred before is looked up first (prompt lookup is the n = `max_ngram` case
   with one match); the continuations of its most recent occurrences, and of
-  shorter matches when there are few, become a trie with counts: several
-  continuations are several branches.
+  shorter matches when there are few, become a trie: several continuations
+  are several branches, siblings ranked by their longest match, then count.
 - ``recycle``: for every token, the target's top-k next tokens the last time it
   read that token, taken from logits the verify pass computed anyway (Token
   Recycling, Luo et al. 2024). Expanded from the root as a small tree.
@@ -264,6 +264,7 @@ def _ngram_bucket(n: int) -> int:
 _PRIORS = {"ngram": {1: 0.10, 2: 0.25, 3: 0.45, 4: 0.6, 6: 0.7, 12: 0.85},
            "store": {2: 0.15, 3: 0.3, 4: 0.45, 6: 0.6, 12: 0.75},
            "recycle": {0: 0.35, 1: 0.12, 2: 0.06, 3: 0.03}}
+_RANK_PRIOR = (1.0, 0.3, 0.15)
 
 
 @dataclass
@@ -354,6 +355,8 @@ class ContextDrafter:
         if r is None:
             src, bucket = key[0], key[1]
             r = _PRIORS[src].get(bucket, 0.05) * (0.85 ** (key[2] - 1))
+            if len(key) > 3:                         # a match's sibling rank: the runner-up is rarely right
+                r *= _RANK_PRIOR[key[3]]
         return r
 
     def _propose_under(self, anchor: _Node, suffix: list[int], recycle_widths: tuple[int, ...],
@@ -377,7 +380,7 @@ class ContextDrafter:
         for src, matches in lookups:
             if not matches:
                 continue
-            # count trie: how many matches pass through each node, and the longest match among them
+            # count trie: per node, the longest match and the number of matches through it
             counts: dict[int, list] = {}
             for cont, n in matches:
                 node = anchor
@@ -387,12 +390,16 @@ class ContextDrafter:
                     c[2] += 1
                     c[3] = max(c[3], n)
                     node = child
-            through = {id(anchor): len(matches)}
-            for child, _, cnt, _, _ in counts.values():
-                through[id(child)] = cnt
-            for child, parent, cnt, n, depth in counts.values():
-                key = (src, _ngram_bucket(n), _depth_bucket(depth))
-                add(child, self._rate(key) * cnt / through[id(parent)], key)
+            # siblings ranked by their longest match, then by count: a long match's continuation
+            # is not diluted by short matches that disagree with it
+            siblings: dict[int, list] = {}
+            for order, (child, parent, cnt, n, depth) in enumerate(counts.values()):   # most recent first
+                siblings.setdefault(id(parent), []).append((-n, -cnt, order, child, depth, n))
+            for group in siblings.values():
+                group.sort(key=lambda g: g[:3])
+                for rank, (_, _, _, child, depth, n) in enumerate(group):
+                    key = (src, _ngram_bucket(n), _depth_bucket(depth), min(rank, 2))
+                    add(child, self._rate(key), key)
         if self._next is not None:
             frontier = [anchor]
             for depth, width in enumerate(recycle_widths, start=1):

@@ -344,7 +344,8 @@ class TreeDecoder:
                 costs = self.context_costs
                 spent_ms = (time.perf_counter() - t0) * 1000 + (costs.verify_ms(drafted.size) if costs else 0.0)
                 probs = policy.node_probabilities()
-                graft = context.graft(drafted, sequence, self._expected_tokens(policy, stats), spent_ms, costs,
+                expected = self._expected_tokens(policy, stats, drafted.size)
+                graft = context.graft(drafted, sequence, expected, spent_ms, costs,
                                       probs if probs is not None and probs.numel() == drafted.size else None)
                 grown = grown.with_graft(graft)
             t1 = time.perf_counter()
@@ -446,9 +447,11 @@ class TreeDecoder:
         return Costs.from_profile(load_or_measure(target, timed, force=True), source="measured")
 
     @staticmethod
-    def _expected_tokens(policy: TreePolicy, stats: GenerationStats) -> float:
-        """Tokens this round should emit before context nodes: the policy's estimate for its
-        tree where it has one, else the mean emitted per round so far (1 before any round)."""
+    def _expected_tokens(policy: TreePolicy, stats: GenerationStats, drafted_size: int) -> float:
+        """Tokens this round should emit before context nodes: 1 for the root alone, else the
+        policy's estimate for its tree where it has one, else the mean emitted per round so far."""
+        if drafted_size == 1:                     # the root alone: it is the one token for sure
+            return 1.0
         own = policy.expected_tokens()
         if own is not None:
             return own

@@ -153,6 +153,36 @@ def test_costs_bound_the_graft():
     assert ctx.graft(tree, seq, 1.0, 10.0, costs=dear).tree.size == 1
 
 
+def test_a_long_match_is_not_diluted_by_short_ones():
+    """Siblings are ranked by their longest match: a copy in progress keeps its full estimate even
+    when many short matches continue differently, and the runner-ups are priced lower."""
+    ctx = ContextDrafter(sources=("ngram",), min_score=0.0, max_len=1)
+    ctx.bind(32, "cpu")
+    seq = torch.tensor([15, 20, 15, 21, 15, 22, 10, 11, 12, 13, 14, 15, 7, 5, 10, 11, 12, 13, 14, 15])
+    ctx.reset(seq)
+    tree = DraftTree.root_only(TreeTopology.from_spec(""), torch.tensor(15))
+    graft = ctx.graft(tree, seq, 1.0, 1.0, costs=None)
+    t, est = graft.tree, graft.tree.logp.exp()
+    kids = {int(tok): float(p) for tok, p, par in zip(t.tokens, est, t.parents) if par == 0}
+    assert max(kids, key=kids.get) == 7                  # what followed the 6-token match
+    assert kids[7] == pytest.approx(ctx._rate(("ngram", 6, 1, 0)))
+    assert set(kids) == {7, 20, 21, 22}                  # three unigram matches disagree with it
+    assert all(p < kids[7] for tok, p in kids.items() if tok != 7)
+    assert [k[3] for k in graft.proposed[int((t.tokens == 7).nonzero())]] == [0]
+
+
+def test_the_root_alone_is_expected_to_emit_one_token():
+    """Context-only rounds price grafted nodes against the root's single token, not the round
+    average (which counts context acceptances and would make every node look dearer)."""
+    from mcsd.decoder import GenerationStats
+    from mcsd.policies import make_policy
+    stats = GenerationStats()
+    stats.accepted_per_round = [4, 4, 4]
+    policy = make_policy("static", "2,1")
+    assert TreeDecoder._expected_tokens(policy, stats, 1) == 1.0
+    assert TreeDecoder._expected_tokens(policy, stats, 3) == 5.0
+
+
 # ---------------------------------------------------------------------------- exactness, the rule itself
 
 def _tv(counts, probs):

@@ -19,7 +19,7 @@ import torch
 
 from conftest import tiny_llama
 from mcsd import TreeDecoder
-from mcsd.config import ConfigError, SamplingConfig
+from mcsd.config import ConfigError
 from mcsd.errors import ModelLoadError
 from mcsd.policies import POLICIES, make_policy
 from mcsd.policies.disco import DISCO_FEATURES, DiscoClassifier

@@ -13,6 +13,9 @@ resumable stages, all recorded in one `manifest.json`:
                   source -> responses/<run>/NNNNN.pt
     prompttext    the prompts themselves as a run (no generation), so the
                   teacher can label the target's predictions over them
+    corpus        text files, or the source and documentation of installed
+                  packages, cut into chunks (chat-formatted by default) as a
+                  run, with per-source provenance (tools/corpus.py)
     teacher       teacher-forced target pass over prompt + response, storing
                   the target's top-k next-token distribution (and optionally
                   its last hidden state) per response position
@@ -510,6 +513,91 @@ def run_prompttext(args):
 
 
 # -----------------------------------------------------------------------------
+# Text corpora as runs: code, documentation and prose for the teacher to label
+
+
+def run_corpus(args):
+    """Stage `corpus`: text files (paths the user names, or the source and
+    documentation of installed packages) cut into chunks and stored as a
+    run, for the teacher stage to label. Per source, the manifest keeps its
+    version, the licence it declares and what was stored (files, chunks,
+    tokens). Resumable like the other stages; rerunning with more sources
+    adds them to the run; `--max-tokens` caps the run's total."""
+    import corpus
+    from mcsd.data import default_spec_bench
+    from mcsd.models import load_tokenizer
+
+    data_dir = Path(args.data_dir)
+    if not args.paths and not args.packages:
+        sys.exit("corpus needs --paths and/or --packages")
+    try:
+        corpus.refuse_evaluation_data(args.paths, [args.questions or default_spec_bench()])
+        docs, versions = [], {}
+        for name in args.packages:
+            found, versions[name] = corpus.package_documents(name, tuple(args.suffixes))
+            docs += found
+        for path in args.paths:
+            docs += corpus.path_documents(path, args.licence, tuple(args.suffixes))
+    except corpus.CorpusError as exc:
+        sys.exit(f"corpus: {exc}")
+    docs = corpus.dedupe(docs)
+    tokenizer = load_tokenizer(args.target)
+    settings = {"kind": "corpus", "format": args.format, "chunk_tokens": args.chunk_tokens,
+                "target": Path(args.target).name}
+    done = start_run(data_dir, "runs", args.run, settings, args.command)
+    total = read_manifest(data_dir)["runs"][args.run].get("n_tokens", 0)
+    print(f"[corpus {args.run}] {len(docs)} documents, {len(done)} chunks and {total} tokens stored", flush=True)
+
+    def flush(pending: list[dict], prov: dict) -> None:
+        save_shard(data_dir, "runs", args.run, pending,
+                   {"n_sequences": len(pending), "n_tokens": sum(len(r["response"]) for r in pending)})
+        with manifest_update(data_dir) as manifest:
+            table = manifest["runs"][args.run].setdefault("provenance", {})
+            for source, add in prov.items():
+                entry = table.setdefault(source, {"version": add["version"], "licence": add["licence"],
+                                                  "files": 0, "chunks": 0, "tokens": 0})
+                for k in ("files", "chunks", "tokens"):
+                    entry[k] += add[k]
+
+    pending, prov = [], {}
+    bar = tqdm(docs, desc=f"corpus {args.run}", unit="file", dynamic_ncols=True)
+    for doc in bar:
+        if args.max_tokens and total >= args.max_tokens:
+            break
+        try:
+            new = [r for r in corpus.records(doc, tokenizer, args.chunk_tokens, args.format) if r["key"] not in done]
+        except corpus.CorpusError as exc:
+            sys.exit(f"corpus: {exc}")
+        if args.max_tokens:
+            keep, room = [], args.max_tokens - total
+            for r in new:
+                if room <= 0:
+                    break
+                keep.append(r)
+                room -= len(r["response"])
+            new = keep
+        if not new:
+            continue
+        n_tok = sum(len(r["response"]) for r in new)
+        total += n_tok
+        p = prov.setdefault(doc.source, {"version": versions.get(doc.source), "licence": doc.licence,
+                                         "files": 0, "chunks": 0, "tokens": 0})
+        p["files"] += any(r["key"].endswith("#0") for r in new)    # counted once, with its first chunk
+        p["chunks"] += len(new)
+        p["tokens"] += n_tok
+        pending += new
+        if len(pending) >= args.shard_records:
+            flush(pending, prov)
+            pending, prov = [], {}
+        bar.set_postfix(tokens=total)
+    if pending:
+        flush(pending, prov)
+    bar.close()
+    print(f"[corpus {args.run}] {total} tokens stored; label them with: "
+          f"python tools/target_data.py teacher {args.run} --store-layers ...", flush=True)
+
+
+# -----------------------------------------------------------------------------
 # Teacher-forced pass
 
 
@@ -708,6 +796,19 @@ def main(argv=None):
     pt.add_argument("--source", choices=["specbench", "selfinstruct"], default="specbench")
     pt.add_argument("--split", choices=["fit", "heldout", "all"], default="fit")
 
+    c = sub.add_parser("corpus", help="text files or installed packages' source and docs, as a run to label")
+    c.add_argument("--run", required=True)
+    c.add_argument("--paths", nargs="*", default=[], help="files or folders of text (not evaluation data)")
+    c.add_argument("--packages", nargs="*", default=[],
+                   help="installed distributions whose source and documentation to use, e.g. torch transformers")
+    c.add_argument("--licence", default="unknown", help="the licence of the text under --paths, for the card")
+    c.add_argument("--suffixes", nargs="*", default=[".py", ".md", ".rst", ".txt"])
+    c.add_argument("--format", choices=["chat", "plain"], default="chat",
+                   help="chat: each chunk is the assistant's answer to a request naming the file")
+    c.add_argument("--chunk-tokens", type=int, default=512)
+    c.add_argument("--max-tokens", type=int, default=0, help="stop when the run holds this many tokens (0 = all)")
+    c.add_argument("--shard-records", type=int, default=256)
+
     t = sub.add_parser("teacher", help="teacher-forced top-k labels for stored runs")
     t.add_argument("runs", nargs="+")
     t.add_argument("--store-hidden", action="store_true", help="also keep the last hidden state")
@@ -725,7 +826,8 @@ def main(argv=None):
     args.command = "python tools/target_data.py " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))
     args.data_dir = args.data_dir or str(default_data_dir(args.target))
     torch.set_num_threads(args.threads)
-    {"generate": run_generate, "selfinstruct": run_selfinstruct, "prompttext": run_prompttext, "teacher": run_teacher,
+    {"generate": run_generate, "selfinstruct": run_selfinstruct, "prompttext": run_prompttext, "corpus": run_corpus,
+     "teacher": run_teacher,
      "status": run_status}[args.stage](args)
 
 

@@ -41,7 +41,6 @@ from pathlib import Path
 
 import torch
 
-from ..config import ConfigError
 from ..errors import ModelLoadError
 from ..models import models_dir
 from ..tree import TreeTopology
