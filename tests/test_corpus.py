@@ -114,6 +114,9 @@ def test_corpus_stage_resumes_caps_records_provenance_and_feeds_the_teacher(tmp_
     assert prov["files"] == 4                                        # the copy is not one
     target_data.main(common + corpus_args)                           # a third call adds nothing
     assert target_data.read_manifest(data)["runs"]["words"]["n_tokens"] == entry["n_tokens"]
+    import train_feature_drafter
+    card = train_feature_drafter.run_provenance(data, ["words"])["words"]
+    assert card["sources"][str(text)]["licence"] == "CC0-1.0" and card["tokens"] == entry["n_tokens"]
     target_data.main(common + ["teacher", "words", "--store-layers", "1,2"])
     ex = target_data.load_examples(data, ["words"], with_hidden=True)
     assert len(ex) == len(keys)

@@ -158,7 +158,8 @@ def agreement(head, embed, examples, length, device, steps=3):
 
 
 def run_provenance(data_dir: Path, runs: list[str]) -> dict:
-    """Per run: its settings, size, generation time and the commands that wrote it (from the manifest)."""
+    """Per run: its settings, size, generation time, the commands that wrote it and, for corpus runs,
+    the sources' provenance (from the manifest)."""
     import target_data
 
     manifest = target_data.read_manifest(Path(data_dir))
@@ -168,6 +169,8 @@ def run_provenance(data_dir: Path, runs: list[str]) -> dict:
         out[run] = {"settings": entry["settings"], "sequences": entry.get("n_sequences"),
                     "tokens": entry.get("n_tokens"), "minutes": round(entry.get("seconds", 0) / 60, 1),
                     "commands": entry.get("commands", [])}
+        if entry.get("provenance"):              # a corpus run: per source, version, licence and size
+            out[run]["sources"] = entry["provenance"]
         if teacher:
             out[run]["teacher"] = {"settings": teacher["settings"], "minutes": round(teacher.get("seconds", 0) / 60, 1),
                                    "commands": teacher.get("commands", [])}
