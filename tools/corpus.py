@@ -111,7 +111,7 @@ def refuse_evaluation_data(paths: list[str | Path], evaluation_files: list[str |
     for p in paths:
         p = Path(p).resolve()
         for ev in guarded:
-            if p == ev or ev.parent == p or p.is_relative_to(ev.parent) or ev.is_relative_to(p):
+            if p.is_relative_to(ev.parent) or ev.is_relative_to(p):    # in its folder, or holding it
                 raise CorpusError(f"{p} holds evaluation data ({ev}); corpora must not contain it")
 
 
