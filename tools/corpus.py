@@ -76,13 +76,8 @@ def package_documents(name: str, suffixes=TEXT_SUFFIXES) -> tuple[list[Document]
         path = Path(str(dist.locate_file(f)))
         if path.suffix not in suffixes or "__pycache__" in f.parts or not path.is_file():
             continue
-        if path.stat().st_size > MAX_FILE_BYTES:
-            continue
-        if f.suffix == ".py":
-            label = ".".join(f.with_suffix("").parts).removesuffix(".__init__")
-        else:
-            label = str(f)
-        docs.append(Document(f"{name}:{f}", name, label, KIND[path.suffix], _read(path), lic))
+        label = ".".join(f.with_suffix("").parts).removesuffix(".__init__") if f.suffix == ".py" else str(f)
+        docs += _document(path, name, str(f), label, lic)
     return docs, dist.version
 
 
@@ -94,15 +89,17 @@ def path_documents(root: str | Path, licence: str = "unknown", suffixes=TEXT_SUF
     files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in suffixes)
     docs = []
     for path in files:
-        if path.stat().st_size > MAX_FILE_BYTES:
-            continue
         rel = path.name if root.is_file() else str(path.relative_to(root))
-        docs.append(Document(f"{root}:{rel}", str(root), rel, KIND.get(path.suffix, "text"), _read(path), licence))
+        docs += _document(path, str(root), rel, rel, licence)
     return docs
 
 
-def _read(path: Path) -> str:
-    return path.read_text(encoding="utf-8", errors="replace")
+def _document(path: Path, source: str, rel: str, label: str, licence: str) -> list[Document]:
+    """The file as a document of `source` (none when it is too large to be prose or code)."""
+    if path.stat().st_size > MAX_FILE_BYTES:
+        return []
+    text = path.read_text(encoding="utf-8", errors="replace")
+    return [Document(f"{source}:{rel}", source, label, KIND.get(path.suffix, "text"), text, licence)]
 
 
 def refuse_evaluation_data(paths: list[str | Path], evaluation_files: list[str | Path]) -> None:

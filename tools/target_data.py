@@ -554,8 +554,7 @@ def run_corpus(args):
         with manifest_update(data_dir) as manifest:
             table = manifest["runs"][args.run].setdefault("provenance", {})
             for source, add in prov.items():
-                entry = table.setdefault(source, {"version": add["version"], "licence": add["licence"],
-                                                  "files": 0, "chunks": 0, "tokens": 0})
+                entry = table.setdefault(source, {**add, "files": 0, "chunks": 0, "tokens": 0})
                 for k in ("files", "chunks", "tokens"):
                     entry[k] += add[k]
 
