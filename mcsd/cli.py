@@ -266,6 +266,7 @@ def _settings(args, decoder, dtype_reason) -> dict:
             "policy": args.policy if drafted and drafter is not None else None,
             "drafter": kind if drafted else None,
             "dtype": args.dtype, "dtype_reason": dtype_reason, "costs": decoder.costs_source,
+            "matmul_kernels": decoder.kernels_note,
             "device": args.device, "attention": decoder.attention, "baseline": args.baseline,
             "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
             "lossy_target_roots": args.lossy_target_roots,
@@ -352,6 +353,8 @@ def run(args) -> int:
     if args.stats:
         print(_stats_summary(out.stats, args.baseline), file=sys.stderr)
         print(f"dtype: {dtype_reason or args.dtype + ' (as asked)'}", file=sys.stderr)
+        if decoder.kernels_note is not None:
+            print(f"matmul kernels: {decoder.kernels_note}", file=sys.stderr)
         if decoder.costs_source is not None:
             print(f"costs: {_COSTS_SOURCES[decoder.costs_source]}", file=sys.stderr)
     if args.show_tree and rounds:

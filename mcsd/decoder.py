@@ -25,6 +25,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from . import kernels
 from .attention import set_backend
 from .config import ConfigError, DecodeConfig, SamplingConfig
 from .context import ContextDrafter
@@ -191,9 +192,21 @@ class TreeDecoder:
         self.tokenizer = tokenizer
         options = dict(policy_options or {})
         self.costs_source = None
+        fetched = []                                  # this machine's profile, looked up once
+
+        def device_profile():
+            if not fetched:
+                fetched.append(self._device_profile(target, draft, calibrate))
+            return fetched[0]
+
+        def device_costs():
+            from .profile import Costs
+            prof, source = device_profile()
+            return Costs.from_profile(prof, source=source) if prof is not None else Costs.default()
+
         if isinstance(policy, str) and getattr(POLICIES.get(policy), "uses_device_profile", False) \
                 and "costs" not in options:
-            options["costs"] = self._device_costs(target, draft, calibrate)
+            options["costs"] = device_costs()
         if "costs" in options:
             self.costs_source = options["costs"].source
         self.policy = make_policy(policy, tree, **options)
@@ -207,8 +220,11 @@ class TreeDecoder:
             self.context.bind(target.get_input_embeddings().weight.shape[0], self.target.device)
             self.context_costs = getattr(self.policy, "costs", None)
             if self.context_costs is None:
-                self.context_costs = self._device_costs(target, draft, calibrate)
+                self.context_costs = device_costs()
                 self.costs_source = self.context_costs.source
+        self.kernels_note = None                      # which matmul path small blocks run on, for --stats
+        if kernels.switchable(self.target.dtype, self.target.device):
+            self._use_kernels(device_profile()[0])
         # Trees live where the target's inputs live (its embedding's device under a device_map).
         for pol in (self.policy, self._baseline_policy):
             pol.topology = pol.topology.to(self.target.device)
@@ -295,7 +311,8 @@ class TreeDecoder:
                 drafter: Drafter | None, on_round=None, context: ContextDrafter | None = None) -> Iterator[list[int]]:
         if isinstance(policy, PearlMode) and drafter is not None:    # draft and target run concurrently
             from . import pearl
-            return (yield from pearl.decode(self, prompt_ids, cfg, policy, drafter))
+            with kernels.suspend():                             # the matmul flag is shared by both threads
+                return (yield from pearl.decode(self, prompt_ids, cfg, policy, drafter))
         stats, gen = GenerationStats(), make_generator(cfg.seed, self.target.device)
         eos = self._eos_ids(cfg)
         t_start = time.perf_counter()
@@ -433,18 +450,40 @@ class TreeDecoder:
 
     # ------------------------------------------------------------------ helpers
 
+    def _use_kernels(self, prof) -> None:
+        """Run each forward on the matmul path the profile measured faster for its size."""
+        if prof is None:
+            return
+        notes = []
+        self.target.kernels = prof.kernel_table("verify")
+        if self.target.kernels is not None:
+            notes.append(f"target: {self.target.kernels.describe()}")
+        if self.drafter is not None and hasattr(self.drafter, "kernels"):
+            self.drafter.kernels = prof.kernel_table("draft")
+            if self.drafter.kernels is not None:
+                notes.append(f"draft: {self.drafter.kernels.describe()}")
+        self.kernels_note = "; ".join(notes) or None
+
     @staticmethod
-    def _device_costs(target, draft, calibrate: bool | None = None):
-        """This machine's costs for the pair: the cached profile, measured when missing (or when
-        `calibrate` is True); with `calibrate=False` and nothing cached, generic defaults."""
-        from .profile import Costs, load_cached, load_or_measure
+    def _device_profile(target, draft, calibrate: bool | None = None):
+        """(this machine's profile for the pair or None, where it came from): the cached one,
+        measured when missing (or when `calibrate` is True); None with `calibrate=False` and
+        nothing cached."""
+        from .profile import load_cached, load_or_measure
         timed = draft if isinstance(draft, torch.nn.Module) or getattr(draft, "uses_target_hidden", False) else None
         prof = None if calibrate else load_cached(target, timed)
         if prof is not None:
-            return Costs.from_profile(prof, source="cached")
+            return prof, "cached"
         if calibrate is False:
-            return Costs.default()
-        return Costs.from_profile(load_or_measure(target, timed, force=True), source="measured")
+            return None, "default"
+        return load_or_measure(target, timed, force=True), "measured"
+
+    @staticmethod
+    def _device_costs(target, draft, calibrate: bool | None = None):
+        """This machine's costs for the pair (see `_device_profile`); generic defaults without a profile."""
+        from .profile import Costs
+        prof, source = TreeDecoder._device_profile(target, draft, calibrate)
+        return Costs.from_profile(prof, source=source) if prof is not None else Costs.default()
 
     @staticmethod
     def _expected_tokens(policy: TreePolicy, stats: GenerationStats, drafted_size: int) -> float:

@@ -67,6 +67,15 @@ class ModelDrafter:
     def model(self) -> torch.nn.Module:
         return self.lm.model
 
+    @property
+    def kernels(self):
+        """The CPU matmul path per block size of the draft's forwards (`mcsd.kernels`)."""
+        return self.lm.kernels
+
+    @kernels.setter
+    def kernels(self, table) -> None:
+        self.lm.kernels = table
+
     def reset(self) -> None:
         self.lm.reset()
         self.forwards = 0

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import kv_cache
+from . import kernels, kv_cache
 from .tree import DraftTree, additive_mask, causal_allowed
 
 
@@ -199,6 +199,7 @@ class FeatureDrafter:
         self.dtype = self.embed.weight.dtype
         self.forwards = 0
         self.last_hidden: torch.Tensor | None = None    # (M, H) predicted features of the rows just run
+        self.kernels = None                             # CPU matmul path per block size (mcsd.kernels)
         self.reset()
 
     def reset(self) -> None:
@@ -223,9 +224,14 @@ class FeatureDrafter:
     def _run(self, feats, tokens, positions, allowed):
         prefix = kv_cache.cache_length(self.cache) - (allowed.shape[1] - tokens.numel())
         mask = additive_mask(allowed, prefix, self.dtype)
-        pred = self.head(feats[None], self.embed(tokens)[None], positions[None], mask, self.cache)[0]
+        with kernels.running(self.kernels, tokens.numel()):
+            pred = self.head(feats[None], self.embed(tokens)[None], positions[None], mask, self.cache)[0]
         self.forwards += 1
         return pred                                                               # (Q, H)
+
+    def _scores(self, pred: torch.Tensor) -> torch.Tensor:
+        with kernels.running(self.kernels, pred.shape[0] if pred.dim() > 1 else 1):
+            return self.head.scores(pred)
 
     @torch.inference_mode()
     def begin_round(self, sequence: torch.Tensor) -> torch.Tensor:
@@ -240,7 +246,7 @@ class FeatureDrafter:
         self._slots = torch.zeros(1, dtype=torch.long, device=self.device)
         self._pred = pred[-1:]                          # node 0 (root) -> predicted feature
         self.last_hidden = self._pred
-        return self.head.scores(pred[-1])
+        return self._scores(pred[-1])
 
     @torch.inference_mode()
     def step(self, tree: DraftTree, rows: torch.Tensor) -> torch.Tensor:
@@ -253,7 +259,7 @@ class FeatureDrafter:
         self._slots = cols
         self._pred = torch.cat([self._pred, pred])
         self.last_hidden = pred
-        return self.head.scores(pred)
+        return self._scores(pred)
 
     @torch.inference_mode()
     def commit(self, path: torch.Tensor) -> None:

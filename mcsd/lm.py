@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import kv_cache
+from . import kernels, kv_cache
 from .tree import additive_mask, causal_allowed
 
 
@@ -20,6 +20,8 @@ class CachedLM:
     Attributes:
         model: the transformers model (eval mode).
         cache: its DynamicCache; holds `length` committed positions between rounds.
+        kernels: which CPU matmul path each block size runs on (`mcsd.kernels`;
+            None leaves torch's setting alone).
     """
 
     def __init__(self, model: torch.nn.Module):
@@ -27,6 +29,7 @@ class CachedLM:
         self.dtype = model.get_input_embeddings().weight.dtype
         self.device = model.get_input_embeddings().weight.device
         self.cache = None
+        self.kernels: kernels.KernelTable | None = None
 
     def reset(self) -> None:
         from transformers import DynamicCache
@@ -55,9 +58,10 @@ class CachedLM:
         """
         prefix = self.length - (allowed.shape[1] - tokens.numel())
         mask = additive_mask(allowed.to(self.device), prefix, self.dtype)          # (1, 1, Q, prefix+K)
-        out = self.model(input_ids=tokens.to(self.device)[None], position_ids=positions.to(self.device)[None],
-                         attention_mask=mask, past_key_values=self.cache, use_cache=True,
-                         output_hidden_states=hidden)
+        with kernels.running(self.kernels, tokens.numel()):
+            out = self.model(input_ids=tokens.to(self.device)[None], position_ids=positions.to(self.device)[None],
+                             attention_mask=mask, past_key_values=self.cache, use_cache=True,
+                             output_hidden_states=hidden)
         logits = out.logits[0].to(self.device)          # a device_map may end on another GPU
         if not hidden:
             return logits

@@ -7,6 +7,7 @@ against what it costs to draft and verify on *this* hardware.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -20,12 +21,13 @@ from pathlib import Path
 
 import torch
 
-from . import kv_cache
+from . import kernels, kv_cache
 from .cache import cache_dir, cache_writes
 from .lm import CachedLM
 from .tree import causal_allowed
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
+ATEN_MAX_ROWS = 16          # block sizes up to this are also timed through ATen's kernels (mcsd.kernels)
 CALIBRATION_REPEATS = 5     # the quick measurement a first generation makes (a few seconds)
 
 
@@ -34,8 +36,12 @@ class DeviceProfile:
     """Latencies in milliseconds, median over repeated interleaved runs.
 
     Attributes:
-        verify_ms: {tree tokens: target forward time} with a `prefix_len` cache.
+        verify_ms: {tree tokens: target forward time} with a `prefix_len` cache,
+            through torch's default matmul path.
         draft_ms: {tokens: draft forward time} (empty without a draft).
+        verify_aten_ms, draft_aten_ms: the same through ATen's kernels instead of
+            oneDNN, for small blocks, where the two differ (`mcsd.kernels`);
+            empty elsewhere.
         meta: model names, dtype, device, backend, thread count, torch version.
     """
 
@@ -43,25 +49,42 @@ class DeviceProfile:
     draft_ms: dict[int, float] = field(default_factory=dict)
     prefix_len: int = 200
     meta: dict = field(default_factory=dict)
+    verify_aten_ms: dict[int, float] = field(default_factory=dict)
+    draft_aten_ms: dict[int, float] = field(default_factory=dict)
+
+    def kernel_table(self, role: str) -> kernels.KernelTable | None:
+        """Which matmul path each block size of the target ("verify") or draft ("draft")
+        runs faster on; None where only one path was timed."""
+        default, aten = (self.verify_ms, self.verify_aten_ms) if role == "verify" else (self.draft_ms, self.draft_aten_ms)
+        return kernels.KernelTable(default, aten) if default and aten else None
+
+    def best_ms(self, role: str) -> dict[int, float]:
+        """{size: ms} on the faster path per measured size (what the engine runs)."""
+        default, aten = (self.verify_ms, self.verify_aten_ms) if role == "verify" else (self.draft_ms, self.draft_aten_ms)
+        return {n: min(ms, aten.get(n, ms)) for n, ms in default.items()}
 
     def verify_cost(self, n_tokens: int) -> float:
-        """Interpolated verify time for n tokens (linear between measured sizes, flat outside)."""
-        return interpolate(self.verify_ms, n_tokens)
+        """Interpolated verify time for n tokens (linear between measured sizes, flat outside),
+        on the faster matmul path."""
+        return interpolate(self.best_ms("verify"), n_tokens)
 
     def draft_cost(self, n_tokens: int) -> float:
-        return interpolate(self.draft_ms, n_tokens) if self.draft_ms else 0.0
+        return interpolate(self.best_ms("draft"), n_tokens) if self.draft_ms else 0.0
 
     def to_json(self) -> str:
         d = asdict(self)
-        d["verify_ms"] = {str(k): v for k, v in self.verify_ms.items()}
-        d["draft_ms"] = {str(k): v for k, v in self.draft_ms.items()}
+        for name in ("verify_ms", "draft_ms", "verify_aten_ms", "draft_aten_ms"):
+            d[name] = {str(k): v for k, v in getattr(self, name).items()}
         return json.dumps(d, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> "DeviceProfile":
         d = json.loads(text)
-        return cls(verify_ms={int(k): float(v) for k, v in d["verify_ms"].items()},
-                   draft_ms={int(k): float(v) for k, v in d.get("draft_ms", {}).items()},
+        table = lambda name: {int(k): float(v) for k, v in d.get(name, {}).items()}   # noqa: E731
+        if not table("verify_ms"):
+            raise KeyError("verify_ms")
+        return cls(verify_ms=table("verify_ms"), draft_ms=table("draft_ms"),
+                   verify_aten_ms=table("verify_aten_ms"), draft_aten_ms=table("draft_aten_ms"),
                    prefix_len=int(d.get("prefix_len", 200)), meta=dict(d.get("meta", {})))
 
 
@@ -129,6 +152,7 @@ class _ModelTimer:
 
     def __init__(self, model, prefix_len: int, gen: torch.Generator):
         self.lm, self.prefix_len, self.gen = CachedLM(model), prefix_len, gen
+        self.dtype, self.device = self.lm.dtype, self.lm.device
         self.vocab = model.get_input_embeddings().weight.shape[0]
         self.lm.reset()
         self.lm.extend(torch.randint(0, self.vocab, (prefix_len,), generator=gen).to(self.lm.device))
@@ -149,6 +173,7 @@ class _HeadTimer:
 
     def __init__(self, drafter, prefix_len: int, gen: torch.Generator):
         self.drafter, self.prefix_len, self.gen = drafter, prefix_len, gen
+        self.dtype, self.device = drafter.dtype, drafter.device
         self.vocab = drafter.embed.weight.shape[0]
         drafter.reset()
         self._run(prefix_len, start=0)
@@ -174,30 +199,51 @@ def measure(target, draft=None, sizes=DEFAULT_SIZES, prefix_len: int = 200, repe
 
     `draft` is a causal LM or a target-feature drafter (`mcsd.feature_draft`).
     Sizes are visited in a shuffled order each repeat so that drift (thermal,
-    other load) spreads evenly; the median of `repeats` runs is kept.
+    other load) spreads evenly; the median of `repeats` runs is kept. Where
+    oneDNN and ATen kernels both could run the matrix products (bfloat16 or
+    float16 on a CPU with native support, `mcsd.kernels.switchable`), blocks
+    up to `ATEN_MAX_ROWS` are timed on both paths, interleaved the same way.
     """
     gen = torch.Generator().manual_seed(0)
     timers = {"verify": (_ModelTimer(target, prefix_len, gen), sizes)}
     if draft is not None:
         timer = (_HeadTimer if _is_feature_drafter(draft) else _ModelTimer)(draft, prefix_len, gen)
         timers["draft"] = (timer, draft_sizes)
-    plan = [(role, n) for role, (_, ns) in timers.items() for n in ns]
-    for role, n in plan:
-        timers[role][0].latency(n)                                               # warm-up
-    samples: dict[tuple[str, int], list[float]] = {}
-    for _ in range(repeats):
-        for i in torch.randperm(len(plan), generator=gen).tolist():
-            role, n = plan[i]
-            samples.setdefault((role, n), []).append(timers[role][0].latency(n))
-    med = {k: statistics.median(v) for k, v in samples.items()}
     verify_lm = timers["verify"][0].lm
+    both = {role: kernels.switchable(t.dtype, t.device) for role, (t, _) in timers.items()}
+    plan = [(role, n, path) for role, (_, ns) in timers.items() for n in ns for path in (True, False)
+            if path or (both[role] and n <= ATEN_MAX_ROWS)]
+    saved = getattr(draft, "kernels", None)
+    if draft is not None and _is_feature_drafter(draft):
+        draft.kernels = None                                                     # timed on the path chosen here
+
+    def latency(role, n, path):
+        with kernels.onednn(path) if both[role] else contextlib.nullcontext():
+            return timers[role][0].latency(n)
+
+    try:
+        for step in plan:
+            latency(*step)                                                       # warm-up
+        samples: dict[tuple[str, int, bool], list[float]] = {}
+        for _ in range(repeats):
+            for i in torch.randperm(len(plan), generator=gen).tolist():
+                samples.setdefault(plan[i], []).append(latency(*plan[i]))
+    finally:
+        if draft is not None and _is_feature_drafter(draft):
+            draft.kernels = saved
+    med = {k: statistics.median(v) for k, v in samples.items()}
     meta = {"target": _model_name(target), "draft": _model_name(draft) if draft is not None else None,
             "dtype": str(verify_lm.dtype).replace("torch.", ""), "device": str(verify_lm.device),
             "attention": getattr(target.config, "_attn_implementation", None),
             "threads": torch.get_num_threads(), "torch": torch.__version__, "repeats": repeats,
             "host": machine_info(str(verify_lm.device))}
-    return DeviceProfile(verify_ms={n: med[("verify", n)] for n in sizes},
-                         draft_ms={n: med[("draft", n)] for n in draft_sizes} if draft is not None else {},
+
+    def table(role, ns, path):
+        return {n: med[(role, n, path)] for n in ns if (role, n, path) in med}
+    return DeviceProfile(verify_ms=table("verify", sizes, True),
+                         draft_ms=table("draft", draft_sizes, True) if draft is not None else {},
+                         verify_aten_ms=table("verify", sizes, False),
+                         draft_aten_ms=table("draft", draft_sizes, False) if draft is not None else {},
                          prefix_len=prefix_len, meta=meta)
 
 
@@ -253,9 +299,12 @@ def profile_path(target, draft, dtype=None) -> Path:
     """Cache file for this machine, pair, dtype, device, attention backend and thread count."""
     dev = next(target.parameters()).device
     dtype = dtype or next(target.parameters()).dtype
-    key = "|".join([_model_key(target), _model_key(draft) if draft is not None else "-", str(dtype), str(dev),
-                    str(getattr(target.config, "_attn_implementation", None)), str(torch.get_num_threads()),
-                    json.dumps(host_key(dev), sort_keys=True)])
+    parts = [_model_key(target), _model_key(draft) if draft is not None else "-", str(dtype), str(dev),
+             str(getattr(target.config, "_attn_implementation", None)), str(torch.get_num_threads()),
+             json.dumps(host_key(dev), sort_keys=True)]
+    if kernels.switchable(dtype, dev):
+        parts.append("onednn-and-aten")               # profiles timed on both matmul paths
+    key = "|".join(parts)
     digest = hashlib.sha1(key.encode()).hexdigest()[:12]
     return cache_dir() / "profiles" / f"{digest}.json"
 
@@ -330,7 +379,9 @@ class Costs:
 
     @classmethod
     def from_profile(cls, profile: DeviceProfile, source: str = "measured") -> "Costs":
-        return cls(verify=profile.verify_ms, draft=profile.draft_ms or cls.default().draft, source=source)
+        """Costs on the faster matmul path per size, which is the one the engine runs."""
+        return cls(verify=profile.best_ms("verify"), draft=profile.best_ms("draft") or cls.default().draft,
+                   source=source)
 
     def _corr(self, kind: str, n: float) -> float:
         return self._factor[kind].get(int(n).bit_length(), self._overall[kind])

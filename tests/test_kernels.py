@@ -1,0 +1,155 @@
+"""The matmul path per block size: chosen from measured times, applied around each forward only,
+left alone where it cannot matter or where threads share it, and never changing greedy output."""
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from mcsd import TreeDecoder
+from mcsd import kernels
+from mcsd.feature_draft import FeatureDrafter
+from mcsd.lm import CachedLM
+from mcsd.profile import ATEN_MAX_ROWS, Costs, DeviceProfile, load_or_measure
+
+PROMPT = torch.tensor([3, 17, 42, 5, 9, 11])
+QUICK = dict(sizes=(1, 2, 4, 32), prefix_len=16, repeats=1, draft_sizes=(1, 2, 32))
+
+# As measured for SmolLM2-135M in bfloat16 on a 2-core AVX512-BF16 CPU (ms): ATen wins below 4 rows.
+ONEDNN_MS = {1: 43.2, 2: 41.6, 4: 47.0, 8: 40.5, 16: 49.6, 32: 62.6}
+ATEN_MS = {1: 25.0, 2: 32.0, 4: 49.5, 8: 74.0, 16: 135.9}
+
+
+class FlagSpy:
+    """Records torch's oneDNN flag at every forward of a module."""
+
+    def __init__(self, module):
+        self.seen = []
+        self.handle = module.register_forward_pre_hook(lambda mod, args: self.seen.append(torch.backends.mkldnn.enabled))
+
+    def remove(self):
+        self.handle.remove()
+
+
+def test_table_picks_the_faster_path_per_size():
+    table = kernels.KernelTable(ONEDNN_MS, ATEN_MS)
+    assert [table.use_onednn(n) for n in (1, 2, 3, 4, 8, 16)] == [False, False, False, True, True, True]
+    assert table.use_onednn(500)                       # past the largest size ATen was timed at: oneDNN
+    assert table.describe() == "ATen kernels for 1-3 rows, oneDNN above"
+    assert kernels.KernelTable(ONEDNN_MS, {n: 2 * ms for n, ms in ONEDNN_MS.items()}).describe() == \
+        "oneDNN for every block"
+    assert kernels.KernelTable({1: 5.0, 2: 5.0, 4: 5.0}, {1: 1.0, 2: 9.0, 4: 1.0}).describe() == \
+        "ATen kernels for 1, 4 rows, oneDNN above"
+
+
+def test_the_flag_is_set_for_one_block_and_restored():
+    table = kernels.KernelTable(ONEDNN_MS, ATEN_MS)
+    assert torch.backends.mkldnn.enabled
+    with table.running(1):
+        assert not torch.backends.mkldnn.enabled
+    assert torch.backends.mkldnn.enabled
+    with table.running(8):
+        assert torch.backends.mkldnn.enabled
+    with pytest.raises(RuntimeError), table.running(1):
+        raise RuntimeError("a failing forward")
+    assert torch.backends.mkldnn.enabled              # restored on error too
+    with kernels.suspend(), table.running(1):
+        assert torch.backends.mkldnn.enabled          # suspended: left as it was
+    with kernels.running(None, 1):
+        assert torch.backends.mkldnn.enabled
+
+
+def test_only_reduced_precision_on_a_cpu_is_switchable():
+    assert not kernels.switchable(torch.float32, "cpu")
+    assert not kernels.switchable(torch.bfloat16, "cuda")
+    assert not kernels.switchable(torch.float16, "meta")
+    expected = torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert kernels.switchable(torch.bfloat16, "cpu") == expected
+
+
+def test_cached_lm_runs_each_block_on_its_path(target):
+    lm = CachedLM(target)
+    lm.kernels = kernels.KernelTable(ONEDNN_MS, ATEN_MS)
+    spy = FlagSpy(target)
+    try:
+        lm.reset()
+        lm.extend(PROMPT)                              # 6 rows: oneDNN
+        lm.extend(torch.tensor([7]))                   # 1 row: ATen
+        lm.extend(torch.tensor([7, 8]))                # 2 rows: ATen
+    finally:
+        spy.remove()
+    assert spy.seen == [True, False, False]
+    assert torch.backends.mkldnn.enabled
+
+
+def test_profile_times_both_paths_for_small_blocks(target, random_draft, monkeypatch):
+    monkeypatch.setattr(kernels, "switchable", lambda dtype, device: True)
+    prof = load_or_measure(target, random_draft, force=True, quiet=True, **QUICK)
+    assert set(prof.verify_ms) == {1, 2, 4, 32} and set(prof.verify_aten_ms) == {1, 2, 4}
+    assert set(prof.draft_aten_ms) == {1, 2} and max(prof.verify_aten_ms) <= ATEN_MAX_ROWS
+    assert torch.backends.mkldnn.enabled
+    again = DeviceProfile.from_json(prof.to_json())
+    assert again.verify_aten_ms == prof.verify_aten_ms and again.draft_aten_ms == prof.draft_aten_ms
+    assert prof.kernel_table("verify") is not None and prof.kernel_table("draft") is not None
+
+
+def test_costs_are_those_of_the_faster_path():
+    prof = DeviceProfile(verify_ms=ONEDNN_MS, verify_aten_ms=ATEN_MS, draft_ms={1: 4.5, 8: 5.0},
+                         draft_aten_ms={1: 2.6, 8: 10.5})
+    costs = Costs.from_profile(prof)
+    assert costs.verify_ms(1) == 25.0 and costs.verify_ms(8) == 40.5 and costs.verify_ms(32) == 62.6
+    assert costs.draft_ms(1) == 2.6 and costs.draft_ms(8) == 5.0
+    assert prof.verify_cost(2) == 32.0
+    assert DeviceProfile(verify_ms=ONEDNN_MS).kernel_table("verify") is None    # one path timed: no choice
+
+
+@pytest.mark.parametrize("policy,tree", [("static", "2,2,1"), ("learned", None)])
+def test_decoder_applies_the_measured_paths_and_stays_lossless(target, random_draft, monkeypatch, policy, tree):
+    reference = TreeDecoder(target, None, attention="sdpa").generate_baseline(PROMPT, max_new_tokens=40).tokens
+    monkeypatch.setattr(kernels, "switchable", lambda dtype, device: True)
+    dec = TreeDecoder(target, random_draft, tree=tree, policy=policy, calibrate=True)
+    assert dec.target.kernels is not None and dec.drafter.kernels is not None
+    assert dec.kernels_note is not None and dec.kernels_note.startswith("target: ")
+    forced = kernels.KernelTable(ONEDNN_MS, ATEN_MS)            # ATen for 1-3 rows, whatever was measured
+    dec.target.kernels = dec.drafter.kernels = forced
+    spy = FlagSpy(target)
+    try:
+        out = dec.generate(PROMPT, max_new_tokens=40)
+        plain = dec.generate_baseline(PROMPT, max_new_tokens=40)
+    finally:
+        spy.remove()
+    assert out.tokens == reference and plain.tokens == reference
+    assert False in spy.seen and True in spy.seen                 # small blocks on ATen, the prefill on oneDNN
+    assert torch.backends.mkldnn.enabled
+
+
+def test_nothing_is_switched_where_it_cannot_matter(target, random_draft):
+    dec = TreeDecoder(target, random_draft, policy="static", tree="2,1")      # float32: no table, no measuring
+    assert dec.target.kernels is None and dec.kernels_note is None
+
+
+def test_feature_drafter_forwards_follow_the_table(target):
+    from test_feature_draft import random_head
+    drafter = FeatureDrafter(random_head(target), target)
+    drafter.kernels = kernels.KernelTable(ONEDNN_MS, ATEN_MS)
+    spy = FlagSpy(drafter.head)
+    try:
+        out = TreeDecoder(target, drafter, tree="1,1", policy="static", calibrate=False).generate(
+            PROMPT, max_new_tokens=12)
+    finally:
+        spy.remove()
+    assert out.tokens
+    assert spy.seen[0] is True and False in spy.seen                # prompt block on oneDNN, tree steps on ATen
+
+
+def test_pearl_leaves_the_shared_flag_alone(target, monkeypatch):
+    draft = tiny_llama(1, layers=1)
+    monkeypatch.setattr(kernels, "switchable", lambda dtype, device: True)
+    dec = TreeDecoder(target, draft, policy="pearl", tree="1,1,1", calibrate=True)
+    dec.target.kernels = dec.drafter.kernels = kernels.KernelTable(ONEDNN_MS, ATEN_MS)
+    spy_t, spy_d = FlagSpy(target), FlagSpy(draft)
+    try:
+        dec.generate(PROMPT, max_new_tokens=16)
+    finally:
+        spy_t.remove()
+        spy_d.remove()
+    assert all(spy_t.seen) and all(spy_d.seen)
