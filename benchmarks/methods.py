@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from mcsd import TreeDecoder
+from mcsd import TreeDecoder, kernels
 from mcsd.policies import POLICIES
 
 CHAIN_KS = (1, 2, 3, 4, 6)
@@ -75,9 +75,11 @@ def _assistant_settings(draft, **settings):
             setattr(draft.generation_config, k, v)
 
 
-def _hf(bench, ids, assistant=False, **settings) -> Run:
+def _hf(bench, ids, assistant=False, onednn=True, **settings) -> Run:
     """Hugging Face `generate`, greedy: `settings` go to the assistant's generation config with
-    `assistant`, else to `generate` itself."""
+    `assistant`, else to `generate` itself. `onednn=False` runs the whole call with torch's oneDNN
+    matrix products off (ATen's kernels; see `mcsd.kernels`), the best single setting for
+    one-token steps in bfloat16 on a CPU with native bf16."""
     target = bench.target
     ids = ids.to(target.device)[None]
     kwargs = dict(max_new_tokens=bench.max_new_tokens, do_sample=False, attention_mask=torch.ones_like(ids),
@@ -85,7 +87,7 @@ def _hf(bench, ids, assistant=False, **settings) -> Run:
     if not assistant:
         kwargs.update(settings)
     ctx = _assistant_settings(bench.assistant, **settings) if assistant else contextlib.nullcontext()
-    with ctx, _count_forwards(target) as calls, torch.inference_mode():
+    with ctx, kernels.onednn(onednn), _count_forwards(target) as calls, torch.inference_mode():
         t0 = time.perf_counter()
         out = target.generate(ids, assistant_model=bench.assistant if assistant else None, **kwargs)
         seconds = time.perf_counter() - t0
@@ -134,6 +136,7 @@ def all_methods() -> list[Method]:
     methods = [
         Method("baseline", "baseline", lambda b, ids: _hf(b, ids)),
         Method("baseline_mcsd", "baseline", lambda b, ids: _mcsd(b, ids, "", baseline=True)),
+        Method("hf_aten", "baseline", lambda b, ids: _hf(b, ids, onednn=False)),
         Method("hf_static", "baseline", lambda b, ids: _hf_static(b, ids, compiled=False)),
         Method("hf_compiled", "baseline", lambda b, ids: _hf_static(b, ids, compiled=True)),
         # what TreeDecoder(target, draft, tokenizer=...) and mcsd-generate run when nothing is asked for
@@ -147,6 +150,8 @@ def all_methods() -> list[Method]:
     for n in HF_PROMPT_LOOKUP:
         methods.append(Method(f"hf_prompt_lookup_n{n}", "hf_prompt_lookup",
                               lambda b, ids, n=n: _hf(b, ids, prompt_lookup_num_tokens=n)))
+        methods.append(Method(f"hf_prompt_lookup_n{n}_aten", "hf_prompt_lookup",
+                              lambda b, ids, n=n: _hf(b, ids, onednn=False, prompt_lookup_num_tokens=n)))
     # free proposals from the context: alone, and merged with the drafter under the default policy
     methods.append(Method("context", "context", lambda b, ids: _mcsd(b, ids, None, "auto", drafter="context"),
                           policy="auto"))
