@@ -85,8 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "post_verify=false (pearl); repeatable")
     gen.add_argument("--baseline", action="store_true", help="plain target-only decoding, for comparison")
     gen.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None,
-                     help="--calibrate measures this machine's costs again; --no-calibrate never measures (cached "
-                          "costs, else generic ones). Default: measure once per machine, pair, dtype and threads")
+                     help="--calibrate measures this machine's costs (and, in bfloat16 on a CPU with native bf16, "
+                          "which matmul path each block size runs faster on) again; --no-calibrate never measures "
+                          "(cached costs, else generic ones). Default: measure once per machine, pair, dtype and "
+                          "threads")
     gen.add_argument("--lossy-target-roots", type=int, default=0, metavar="W",
                      help="LOSSY opt-in (the MCSD paper's variant): W candidate roots from the target's top-W, "
                           "longest accepted branch kept; output may differ from the target's own; greedy only")

@@ -116,6 +116,9 @@ def machine_info(device: str = "cpu") -> dict:
     info["cpu"] = names[0] if names else (platform.processor() or platform.machine())
     flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
     info["cpu_flags"] = [f for f in _CPU_FLAGS if f in flags]
+    # what torch makes of them (ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA can lower both)
+    info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    info["onednn_bf16"] = kernels.switchable(torch.bfloat16, "cpu")
     dev = torch.device(device)
     if dev.type == "cuda":
         props = torch.cuda.get_device_properties(dev)
@@ -292,7 +295,8 @@ def host_key(device) -> dict:
     """The part of `machine_info` a cached profile must match: the processor and its ISA flags
     (or the GPU), and torch. A profile measured anywhere else is never used."""
     info = machine_info(str(torch.device(device)))
-    return {k: info.get(k) for k in ("machine", "cpu", "cpu_flags", "gpu", "cuda", "torch")}
+    return {k: info.get(k) for k in ("machine", "cpu", "cpu_flags", "cpu_capability", "onednn_bf16", "gpu", "cuda",
+                                     "torch")}
 
 
 def profile_path(target, draft, dtype=None) -> Path:
@@ -449,7 +453,7 @@ def choose_dtype(target, draft, candidates=None, drafting: bool = True, calibrat
     (nothing to draft, only verify). Candidates default to float32 and bfloat16 on a
     CPU, bfloat16 and float16 on CUDA. With `calibrate=False` and a profile
     missing, a fixed rule decides instead: bfloat16 on CUDA and on CPUs with
-    native bf16 (AVX512-BF16 or AMX), float32 on other CPUs. The models are not
+    native bf16 (AVX512-BF16 or AMX, as oneDNN uses it), float32 on other CPUs. The models are not
     converted here (see `mcsd.models.cast_pair`).
     """
     device = next(target.parameters()).device
@@ -457,7 +461,7 @@ def choose_dtype(target, draft, candidates=None, drafting: bool = True, calibrat
         candidates = ("bfloat16", "float16") if device.type == "cuda" else ("float32", "bfloat16")
     profiles = {name: None if calibrate else load_cached(target, draft, getattr(torch, name)) for name in candidates}
     if calibrate is False and any(p is None for p in profiles.values()):
-        native = device.type == "cuda" or {"avx512_bf16", "amx_bf16"} & set(host_key(device)["cpu_flags"])
+        native = device.type == "cuda" or host_key(device)["onednn_bf16"]      # what torch runs bf16 products with
         best = "bfloat16" if native else "float32"
         return DtypeChoice(best, f"{best}: not calibrated; {'native' if native else 'no native'} bfloat16 "
                                  f"on this {'GPU' if device.type == 'cuda' else 'CPU'}", {})

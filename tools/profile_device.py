@@ -75,15 +75,23 @@ def main(argv=None) -> int:
         path = profile_path(target, draft)
         prof = load_or_measure(target, draft, force=args.force or args.sizes is not None, sizes=sizes,
                                repeats=args.repeats)
-    one = prof.verify_ms[min(prof.verify_ms)]
+    best = {role: prof.best_ms(role) for role in ("verify", "draft")}
+    one = best["verify"][min(best["verify"])]
     print(f"profile: {path}")
     print(json.dumps(prof.meta.get("host", {})))
-    print("tree tokens  verify ms  x one token")
-    for n, ms in prof.verify_ms.items():
-        print(f"{n:11d}  {ms:9.2f}  {ms / one:11.2f}")
-    print("draft width  draft ms   x target 1-token")
-    for n, ms in prof.draft_ms.items():
-        print(f"{n:11d}  {ms:9.2f}  {ms / one:11.2f}")
+    for role, label, size in (("verify", "verify ms", "tree tokens"), ("draft", "draft ms ", "draft width")):
+        if not best[role]:
+            continue
+        aten = prof.verify_aten_ms if role == "verify" else prof.draft_aten_ms
+        ratio = "x one token" if role == "verify" else "x target 1-token"
+        print(f"{size}  {label}  {ratio}" + ("   oneDNN ms    ATen ms" if aten else ""))
+        default = prof.verify_ms if role == "verify" else prof.draft_ms
+        for n, ms in best[role].items():
+            both = f"  {default[n]:10.2f} {aten[n]:10.2f}" if n in aten else ""
+            print(f"{n:11d}  {ms:9.2f}  {ms / one:{len(ratio)}.2f}{both}")
+        table = prof.kernel_table(role)
+        if table is not None:
+            print(f"matmul path: {table.describe()}")
     return 0
 
 
