@@ -84,9 +84,9 @@ class KernelTable:
         self._memo: dict[int, bool] = {}
 
     def use_onednn(self, rows: int) -> bool:
-        from .profile import interpolate
         hit = self._memo.get(rows)
         if hit is None:
+            from .profile import interpolate
             hit = rows > self._limit or interpolate(self.onednn_ms, rows) <= interpolate(self.aten_ms, rows)
             self._memo[rows] = hit
         return hit
