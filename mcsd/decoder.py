@@ -200,9 +200,7 @@ class TreeDecoder:
             return fetched[0]
 
         def device_costs():
-            from .profile import Costs
-            prof, source = device_profile()
-            return Costs.from_profile(prof, source=source) if prof is not None else Costs.default()
+            return self._costs_of(*device_profile())
 
         if isinstance(policy, str) and getattr(POLICIES.get(policy), "uses_device_profile", False) \
                 and "costs" not in options:
@@ -479,11 +477,15 @@ class TreeDecoder:
         return load_or_measure(target, timed, force=True), "measured"
 
     @staticmethod
-    def _device_costs(target, draft, calibrate: bool | None = None):
-        """This machine's costs for the pair (see `_device_profile`); generic defaults without a profile."""
+    def _costs_of(prof, source: str):
+        """Costs from a profile (see `_device_profile`); generic defaults without one."""
         from .profile import Costs
-        prof, source = TreeDecoder._device_profile(target, draft, calibrate)
         return Costs.from_profile(prof, source=source) if prof is not None else Costs.default()
+
+    @staticmethod
+    def _device_costs(target, draft, calibrate: bool | None = None):
+        """This machine's costs for the pair (see `_device_profile`)."""
+        return TreeDecoder._costs_of(*TreeDecoder._device_profile(target, draft, calibrate))
 
     @staticmethod
     def _expected_tokens(policy: TreePolicy, stats: GenerationStats, drafted_size: int) -> float:

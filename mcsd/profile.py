@@ -52,15 +52,18 @@ class DeviceProfile:
     verify_aten_ms: dict[int, float] = field(default_factory=dict)
     draft_aten_ms: dict[int, float] = field(default_factory=dict)
 
+    def paths(self, role: str) -> tuple[dict[int, float], dict[int, float]]:
+        """(default path, ATen path) timings of the target ("verify") or the draft ("draft")."""
+        return (self.verify_ms, self.verify_aten_ms) if role == "verify" else (self.draft_ms, self.draft_aten_ms)
+
     def kernel_table(self, role: str) -> kernels.KernelTable | None:
-        """Which matmul path each block size of the target ("verify") or draft ("draft")
-        runs faster on; None where only one path was timed."""
-        default, aten = (self.verify_ms, self.verify_aten_ms) if role == "verify" else (self.draft_ms, self.draft_aten_ms)
+        """Which matmul path each block size of `role` runs faster on; None where only one path was timed."""
+        default, aten = self.paths(role)
         return kernels.KernelTable(default, aten) if default and aten else None
 
     def best_ms(self, role: str) -> dict[int, float]:
         """{size: ms} on the faster path per measured size (what the engine runs)."""
-        default, aten = (self.verify_ms, self.verify_aten_ms) if role == "verify" else (self.draft_ms, self.draft_aten_ms)
+        default, aten = self.paths(role)
         return {n: min(ms, aten.get(n, ms)) for n, ms in default.items()}
 
     def verify_cost(self, n_tokens: int) -> float:
@@ -243,10 +246,8 @@ def measure(target, draft=None, sizes=DEFAULT_SIZES, prefix_len: int = 200, repe
 
     def table(role, ns, path):
         return {n: med[(role, n, path)] for n in ns if (role, n, path) in med}
-    return DeviceProfile(verify_ms=table("verify", sizes, True),
-                         draft_ms=table("draft", draft_sizes, True) if draft is not None else {},
-                         verify_aten_ms=table("verify", sizes, False),
-                         draft_aten_ms=table("draft", draft_sizes, False) if draft is not None else {},
+    return DeviceProfile(verify_ms=table("verify", sizes, True), draft_ms=table("draft", draft_sizes, True),
+                         verify_aten_ms=table("verify", sizes, False), draft_aten_ms=table("draft", draft_sizes, False),
                          prefix_len=prefix_len, meta=meta)
 
 

@@ -82,10 +82,9 @@ def main(argv=None) -> int:
     for role, label, size in (("verify", "verify ms", "tree tokens"), ("draft", "draft ms ", "draft width")):
         if not best[role]:
             continue
-        aten = prof.verify_aten_ms if role == "verify" else prof.draft_aten_ms
+        default, aten = prof.paths(role)
         ratio = "x one token" if role == "verify" else "x target 1-token"
         print(f"{size}  {label}  {ratio}" + ("   oneDNN ms    ATen ms" if aten else ""))
-        default = prof.verify_ms if role == "verify" else prof.draft_ms
         for n, ms in best[role].items():
             both = f"  {default[n]:10.2f} {aten[n]:10.2f}" if n in aten else ""
             print(f"{n:11d}  {ms:9.2f}  {ms / one:{len(ratio)}.2f}{both}")
