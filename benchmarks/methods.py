@@ -120,8 +120,7 @@ def _mcsd(bench, ids, tree: str | None, policy: str = "static", baseline: bool =
     key = (tree, policy, drafter, id(draft))
     dec = bench.decoders.get(key)
     if dec is None:
-        from mcsd.context import ContextDrafter
-        chosen = {"model": draft, "context": ContextDrafter(), "model+context": [draft, ContextDrafter()]}[drafter]
+        chosen = {"model": draft, "context": "context", "model+context": [draft, "context"]}[drafter]
         dec = bench.decoders[key] = TreeDecoder(bench.target, chosen, tokenizer=bench.tokenizer, tree=tree,
                                                 policy=policy)
     gen = dec.generate_baseline if baseline else dec.generate

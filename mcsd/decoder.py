@@ -379,9 +379,6 @@ class TreeDecoder:
             stats.record_round(grown.tree, acc.n_accepted)
             if graft is not None:
                 context.observe(graft, acc.path)
-                n_grafted = grown.tree.size - drafted.size
-                stats.context_nodes += n_grafted
-                stats.context_accepted += int((acc.path >= drafted.size).sum())
             # the policy hears about its own tree: the accepted path's drafted part
             policy.observe(int((acc.path < drafted.size).sum()) - 1, drafted)
             policy.observe_timing(grown.tree, (t1 - t0) * 1000, (t2 - t1) * 1000)
@@ -400,6 +397,8 @@ class TreeDecoder:
 
         if drafter is not None:
             stats.draft_forwards = drafter.forwards
+        if context is not None:
+            stats.context_nodes, stats.context_accepted = context.proposed_nodes, context.accepted_nodes
         stats.policy_s = getattr(policy, "predict_s", 0.0)
         stats.new_tokens = len(out)
         stats.wall_s = time.perf_counter() - t_start

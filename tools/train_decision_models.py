@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from length_policy_data import path_labels
 from mcsd.models import models_dir
 from mcsd.policies.learned import FEATURE_NAMES, AcceptanceModel, export_sklearn
 
@@ -50,9 +51,7 @@ def load_traces(folder: Path) -> dict[str, np.ndarray]:
 
 def fill_parent_pred(x: np.ndarray, parent_row: np.ndarray, cond: np.ndarray) -> np.ndarray:
     """Path probability of each node's parent from conditional predictions (rows are parents-first)."""
-    path = np.ones(len(cond))
-    for i in range(len(cond)):                                   # parents precede children within a round
-        path[i] = cond[i] * (path[parent_row[i]] if parent_row[i] >= 0 else 1.0)
+    path = path_labels(cond, parent_row)
     x = x.copy()
     x[:, PARENT] = np.where(parent_row >= 0, path[np.maximum(parent_row, 0)], 1.0)
     return x

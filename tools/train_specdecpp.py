@@ -74,19 +74,25 @@ def predict(head: AcceptanceHead, hidden: np.ndarray) -> np.ndarray:
     return torch.cat(out).numpy() if out else np.zeros(0)
 
 
-def chain_decisions(data: dict, accept: np.ndarray, h: float):
-    """Replay SpecDec++'s rule on each round's rank-0 chain.
+def chain_survival(data: dict, accept: np.ndarray):
+    """Each round's rank-0 chain with the head's predictions, for replaying SpecDec++'s rule.
 
-    Returns (go_on (R, D): whether the node at depth j+1 is drafted, path_ok (R, D), valid (R, D))."""
+    Returns (survive (R, D): predicted probability that the nodes at depth 1..j+1 are all
+    accepted, path_ok (R, D), valid (R, D))."""
     rows = chains(data, MAX_DEPTH)
     valid = rows >= 0
     path = path_labels(data["label_greedy"], data["parent_row"])
     c = np.maximum(rows, 0)
     a = np.where(valid & (data["hidden_valid"][c] > 0), accept[c], 0.0)          # acceptance of the node at depth j+1
-    survive = np.cumprod(a, axis=1)                                               # after the nodes at depth 1..j+1
+    return np.cumprod(a, axis=1), np.where(valid, path[c], 0.0), valid
+
+
+def chain_decisions(survive: np.ndarray, valid: np.ndarray, h: float) -> np.ndarray:
+    """(R, D) whether the node at depth j+1 is drafted under threshold h: the decision at depth j
+    uses the predicted survival of the nodes at depth 1..j."""
     go_on = np.ones_like(valid)
-    go_on[:, 1:] = (1.0 - survive[:, :-1]) <= h                                   # decision at depth j uses 1..j
-    return go_on & valid, np.where(valid, path[c], 0.0), valid
+    go_on[:, 1:] = (1.0 - survive[:, :-1]) <= h
+    return go_on & valid
 
 
 def main(argv=None) -> int:
@@ -115,13 +121,12 @@ def main(argv=None) -> int:
     train_s = time.perf_counter() - t0
 
     acc_fit, acc_held = predict(head, fit["hidden"]), predict(head, held["hidden"])
-    scores = {}
-    for h in GRID:
-        go, ok, valid = chain_decisions(fit, acc_fit, h)
-        scores[float(h)] = simulate(drafted_from_decisions(go, 1), ok, costs, MAX_DEPTH)
+    survive, ok, valid = chain_survival(fit, acc_fit)
+    scores = {float(h): simulate(drafted_from_decisions(chain_decisions(survive, valid, h), 1), ok, costs, MAX_DEPTH)
+              for h in GRID}
     h_best = max(scores, key=lambda h: scores[h]["tokens_per_s"])
-    go, ok, valid = chain_decisions(held, acc_held, h_best)
-    held_sim = simulate(drafted_from_decisions(go, 1), ok, costs, MAX_DEPTH)
+    survive, ok, valid = chain_survival(held, acc_held)
+    held_sim = simulate(drafted_from_decisions(chain_decisions(survive, valid, h_best), 1), ok, costs, MAX_DEPTH)
     statics = static_table(ok, valid, costs, MAX_DEPTH)
     best_k = max(statics, key=lambda k: statics[k]["tokens_per_s"])
     hv = held["hidden_valid"] > 0
