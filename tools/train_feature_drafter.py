@@ -90,8 +90,8 @@ def batch(examples, items, length, device):
         probs[b, :n] = ex["topk_probs"][s:s + n].float()
         valid[b, :n] = True
         pos[b, :n] = torch.arange(len(ex["prompt"]) + s, len(ex["prompt"]) + s + n)
-    inp = inp.to(device) if v2 else None
-    return hid.to(device), inp, tok.to(device), ids.to(device), probs.to(device), valid.to(device), pos.to(device)
+    hid = hid.to(device)
+    return hid, inp.to(device) if v2 else hid, tok.to(device), ids.to(device), probs.to(device), valid.to(device), pos.to(device)
 
 
 def unrolled_loss(head, embed, hid, inp, tok, ids, probs, valid, pos, steps: int, slot, feat_weight: float):
@@ -103,7 +103,7 @@ def unrolled_loss(head, embed, hid, inp, tok, ids, probs, valid, pos, steps: int
     Step j reads the step j-1 predictions shifted by one position. Step 1 of a
     v2 head reads the fused target layers `inp`; every step predicts the final state.
     """
-    feats = hid if inp is None else head.fused(inp)
+    feats = head.fused(inp)
     total = hid.new_zeros(())
     stats = []
     for j in range(steps):
@@ -139,7 +139,7 @@ def agreement(head, embed, examples, length, device, steps=3):
     for i in range(len(examples)):
         for start in range(0, max(len(examples[i]["response"]) - 1, 1), length):
             hid, inp, tok, ids, probs, valid, pos = batch(examples, [(i, start)], length, device)
-            feats = hid if inp is None else head.fused(inp)
+            feats = head.fused(inp)
             for j in range(steps):
                 span = hid.shape[1] - 1 - j
                 if span <= 0:
@@ -245,8 +245,9 @@ def main(argv=None) -> int:
     if not train:
         sys.exit("no training examples with hidden states; run tools/target_data.py teacher RUN --store-hidden first")
     feature_layers = tuple(int(x) for x in args.feature_layers.split(",") if x.strip())
-    if args.init is not None:
-        feature_layers = FeatureHead.load(args.init).cfg.feature_layers
+    saved = FeatureHead.load(args.init) if args.init is not None else None
+    if saved is not None:
+        feature_layers = saved.cfg.feature_layers
     width = target.config.hidden_size * len(feature_layers)
     if feature_layers:
         manifest = target_data.read_manifest(Path(data_dir))
@@ -264,8 +265,7 @@ def main(argv=None) -> int:
                          f"--store-layers {','.join(map(str, feature_layers))}")
     vocab = target.get_output_embeddings().weight.shape[0]
     init_card = None
-    if args.init is not None:
-        saved = FeatureHead.load(args.init)
+    if saved is not None:
         head = FeatureHead(saved.cfg).to(device)                 # trainable, like a fresh head
         head.load_state_dict(saved.state_dict())                 # weights and sub-vocabulary
         if head.cfg.vocab_size != vocab or head.cfg.target_hidden != target.config.hidden_size:
