@@ -436,8 +436,8 @@ class TreeDecoder:
                                 given=(tree.depth == 1) if skip_root else None)
         else:
             p_target = logits_to_probs(logits, sampling)
-            q_draft = grown.q_draft if grown.q_draft is not None else torch.zeros_like(p_target)
-            acc = accept_sampling(tree.tokens, tree.parents, p_target, q_draft.to(p_target.device), gen,
+            q_draft = grown.q_draft.to(p_target.device) if grown.q_draft is not None else None
+            acc = accept_sampling(tree.tokens, tree.parents, p_target, q_draft, gen,
                                   deterministic=grown.deterministic)
         kept = acc.path[s:] - s                                            # rows of the fed block
         if context is not None:                  # the target's predictions along the accepted path, recycled

@@ -119,7 +119,8 @@ class GrownTree:
     Attributes:
         tree: the draft tree (root = target-initialised token).
         q_draft: (N, V) float draft distribution that each node's children were
-            drawn from (rows of childless nodes are zero). Only kept when sampling.
+            drawn from (rows of childless nodes are zero; after a graft, the drafted
+            nodes' rows only). Only kept when sampling.
         deterministic: None, or (N,) bool marking nodes proposed from context
             (point-mass proposals, see `mcsd.verify.accept_sampling`).
     """
@@ -129,15 +130,12 @@ class GrownTree:
     deterministic: torch.Tensor | None = None
 
     def with_graft(self, graft) -> "GrownTree":
-        """This tree with a `mcsd.context.Graft`'s nodes appended (their q rows are zero: nothing
-        is drawn beneath a context node; they are marked deterministic for verification)."""
-        added = graft.tree.size - self.tree.size
-        if added == 0:
+        """This tree with a `mcsd.context.Graft`'s nodes appended, marked deterministic for
+        verification. `q_draft` keeps the drafted rows only: nothing is drawn beneath a context
+        node, so no row past them is ever read."""
+        if graft.tree.size == self.tree.size:
             return self
-        q = self.q_draft
-        if q is not None:
-            q = torch.cat([q, q.new_zeros(added, q.shape[-1])])
-        return GrownTree(graft.tree, q, graft.deterministic)
+        return GrownTree(graft.tree, self.q_draft, graft.deterministic)
 
 
 def _draft_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:

@@ -95,7 +95,7 @@ def accept_greedy(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tens
 
 
 def accept_sampling(tokens: torch.Tensor, parents: torch.Tensor, p_target: torch.Tensor,
-                    q_draft: torch.Tensor, generator: torch.Generator | None,
+                    q_draft: torch.Tensor | None, generator: torch.Generator | None,
                     deterministic: torch.Tensor | None = None) -> Acceptance:
     """Multi-candidate rejection sampling without replacement, with deterministic siblings.
 
@@ -103,8 +103,9 @@ def accept_sampling(tokens: torch.Tensor, parents: torch.Tensor, p_target: torch
         tokens: (N,) node tokens, parents before children; siblings stored in draw order.
         parents: (N,) parent indices, root -1.
         p_target: (N, V) processed target distribution after each node.
-        q_draft: (N, V) processed draft distribution each node's drawn children
-            came from (rows of nodes without drawn children are never read).
+        q_draft: (N', V) processed draft distribution each node's drawn children
+            came from, for the first N' nodes, which hold every node with drawn
+            children (other rows are never read); None when no node has any.
         generator: randomness for the accept tests and the final draw.
         deterministic: optional (N,) bool, nodes proposed deterministically (q =
             point mass; context proposals). They are tried after their drawn siblings.
