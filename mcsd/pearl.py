@@ -56,6 +56,7 @@ from .policies import register_policy
 from .policies.base import TreePolicy
 from .sampling import logits_to_probs, make_generator, sample
 from .tree import TreeTopology
+from .verify import normalise
 
 
 @register_policy
@@ -166,9 +167,7 @@ def _check(p: torch.Tensor, token: int, q: torch.Tensor | None, greedy: bool, ge
     u = torch.rand((), generator=gen, device=p.device)
     if bool(u * q[token] < p[token]):
         return None
-    residual = torch.clamp(p - q, min=0.0)
-    total = residual.sum()
-    return int(sample(residual / total if total > 0 else p, gen))
+    return int(sample(normalise(torch.clamp(p - q, min=0.0), fallback=p), gen))
 
 
 def decode(dec, prompt_ids: torch.Tensor, cfg: DecodeConfig, mode: PearlMode,
@@ -282,8 +281,12 @@ def decode(dec, prompt_ids: torch.Tensor, cfg: DecodeConfig, mode: PearlMode,
         stats.target_forwards += 1
         stats.verify_s += time.perf_counter() - t2
         new, fix = [], None
+        best = rows[:len(chain)].argmax(-1).tolist() if sampling.greedy else None    # one host copy a round
         for i, (token, q) in enumerate(chain):
-            fix = _check(rows[i], token, q, sampling.greedy, gen)
+            if best is not None:
+                fix = None if best[i] == token else best[i]
+            else:
+                fix = _check(rows[i], token, q, False, gen)
             if fix is not None:
                 break
             new.append(token)

@@ -138,20 +138,20 @@ def accept_sampling(tokens: torch.Tensor, parents: torch.Tensor, p_target: torch
                     break
                 p = p.clone()
                 p[x] = 0.0
-                p = _normalise(p, fallback=p)
+                p = normalise(p, fallback=p)
                 continue
             if bool(u[i] * q[x] < p[x]):               # u < min(1, p/q) without dividing by q
                 node = child
                 path.append(child)
                 break
-            p = _normalise(torch.clamp(p - q, min=0.0), fallback=p)
+            p = normalise(torch.clamp(p - q, min=0.0), fallback=p)
             q[x] = 0.0
-            q = _normalise(q, fallback=q)
+            q = normalise(q, fallback=q)
         else:                                          # every sibling rejected: draw from the residual
             return Acceptance(torch.tensor(path, device=tokens.device), sample(p, generator))
 
 
-def _normalise(v: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+def normalise(v: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
     # The residual max(p - q, 0) has positive mass whenever a rejection is possible
     # (p(x) < q(x) for the rejected x); an all-zero vector only arises from float
     # round-off when p == q, where keeping the previous distribution is the limit.
