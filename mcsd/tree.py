@@ -317,11 +317,12 @@ class DraftTree:
         dev = self.tokens.device
         if m == 0:
             return self
-        if bool((parents >= n + torch.arange(m, device=dev)).any()) or bool((parents < 0).any()):
+        new_parents = parents.tolist()                                   # M is small (the graft budget)
+        if any(not 0 <= p < n + i for i, p in enumerate(new_parents)):
             raise ValueError("graft() needs every new node's parent to come before it")
         all_parents = torch.cat([self.parents, parents])
         depths = self.depth.tolist()
-        for p in parents.tolist():                                     # M is small (the graft budget)
+        for p in new_parents:
             depths.append(depths[p] + 1)
         depth = torch.tensor(depths, dtype=self.depth.dtype, device=dev)
         mask = torch.zeros(n + m, n + m, dtype=torch.bool, device=dev)
@@ -329,7 +330,7 @@ class DraftTree:
         new = torch.arange(n, n + m, device=dev)
         mask[new, new] = True
         new_depth = depth[n:]
-        for d in range(int(new_depth.min()), int(new_depth.max()) + 1):
+        for d in range(min(depths[n:]), max(depths[n:]) + 1):
             rows = new[new_depth == d]                                   # their parents' rows are complete
             mask[rows] |= mask[all_parents[rows]]
         return DraftTree(self.topology, torch.cat([self.tokens, tokens]), all_parents, depth,
