@@ -37,7 +37,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -151,9 +151,8 @@ class NGramIndex:
                 seen.add(e)
                 length = n
                 if n == self.max_n:                      # how far back does the match really go?
-                    toks = self.tokens
-                    while (length < min(len(suffix), MAX_MATCH) and e - length >= self._doc_floor(e)
-                           and toks[e - length] == suffix[-length - 1]):
+                    toks, floor, longest = self.tokens, self._doc_floor(e), min(len(suffix), MAX_MATCH)
+                    while length < longest and e - length >= floor and toks[e - length] == suffix[-length - 1]:
                         length += 1
                 stop = e + 1 + max_len
                 if doc_ends is not None:
@@ -299,7 +298,7 @@ class ContextDrafter:
             raise ConfigError("pass either a ContextConfig or keyword options, not both")
         cfg = config or ContextConfig(**options)
         if store is not None and "store" not in cfg.sources:
-            cfg = ContextConfig(**{**cfg.__dict__, "sources": (*cfg.sources, "store")})
+            cfg = replace(cfg, sources=(*cfg.sources, "store"))
         if "store" in cfg.sources and store is None:
             raise ConfigError("the 'store' context source needs a store file (ContextDrafter(store=PATH))")
         self.config = cfg
