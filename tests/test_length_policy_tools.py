@@ -9,14 +9,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 
-import collect_traces  # noqa: E402
 import train_disco  # noqa: E402
 import train_specdecpp  # noqa: E402
 from length_policy_data import chains, drafted_from_decisions, path_labels  # noqa: E402
 
 from mcsd import TreeDecoder  # noqa: E402
 from mcsd.policies import make_policy  # noqa: E402
-from test_trace_tools import _prompts  # noqa: E402
+from test_trace_tools import collect_fit_and_heldout  # noqa: E402
 
 
 def test_path_labels_chains_and_drafted_lengths():
@@ -30,17 +29,7 @@ def test_path_labels_chains_and_drafted_lengths():
 
 
 def test_collect_train_and_use(model_dirs, tmp_path, target):
-    from conftest import word_tokenizer
-    from test_equivalence import perturbed
-    noisy = perturbed(target, 0.3)
-    noisy.save_pretrained(tmp_path / "noisy")
-    word_tokenizer().save_pretrained(tmp_path / "noisy")
-    _prompts(tmp_path / "q.jsonl")
-    common = ["--target", str(model_dirs / "target"), "--draft", str(tmp_path / "noisy"), "--dtype", "float32",
-              "--prompts", str(tmp_path / "q.jsonl"), "--no-chat", "--max-new-tokens", "24", "--tree", "2,1,1,1",
-              "--hidden"]
-    assert collect_traces.main(common + ["--split", "fit", "--out", str(tmp_path / "fit")]) == 0
-    assert collect_traces.main(common + ["--split", "heldout", "--out", str(tmp_path / "held")]) == 0
+    noisy, _ = collect_fit_and_heldout(model_dirs, tmp_path, target, ["--tree", "2,1,1,1", "--hidden"])
     with np.load(tmp_path / "fit" / "shard-00000.npz") as z:
         hidden, valid, depth = z["hidden"], z["hidden_valid"], z["features"][:, 4]
     assert hidden.shape[1] == noisy.config.hidden_size

@@ -24,18 +24,24 @@ def _prompts(path: Path):
     path.write_text("\n".join(json.dumps(r) for r in rows))
 
 
-def test_collect_train_and_use(model_dirs, tmp_path, target):
+def collect_fit_and_heldout(model_dirs, tmp_path, target, options: list[str]):
+    """Traces of a perturbed copy of the target drafting for it, on the fitting and held-out prompts
+    (-> tmp_path/fit, tmp_path/held). Returns the draft and the arguments common to both runs."""
+    from conftest import word_tokenizer
     from test_equivalence import perturbed
     noisy = perturbed(target, 0.3)
     noisy.save_pretrained(tmp_path / "noisy")
-    from conftest import word_tokenizer
     word_tokenizer().save_pretrained(tmp_path / "noisy")
     _prompts(tmp_path / "q.jsonl")
     common = ["--target", str(model_dirs / "target"), "--draft", str(tmp_path / "noisy"), "--dtype", "float32",
-              "--prompts", str(tmp_path / "q.jsonl"), "--no-chat", "--max-new-tokens", "24", "--tree", "3,2,1",
-              "--shard-size", "2"]
+              "--prompts", str(tmp_path / "q.jsonl"), "--no-chat", "--max-new-tokens", "24", *options]
     assert collect_traces.main(common + ["--split", "fit", "--out", str(tmp_path / "fit")]) == 0
     assert collect_traces.main(common + ["--split", "heldout", "--out", str(tmp_path / "held")]) == 0
+    return noisy, common
+
+
+def test_collect_train_and_use(model_dirs, tmp_path, target):
+    noisy, common = collect_fit_and_heldout(model_dirs, tmp_path, target, ["--tree", "3,2,1", "--shard-size", "2"])
     manifest = json.loads((tmp_path / "fit" / "manifest.json").read_text())
     assert sorted(manifest["done"]) == [1, 2, 3, 4] and manifest["features"] == list(FEATURE_NAMES)
     data = train_decision_models.load_traces(tmp_path / "fit")
