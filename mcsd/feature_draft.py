@@ -24,7 +24,7 @@ layers (RMSNorm, rotary positions, SwiGLU), whatever the target's family.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -134,6 +134,31 @@ class FeatureHead(nn.Module):
             return sub
         full = sub.new_full(sub.shape[:-1] + (self.cfg.vocab_size,), float("-inf"))
         return full.index_copy_(-1, self.vocab_ids.to(sub.device), sub)
+
+    def with_feature_layers(self, feature_layers: tuple[int, ...]) -> "FeatureHead":
+        """A v2 head reading `feature_layers` that drafts exactly as this v1 head does.
+
+        The final state (-1) must be among the layers: the fusion starts as the
+        projection that keeps it and drops the others, and every other weight
+        is copied, so training goes on from what the v1 head learned instead of
+        from scratch. The new head is trainable; this one is left unchanged.
+        """
+        layers = tuple(int(i) for i in feature_layers)
+        if self.cfg.feature_layers:
+            raise ValueError(f"this head already reads target layers {list(self.cfg.feature_layers)}")
+        if len(layers) < 2 or -1 not in layers or len(set(layers)) != len(layers):
+            raise ValueError(f"a v1 head widens to several distinct target layers that include -1 (the final "
+                             f"state it reads), not {list(layers)}")
+        wide = FeatureHead(replace(self.cfg, feature_layers=layers)).to(self.vocab_ids.device)
+        missing, unexpected = wide.load_state_dict(self.state_dict(), strict=False)
+        assert not unexpected and all(m == "fuse.weight" for m in missing), (missing, unexpected)
+        H = self.cfg.target_hidden
+        k = layers.index(-1)
+        with torch.no_grad():
+            wide.fuse.weight.zero_()
+            wide.fuse.weight[:, k * H:(k + 1) * H] = torch.eye(H, dtype=wide.fuse.weight.dtype)
+        wide.lm_rows = self.lm_rows
+        return wide
 
     # ---------------------------------------------------------------- files
 

@@ -173,3 +173,28 @@ def test_v2_save_load_and_bad_layers(target, tmp_path):
         FeatureDrafter(random_v2_head(target, (0, 9)), target)
     assert default_feature_layers(30) == (2, 15, 27)
     assert default_feature_layers(2) == (1, 2)
+
+
+def test_v1_head_widened_to_v2_drafts_as_before(target):
+    """with_feature_layers: same draft distributions at every step, reading (0, -1) instead of the final state."""
+    v1 = random_head(target, sub_vocab=24)
+    v2 = v1.with_feature_layers((0, -1)).eval()
+    assert v2.cfg.feature_layers == (0, -1) and v1.cfg.feature_layers == ()
+    assert any(p.requires_grad for p in v2.parameters())
+    outs = []
+    for head in (v1, v2):
+        drafter = FeatureDrafter(head, target)
+        dec = TreeDecoder(target, drafter, tree="2,2,1", policy="static", attention="sdpa")
+        record = []
+        step = drafter.step
+        drafter.step = lambda tree, rows: record.append(step(tree, rows).clone()) or record[-1]
+        out = dec.generate(PROMPT, max_new_tokens=20)
+        outs.append((out.tokens, record))
+    assert outs[0][0] == outs[1][0]
+    assert len(outs[0][1]) == len(outs[1][1]) > 0
+    for a, b in zip(outs[0][1], outs[1][1]):
+        assert torch.allclose(a, b, atol=1e-5)
+    with pytest.raises(ValueError, match="include -1"):
+        v1.with_feature_layers((0, 1))
+    with pytest.raises(ValueError, match="already reads"):
+        v2.with_feature_layers((0, -1))

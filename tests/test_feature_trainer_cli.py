@@ -96,3 +96,32 @@ def test_v2_head_end_to_end_from_the_teacher_stage(setup):
     assert head.cfg.feature_layers == (1, 2) and head.fuse.weight.shape == (32, 64)
     with pytest.raises(SystemExit, match="stores target layers \\[1, 2\\], not \\[0, 2\\]"):
         tfd.main(common + ["--feature-layers", "0,2", "--out", str(tmp_path / "y")])
+
+
+def test_v1_head_widened_to_v2_goes_on_from_where_it_was(setup):
+    """--init V1 --feature-layers 1,-1: a v2 head that starts out drafting as the v1 head did (with a zero
+    learning rate its held-out agreement is the v1 head's, to the position), then trains its fusion."""
+    tmp_path, common, _ = setup
+    data = Path(common[common.index("--data-dir") + 1])
+    from conftest import word_tokenizer
+    word_tokenizer().save_pretrained(tmp_path / "target")
+    for run in ("fit", "held"):
+        target_data.main(["--target", str(tmp_path / "target"), "--data-dir", str(data), "--threads", "1",
+                          "teacher", run, "--store-layers", "1,-1"])
+    v1 = tmp_path / "v1"
+    assert tfd.main(common + ["--out", str(v1)]) == 0
+    same = tmp_path / "same"
+    assert tfd.main(common + ["--init", str(v1), "--feature-layers", "1,-1", "--lr", "0", "--out", str(same)]) == 0
+    before = json.loads((v1 / "card.json").read_text())["heldout_agreement"]
+    after = json.loads((same / "card.json").read_text())["heldout_agreement"]
+    assert after == before and before[0]["positions"] > 0
+    assert FeatureHead.load(same).cfg.feature_layers == (1, -1)
+
+    trained = tmp_path / "trained"
+    assert tfd.main(common + ["--init", str(v1), "--feature-layers", "1,-1", "--out", str(trained)]) == 0
+    fuse = FeatureHead.load(trained).fuse.weight
+    assert fuse[:, :32].abs().sum() > 0                                     # it learned to read layer 1 too
+    with pytest.raises(SystemExit, match="include -1"):
+        tfd.main(common + ["--init", str(v1), "--feature-layers", "1,2", "--out", str(tmp_path / "x")])
+    with pytest.raises(SystemExit, match="reads target layers \\[1, -1\\], not \\[1, 2\\]"):
+        tfd.main(common + ["--init", str(trained), "--feature-layers", "1,2", "--out", str(tmp_path / "y")])

@@ -204,7 +204,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=Path("models/smollm2-135m-feature-head"))
     ap.add_argument("--init", type=Path, default=None,
                     help="start from this saved head (its architecture and sub-vocabulary), e.g. to go on "
-                         "training a shipped head on new data; the size options below are then ignored")
+                         "training a shipped head on new data; the size options below are then ignored, and "
+                         "--feature-layers with -1 among them widens a v1 head to a v2 one that starts out "
+                         "drafting exactly as it did")
     ap.add_argument("--hidden", type=int, default=0, help="head width (0 = the target's)")
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--feature-layers", default="",
@@ -246,8 +248,14 @@ def main(argv=None) -> int:
         sys.exit("no training examples with hidden states; run tools/target_data.py teacher RUN --store-hidden first")
     feature_layers = tuple(int(x) for x in args.feature_layers.split(",") if x.strip())
     saved = FeatureHead.load(args.init) if args.init is not None else None
-    if saved is not None:
+    widen = saved is not None and not saved.cfg.feature_layers and bool(feature_layers)
+    if saved is not None and not widen:
+        if feature_layers and feature_layers != saved.cfg.feature_layers:
+            sys.exit(f"{args.init} reads target layers {list(saved.cfg.feature_layers)}, not {list(feature_layers)}; "
+                     f"only a v1 head widens to other layers")
         feature_layers = saved.cfg.feature_layers
+    if widen and -1 not in feature_layers:
+        sys.exit(f"a v1 head (--init {args.init}) widens to layers that include -1, the final state it reads")
     width = target.config.hidden_size * len(feature_layers)
     if feature_layers:
         manifest = target_data.read_manifest(Path(data_dir))
@@ -266,14 +274,17 @@ def main(argv=None) -> int:
     vocab = target.get_output_embeddings().weight.shape[0]
     init_card = None
     if saved is not None:
-        head = FeatureHead(saved.cfg).to(device)                 # trainable, like a fresh head
-        head.load_state_dict(saved.state_dict())                 # weights and sub-vocabulary
+        if widen:                                                # v1 -> v2, drafting as before at the start
+            head = saved.with_feature_layers(feature_layers).to(device)
+        else:
+            head = FeatureHead(saved.cfg).to(device)             # trainable, like a fresh head
+            head.load_state_dict(saved.state_dict())             # weights and sub-vocabulary
         if head.cfg.vocab_size != vocab or head.cfg.target_hidden != target.config.hidden_size:
             sys.exit(f"{args.init} was trained for another target (vocabulary {head.cfg.vocab_size}, "
                      f"features {head.cfg.target_hidden})")
         init_file = args.init / "card.json"
         init_card = json.loads(init_file.read_text()) if init_file.is_file() else {}
-        print(f"starting from {args.init}")
+        print(f"starting from {args.init}" + (f", widened to target layers {list(feature_layers)}" if widen else ""))
     else:
         sub = sub_vocabulary(train, args.sub_vocab, vocab)
         cfg = FeatureHeadConfig(target_hidden=target.config.hidden_size, hidden=args.hidden, layers=args.layers,
