@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 
 import train_disco  # noqa: E402
 import train_specdecpp  # noqa: E402
-from length_policy_data import chains, drafted_from_decisions, path_labels  # noqa: E402
+from length_policy_data import ChainCosts, chains, drafted_from_decisions, path_labels  # noqa: E402
 
 from mcsd import TreeDecoder  # noqa: E402
 from mcsd.policies import make_policy  # noqa: E402
@@ -26,6 +26,19 @@ def test_path_labels_chains_and_drafted_lengths():
     assert path_labels(np.array([1, 1, 0, 1]), data["parent_row"]).tolist() == [1, 1, 0, 0]
     go = np.array([[False, True, False, True], [True, True, True, False]])
     assert drafted_from_decisions(go, 1).tolist() == [2, 3]                 # the first decision is forced on
+
+
+def test_chain_costs_are_the_faster_path_per_size(tmp_path):
+    """A profile timed on both matmul paths gives the thresholds the costs the engine runs at."""
+    from mcsd.profile import DeviceProfile
+    prof = DeviceProfile(verify_ms={1: 40.0, 2: 41.0, 8: 42.0, 32: 60.0}, draft_ms={1: 4.0, 2: 4.5},
+                         verify_aten_ms={1: 25.0, 2: 32.0, 8: 70.0}, draft_aten_ms={1: 2.5, 2: 5.0})
+    (tmp_path / "p.json").write_text(prof.to_json())
+    costs = ChainCosts.load(tmp_path / "p.json")
+    assert costs.sizes.tolist() == [1, 2, 8, 32]
+    assert costs.verify.tolist() == [25.0, 32.0, 42.0, 60.0]
+    assert costs.draft == 2.5
+    assert ChainCosts.load(None).source == "generic"
 
 
 def test_collect_train_and_use(model_dirs, tmp_path, target):

@@ -9,12 +9,12 @@ replayed on it without running a model.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 from mcsd.policies.learned import FEATURE_NAMES
+from mcsd.profile import DeviceProfile
 
 COL = {name: i for i, name in enumerate(FEATURE_NAMES)}
 
@@ -60,12 +60,13 @@ class ChainCosts:
 
     @classmethod
     def load(cls, path: Path | None) -> "ChainCosts":
-        """A profile written by mcsd.profile (its verify_ms table and the width-1 draft step), or, without
-        one, generic costs: verify of n tokens = (1 + 0.02 (n - 1)) steps, a draft step 0.07 steps."""
+        """A profile written by mcsd.profile (verify time per size and the width-1 draft step, each on
+        the faster matmul path, which is what the engine runs), or, without one, generic costs: verify
+        of n tokens = (1 + 0.02 (n - 1)) steps, a draft step 0.07 steps."""
         if path is None:
             return cls({str(n): 1 + 0.02 * (n - 1) for n in (1, 2, 4, 8, 16)}, 0.07, "generic")
-        prof = json.loads(Path(path).read_text())
-        return cls(prof["verify_ms"], prof["draft_ms"]["1"], str(path))
+        prof = DeviceProfile.from_json(Path(path).read_text())
+        return cls(prof.best_ms("verify"), prof.best_ms("draft")[1], str(path))
 
     def verify_ms(self, n: np.ndarray) -> np.ndarray:
         return np.interp(n, self.sizes, self.verify)
