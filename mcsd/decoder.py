@@ -343,6 +343,7 @@ class TreeDecoder:
         out: list[int] = []
         finish = self._emit(out, new, cfg, eos)
         yield out[:]
+        drafted_accepts: list[int] = []                         # per round, the drafted part's accepted count
 
         while finish is None:
             remaining = cfg.max_new_tokens - len(out)
@@ -359,7 +360,7 @@ class TreeDecoder:
                 costs = self.context_costs
                 spent_ms = (time.perf_counter() - t0) * 1000 + (costs.verify_ms(drafted.size) if costs else 0.0)
                 probs = policy.node_probabilities()
-                expected = self._expected_tokens(policy, stats, drafted.size)
+                expected = self._expected_tokens(policy, drafted_accepts, drafted.size)
                 graft = context.graft(drafted, sequence, expected, spent_ms, costs,
                                       probs if probs is not None and probs.numel() == drafted.size else None)
                 grown = grown.with_graft(graft)
@@ -380,7 +381,8 @@ class TreeDecoder:
             if graft is not None:
                 context.observe(graft, acc.path)
             # the policy hears about its own tree: the accepted path's drafted part
-            policy.observe(int((acc.path < drafted.size).sum()) - 1, drafted)
+            drafted_accepts.append(int((acc.path < drafted.size).sum()) - 1)
+            policy.observe(drafted_accepts[-1], drafted)
             policy.observe_timing(grown.tree, (t1 - t0) * 1000, (t2 - t1) * 1000)
             if on_round is not None:
                 on_round(grown.tree, acc)
@@ -487,15 +489,17 @@ class TreeDecoder:
         return TreeDecoder._costs_of(*TreeDecoder._device_profile(target, draft, calibrate))
 
     @staticmethod
-    def _expected_tokens(policy: TreePolicy, stats: GenerationStats, drafted_size: int) -> float:
+    def _expected_tokens(policy: TreePolicy, drafted_accepts: list[int], drafted_size: int) -> float:
         """Tokens this round should emit before context nodes: 1 for the root alone, else the
-        policy's estimate for its tree where it has one, else the mean emitted per round so far."""
+        policy's estimate for its tree where it has one, else 1 + the mean accepted from drafted
+        trees in recent rounds (context branches' acceptances are not the drafter's)."""
         if drafted_size == 1:                     # the root alone: it is the one token for sure
             return 1.0
         own = policy.expected_tokens()
         if own is not None:
             return own
-        return 1.0 + sum(stats.accepted_per_round[-16:]) / max(len(stats.accepted_per_round[-16:]), 1)
+        recent = drafted_accepts[-16:]
+        return 1.0 + sum(recent) / max(len(recent), 1)
 
     @staticmethod
     def _choose(logits: torch.Tensor, sampling: SamplingConfig, gen) -> torch.Tensor:
