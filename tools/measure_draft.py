@@ -84,7 +84,7 @@ def measure_feature_cost(target, drafter, context: list[int], runs: int = 30, wa
     ids = torch.tensor(context)
     lm = CachedLM(target)
     lm.reset()
-    _, hidden = lm.extend(ids[:-1], hidden=True)          # the target's features of the context
+    _, hidden = lm.extend(ids[:-1], hidden=tuple(drafter.feature_layers))   # the features the head reads
     drafter.reset()
     drafter.observe_target(hidden)
     drafter.begin_round(ids)                               # the head's cache now holds the context
