@@ -231,7 +231,12 @@ class FeatureDrafter:
         from transformers import DynamicCache
         self.cache = DynamicCache()
         self.forwards = 0
+        # fused target features of positions _first .. _first+len-1; positions before the head's cache
+        # length are never read again and are dropped, and new states are fused once per drafted round
         self._features = torch.zeros(0, self.head.cfg.target_hidden, device=self.device, dtype=self.dtype)
+        self._first = 0
+        self._pending: list[torch.Tensor] = []          # (n, L*H) states observed since, not fused yet
+        self._n_pending = 0
         self._base = 0
         self._slots = torch.zeros(0, dtype=torch.long, device=self.device)
         self._pred: torch.Tensor | None = None          # (N, H) predicted feature per processed tree node
@@ -244,7 +249,20 @@ class FeatureDrafter:
     @torch.inference_mode()
     def observe_target(self, hidden: torch.Tensor) -> None:
         """hidden: (n, L*H) the target's `feature_layers` states of newly committed positions."""
-        self._features = torch.cat([self._features, self.head.fused(hidden.to(self.dtype))])
+        self._pending.append(hidden)
+        self._n_pending += hidden.shape[0]
+
+    def _features_from(self, start: int) -> torch.Tensor:
+        """Fused features of positions start.. (fusing what was observed since the last call)."""
+        if start < self._first:
+            raise RuntimeError(f"feature drafter dropped the features of position {start} already")
+        kept = self._features[start - self._first:]
+        if self._pending:
+            new = self.head.fused(torch.cat(self._pending).to(self.dtype))
+            kept = torch.cat([kept, new]) if kept.shape[0] else new
+            self._pending, self._n_pending = [], 0
+        self._features, self._first = kept, start
+        return kept
 
     def _run(self, feats, tokens, positions, allowed):
         prefix = kv_cache.cache_length(self.cache) - (allowed.shape[1] - tokens.numel())
@@ -262,10 +280,10 @@ class FeatureDrafter:
     def begin_round(self, sequence: torch.Tensor) -> torch.Tensor:
         t_end = sequence.numel() - 1                    # entries 0 .. t_end-1; the last pairs f with the root
         start = kv_cache.cache_length(self.cache)
-        if self._features.shape[0] < t_end:
+        if self._first + self._features.shape[0] + self._n_pending < t_end:
             raise RuntimeError("feature drafter is missing target features; observe_target was not called")
         n = t_end - start
-        pred = self._run(self._features[start:t_end], sequence[start + 1:t_end + 1],
+        pred = self._run(self._features_from(start)[:n], sequence[start + 1:t_end + 1],
                          torch.arange(start + 1, t_end + 1, device=self.device), causal_allowed(n, self.device))
         self._base = t_end - 1                          # cache position of the root's entry
         self._slots = torch.zeros(1, dtype=torch.long, device=self.device)

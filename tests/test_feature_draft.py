@@ -200,3 +200,13 @@ def test_v1_head_widened_to_v2_drafts_as_before(target):
         v1.with_feature_layers((0, 1))
     with pytest.raises(ValueError, match="already reads"):
         v2.with_feature_layers((0, -1))
+
+
+def test_drafter_keeps_only_the_features_it_will_read(target):
+    """Features of positions already in the head's cache are dropped; new ones are fused once per
+    drafted round, not copied with the whole history every round."""
+    drafter = FeatureDrafter(random_v2_head(target, (0, -1)), target)
+    out = TreeDecoder(target, drafter, tree="1,1", policy="static", attention="sdpa").generate(PROMPT, max_new_tokens=40)
+    held = drafter._features.shape[0] + drafter._n_pending
+    assert drafter._first > len(PROMPT) and held <= 4
+    assert drafter._first + held >= len(PROMPT) + len(out.tokens) - 1
