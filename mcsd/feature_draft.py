@@ -236,7 +236,6 @@ class FeatureDrafter:
         self._features = torch.zeros(0, self.head.cfg.target_hidden, device=self.device, dtype=self.dtype)
         self._first = 0
         self._pending: list[torch.Tensor] = []          # (n, L*H) states observed since, not fused yet
-        self._n_pending = 0
         self._base = 0
         self._slots = torch.zeros(0, dtype=torch.long, device=self.device)
         self._pred: torch.Tensor | None = None          # (N, H) predicted feature per processed tree node
@@ -250,7 +249,6 @@ class FeatureDrafter:
     def observe_target(self, hidden: torch.Tensor) -> None:
         """hidden: (n, L*H) the target's `feature_layers` states of newly committed positions."""
         self._pending.append(hidden)
-        self._n_pending += hidden.shape[0]
 
     def _features_from(self, start: int) -> torch.Tensor:
         """Fused features of positions start.. (fusing what was observed since the last call)."""
@@ -260,7 +258,7 @@ class FeatureDrafter:
         if self._pending:
             new = self.head.fused(torch.cat(self._pending).to(self.dtype))
             kept = torch.cat([kept, new]) if kept.shape[0] else new
-            self._pending, self._n_pending = [], 0
+            self._pending = []
         self._features, self._first = kept, start
         return kept
 
@@ -280,7 +278,7 @@ class FeatureDrafter:
     def begin_round(self, sequence: torch.Tensor) -> torch.Tensor:
         t_end = sequence.numel() - 1                    # entries 0 .. t_end-1; the last pairs f with the root
         start = kv_cache.cache_length(self.cache)
-        if self._first + self._features.shape[0] + self._n_pending < t_end:
+        if self._first + self._features.shape[0] + sum(h.shape[0] for h in self._pending) < t_end:
             raise RuntimeError("feature drafter is missing target features; observe_target was not called")
         n = t_end - start
         pred = self._run(self._features_from(start)[:n], sequence[start + 1:t_end + 1],

@@ -207,6 +207,6 @@ def test_drafter_keeps_only_the_features_it_will_read(target):
     drafted round, not copied with the whole history every round."""
     drafter = FeatureDrafter(random_v2_head(target, (0, -1)), target)
     out = TreeDecoder(target, drafter, tree="1,1", policy="static", attention="sdpa").generate(PROMPT, max_new_tokens=40)
-    held = drafter._features.shape[0] + drafter._n_pending
+    held = drafter._features.shape[0] + sum(h.shape[0] for h in drafter._pending)
     assert drafter._first > len(PROMPT) and held <= 4
     assert drafter._first + held >= len(PROMPT) + len(out.tokens) - 1
