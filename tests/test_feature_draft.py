@@ -210,3 +210,45 @@ def test_drafter_keeps_only_the_features_it_will_read(target):
     held = drafter._features.shape[0] + sum(h.shape[0] for h in drafter._pending)
     assert drafter._first > len(PROMPT) and held <= 4
     assert drafter._first + held >= len(PROMPT) + len(out.tokens) - 1
+
+
+def test_window_reads_the_prompt_tail_and_stays_aligned(target, reference):
+    """window=3: the head's first forward reads the prompt's last 3 positions only; every later
+    catch-up reads the true features of the positions it names, at the cache index they belong."""
+    from mcsd import kv_cache
+    drafter = FeatureDrafter(random_head(target), target, window=3)
+    reads, in_begin = [], []
+    run, begin = drafter._run, drafter.begin_round
+
+    def recording_run(feats, tokens, positions, allowed):
+        if in_begin:
+            reads.append((feats.clone(), positions.clone(), kv_cache.cache_length(drafter.cache)))
+        return run(feats, tokens, positions, allowed)
+
+    def recording_begin(sequence):
+        in_begin.append(True)
+        try:
+            return begin(sequence)
+        finally:
+            in_begin.clear()
+    drafter._run, drafter.begin_round = recording_run, recording_begin
+    out = TreeDecoder(target, drafter, tree="2,1", policy="static", attention="sdpa").generate(
+        PROMPT, max_new_tokens=60)
+    assert out.tokens == reference
+    seq = torch.cat([PROMPT, torch.tensor(out.tokens)])
+    with torch.no_grad():
+        h = target(seq[None], output_hidden_states=True).hidden_states[-1][0]
+    offset = len(PROMPT) - 3                        # the first round's t_end is len(PROMPT)
+    assert reads[0][1].tolist() == [offset + 1, offset + 2, offset + 3] and reads[0][2] == 0
+    assert len(reads) > 10
+    for feats, positions, cached in reads:
+        start = int(positions[0]) - 1
+        assert start == cached + offset             # cache index + offset = position
+        assert torch.allclose(feats, drafter.head.fused(h[start:start + len(feats)]), atol=1e-4)
+
+
+def test_window_bounds_are_checked(target):
+    from mcsd.config import ConfigError
+    with pytest.raises(ConfigError, match="window"):
+        FeatureDrafter(random_head(target), target, window=0)
+    assert FeatureDrafter(random_head(target), target).window == 128

@@ -104,7 +104,7 @@ def test_draft_gate_skips_rounds_and_stays_exact(target):
     assert out.tokens == ref
     skipped = out.stats.rounds - len(calls)
     assert skipped >= 5 and len(calls) >= 3 and sum(trees) > 0     # both kinds of round, some drafts accepted
-    policy.reset()
+    policy.forget()
     policy.draft_value = -1.0                   # as if drafting had been losing
     root_only = DraftTree.root_only(policy.topology, torch.tensor(3))
     drafted = []
@@ -112,6 +112,21 @@ def test_draft_gate_skips_rounds_and_stays_exact(target):
         drafted.append(policy.begin_round() > 0)
         policy.observe(0, root_only)            # nothing accepted: every probe loses
     assert [i for i, d in enumerate(drafted) if d] == [3, 10, 23]       # waits of 3, 6, 12 plain rounds
+
+
+def test_draft_gate_carries_over_to_the_next_generation(target):
+    """Once drafting has lost, a new prompt does not start with a burst of probes: the
+    waits go on where the last generation left them; `forget` starts the gate afresh."""
+    ref = TreeDecoder(target, None, attention="sdpa").generate_baseline(PROMPT, max_new_tokens=40).tokens
+    policy = _policy(constant_model(0.001))                 # nothing is worth drafting
+    dec = TreeDecoder(target, target, policy=policy, attention="sdpa")
+    first = dec.generate(PROMPT, max_new_tokens=40)
+    second = dec.generate(PROMPT, max_new_tokens=40)
+    assert first.tokens == second.tokens == ref
+    assert first.stats.draft_forwards == len(probe_rounds(first.stats.rounds)) >= 4
+    assert second.stats.draft_forwards <= 1                 # waits of max_probe_gap rounds by now
+    policy.forget()
+    assert policy.begin_round() > 0                         # a forgotten gate drafts at once
 
 
 def test_learned_policy_sampling_is_exact():

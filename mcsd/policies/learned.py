@@ -204,7 +204,10 @@ class LearnedPolicy(TreePolicy):
     `max_probe_gap`), so on a machine or text where drafting never pays the
     probes cost a few percent at most, and one that wins resets it. A round
     without drafting is a plain target step; the draft catches up on the
-    skipped tokens in its next forward.
+    skipped tokens in its next forward. The gate outlives a generation
+    (`reset` starts a new one, `forget` clears the gate too): what drafting
+    is worth with this drafter on this machine is carried from one prompt
+    to the next, not re-learned from a burst of probes on each.
 
     Costs come from this machine's calibrated profile and are corrected
     online: `observe_timing` folds every round's measured draft and verify
@@ -229,11 +232,16 @@ class LearnedPolicy(TreePolicy):
             model if model is not None else default_model_path())
         self.costs = costs or Costs.default()
         self.predict_s = 0.0          # feature building + prediction time, for the overhead report
+        self.forget()
         self.reset()
 
     def reset(self) -> None:
+        """A new generation: per-sequence state starts over; the draft gate carries on."""
         self.recent = 0.5
         self.predict_s = 0.0
+
+    def forget(self) -> None:
+        """Forget what drafting has been worth (the next round drafts)."""
         self.draft_value = 0.0          # running ms gained per drafted round; < 0: drafting loses
         self._skipped = 0               # rounds in a row without drafting (0: this round drafts)
         self._gap = self.probe_every    # plain rounds to wait before the next probe
