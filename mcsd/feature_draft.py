@@ -205,12 +205,13 @@ class FeatureDrafter:
     root's entry is kept; the next round re-reads the accepted tokens with the
     features the verify pass produced (no extra target forward).
 
-    window: read at most this many of the prompt's last positions (None: all;
-    default 128: on held-out prompts of up to 862 tokens, 64, 128, 256 and
-    512 drafted with the same acceptance as the whole prompt).
-    The head's first forward covers the whole prompt, and its cost grows with
-    the prompt's length (and quadratically in attention); a window bounds it
-    for long prompts. Drafts may change; verification, so the output, does not.
+    window: the head's first forward of a generation reads at most this many
+    of the sequence's last positions (the prompt, and any tokens generated
+    before the first drafted round); None reads all. Its cost grows with the
+    prompt's length (and quadratically in attention), so the window bounds
+    it for long prompts. Default 128: on held-out prompts of up to 862
+    tokens, windows of 64 to 512 drafted with the same acceptance as the
+    whole prompt. Drafts may change; verification, so the output, does not.
     """
 
     uses_target_hidden = True
