@@ -269,6 +269,7 @@ def _settings(args, decoder, dtype_reason) -> dict:
             "drafter": kind if drafted else None,
             "dtype": args.dtype, "dtype_reason": dtype_reason, "costs": decoder.costs_source,
             "matmul_kernels": decoder.kernels_note,
+            "acceptance_model": getattr(decoder.policy, "model_source", None) if drafted else None,
             "device": args.device, "attention": decoder.attention, "baseline": args.baseline,
             "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
             "lossy_target_roots": args.lossy_target_roots,
@@ -359,6 +360,8 @@ def run(args) -> int:
             print(f"matmul kernels: {decoder.kernels_note}", file=sys.stderr)
         if decoder.costs_source is not None:
             print(f"costs: {_COSTS_SOURCES[decoder.costs_source]}", file=sys.stderr)
+        if not args.baseline and getattr(decoder.policy, "model_source", None) is not None:
+            print(f"acceptance model: {decoder.policy.model_source}", file=sys.stderr)
     if args.show_tree and rounds:
         _draw_best_round(rounds, args.show_tree, tokenizer)
     return 0

@@ -217,7 +217,7 @@ class FeatureDrafter:
     uses_target_hidden = True
 
     def __init__(self, head: FeatureHead, target: nn.Module, name: str = "feature-head",
-                 window: int | None = 128):
+                 window: int | None = 128, directory: str | Path | None = None):
         n_layers = getattr(target.config, "num_hidden_layers", None)
         bad = [i for i in head.cfg.feature_layers if n_layers is not None and not -1 <= i <= n_layers]
         if bad:
@@ -229,6 +229,7 @@ class FeatureDrafter:
             raise ConfigError(f"feature drafter window must be a positive number of positions, got {window}")
         self.head = head
         self.name = name                                # names its device profile
+        self.directory = directory                      # the folder it was loaded from (its acceptance model)
         self.window = window                            # prompt positions the head reads (None: all)
         self.embed = target.get_input_embeddings()
         if head.lm_rows is None:

@@ -327,8 +327,9 @@ def load_feature_drafter(source: str, target, dtype="bfloat16"):
         raise ModelLoadError(f"feature head in {source} was built for hidden size {head.cfg.target_hidden} and "
                              f"vocabulary {head.cfg.vocab_size}; the target has {hidden} and {vocab}")
     # The head reads the target's features and embeddings, so it sits on the target's input device.
+    folder = Path(source).expanduser().resolve()
     return FeatureDrafter(head.to(target.get_input_embeddings().weight.device), target,
-                          name=Path(source).expanduser().resolve().name)
+                          name=folder.name, directory=folder)
 
 
 def cast_pair(target, draft, dtype):
@@ -341,7 +342,7 @@ def cast_pair(target, draft, dtype):
     elif isinstance(draft, FeatureDrafter):
         head = draft.head.to(dtype)
         head.attach_lm_head(target.get_output_embeddings().weight)
-        draft = FeatureDrafter(head, target, name=draft.name)
+        draft = FeatureDrafter(head, target, name=draft.name, window=draft.window, directory=draft.directory)
     return target, draft
 
 

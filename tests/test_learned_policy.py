@@ -1,6 +1,7 @@
 """The learned policy: features, JSON models (logistic and boosted trees), pruning and stopping, exactness."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -192,3 +193,41 @@ def test_no_tree_means_the_policys_own():
     pol = make_policy("learned", None, model=constant_model(0.5), costs=Costs.default())
     assert pol.topology.max_depth == len(LearnedPolicy.default_tree.split(","))
     assert make_policy("static", None).topology.max_depth == 3            # 4,2,2
+
+
+def test_a_drafter_ships_its_own_acceptance_model(model_dirs, target, tmp_path):
+    """An `acceptance.json` in the drafter's folder replaces the generic model for that drafter
+    (a feature head's folder and a standalone draft's alike); a model passed in is kept."""
+    from conftest import word_tokenizer
+    from mcsd import load_model_pair
+    from mcsd.models import cast_pair
+    from test_feature_draft import random_head
+    spec = {"format": FORMAT, "version": FORMAT_VERSION, "kind": "logistic", "features": ["q_rank"],
+            "mean": [0.0], "scale": [1.0], "coef": [0.0], "intercept": -7.0}
+    random_head(target).save(tmp_path / "head")
+    (tmp_path / "head" / "acceptance.json").write_text(json.dumps(spec))
+    t, drafter, _ = load_model_pair(str(model_dirs / "target"), str(tmp_path / "head"), dtype="float32")
+    ref = TreeDecoder(t, None, attention="sdpa").generate_baseline(PROMPT, max_new_tokens=30).tokens
+    for d in (drafter, cast_pair(t, drafter, "float32")[1]):          # a cast drafter keeps its folder
+        policy = LearnedPolicy(TreeTopology.from_spec("3,2,2"), costs=fixed(Costs.default()))
+        out = TreeDecoder(t, d, policy=policy, attention="sdpa").generate(PROMPT, max_new_tokens=30)
+        assert Path(policy.model_source) == (tmp_path / "head" / "acceptance.json").resolve()
+        assert out.tokens == ref and out.stats.tree_nodes == 0        # its own model: nothing pays
+    given = LearnedPolicy(TreeTopology.from_spec("3,2,2"), model=constant_model(0.95), costs=fixed(Costs.default()))
+    out = TreeDecoder(t, drafter, policy=given, attention="sdpa").generate(PROMPT, max_new_tokens=30)
+    assert given.model_source == "given" and out.tokens == ref and out.stats.tree_nodes > 0
+
+    draft_dir = tmp_path / "draft"                                    # a standalone draft model's folder
+    target.save_pretrained(draft_dir)
+    word_tokenizer().save_pretrained(draft_dir)
+    (draft_dir / "acceptance.json").write_text(json.dumps(spec))
+    _, draft, _ = load_model_pair(str(model_dirs / "target"), str(draft_dir), dtype="float32")
+    policy = LearnedPolicy(TreeTopology.from_spec("3,2,2"), costs=fixed(Costs.default()))
+    TreeDecoder(t, draft, policy=policy, attention="sdpa")
+    assert Path(policy.model_source).resolve() == (draft_dir / "acceptance.json").resolve()
+    (draft_dir / "acceptance.json").write_text("{not json")           # a broken one is a clear error
+    _, draft, _ = load_model_pair(str(model_dirs / "target"), str(draft_dir), dtype="float32")
+    with pytest.raises(ModelLoadError, match="cannot use acceptance model"):
+        TreeDecoder(t, draft, policy=LearnedPolicy(TreeTopology.from_spec("3,2,2")), attention="sdpa")
+    assert LearnedPolicy(TreeTopology.from_spec("3,2,2")).model_source.endswith(
+        "decision-models/acceptance.json")                            # no drafter bound yet: the generic model

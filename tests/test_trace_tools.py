@@ -56,9 +56,9 @@ def test_collect_train_and_use(model_dirs, tmp_path, target):
     out = tmp_path / "dm"
     assert train_decision_models.main(["--fit", str(tmp_path / "fit"), "--heldout", str(tmp_path / "held"),
                                        "--out", str(out)]) == 0
-    card = json.loads((out / "card.json").read_text())
+    card = json.loads((out / "acceptance-card.json").read_text())
     assert card["chosen"] in ("logistic", "gbt") and "auc" in card["metrics_heldout"]["logistic"]
-    assert (out / "calibration.png").stat().st_size > 0
+    assert (out / "acceptance-calibration.png").stat().st_size > 0
     model = AcceptanceModel.load(out / "acceptance.json")
     prompt = torch.tensor([3, 17, 42, 5, 9, 11])
     ref = TreeDecoder(target, None, attention="sdpa").generate_baseline(prompt, max_new_tokens=40).tokens

@@ -8,8 +8,11 @@ tree ensemble on the fitting traces, in two stages: stage one without the
 fill `parent_pred` for stage two (the policy feeds its own predictions there
 at run time). Reports AUC and Brier score on the held-out traces, draws a
 calibration plot, and writes the model with the lower held-out Brier score as
-plain JSON parameters (`models/decision-models/acceptance.json`, loaded
-without running code) with a card beside it.
+plain JSON parameters (`acceptance.json`, loaded without running code) with
+`acceptance-card.json` and `acceptance-calibration.png` beside it: under
+models/decision-models (the generic model) by default, or in a drafter's own
+folder (`--out models/<drafter>`), where the learned policy prefers it for
+that drafter.
 """
 
 from __future__ import annotations
@@ -150,7 +153,8 @@ def main(argv=None) -> int:
     ap.add_argument("--heldout", type=Path, required=True, help="trace folder of the held-out split")
     ap.add_argument("--label", default="label_greedy", choices=("label_greedy",),
                     help="greedy acceptance (the sampling label min(1, p/q) is recorded for later use)")
-    ap.add_argument("--out", type=Path, default=None, help="default: models/decision-models")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default: models/decision-models; a drafter's folder to ship the model with that drafter")
     args = ap.parse_args(argv)
     import sklearn
 
@@ -169,7 +173,7 @@ def main(argv=None) -> int:
         curves[name] = (held[args.label], p)
         print(f"{name:9s} held-out AUC {metrics['auc']:.3f}  Brier {metrics['brier']:.4f}  "
               f"(base rate {metrics['base_rate']:.3f}, {metrics['rows']} nodes), {metrics['call_ms']:.3f} ms a call")
-    calibration_plot(curves, out / "calibration.png")
+    calibration_plot(curves, out / "acceptance-calibration.png")
     best = min(results, key=lambda n: results[n]["brier"])
     importance = feature_importance(*fitted[best], held, args.label)
     print("held-out AUC lost without each feature:", importance)
@@ -188,8 +192,9 @@ def main(argv=None) -> int:
             shlex.quote(a) for a in (argv or sys.argv[1:]))).replace(str(Path.home()), "~"),
         "seconds": round(time.time() - t0, 1),
     }
-    (out / "card.json").write_text(json.dumps(card, indent=1))
-    print(f"wrote {out / 'acceptance.json'} ({best}), {out / 'card.json'}, {out / 'calibration.png'}")
+    (out / "acceptance-card.json").write_text(json.dumps(card, indent=1))
+    print(f"wrote {out / 'acceptance.json'} ({best}), {out / 'acceptance-card.json'}, "
+          f"{out / 'acceptance-calibration.png'}")
     return 0
 
 

@@ -213,10 +213,20 @@ class LearnedPolicy(TreePolicy):
     online: `observe_timing` folds every round's measured draft and verify
     time into them (see `mcsd.profile.Costs`).
 
+    Acceptance is the drafter's: a drafter whose folder ships its own model
+    (`acceptance.json`, fit on that drafter's traces) replaces the generic
+    one when the decoder binds it, since how often a draft probability of,
+    say, 0.6 is accepted differs from drafter to drafter. A model passed
+    as `model` is always kept.
+
     Args:
         topology: the largest tree allowed (depth and fan-out bounds).
-        model: an AcceptanceModel, or a path to one (default: the shipped model).
+        model: an AcceptanceModel, or a path to one (default: the drafter's
+            own model where it ships one, else the generic shipped model).
         costs: device costs (default: `Costs.default()`; see `Costs.from_profile`).
+
+    Attributes:
+        model_source: where the acceptance model came from (a path, or "given").
     """
 
     name = "learned"
@@ -228,12 +238,20 @@ class LearnedPolicy(TreePolicy):
     def __init__(self, topology: TreeTopology, model: AcceptanceModel | str | Path | None = None,
                  costs: Costs | None = None):
         super().__init__(topology)
-        self.model = model if isinstance(model, AcceptanceModel) else AcceptanceModel.load(
-            model if model is not None else default_model_path())
+        self._model_given = model is not None
+        path = None if isinstance(model, AcceptanceModel) else Path(model if model is not None
+                                                                   else default_model_path())
+        self.model = model if path is None else AcceptanceModel.load(path)
+        self.model_source = "given" if path is None else str(path)
         self.costs = costs or Costs.default()
         self.predict_s = 0.0          # feature building + prediction time, for the overhead report
         self.forget()
         self.reset()
+
+    def bind_drafter(self, drafter) -> None:
+        own = drafter_model_path(drafter)
+        if own is not None and not self._model_given:
+            self.model, self.model_source = AcceptanceModel.load(own), str(own)
 
     def reset(self) -> None:
         """A new generation: per-sequence state starts over; the draft gate carries on."""
@@ -336,6 +354,21 @@ def recent_acceptance(recent: float, n_accepted: int, tree: DraftTree) -> float:
 def default_model_path() -> Path:
     """The shipped acceptance model: models/decision-models/acceptance.json."""
     return models_dir() / "decision-models" / "acceptance.json"
+
+
+def drafter_model_path(drafter) -> Path | None:
+    """The acceptance model a drafter ships beside its weights (`<its folder>/acceptance.json`), if any.
+
+    A drafter's folder is its `directory` attribute (set by `mcsd.models` for
+    a loaded feature head) or, for a standalone draft model, the folder it
+    was loaded from.
+    """
+    folder = getattr(drafter, "directory", None)
+    if folder is None:
+        model = getattr(drafter, "model", None)
+        folder = getattr(model, "name_or_path", None) or None
+    path = Path(folder) / "acceptance.json" if folder else None
+    return path if path is not None and path.is_file() else None
 
 
 def export_sklearn(estimator, feature_names=FEATURE_NAMES, meta: dict | None = None) -> dict:
