@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
@@ -60,6 +61,11 @@ def test_collect_train_and_use(model_dirs, tmp_path, target):
     assert card["chosen"] in ("logistic", "gbt") and "auc" in card["metrics_heldout"]["logistic"]
     assert (out / "acceptance-calibration.png").stat().st_size > 0
     model = AcceptanceModel.load(out / "acceptance.json")
+    # stratified selection, as the benchmark picks prompts: one per category group
+    assert collect_traces.main(common + ["--split", "fit", "--per-group", "1", "--out", str(tmp_path / "strat")]) == 0
+    assert sorted(json.loads((tmp_path / "strat" / "manifest.json").read_text())["done"]) == [1, 2, 3]
+    with pytest.raises(SystemExit, match="no effect with --no-chat"):
+        collect_traces.main(common + ["--system", "Be brief.", "--out", str(tmp_path / "sys")])
     prompt = torch.tensor([3, 17, 42, 5, 9, 11])
     ref = TreeDecoder(target, None, attention="sdpa").generate_baseline(prompt, max_new_tokens=40).tokens
     policy = LearnedPolicy(TreeTopology.from_spec("3,2,1"), model=model)

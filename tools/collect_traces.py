@@ -44,7 +44,7 @@ import torch
 from tqdm import tqdm
 
 from mcsd import TreeDecoder, load_model_pair
-from mcsd.data import chat_ids, load_prompts
+from mcsd.data import chat_ids, load_prompts, stratified
 from mcsd.models import cache_dir
 from mcsd.policies.base import Frontier, TreePolicy
 from mcsd.policies.learned import FEATURE_NAMES, candidate_features, recent_acceptance
@@ -170,6 +170,11 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", default=None, help="Spec-Bench style JSONL (default: the shared file)")
     ap.add_argument("--split", default="fit", choices=("fit", "heldout"))
     ap.add_argument("--limit", type=int, default=0, help="at most this many prompts (0 = all)")
+    ap.add_argument("--per-group", type=int, default=0,
+                    help="this many prompts of each category group (as the benchmark picks them; 0 = all)")
+    ap.add_argument("--system", default=None,
+                    help="system message for the chat template: traces of answers a drafter was not trained on "
+                         "(a drafter distilled from the target's answers to these prompts has them by heart)")
     ap.add_argument("--tree", default="4,3,2,2,1,1", help="the wide tree traced")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--label-temperature", type=float, default=1.0)
@@ -181,6 +186,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
 
+    if args.system is not None and args.no_chat:
+        sys.exit("--system is a chat-template message; it has no effect with --no-chat")
     if args.threads:
         torch.set_num_threads(args.threads)
     out = args.out or cache_dir() / "traces" / args.split
@@ -197,6 +204,8 @@ def main(argv=None) -> int:
     policy = TracePolicy(TreeTopology.from_spec(args.tree), args.label_temperature, hidden=args.hidden)
     dec = TreeDecoder(target, draft, tokenizer=tok, policy=policy)
     prompts = load_prompts(args.prompts, split=args.split)
+    if args.per_group:
+        prompts = stratified(prompts, args.per_group)
     if args.limit:
         prompts = prompts[:args.limit]
     todo = [p for p in prompts if p.question_id not in set(manifest["done"])]
@@ -221,7 +230,7 @@ def main(argv=None) -> int:
     nodes = 0
     for p in bar:
         ids = torch.tensor(tok(p.text, add_special_tokens=False)["input_ids"] if args.no_chat
-                           else chat_ids(tok, p.text))
+                           else chat_ids(tok, p.text, system=args.system))
         dec.generate(ids, max_new_tokens=args.max_new_tokens)
         part = flatten(policy.take(), p.question_id, GROUPS.index(p.group) if p.group in GROUPS else len(GROUPS) - 1)
         if len(part["label_greedy"]):
