@@ -33,6 +33,9 @@ def test_json_output_matches_baseline(model_dirs, capsys):
                 "draft_s", "verify_s", "wall_s"):
         assert key in tree["stats"]
     assert tree["settings"]["attention"] == "sdpa"
+    # the learned policy's acceptance model: the generic one (this draft's folder ships none)
+    assert tree["settings"]["acceptance_model"].endswith("decision-models/acceptance.json")
+    assert base["settings"]["acceptance_model"] is None
 
 
 def test_stream_and_stats(model_dirs, capsys):
