@@ -69,6 +69,8 @@ def test_shipped_feature_head_is_exact_with_the_learned_policy(pair):
     ids = torch.tensor(chat_ids(tokenizer, "Write a haiku about rivers."))
     for policy in ("learned", "static"):
         dec = TreeDecoder(target, drafter, tokenizer=tokenizer, tree=None, policy=policy)
+        if policy == "learned":          # the head's own acceptance model, fit on its traces
+            assert dec.policy.model_source == str(directory.resolve() / "acceptance.json")
         out = dec.generate(ids, max_new_tokens=24)
         assert out.tokens == dec.generate_baseline(ids, max_new_tokens=24).tokens
         assert out.stats.draft_forwards > 0
