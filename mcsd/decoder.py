@@ -318,15 +318,18 @@ class TreeDecoder:
         if drafter is not None:
             drafter.reset()
 
-        # Prefill: the target reads the prompt and chooses the first token itself.
+        # Prefill: the target reads the prompt and chooses the first token itself. Only context
+        # drafting reads the prompt's other logits (recycled predictions); without it, the
+        # vocabulary projection of every prompt row but the last is skipped.
         self.target.reset()
+        last_only = context is None
         wants_hidden = drafter is not None and getattr(drafter, "uses_target_hidden", False)
         if wants_hidden:                                        # which target layers it reads (default: the last)
             wants_hidden = tuple(getattr(drafter, "feature_layers", (-1,)))
-            logits, prompt_hidden = self.target.extend(prompt_ids, hidden=wants_hidden)
+            logits, prompt_hidden = self.target.extend(prompt_ids, hidden=wants_hidden, last_logits=last_only)
             drafter.observe_target(prompt_hidden)               # features of every prompt position
         else:
-            logits = self.target.extend(prompt_ids)
+            logits = self.target.extend(prompt_ids, last_logits=last_only)
         if context is not None:
             context.reset(prompt_ids)
             context.observe_logits(prompt_ids, logits)          # recycled predictions of the prompt

@@ -84,7 +84,7 @@ class ModelDrafter:
         if self.lm.length >= sequence.numel():              # root already cached (lossy multi-root rounds):
             kv_cache.truncate(self.lm.cache, sequence.numel() - 1)   # re-read it for its logits
         pending = sequence[self.lm.length:]                 # the root, plus any accepted leaf not yet seen
-        logits = self.lm.extend(pending, hidden=self.keep_hidden)          # (P, V)
+        logits = self.lm.extend(pending, hidden=self.keep_hidden, last_logits=True)   # (1, V): the root's
         if self.keep_hidden:
             logits, hidden = logits
             self.last_hidden = hidden[-1:]                  # (1, H) the root's

@@ -8,6 +8,8 @@ explicit position ids as forward arguments. Nothing is set on the model.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from . import kernels, kv_cache
@@ -30,6 +32,8 @@ class CachedLM:
         self.device = model.get_input_embeddings().weight.device
         self.cache = None
         self.kernels: kernels.KernelTable | None = None
+        # transformers' causal LMs can project only the last rows onto the vocabulary
+        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     def reset(self) -> None:
         from transformers import DynamicCache
@@ -41,7 +45,7 @@ class CachedLM:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
-                hidden: bool | tuple[int, ...] = False):
+                hidden: bool | tuple[int, ...] = False, last_logits: bool = False):
         """Append a block to the cache and return its logits.
 
         Args:
@@ -53,15 +57,19 @@ class CachedLM:
             hidden: also return hidden states: True for the last (final, normed) ones,
                 or a tuple of indices into transformers' `hidden_states` (0 =
                 embeddings, i = after decoder layer i, -1 = final), concatenated.
+            last_logits: only the last row's logits are wanted (a prefill): models that
+                support it skip the vocabulary projection of the other rows.
         Returns:
-            logits (Q, V) float in the model dtype; with hidden also (Q, H) or (Q, len(hidden) * H).
+            logits (Q, V) float in the model dtype, or (1, V) with last_logits where the model
+            supports it; with hidden also (Q, H) or (Q, len(hidden) * H).
         """
         prefix = self.length - (allowed.shape[1] - tokens.numel())
         mask = additive_mask(allowed.to(self.device), prefix, self.dtype)          # (1, 1, Q, prefix+K)
+        keep = {"logits_to_keep": 1} if last_logits and self._keeps_logits else {}
         with kernels.running(self.kernels, tokens.numel()):
             out = self.model(input_ids=tokens.to(self.device)[None], position_ids=positions.to(self.device)[None],
                              attention_mask=mask, past_key_values=self.cache, use_cache=True,
-                             output_hidden_states=hidden)
+                             output_hidden_states=hidden, **keep)
         logits = out.logits[0].to(self.device)          # a device_map may end on another GPU
         if not hidden:
             return logits
@@ -70,12 +78,13 @@ class CachedLM:
             else out.hidden_states[layers[0]][0]
         return logits, states.to(self.device)
 
-    def extend(self, tokens: torch.Tensor, hidden: bool | tuple[int, ...] = False):
-        """Feed ordinary tokens (causal) after everything in the cache; returns their logits (Q, V)."""
+    def extend(self, tokens: torch.Tensor, hidden: bool | tuple[int, ...] = False, last_logits: bool = False):
+        """Feed ordinary tokens (causal) after everything in the cache; returns their logits (Q, V)
+        (or (1, V), the last row's, with last_logits; see `forward`)."""
         start = self.length
         n = tokens.numel()
         pos = torch.arange(start, start + n, device=self.device)
-        return self.forward(tokens, pos, causal_allowed(n, self.device), hidden=hidden)
+        return self.forward(tokens, pos, causal_allowed(n, self.device), hidden=hidden, last_logits=last_logits)
 
     @torch.inference_mode()
     def commit(self, prefix_len: int, keep: torch.Tensor) -> None:

@@ -110,7 +110,8 @@ class _DraftJob:
     def _run(self) -> None:
         try:
             with torch.inference_mode():
-                logits = self.lm.extend(torch.tensor(self.pending, device=self.lm.device))[-1]      # (V,)
+                logits = self.lm.extend(torch.tensor(self.pending, device=self.lm.device),
+                                        last_logits=True)[-1]                                   # (V,)
                 self.processed.extend(self.pending)
                 self.forwards += 1
                 for i in range(self.n):
@@ -231,7 +232,7 @@ def decode(dec, prompt_ids: torch.Tensor, cfg: DecodeConfig, mode: PearlMode,
     seq = prompt_ids.tolist()
     job = start_job(seq)                       # the draft reads the prompt while the target does
     with torch.inference_mode():
-        root_probs = probs(target.extend(prompt_ids)[-1])                                   # (V,)
+        root_probs = probs(target.extend(prompt_ids, last_logits=True)[-1])                  # (V,)
     root_cached = True
     stats.target_forwards += 1
     stats.prefill_s = time.perf_counter() - t_start

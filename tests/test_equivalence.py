@@ -148,3 +148,19 @@ def test_seeded_sampling_is_reproducible(small_pair):
     a = dec.generate(torch.tensor([1, 2, 3]), max_new_tokens=20, temperature=1.0, seed=123)
     b = dec.generate(torch.tensor([1, 2, 3]), max_new_tokens=20, temperature=1.0, seed=123)
     assert a.tokens == b.tokens
+
+
+def test_prefill_projects_only_the_last_row_unless_context_reads_the_prompt(target):
+    """The prompt's other logits are read only by context drafting (recycled predictions):
+    without it the prefill asks the model for the last row's logits alone; output unchanged."""
+    rows = []
+    hook = target.register_forward_hook(lambda m, args, out: rows.append(out.logits.shape[1]))
+    try:
+        ref = TreeDecoder(target, None, attention="sdpa").generate_baseline(PROMPT, max_new_tokens=12)
+        assert rows[0] == 1
+        rows.clear()
+        out = TreeDecoder(target, [target, "context"], tree="2,1", policy="static",
+                          attention="sdpa").generate(PROMPT, max_new_tokens=12)
+        assert rows[0] == PROMPT.numel() and out.tokens == ref.tokens
+    finally:
+        hook.remove()
