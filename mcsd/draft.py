@@ -68,6 +68,11 @@ class ModelDrafter:
         return self.lm.model
 
     @property
+    def directory(self) -> str | None:
+        """The folder the draft model was loaded from (transformers' name_or_path), if any."""
+        return getattr(self.model, "name_or_path", None) or None
+
+    @property
     def kernels(self):
         """The CPU matmul path per block size of the draft's forwards (`mcsd.kernels`)."""
         return self.lm.kernels

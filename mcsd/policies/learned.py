@@ -359,14 +359,10 @@ def default_model_path() -> Path:
 def drafter_model_path(drafter) -> Path | None:
     """The acceptance model a drafter ships beside its weights (`<its folder>/acceptance.json`), if any.
 
-    A drafter's folder is its `directory` attribute (set by `mcsd.models` for
-    a loaded feature head) or, for a standalone draft model, the folder it
-    was loaded from.
+    A drafter's folder is its `directory` (a feature head's, set when it is
+    loaded; a standalone draft model's, the folder it was loaded from).
     """
     folder = getattr(drafter, "directory", None)
-    if folder is None:
-        model = getattr(drafter, "model", None)
-        folder = getattr(model, "name_or_path", None) or None
     path = Path(folder) / "acceptance.json" if folder else None
     return path if path is not None and path.is_file() else None
 
