@@ -456,14 +456,20 @@ class TreeDecoder:
         """Run each forward on the matmul path the profile measured faster for its size."""
         if prof is None:
             return
+        from .profile import drafter_module
         notes = []
         self.target.kernels = prof.kernel_table("verify")
         if self.target.kernels is not None:
             notes.append(f"target: {self.target.kernels.describe()}")
+            if self.target.kernels.uses_packed:              # prepacked weights are made once, here
+                kernels.pack(self.target.model)
         if self.drafter is not None and hasattr(self.drafter, "kernels"):
             self.drafter.kernels = prof.kernel_table("draft")
             if self.drafter.kernels is not None:
                 notes.append(f"draft: {self.drafter.kernels.describe()}")
+                module = drafter_module(self.drafter)
+                if self.drafter.kernels.uses_packed and module is not None:
+                    kernels.pack(module)
         self.kernels_note = "; ".join(notes) or None
 
     @staticmethod

@@ -15,17 +15,34 @@ and float16 models on a CPU where oneDNN would handle them (float32 products
 go through the same BLAS either way, and its rounding stays independent of
 calibration). Concurrent decoding threads (PEARL) `suspend` switching, since
 the flag is shared.
+
+A third path keeps oneDNN's kernels but reorders each linear layer's weight
+into oneDNN's blocked layout once (`pack`), as inductor does when it freezes
+weights. oneDNN otherwise reorders the weight inside every product, which is
+most of its fixed cost: on the same CPU a target forward of 4 / 8 / 16 rows
+took 30 / 35 / 42 ms on prepacked weights against 44 / 48 / 58 ms on plain
+oneDNN and 48 / 79 / 144 ms on ATen (1 row: 34 / 44 / 24 ms), so trees of a
+few nodes cost much less to verify. The packed copy costs one more copy of
+every linear weight in memory (about 270 MB for SmolLM2-135M in bfloat16); it
+is made only where the calibration measured it faster for some block size,
+and is dropped from use for a layer whose weight has changed since.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import types
 
 import torch
+import torch.nn.functional as F
 
 _suspensions = 0                  # > 0 while some caller runs forwards on several threads
 _lock = threading.Lock()
+_local = threading.local()        # .packed: linear layers on this thread use their prepacked weights
+
+PATHS = ("onednn", "aten", "packed")
+PACK_ROWS = 8                     # the block size oneDNN chooses the packed layout for (it serves every size)
 
 
 def switchable(dtype: torch.dtype, device) -> bool:
@@ -53,6 +70,94 @@ def onednn(enabled: bool):
         torch.backends.mkldnn.enabled = before
 
 
+def packable(dtype: torch.dtype, device) -> bool:
+    """True where a linear layer's weight can be prepacked for oneDNN (where `switchable`)."""
+    if not switchable(dtype, device):
+        return False
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight is not None
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class _Packed:
+    """A linear layer's weight in oneDNN's blocked layout, and what it was made from."""
+
+    def __init__(self, layer: torch.nn.Linear):
+        weight = layer.weight.detach()
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+        self.bias = None if layer.bias is None else layer.bias.detach()
+        self.source = self._source(layer)
+
+    @staticmethod
+    def _source(layer: torch.nn.Linear) -> tuple:
+        parts = [layer.weight] + ([layer.bias] if layer.bias is not None else [])
+        return tuple((t.data_ptr(), t._version, t.dtype, tuple(t.shape)) for t in parts)
+
+    def fresh(self, layer: torch.nn.Linear) -> bool:
+        """The layer's weight (and bias) are still the tensors this copy was made from, unchanged."""
+        return self._source(layer) == self.source
+
+
+def _packed_forward(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    packed = layer.__dict__.get("_mcsd_packed")
+    if packed is not None and getattr(_local, "packed", False) and x.dtype == packed.weight.dtype \
+            and packed.fresh(layer):
+        return torch.ops.mkldnn._linear_pointwise(x, packed.weight, packed.bias, "none", [], "")
+    return F.linear(x, layer.weight, layer.bias)
+
+
+def pack(module: torch.nn.Module) -> int:
+    """Give every packable linear layer of `module` a prepacked copy of its weight, used only
+    inside a block that runs on the packed path. Repacks a layer whose weight changed;
+    returns the number of layers packed now."""
+    done = 0
+    for layer in module.modules():
+        if type(layer) is not torch.nn.Linear or not packable(layer.weight.dtype, layer.weight.device):
+            continue
+        packed = layer.__dict__.get("_mcsd_packed")
+        if packed is not None and packed.fresh(layer):
+            continue
+        with torch.no_grad():
+            layer.__dict__["_mcsd_packed"] = _Packed(layer)
+        layer.__dict__["forward"] = types.MethodType(_packed_forward, layer)
+        done += 1
+    return done
+
+
+def unpack(module: torch.nn.Module) -> None:
+    """Drop the prepacked copies `pack` made (the layers are plain `nn.Linear`s again)."""
+    for layer in module.modules():
+        if "_mcsd_packed" in layer.__dict__:
+            del layer.__dict__["_mcsd_packed"]
+            layer.__dict__.pop("forward", None)
+
+
+def is_packed(module: torch.nn.Module) -> bool:
+    """Some linear layer of `module` has a prepacked copy of its current weight."""
+    return any(layer.__dict__.get("_mcsd_packed") is not None and layer._mcsd_packed.fresh(layer)
+               for layer in module.modules() if isinstance(layer, torch.nn.Linear))
+
+
+@contextlib.contextmanager
+def _packed_weights(enabled: bool):
+    before = getattr(_local, "packed", False)
+    _local.packed = enabled
+    try:
+        yield
+    finally:
+        _local.packed = before
+
+
+@contextlib.contextmanager
+def using(path: str):
+    """Run the block on one matmul path: "onednn", "aten" or "packed" (see the module's text)."""
+    if path not in PATHS:
+        raise ValueError(f"unknown matmul path {path!r}; choose from {', '.join(PATHS)}")
+    with onednn(path != "aten"), _packed_weights(path == "packed"):
+        yield
+
+
 @contextlib.contextmanager
 def suspend():
     """Leave the flag alone inside the block, on every thread (for callers that run forwards
@@ -68,51 +173,72 @@ def suspend():
 
 
 class KernelTable:
-    """Measured forward latency per block size on each path; picks the faster path for a size.
+    """Measured forward latency per block size on each path; picks the fastest path for a size.
 
     Args:
         onednn_ms: {rows: ms} through oneDNN (the default path).
         aten_ms: {rows: ms} through ATen's kernels; may cover fewer sizes.
-            Between and beyond measured sizes both are interpolated as in
+        packed_ms: {rows: ms} through oneDNN on prepacked weights (`pack`), or None.
+            Between and beyond measured sizes each is interpolated as in
             `mcsd.profile.interpolate`; past the largest size ATen was timed at,
-            oneDNN is used.
+            ATen is not considered.
     """
 
-    def __init__(self, onednn_ms: dict[int, float], aten_ms: dict[int, float]):
-        self.onednn_ms, self.aten_ms = dict(onednn_ms), dict(aten_ms)
+    def __init__(self, onednn_ms: dict[int, float], aten_ms: dict[int, float],
+                 packed_ms: dict[int, float] | None = None):
+        self.onednn_ms, self.aten_ms, self.packed_ms = dict(onednn_ms), dict(aten_ms), dict(packed_ms or {})
         self._limit = max(self.aten_ms) if self.aten_ms else 0
-        self._memo: dict[int, bool] = {}
+        self._top = max([*self.onednn_ms, *self.aten_ms, *self.packed_ms])
+        self._memo: dict[int, str] = {}
 
-    def use_onednn(self, rows: int) -> bool:
+    def path(self, rows: int) -> str:
+        """The fastest path for a block of `rows` ("onednn", "aten" or "packed")."""
         hit = self._memo.get(rows)
         if hit is None:
             from .profile import interpolate
-            hit = rows > self._limit or interpolate(self.onednn_ms, rows) <= interpolate(self.aten_ms, rows)
+            options = [("onednn", self.onednn_ms)]
+            if self.packed_ms:
+                options.append(("packed", self.packed_ms))
+            if rows <= self._limit:
+                options.append(("aten", self.aten_ms))
+            hit = min(options, key=lambda o: interpolate(o[1], rows))[0]    # ties: the earlier
             self._memo[rows] = hit
         return hit
 
+    def use_onednn(self, rows: int) -> bool:
+        """oneDNN runs the block's products (on plain or prepacked weights)."""
+        return self.path(rows) != "aten"
+
+    @property
+    def uses_packed(self) -> bool:
+        """Some measured block size runs on prepacked weights (they must be made: `pack`)."""
+        return any(self.path(n) == "packed" for n in range(1, self._top + 1))
+
     def aten_sizes(self) -> list[int]:
         """Block sizes (up to the largest timed) that run through ATen."""
-        return [n for n in range(1, self._limit + 1) if not self.use_onednn(n)]
+        return [n for n in range(1, self._limit + 1) if self.path(n) == "aten"]
 
     def describe(self) -> str:
-        sizes = self.aten_sizes()
-        if not sizes:
-            return "oneDNN for every block"
-        runs, start = [], sizes[0]
-        for a, b in zip(sizes, sizes[1:] + [None]):
-            if b != a + 1:
-                runs.append(f"{start}" if start == a else f"{start}-{a}")
-                start = b
-        return f"ATen kernels for {', '.join(runs)} rows, oneDNN above"
+        names = {"aten": "ATen kernels", "packed": "prepacked oneDNN weights", "onednn": "oneDNN"}
+        runs: list[list] = []                                  # [path, first rows, last rows]
+        for n in range(1, self._top + 2):                      # _top + 1 stands for every larger block
+            p = self.path(n)
+            if runs and runs[-1][0] == p:
+                runs[-1][2] = n
+            else:
+                runs.append([p, n, n])
+        if len(runs) == 1:
+            return f"{names[runs[0][0]]} for every block"
+        rows = lambda a, b: f"{a} row" if a == b == 1 else f"{a} rows" if a == b else f"{a}-{b} rows"  # noqa: E731
+        return ", ".join(f"{names[p]} for {rows(a, b)}" for p, a, b in runs[:-1]) + f", {names[runs[-1][0]]} above"
 
     @contextlib.contextmanager
     def running(self, rows: int):
-        """Run a forward of `rows` block rows on its faster path."""
+        """Run a forward of `rows` block rows on its fastest path."""
         if _suspensions:
             yield
             return
-        with onednn(self.use_onednn(rows)):
+        with using(self.path(rows)):
             yield
 
 

@@ -42,6 +42,9 @@ class DeviceProfile:
         verify_aten_ms, draft_aten_ms: the same through ATen's kernels instead of
             oneDNN, for small blocks, where the two differ (`mcsd.kernels`);
             empty elsewhere.
+        verify_packed_ms, draft_packed_ms: the same through oneDNN on prepacked
+            weights (`mcsd.kernels.pack`), every size; empty where weights cannot
+            be prepacked.
         meta: model names, dtype, device, backend, thread count, torch version.
     """
 
@@ -51,20 +54,24 @@ class DeviceProfile:
     meta: dict = field(default_factory=dict)
     verify_aten_ms: dict[int, float] = field(default_factory=dict)
     draft_aten_ms: dict[int, float] = field(default_factory=dict)
+    verify_packed_ms: dict[int, float] = field(default_factory=dict)
+    draft_packed_ms: dict[int, float] = field(default_factory=dict)
 
-    def paths(self, role: str) -> tuple[dict[int, float], dict[int, float]]:
-        """(default path, ATen path) timings of the target ("verify") or the draft ("draft")."""
-        return (self.verify_ms, self.verify_aten_ms) if role == "verify" else (self.draft_ms, self.draft_aten_ms)
+    def paths(self, role: str) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
+        """(default path, ATen path, prepacked path) timings of the target ("verify") or the draft ("draft")."""
+        if role == "verify":
+            return self.verify_ms, self.verify_aten_ms, self.verify_packed_ms
+        return self.draft_ms, self.draft_aten_ms, self.draft_packed_ms
 
     def kernel_table(self, role: str) -> kernels.KernelTable | None:
-        """Which matmul path each block size of `role` runs faster on; None where only one path was timed."""
-        default, aten = self.paths(role)
-        return kernels.KernelTable(default, aten) if default and aten else None
+        """Which matmul path each block size of `role` runs fastest on; None where only one path was timed."""
+        default, aten, packed = self.paths(role)
+        return kernels.KernelTable(default, aten, packed) if default and (aten or packed) else None
 
     def best_ms(self, role: str) -> dict[int, float]:
-        """{size: ms} on the faster path per measured size (what the engine runs)."""
-        default, aten = self.paths(role)
-        return {n: min(ms, aten.get(n, ms)) for n, ms in default.items()}
+        """{size: ms} on the fastest path per measured size (what the engine runs)."""
+        default, aten, packed = self.paths(role)
+        return {n: min(ms, aten.get(n, ms), packed.get(n, ms)) for n, ms in default.items()}
 
     def verify_cost(self, n_tokens: int) -> float:
         """Interpolated verify time for n tokens (linear between measured sizes, flat outside),
@@ -76,7 +83,7 @@ class DeviceProfile:
 
     def to_json(self) -> str:
         d = asdict(self)
-        for name in ("verify_ms", "draft_ms", "verify_aten_ms", "draft_aten_ms"):
+        for name in _TABLES:
             d[name] = {str(k): v for k, v in getattr(self, name).items()}
         return json.dumps(d, indent=1)
 
@@ -86,9 +93,11 @@ class DeviceProfile:
         table = lambda name: {int(k): float(v) for k, v in d.get(name, {}).items()}   # noqa: E731
         if not table("verify_ms"):
             raise KeyError("verify_ms")
-        return cls(verify_ms=table("verify_ms"), draft_ms=table("draft_ms"),
-                   verify_aten_ms=table("verify_aten_ms"), draft_aten_ms=table("draft_aten_ms"),
+        return cls(**{name: table(name) for name in _TABLES},
                    prefix_len=int(d.get("prefix_len", 200)), meta=dict(d.get("meta", {})))
+
+
+_TABLES = ("verify_ms", "draft_ms", "verify_aten_ms", "draft_aten_ms", "verify_packed_ms", "draft_packed_ms")
 
 
 def interpolate(table: dict[int, float], n: float) -> float:
@@ -208,7 +217,9 @@ def measure(target, draft=None, sizes=DEFAULT_SIZES, prefix_len: int = 200, repe
     other load) spreads evenly; the median of `repeats` runs is kept. Where
     oneDNN and ATen kernels both could run the matrix products (bfloat16 or
     float16 on a CPU with native support, `mcsd.kernels.switchable`), blocks
-    up to `ATEN_MAX_ROWS` are timed on both paths, interleaved the same way.
+    up to `ATEN_MAX_ROWS` are also timed on ATen, and every block on prepacked
+    oneDNN weights (`mcsd.kernels.pack`; the copies are dropped again unless the
+    model had them before), interleaved the same way.
     """
     gen = torch.Generator().manual_seed(0)
     timers = {"verify": (_ModelTimer(target, prefix_len, gen), sizes)}
@@ -217,26 +228,35 @@ def measure(target, draft=None, sizes=DEFAULT_SIZES, prefix_len: int = 200, repe
         timers["draft"] = (timer, draft_sizes)
     verify_lm = timers["verify"][0].lm
     both = {role: kernels.switchable(t.dtype, t.device) for role, (t, _) in timers.items()}
-    plan = [(role, n, path) for role, (_, ns) in timers.items() for n in ns for path in (True, False)
-            if path or (both[role] and n <= ATEN_MAX_ROWS)]
+    modules = {"verify": target, "draft": drafter_module(draft) if draft is not None else None}
+    packs = {role: modules[role] is not None and kernels.packable(t.dtype, t.device)
+             for role, (t, _) in timers.items()}
+    plan = [(role, n, path) for role, (_, ns) in timers.items() for n in ns for path in kernels.PATHS
+            if path == "onednn" or (path == "aten" and both[role] and n <= ATEN_MAX_ROWS)
+            or (path == "packed" and packs[role])]
     saved = getattr(draft, "kernels", None)
     if draft is not None and _is_feature_drafter(draft):
         draft.kernels = None                                                     # timed on the path chosen here
+    made = [m for role, m in modules.items() if packs.get(role) and not kernels.is_packed(m)]
+    for module in made:
+        kernels.pack(module)
 
     def latency(role, n, path):
-        with kernels.onednn(path) if both[role] else contextlib.nullcontext():
+        with kernels.using(path) if both[role] else contextlib.nullcontext():
             return timers[role][0].latency(n)
 
     try:
         for step in plan:
             latency(*step)                                                       # warm-up
-        samples: dict[tuple[str, int, bool], list[float]] = {}
+        samples: dict[tuple[str, int, str], list[float]] = {}
         for _ in range(repeats):
             for i in torch.randperm(len(plan), generator=gen).tolist():
                 samples.setdefault(plan[i], []).append(latency(*plan[i]))
     finally:
         if draft is not None and _is_feature_drafter(draft):
             draft.kernels = saved
+        for module in made:
+            kernels.unpack(module)
     med = {k: statistics.median(v) for k, v in samples.items()}
     meta = {"target": _model_name(target), "draft": _model_name(draft) if draft is not None else None,
             "dtype": str(verify_lm.dtype).replace("torch.", ""), "device": str(verify_lm.device),
@@ -246,9 +266,19 @@ def measure(target, draft=None, sizes=DEFAULT_SIZES, prefix_len: int = 200, repe
 
     def table(role, ns, path):
         return {n: med[(role, n, path)] for n in ns if (role, n, path) in med}
-    return DeviceProfile(verify_ms=table("verify", sizes, True), draft_ms=table("draft", draft_sizes, True),
-                         verify_aten_ms=table("verify", sizes, False), draft_aten_ms=table("draft", draft_sizes, False),
+    return DeviceProfile(verify_ms=table("verify", sizes, "onednn"), draft_ms=table("draft", draft_sizes, "onednn"),
+                         verify_aten_ms=table("verify", sizes, "aten"), draft_aten_ms=table("draft", draft_sizes, "aten"),
+                         verify_packed_ms=table("verify", sizes, "packed"),
+                         draft_packed_ms=table("draft", draft_sizes, "packed"),
                          prefix_len=prefix_len, meta=meta)
+
+
+def drafter_module(draft) -> torch.nn.Module | None:
+    """The module whose linear layers a drafter's forwards run through (a feature drafter's head,
+    a draft model itself), or None."""
+    if _is_feature_drafter(draft):
+        return draft.head
+    return draft if isinstance(draft, torch.nn.Module) else getattr(draft, "model", None)
 
 
 # Shapes a profile can stand in for where the weights cannot go (Llama architecture, random weights):
@@ -308,7 +338,7 @@ def profile_path(target, draft, dtype=None) -> Path:
              str(getattr(target.config, "_attn_implementation", None)), str(torch.get_num_threads()),
              json.dumps(host_key(dev), sort_keys=True)]
     if kernels.switchable(dtype, dev):
-        parts.append("onednn-and-aten")               # profiles timed on both matmul paths
+        parts.append("onednn-aten-packed")            # profiles timed on every matmul path
     key = "|".join(parts)
     digest = hashlib.sha1(key.encode()).hexdigest()[:12]
     return cache_dir() / "profiles" / f"{digest}.json"

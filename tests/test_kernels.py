@@ -17,6 +17,10 @@ QUICK = dict(sizes=(1, 2, 4, 32), prefix_len=16, repeats=1, draft_sizes=(1, 2, 3
 # As measured for SmolLM2-135M in bfloat16 on a 2-core AVX512-BF16 CPU (ms): ATen wins below 4 rows.
 ONEDNN_MS = {1: 43.2, 2: 41.6, 4: 47.0, 8: 40.5, 16: 49.6, 32: 62.6}
 ATEN_MS = {1: 25.0, 2: 32.0, 4: 49.5, 8: 74.0, 16: 135.9}
+# oneDNN on prepacked weights, same CPU: flat from 2 to 8 rows, slower than ATen for one.
+PACKED_MS = {1: 34.4, 2: 31.8, 4: 29.8, 8: 34.6, 16: 41.9, 32: 59.4}
+needs_packing = pytest.mark.skipif(not kernels.packable(torch.bfloat16, "cpu"),
+                                   reason="this CPU's oneDNN build does not take bfloat16 products")
 
 
 class FlagSpy:
@@ -38,7 +42,7 @@ def test_table_picks_the_faster_path_per_size():
     assert kernels.KernelTable(ONEDNN_MS, {n: 2 * ms for n, ms in ONEDNN_MS.items()}).describe() == \
         "oneDNN for every block"
     assert kernels.KernelTable({1: 5.0, 2: 5.0, 4: 5.0}, {1: 1.0, 2: 9.0, 4: 1.0}).describe() == \
-        "ATen kernels for 1, 4 rows, oneDNN above"
+        "ATen kernels for 1 row, oneDNN for 2-3 rows, ATen kernels for 4 rows, oneDNN above"
 
 
 def test_the_flag_is_set_for_one_block_and_restored():
@@ -153,3 +157,84 @@ def test_pearl_leaves_the_shared_flag_alone(target, monkeypatch):
         spy_t.remove()
         spy_d.remove()
     assert all(spy_t.seen) and all(spy_d.seen)
+
+
+def test_table_with_prepacked_weights_picks_the_fastest_of_three():
+    table = kernels.KernelTable(ONEDNN_MS, ATEN_MS, PACKED_MS)
+    assert [table.path(n) for n in (1, 2, 4, 8, 32, 500)] == ["aten", "packed", "packed", "packed", "packed", "packed"]
+    assert table.uses_packed and table.use_onednn(4) and not table.use_onednn(1)
+    assert table.describe() == "ATen kernels for 1 row, prepacked oneDNN weights above"
+    assert not kernels.KernelTable(ONEDNN_MS, ATEN_MS).uses_packed
+    slow = kernels.KernelTable(ONEDNN_MS, ATEN_MS, {n: 2 * ms for n, ms in ONEDNN_MS.items()})
+    assert not slow.uses_packed and slow.describe() == "ATen kernels for 1-3 rows, oneDNN above"
+    with table.running(4):
+        assert torch.backends.mkldnn.enabled and kernels._local.packed
+    with table.running(1):
+        assert not torch.backends.mkldnn.enabled and not kernels._local.packed
+    assert not getattr(kernels._local, "packed", False)
+    with pytest.raises(ValueError, match="unknown matmul path"), kernels.using("mkl"):
+        pass
+
+
+def test_costs_include_the_prepacked_path():
+    prof = DeviceProfile(verify_ms=ONEDNN_MS, verify_aten_ms=ATEN_MS, verify_packed_ms=PACKED_MS)
+    assert prof.verify_cost(1) == 25.0 and prof.verify_cost(8) == 34.6 and prof.verify_cost(32) == 59.4
+    again = DeviceProfile.from_json(prof.to_json())
+    assert again.verify_packed_ms == PACKED_MS and again.kernel_table("verify").uses_packed
+    assert DeviceProfile(verify_ms=ONEDNN_MS, verify_packed_ms=PACKED_MS).kernel_table("verify").uses_packed
+
+
+@needs_packing
+def test_prepacked_weights_give_the_products_of_plain_onednn():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 96, bias=True).to(torch.bfloat16)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    reference = layer(x)
+    assert kernels.pack(layer) == 1 and kernels.is_packed(layer) and kernels.pack(layer) == 0   # idempotent
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels.torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or real(*a),
+                   raising=False)
+        with kernels.using("packed"):
+            packed = layer(x)
+        outside = layer(x)                                   # outside a packed block: the plain product
+    assert len(calls) == 1
+    assert torch.allclose(packed.float(), reference.float(), atol=1e-2, rtol=1e-2)
+    assert torch.equal(outside, reference)
+    with torch.no_grad():
+        layer.weight.mul_(2)                                 # a changed weight is never read from a stale copy
+    assert not kernels.is_packed(layer)
+    with kernels.using("packed"):
+        assert torch.allclose(layer(x).float(), (2 * reference - layer.bias).float(), atol=5e-2, rtol=2e-2)
+    kernels.unpack(layer)
+    assert "forward" not in layer.__dict__ and not kernels.is_packed(layer)
+
+
+@needs_packing
+def test_bfloat16_decoding_on_prepacked_weights_matches_plain_onednn():
+    model = tiny_llama(0).to(torch.bfloat16)
+    ids = torch.tensor([3, 17, 42, 5, 9, 11, 23, 4])
+    with torch.inference_mode():
+        reference = model(ids[None]).logits
+        kernels.pack(model)
+        with kernels.using("packed"):
+            packed = model(ids[None]).logits
+    assert torch.allclose(packed.float(), reference.float(), atol=0.05, rtol=0.05)
+    assert (packed.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.85
+
+
+@needs_packing
+def test_calibration_times_prepacked_weights_and_the_decoder_packs_them():
+    model, draft = tiny_llama(0).to(torch.bfloat16), tiny_llama(1, layers=1).to(torch.bfloat16)
+    prof = load_or_measure(model, draft, force=True, quiet=True, **QUICK)
+    assert set(prof.verify_packed_ms) == {1, 2, 4, 32} and set(prof.draft_packed_ms) == {1, 2, 32}
+    assert not kernels.is_packed(model) and not kernels.is_packed(draft)     # timing leaves no copies behind
+    prof.verify_packed_ms = {n: 0.5 * ms for n, ms in prof.verify_ms.items()}   # as if they won everywhere
+    prof.verify_aten_ms = {}
+    dec = TreeDecoder(model, draft, tree="2,1", policy="static", calibrate=False)
+    dec._use_kernels(prof)
+    assert dec.target.kernels.uses_packed and kernels.is_packed(model)
+    assert "prepacked oneDNN weights" in dec.kernels_note
+    out = dec.generate(PROMPT, max_new_tokens=16)
+    assert len(out.tokens) == 16
