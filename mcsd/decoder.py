@@ -221,7 +221,7 @@ class TreeDecoder:
                 self.context_costs = device_costs()
                 self.costs_source = self.context_costs.source
         self.kernels_note = None                      # which matmul path small blocks run on, for --stats
-        if kernels.switchable(self.target.dtype, self.target.device):
+        if kernels.packable(self.target.dtype, self.target.device):
             self._use_kernels(device_profile()[0])
         # Trees live where the target's inputs live (its embedding's device under a device_map).
         for pol in (self.policy, self._baseline_policy):

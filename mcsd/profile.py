@@ -242,7 +242,7 @@ def measure(target, draft=None, sizes=DEFAULT_SIZES, prefix_len: int = 200, repe
         kernels.pack(module)
 
     def latency(role, n, path):
-        with kernels.using(path) if both[role] else contextlib.nullcontext():
+        with kernels.using(path) if both[role] or packs[role] else contextlib.nullcontext():
             return timers[role][0].latency(n)
 
     try:
@@ -339,6 +339,8 @@ def profile_path(target, draft, dtype=None) -> Path:
              json.dumps(host_key(dev), sort_keys=True)]
     if kernels.switchable(dtype, dev):
         parts.append("onednn-aten-packed")            # profiles timed on every matmul path
+    elif kernels.packable(dtype, dev):
+        parts.append("default-packed")                # timed with and without prepacked weights
     key = "|".join(parts)
     digest = hashlib.sha1(key.encode()).hexdigest()[:12]
     return cache_dir() / "profiles" / f"{digest}.json"

@@ -126,19 +126,45 @@ def test_decoder_applies_the_measured_paths_and_stays_lossless(target, random_dr
     assert torch.backends.mkldnn.enabled
 
 
-def test_nothing_is_switched_where_it_cannot_matter(target, random_draft):
-    dec = TreeDecoder(target, random_draft, policy="static", tree="2,1")      # float32: no table, no measuring
+def test_nothing_is_switched_where_it_cannot_matter(monkeypatch):
+    model, draft = tiny_llama(0).double(), tiny_llama(1, layers=1).double()   # float64: one path only
+    dec = TreeDecoder(model, draft, policy="static", tree="2,1")
     assert dec.target.kernels is None and dec.kernels_note is None
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)  # a build without oneDNN
+    assert not kernels.packable(torch.float32, "cpu")
+    dec = TreeDecoder(tiny_llama(0), tiny_llama(1, layers=1), policy="static", tree="2,1")
+    assert dec.target.kernels is None and dec.kernels_note is None
+
+
+@pytest.mark.skipif(not kernels.packable(torch.float32, "cpu"), reason="no oneDNN on this CPU")
+@pytest.mark.parametrize("policy,tree", [("static", "2,2,1"), ("learned", None)])
+def test_float32_on_prepacked_weights_stays_lossless(target, random_draft, policy, tree):
+    model, draft = tiny_llama(0), tiny_llama(1, layers=1)
+    reference = TreeDecoder(model, None, calibrate=False).generate_baseline(PROMPT, max_new_tokens=40).tokens
+    dec = TreeDecoder(model, draft, tree=tree, policy=policy, calibrate=True)
+    assert dec.target.kernels is not None                         # float32 is timed with and without packing
+    forced = kernels.KernelTable({1: 10.0, 64: 10.0}, {}, {1: 5.0, 64: 5.0})   # every block prepacked
+    dec.target.kernels = dec.drafter.kernels = forced
+    kernels.pack(model), kernels.pack(draft)
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels.torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or real(*a),
+                   raising=False)
+        out = dec.generate(PROMPT, max_new_tokens=40)
+        plain = dec.generate_baseline(PROMPT, max_new_tokens=40)
+    assert calls                                                  # the products ran on the packed weights
+    assert out.tokens == reference and plain.tokens == reference
 
 
 def test_feature_drafter_forwards_follow_the_table(target):
     from test_feature_draft import random_head
     drafter = FeatureDrafter(random_head(target), target)
-    drafter.kernels = kernels.KernelTable(ONEDNN_MS, ATEN_MS)
+    dec = TreeDecoder(target, drafter, tree="1,1", policy="static", calibrate=False)
+    drafter.kernels = kernels.KernelTable(ONEDNN_MS, ATEN_MS)       # whatever a cached profile said
     spy = FlagSpy(drafter.head)
     try:
-        out = TreeDecoder(target, drafter, tree="1,1", policy="static", calibrate=False).generate(
-            PROMPT, max_new_tokens=12)
+        out = dec.generate(PROMPT, max_new_tokens=12)
     finally:
         spy.remove()
     assert out.tokens
