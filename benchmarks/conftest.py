@@ -34,8 +34,10 @@ def pytest_addoption(parser):
                      "one method after another; each test then reports its share of that run")
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
-    """Remember which methods were selected (-k, node ids), for the interleaved run."""
+    """Remember which methods were selected (-k, -m, node ids), for the interleaved run: after
+    pytest's own selection has removed the others from `items`."""
     config.selected_methods = {item.callspec.params["method"].name for item in items
                                if hasattr(item, "callspec") and "method" in item.callspec.params}
 

@@ -99,12 +99,18 @@ class _Packed:
 
     @staticmethod
     def _source(layer: torch.nn.Linear) -> tuple:
-        parts = [layer.weight] + ([layer.bias] if layer.bias is not None else [])
-        return tuple((t.data_ptr(), t._version, t.dtype, tuple(t.shape)) for t in parts)
+        w, b = layer.weight, layer.bias
+        return (w, w.data_ptr(), w._version) + ((b, b.data_ptr(), b._version) if b is not None else ())
 
     def fresh(self, layer: torch.nn.Linear) -> bool:
-        """The layer's weight (and bias) are still the tensors this copy was made from, unchanged."""
-        return self._source(layer) == self.source
+        """The layer's weight (and bias) are still the tensors this copy was made from, unchanged
+        (the same objects, storage and version counter)."""
+        src, w, b = self.source, layer.weight, layer.bias
+        if w is not src[0] or w._version != src[2] or w.data_ptr() != src[1]:
+            return False
+        if b is None:
+            return len(src) == 3
+        return len(src) == 6 and b is src[3] and b._version == src[5] and b.data_ptr() == src[4]
 
 
 def _packed_forward(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
