@@ -490,7 +490,7 @@ class ContextDrafter:
         while heap and len(tokens) < cfg.max_nodes:
             _, _, kid, parent, s = heapq.heappop(heap)
             if costs is not None:
-                dt = costs.verify_ms(n_now + 1) - costs.verify_ms(n_now)
+                dt = costs.marginal_verify_ms(n_now)
                 if s * ms_now <= tokens_now * dt:
                     break
                 ms_now += dt

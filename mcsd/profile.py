@@ -432,6 +432,13 @@ class Costs:
     def verify_ms(self, n: int) -> float:
         return self.base_verify_ms(n) * self._corr("verify", n)
 
+    def marginal_verify_ms(self, n: int) -> float:
+        """The verify time one more node adds to an n-node tree: the measured shape's slope.
+        Online corrections scale whole rounds, and much of what they absorb is per round (a
+        longer context, hidden states, acceptance) rather than per node; scaling the slope
+        with them priced context nodes at 1.3-1.4x what they cost (see README)."""
+        return self.base_verify_ms(n + 1) - self.base_verify_ms(n)
+
     def draft_ms(self, width: int) -> float:
         return self.base_draft_ms(width) * self._corr("draft", width)
 

@@ -153,6 +153,26 @@ def test_costs_bound_the_graft():
     assert ctx.graft(tree, seq, 1.0, 10.0, costs=dear).tree.size == 1
 
 
+def test_a_node_is_priced_at_the_measured_slope_not_at_corrected_whole_rounds():
+    """Online corrections that inflate whole rounds (per-round overheads) do not inflate what one
+    more context node costs: its marginal verify time is the profile's slope."""
+    ctx = ContextDrafter(sources=("ngram",), min_score=0.0)
+    ctx.bind(16, "cpu")
+    seq = torch.tensor([1, 2, 3, 4, 5, 6, 7, 1, 2, 3])
+    ctx.reset(seq)
+    tree = DraftTree.root_only(TreeTopology.from_spec(""), torch.tensor(3))
+    shape = {1: 20.0, 2: 24.0, 4: 32.0, 64: 272.0}                   # 4 ms per node
+    plain = Costs(shape, {1: 1.0})
+    corrected = Costs(shape, {1: 1.0})
+    for n, factor in ((1, 1.2), (2, 1.6), (4, 2.0), (8, 2.4)):       # rounds measured slower, more so for bigger trees
+        for _ in range(30):
+            corrected.observe("verify", n, corrected.base_verify_ms(n), factor * corrected.base_verify_ms(n))
+    assert corrected.verify_ms(4) - corrected.verify_ms(3) > 2 * (plain.verify_ms(4) - plain.verify_ms(3))
+    assert corrected.marginal_verify_ms(3) == plain.marginal_verify_ms(3) == pytest.approx(4.0)
+    sizes = [ctx.graft(tree, seq, 1.0, 20.0, costs=c).tree.size for c in (plain, corrected)]
+    assert sizes[0] == sizes[1] > 1
+
+
 def test_a_long_match_is_not_diluted_by_short_ones():
     """Siblings are ranked by their longest match: a copy in progress keeps its full estimate even
     when many short matches continue differently, and the runner-ups are priced lower."""
