@@ -318,11 +318,12 @@ class TreeDecoder:
         if drafter is not None:
             drafter.reset()
 
-        # Prefill: the target reads the prompt and chooses the first token itself. Only context
-        # drafting reads the prompt's other logits (recycled predictions); without it, the
-        # vocabulary projection of every prompt row but the last is skipped.
+        # Prefill: the target reads the prompt and chooses the first token itself. Only the last
+        # row is projected onto the vocabulary: the prompt's other rows would give context drafting
+        # recycled predictions for prompt tokens, but the projection costs more than they gain (a
+        # long prompt's, without native bfloat16, more than the n-gram source's copies then save).
         self.target.reset()
-        last_only = context is None
+        last_only = True
         wants_hidden = drafter is not None and getattr(drafter, "uses_target_hidden", False)
         if wants_hidden:                                        # which target layers it reads (default: the last)
             wants_hidden = tuple(getattr(drafter, "feature_layers", (-1,)))
@@ -332,7 +333,7 @@ class TreeDecoder:
             logits = self.target.extend(prompt_ids, last_logits=last_only)
         if context is not None:
             context.reset(prompt_ids)
-            context.observe_logits(prompt_ids, logits)          # recycled predictions of the prompt
+            context.observe_logits(prompt_ids[-1:], logits[-1:])   # the prompt's last token's, recycled
         lossy = self.lossy_roots if drafter is not None else 0
         if lossy and not cfg.sampling.greedy:
             raise ConfigError("lossy_target_roots is defined for greedy decoding only (temperature 0)")
