@@ -1,4 +1,5 @@
-"""Which CPU matrix-product path runs a forward of a given size faster: oneDNN or ATen's own.
+"""Which CPU matrix-product path runs a forward of a given size fastest: oneDNN, ATen's own,
+or oneDNN on weights prepacked once.
 
 On a CPU with native bfloat16 (AVX512-BF16, AMX) torch routes reduced-precision
 matrix products through oneDNN. That path wins for many rows but carries a
@@ -24,7 +25,7 @@ oneDNN and 48 / 79 / 144 ms on ATen (1 row: 34 / 44 / 24 ms), so trees of a
 few nodes cost much less to verify. It serves float32 too, on any CPU oneDNN
 runs on, in place of the BLAS call float32 products otherwise make: 1 / 4 / 8 /
 16 rows took 37 / 39 / 46 / 55 ms against 54 / 79 / 80 / 92 ms (AVX512 EPYC),
-and 40 / 46 / 54 / 69 ms against 56 / 84 / 84 / 99 ms with AVX2 only. A float32
+and 40 / 46 / 54 / 69 ms against 56 / 84 / 84 / 99 ms with AVX2 only (emulated). A float32
 forward's rounding then depends on the path the calibration chose, as it
 already depends on the block size. The packed copy costs one more copy of
 every linear weight in memory (about 270 MB for SmolLM2-135M in bfloat16); it
