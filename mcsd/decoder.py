@@ -323,14 +323,13 @@ class TreeDecoder:
         # recycled predictions for prompt tokens, but the projection costs more than they gain (a
         # long prompt's, without native bfloat16, more than the n-gram source's copies then save).
         self.target.reset()
-        last_only = True
         wants_hidden = drafter is not None and getattr(drafter, "uses_target_hidden", False)
         if wants_hidden:                                        # which target layers it reads (default: the last)
             wants_hidden = tuple(getattr(drafter, "feature_layers", (-1,)))
-            logits, prompt_hidden = self.target.extend(prompt_ids, hidden=wants_hidden, last_logits=last_only)
+            logits, prompt_hidden = self.target.extend(prompt_ids, hidden=wants_hidden, last_logits=True)
             drafter.observe_target(prompt_hidden)               # features of every prompt position
         else:
-            logits = self.target.extend(prompt_ids, last_logits=last_only)
+            logits = self.target.extend(prompt_ids, last_logits=True)
         if context is not None:
             context.reset(prompt_ids)
             context.observe_logits(prompt_ids[-1:], logits[-1:])   # the prompt's last token's, recycled
@@ -459,18 +458,16 @@ class TreeDecoder:
             return
         from .profile import drafter_module
         notes = []
-        self.target.kernels = prof.kernel_table("verify")
-        if self.target.kernels is not None:
-            notes.append(f"target: {self.target.kernels.describe()}")
-            if self.target.kernels.uses_packed:              # prepacked weights are made once, here
-                kernels.pack(self.target.model)
+        runners = [("target", "verify", self.target, self.target.model)]
         if self.drafter is not None and hasattr(self.drafter, "kernels"):
-            self.drafter.kernels = prof.kernel_table("draft")
-            if self.drafter.kernels is not None:
-                notes.append(f"draft: {self.drafter.kernels.describe()}")
-                module = drafter_module(self.drafter)
-                if self.drafter.kernels.uses_packed and module is not None:
-                    kernels.pack(module)
+            runners.append(("draft", "draft", self.drafter, drafter_module(self.drafter)))
+        for label, role, runner, module in runners:
+            runner.kernels = table = prof.kernel_table(role)
+            if table is None:
+                continue
+            notes.append(f"{label}: {table.describe()}")
+            if table.uses_packed and module is not None:       # prepacked weights are made once, here
+                kernels.pack(module)
         self.kernels_note = "; ".join(notes) or None
 
     @staticmethod

@@ -13,8 +13,8 @@ each forward on the faster one.
 The switch is torch's process-wide `torch.backends.mkldnn.enabled` flag, set
 around one forward and restored after. It is only ever switched for bfloat16
 and float16 models on a CPU where oneDNN would handle them (unpacked float32
-products go through the same BLAS either way). Concurrent decoding threads (PEARL) `suspend` switching, since
-the flag is shared.
+products go through the same BLAS either way). Concurrent decoding threads
+(PEARL) `suspend` switching, since the flag is shared.
 
 A third path keeps oneDNN's kernels but reorders each linear layer's weight
 into oneDNN's blocked layout once (`pack`), as inductor does when it freezes
@@ -25,8 +25,8 @@ oneDNN and 48 / 79 / 144 ms on ATen (1 row: 34 / 44 / 24 ms), so trees of a
 few nodes cost much less to verify. It serves float32 too, on any CPU oneDNN
 runs on, in place of the BLAS call float32 products otherwise make: 1 / 4 / 8 /
 16 rows took 37 / 39 / 46 / 55 ms against 54 / 79 / 80 / 92 ms (AVX512 EPYC),
-and 40 / 46 / 54 / 69 ms against 56 / 84 / 84 / 99 ms with AVX2 only (emulated). A float32
-forward's rounding then depends on the path the calibration chose, as it
+and 40 / 46 / 54 / 69 ms against 56 / 84 / 84 / 99 ms with AVX2 only
+(emulated). A float32 forward's rounding then depends on the path the calibration chose, as it
 already depends on the block size. The packed copy costs one more copy of
 every linear weight in memory (about 270 MB for SmolLM2-135M in bfloat16); it
 is made only where the calibration measured it faster for some block size,
@@ -93,25 +93,20 @@ class _Packed:
     """A linear layer's weight in oneDNN's blocked layout, and what it was made from."""
 
     def __init__(self, layer: torch.nn.Linear):
-        weight = layer.weight.detach()
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), PACK_ROWS)
         self.bias = None if layer.bias is None else layer.bias.detach()
-        self.source = self._source(layer)
+        self._made_from = (layer.weight, layer.bias)         # kept alive, so their ids stay theirs
+        self._stamp = self._stamp_of(layer)
 
     @staticmethod
-    def _source(layer: torch.nn.Linear) -> tuple:
-        w, b = layer.weight, layer.bias
-        return (w, w.data_ptr(), w._version) + ((b, b.data_ptr(), b._version) if b is not None else ())
+    def _stamp_of(layer: torch.nn.Linear) -> tuple:
+        return tuple((id(t), t.data_ptr(), t._version) if t is not None else None
+                     for t in (layer.weight, layer.bias))
 
     def fresh(self, layer: torch.nn.Linear) -> bool:
         """The layer's weight (and bias) are still the tensors this copy was made from, unchanged
         (the same objects, storage and version counter)."""
-        src, w, b = self.source, layer.weight, layer.bias
-        if w is not src[0] or w._version != src[2] or w.data_ptr() != src[1]:
-            return False
-        if b is None:
-            return len(src) == 3
-        return len(src) == 6 and b is src[3] and b._version == src[5] and b.data_ptr() == src[4]
+        return self._stamp_of(layer) == self._stamp
 
 
 def _packed_forward(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -229,10 +224,6 @@ class KernelTable:
         """Some measured block size runs on prepacked weights (they must be made: `pack`)."""
         return any(self.path(n) == "packed" for n in range(1, self._top + 1))
 
-    def aten_sizes(self) -> list[int]:
-        """Block sizes (up to the largest timed) that run through ATen."""
-        return [n for n in range(1, self._limit + 1) if self.path(n) == "aten"]
-
     def describe(self) -> str:
         names = {"aten": "ATen kernels", "packed": "prepacked oneDNN weights", "onednn": "oneDNN"}
         runs: list[list] = []                                  # [path, first rows, last rows]
@@ -244,7 +235,9 @@ class KernelTable:
                 runs.append([p, n, n])
         if len(runs) == 1:
             return f"{names[runs[0][0]]} for every block"
-        rows = lambda a, b: f"{a} row" if a == b == 1 else f"{a} rows" if a == b else f"{a}-{b} rows"  # noqa: E731
+
+        def rows(a: int, b: int) -> str:
+            return "1 row" if a == b == 1 else f"{a} rows" if a == b else f"{a}-{b} rows"
         return ", ".join(f"{names[p]} for {rows(a, b)}" for p, a, b in runs[:-1]) + f", {names[runs[-1][0]]} above"
 
     @contextlib.contextmanager
