@@ -75,8 +75,13 @@ from tqdm import tqdm
 from mcsd.data import chat_ids
 from mcsd.data import load_prompts as load_prompts_file
 from mcsd.models import cache_dir
+from mcsd.train import campaign
+from mcsd.train.campaign import seed_for
+from mcsd.train.generation import sample_batch
+from mcsd.train.shards import ShardStore
 
 DEFAULT_TARGET = "smollm2-135m"          # the embedded preset; any model source works
+DEFAULT_STORE = Path(__file__).resolve().parent.parent / "data"   # token shards kept in the repository
 DEFAULT_QUESTIONS = None                 # mcsd.data.default_spec_bench()
 TOPK = 8  # the target's top-8 holds ~92% of its mass on its own responses
 
@@ -204,7 +209,6 @@ def length_batches(items: list, lengths: list[int], batch_size: int, token_budge
         yield batch
 
 
-@torch.inference_mode()
 def generate_batch(
     model,
     prompts: list[list[int]],
@@ -216,98 +220,10 @@ def generate_batch(
     generator: torch.Generator | None = None,
     store_hidden: bool = False,
 ) -> list[dict]:
-    """Continue a batch of prompts with the target, left-padded.
-
-    Rows that reach EOS leave the batch (and the KV cache) at once, so a
-    batch costs what its live rows cost. temperature 0 is greedy.
-
-    Args:
-        prompts: B token lists.
-    Returns:
-        B dicts: response (R,) int32 including the EOS token when reached,
-        finished (bool), topk_ids (R, k) int32 and topk_probs (R, k) float16:
-        the target's untempered distribution at each response position;
-        with store_hidden also hidden (R, H) float16, the final normed hidden
-        state the LM head read there (what a teacher pass with
-        --store-hidden stores, so the run needs none).
-    """
-    from transformers import DynamicCache
-
-    def forward(**kwargs):
-        # the last position's hidden state and logits of every live row
-        h = model.model(**kwargs, use_cache=True).last_hidden_state[:, -1]  # (b, H)
-        return h, model.lm_head(h).float()
-
-    device = next(model.parameters()).device
-    B, P = len(prompts), max(len(p) for p in prompts)
-    input_ids = torch.full((B, P), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((B, P), dtype=torch.long)
-    for b, p in enumerate(prompts):
-        input_ids[b, P - len(p):] = torch.tensor(p)
-        attention_mask[b, P - len(p):] = 1
-    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-    # with left padding every row's first real token must sit at position 0
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
-    eos = torch.tensor(eos_ids, device=device)
-
-    cache = DynamicCache()
-    hidden, logits = forward(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache,
-    )  # (B, H), (B, V)
-    next_pos = position_ids[:, -1] + 1  # (B,)
-    live = torch.arange(B, device=device)  # original row of each live row
-    steps = [[] for _ in range(B)]  # per row: (token, topk ids, topk probs, hidden or None)
-    finished = [False] * B
-
-    for _ in range(max_new_tokens):
-        probs = logits.softmax(-1)  # (b, V) the target's own distribution
-        top_p, top_i = probs.topk(topk, dim=-1)  # (b, k)
-        if temperature > 0:
-            sample_probs = (logits / temperature).softmax(-1)
-            token = torch.multinomial(sample_probs, 1, generator=generator).squeeze(1)  # (b,)
-        else:
-            token = logits.argmax(-1)
-        hit_eos = torch.isin(token, eos)
-        # one host transfer per step, not per row
-        rows, toks, ids, ps, hits = (
-            live.tolist(), token.tolist(), top_i.int().cpu(), top_p.half().cpu(), hit_eos.tolist()
-        )
-        hs = hidden.half().cpu() if store_hidden else [None] * len(rows)
-        for j, row in enumerate(rows):
-            steps[row].append((toks[j], ids[j], ps[j], hs[j]))
-            finished[row] = hits[j]
-        keep = (~hit_eos).nonzero().squeeze(1)  # (b',)
-        if keep.numel() == 0:
-            break
-        if keep.numel() < live.numel():
-            cache.batch_select_indices(keep)
-            live, token, next_pos = live[keep], token[keep], next_pos[keep]
-            attention_mask = attention_mask[keep]
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(live), 1)], dim=1)
-        hidden, logits = forward(
-            input_ids=token[:, None], attention_mask=attention_mask, position_ids=next_pos[:, None],
-            past_key_values=cache,
-        )
-        next_pos = next_pos + 1
-
-    results = []
-    for row in range(B):
-        toks, ids, ps, hs = zip(*steps[row])
-        results.append({
-            "response": torch.tensor(toks, dtype=torch.int32),
-            "finished": finished[row],
-            "topk_ids": torch.stack(ids),
-            "topk_probs": torch.stack(ps),
-        })
-        if store_hidden:
-            results[-1]["hidden"] = torch.stack(hs)
-    return results
-
-
-def seed_for(*parts) -> int:
-    """A stable seed from strings, so a resumed run samples what a straight
-    run would have."""
-    return int(hashlib.sha256("/".join(map(str, parts)).encode()).hexdigest()[:15], 16)
+    """Continue a batch of prompts with the target, keeping its top-k at every response
+    position (`mcsd.train.generation.sample_batch` with labels)."""
+    return sample_batch(model, prompts, max_new_tokens, temperature, 1.0, eos_ids, pad_id, generator,
+                        topk=topk, store_hidden=store_hidden)
 
 
 def run_generate(args):
@@ -366,6 +282,70 @@ def run_generate(args):
         bar.update(len(batch))
         bar.set_postfix(tok=n_tok, tok_s=f"{n_tok / (time.time() - t0):.0f}")
     bar.close()
+
+
+# -----------------------------------------------------------------------------
+# The campaign's stages: token shards in the repository (mcsd.train.campaign)
+
+
+def store_for(args) -> ShardStore:
+    return ShardStore(Path(args.store) if args.store else DEFAULT_STORE / Path(args.target).name)
+
+
+def run_magpie(args):
+    """Stage `magpie`: the target writes user turns until `--count` distinct ones are kept."""
+    model, tokenizer = load_target(args.target, dtype=args.dtype)
+    store = store_for(args)
+    store.set_info(target=Path(args.target).name, dtype=str(model.dtype).removeprefix("torch."))
+    info = campaign.write_prompts(model, tokenizer, store, args.count, batch_size=args.batch_size,
+                                  temperature=args.temperature, top_p=args.top_p,
+                                  max_new_tokens=args.max_new_tokens)
+    print(json.dumps({k: info[k] for k in ("n_prompts", "n_generated", "dropped", "tokens_per_s")}), flush=True)
+
+
+def run_answer(args):
+    """Stage `answer`: target responses to a prompt source, as token shards of `--run`."""
+    model, tokenizer = load_target(args.target, dtype=args.dtype)
+    store = store_for(args)
+    if args.source == "magpie":
+        prompts = store.read_prompts("magpie")
+    else:
+        prompts = load_prompts(Path(args.data_dir), args.source, args.split, args.questions)
+    settings = {"source": args.source, "temperature": args.temperature, "top_p": args.top_p,
+                "samples": args.samples, "max_new_tokens": args.max_new_tokens,
+                "target": Path(args.target).name, "dtype": str(model.dtype).removeprefix("torch.")}
+    if args.source == "specbench":
+        settings["split"] = args.split
+    entry = campaign.answer(model, tokenizer, store, args.run, prompts, settings, chat_ids,
+                            batch_size=args.batch_size, token_budget=args.token_budget,
+                            shard_seconds=args.shard_seconds, command=args.command, limit=args.limit)
+    print(f"[answer {args.run}] {entry['n_sequences']} responses, {entry['n_tokens']} tokens, "
+          f"{entry.get('tokens_per_s', 0)} tok/s", flush=True)
+
+
+def run_campaign(args):
+    """Stage `campaign`: alternate `magpie` and `answer` in steps of `--step` prompts until the
+    store holds `--prompts` prompts, every one answered (greedy) in run `--run`."""
+    model, tokenizer = load_target(args.target, dtype=args.dtype)
+    store = store_for(args)
+    store.set_info(target=Path(args.target).name, dtype=str(model.dtype).removeprefix("torch."))
+    settings = {"source": "magpie", "temperature": args.temperature, "top_p": args.top_p, "samples": 1,
+                "max_new_tokens": args.max_new_tokens, "target": Path(args.target).name,
+                "dtype": str(model.dtype).removeprefix("torch.")}
+    have = len(store.read_prompts("magpie"))
+    while True:
+        goal = min(args.prompts, max(have, len(store.done_keys(args.run))) + args.step)
+        campaign.write_prompts(model, tokenizer, store, goal, batch_size=args.batch_size)
+        have = len(store.read_prompts("magpie"))
+        campaign.answer(model, tokenizer, store, args.run, store.read_prompts("magpie"), settings, chat_ids,
+                        batch_size=args.batch_size, shard_seconds=args.shard_seconds, command=args.command)
+        print(store.status(), flush=True)
+        if have >= args.prompts:
+            break
+
+
+def run_store_status(args):
+    print(store_for(args).status())
 
 
 # -----------------------------------------------------------------------------
@@ -759,6 +739,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=DEFAULT_TARGET, help="target: preset name, directory, .gguf or hub id")
     parser.add_argument("--data-dir", default=None, help="default: $MCSD_CACHE/data/<target-name>")
+    parser.add_argument("--store", default=None,
+                        help="token store of the magpie/answer stages (default: the repository's data/<target-name>)")
     parser.add_argument("--questions", default=DEFAULT_QUESTIONS, help="Spec-Bench style JSONL (default: the shared Spec-Bench file)")
     parser.add_argument("--threads", type=int, default=2,
                         help="CPU threads; use 1 when another job shares a 2-core machine (a 2-thread "
@@ -819,6 +801,38 @@ def main(argv=None):
 
     sub.add_parser("status", help="print what is stored")
 
+    m = sub.add_parser("magpie", help="the target writes user turns (Magpie), into the token store")
+    m.add_argument("--count", type=int, default=30000, help="stop when this many distinct prompts are kept")
+    m.add_argument("--temperature", type=float, default=1.0)
+    m.add_argument("--top-p", type=float, default=0.95)
+    m.add_argument("--max-new-tokens", type=int, default=160)
+    m.add_argument("--batch-size", type=int, default=64)
+
+    a = sub.add_parser("answer", help="target responses as token shards in the store")
+    a.add_argument("--run", required=True, help="name of this response set, e.g. magpie-t08")
+    a.add_argument("--source", choices=["magpie", "specbench", "selfinstruct"], default="magpie")
+    a.add_argument("--split", choices=["fit", "heldout", "all"], default="fit")
+    a.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    a.add_argument("--top-p", type=float, default=1.0)
+    a.add_argument("--samples", type=int, default=1, help="responses per prompt")
+    a.add_argument("--max-new-tokens", type=int, default=256)
+    a.add_argument("--limit", type=int, default=None, help="stop when the run holds this many responses")
+    a.add_argument("--batch-size", type=int, default=64)
+    a.add_argument("--token-budget", type=int, default=16384, help="padded prompt tokens per batch")
+    a.add_argument("--shard-seconds", type=float, default=300.0, help="write a shard at least this often")
+
+    cp = sub.add_parser("campaign", help="alternate magpie and answer until --prompts prompts are answered")
+    cp.add_argument("--prompts", type=int, default=30000)
+    cp.add_argument("--step", type=int, default=512, help="prompts written before each answering pass")
+    cp.add_argument("--run", default="magpie-greedy")
+    cp.add_argument("--temperature", type=float, default=0.0, help="of the answers (0 = greedy)")
+    cp.add_argument("--top-p", type=float, default=1.0)
+    cp.add_argument("--max-new-tokens", type=int, default=256)
+    cp.add_argument("--batch-size", type=int, default=64)
+    cp.add_argument("--shard-seconds", type=float, default=600.0)
+
+    sub.add_parser("store-status", help="what the token store holds: prompts, responses, tokens, time")
+
     args = parser.parse_args(argv)
     if getattr(args, "store_layers", ()):
         args.store_hidden = True          # the final state stays the trainer's regression target
@@ -826,8 +840,8 @@ def main(argv=None):
     args.data_dir = args.data_dir or str(default_data_dir(args.target))
     torch.set_num_threads(args.threads)
     {"generate": run_generate, "selfinstruct": run_selfinstruct, "prompttext": run_prompttext, "corpus": run_corpus,
-     "teacher": run_teacher,
-     "status": run_status}[args.stage](args)
+     "teacher": run_teacher, "status": run_status,
+     "magpie": run_magpie, "answer": run_answer, "campaign": run_campaign, "store-status": run_store_status}[args.stage](args)
 
 
 if __name__ == "__main__":
