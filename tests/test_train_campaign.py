@@ -157,3 +157,25 @@ def test_answer_stage_writes_shards_and_resumes(tmp_path):
                              pad_token_id=0)[0, len(ids):]
         assert records[f"{p['id']}/0"].prompt == ids and records[f"{p['id']}/0"].response == ref.tolist()
     assert json.loads((tmp_path / "manifest.json").read_text())["runs"]["run"]["n_tokens"] == entry["n_tokens"]
+
+
+def test_a_store_run_becomes_a_teacher_labelled_run(tmp_path, target):
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import target_data
+
+    store = ShardStore(tmp_path / "store")
+    store.start_run("mp", {"temperature": 0.0})
+    store.add_shard("mp", [Record("mp-0/0", "qa", [5, 6, 7], [8, 9], True),
+                           Record("mp-1/0", "math", [4, 5], [10, 11, 12], False)], seconds=1.0)
+    data = tmp_path / "cache"
+    common = ["--data-dir", str(data), "--store", str(store.root)]
+    target_data.main(common + ["from-store", "--run", "mp"])
+    target_data.main(common + ["from-store", "--run", "mp"])                 # resumed: nothing twice
+    records = list(target_data.iter_records(data, "mp"))
+    assert [r["key"] for r in records] == ["mp-0/0", "mp-1/0"]
+    assert records[1]["prompt"].tolist() == [4, 5] and records[1]["response"].tolist() == [10, 11, 12]
+    # the teacher labels them like any response run (what the trainers read)
+    outs = target_data.teacher_batch(target, records, topk=4, pad_id=0)
+    assert [o["topk_ids"].shape for o in outs] == [(2, 4), (3, 4)]

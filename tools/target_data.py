@@ -344,6 +344,31 @@ def run_campaign(args):
             break
 
 
+def run_from_store(args):
+    """Stage `from-store`: a store run's token records as a response run in the data dir, for the
+    `teacher` stage to label (hidden states and top-k are recomputed, never stored in the repository)."""
+    data_dir, store = Path(args.data_dir), store_for(args)
+    name = args.as_run or args.run
+    settings = {"from_store": str(store.root), "run": args.run}
+    done = start_run(data_dir, "runs", name, settings, args.command)
+    batch = []
+    for r in store.records([args.run]):
+        if r.key in done:
+            continue
+        batch.append({"key": r.key, "prompt_id": r.prompt_id, "category": r.category, "finished": r.finished,
+                      "prompt": torch.tensor(r.prompt, dtype=torch.int32),
+                      "response": torch.tensor(r.response, dtype=torch.int32)})
+        if len(batch) == 1024:
+            save_shard(data_dir, "runs", name, batch, {"n_sequences": len(batch),
+                                                       "n_tokens": sum(len(b["response"]) for b in batch)})
+            batch = []
+    if batch:
+        save_shard(data_dir, "runs", name, batch, {"n_sequences": len(batch),
+                                                   "n_tokens": sum(len(b["response"]) for b in batch)})
+    print(f"[from-store] {name}: {len(read_manifest(data_dir)['runs'][name]['done'])} records; "
+          f"label them with: python tools/target_data.py teacher {name} --store-layers ...", flush=True)
+
+
 def run_store_status(args):
     print(store_for(args).status())
 
@@ -831,6 +856,10 @@ def main(argv=None):
     cp.add_argument("--batch-size", type=int, default=64)
     cp.add_argument("--shard-seconds", type=float, default=600.0)
 
+    fs = sub.add_parser("from-store", help="a store run as a response run, for the teacher stage to label")
+    fs.add_argument("--run", required=True, help="the store's run")
+    fs.add_argument("--as-run", default=None, help="name in the data dir (default: the same)")
+
     sub.add_parser("store-status", help="what the token store holds: prompts, responses, tokens, time")
 
     args = parser.parse_args(argv)
@@ -841,7 +870,8 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     {"generate": run_generate, "selfinstruct": run_selfinstruct, "prompttext": run_prompttext, "corpus": run_corpus,
      "teacher": run_teacher, "status": run_status,
-     "magpie": run_magpie, "answer": run_answer, "campaign": run_campaign, "store-status": run_store_status}[args.stage](args)
+     "magpie": run_magpie, "answer": run_answer, "campaign": run_campaign,
+     "from-store": run_from_store, "store-status": run_store_status}[args.stage](args)
 
 
 if __name__ == "__main__":
