@@ -55,6 +55,18 @@ def fast_kernels(model):
     return contextlib.nullcontext()
 
 
+def target_identity(model) -> dict:
+    """What the store records of the target that wrote it: name, dtype and, where the model's
+    folder has mcsd's conversion record, the sha256 of its weights and tokenizer."""
+    folder = Path(getattr(model, "name_or_path", "") or ".")
+    info = {"target": folder.name, "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
+    record = folder / "mcsd-complete.json"
+    if record.is_file():
+        files = json.loads(record.read_text()).get("files", {})
+        info["target_sha256"] = {k: v for k, v in files.items() if k in ("model.safetensors", "tokenizer.json")}
+    return info
+
+
 def length_batches(lengths: list[int], batch_size: int, token_budget: int) -> list[list[int]]:
     """Indices grouped into batches of similar length (ascending): at most `batch_size` items
     and about `token_budget` padded prompt tokens each."""
@@ -82,6 +94,7 @@ def write_prompts(model, tokenizer, store: ShardStore, count: int, source: str =
         The manifest's entry for `source` (counts, drop reasons, settings, diversity).
     """
     hints = HINTS if hints is None else hints
+    store.set_info(**target_identity(model))
     names = sorted(hints)
     prefixes = {name: prefix_ids(tokenizer, hints[name]) for name in names}
     path = store.prompt_file(source)
@@ -157,6 +170,7 @@ def answer(model, tokenizer, store: ShardStore, run: str, prompts: list[dict], s
     Returns:
         The run's manifest entry.
     """
+    store.set_info(**target_identity(model))
     done = store.start_run(run, settings, command)
     jobs = []                                                  # (key, category, prompt ids)
     for p in prompts:
