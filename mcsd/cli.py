@@ -164,9 +164,9 @@ def _stats_summary(stats, baseline: bool) -> str:
     return "\n".join(lines)
 
 
-_COSTS_SOURCES = {"cached": "this machine's calibrated profile (cached), corrected online",
-                  "measured": "measured on this machine just now (cached for next time), corrected online",
-                  "default": "generic defaults (not calibrated: --no-calibrate), corrected online"}
+_COSTS_SOURCES = {"cached": "this machine's calibrated profile (cached)",
+                  "measured": "measured on this machine just now (cached for next time)",
+                  "default": "generic defaults (not calibrated: --no-calibrate)"}
 
 
 def _auto_dtype(target, draft, args):
@@ -396,7 +396,11 @@ def run(args) -> int:
         if decoder.kernels_note is not None:
             print(f"matmul kernels: {decoder.kernels_note}", file=sys.stderr)
         if decoder.costs_source is not None:
-            print(f"costs: {_COSTS_SOURCES[decoder.costs_source]}", file=sys.stderr)
+            costs = getattr(decoder.policy, "costs", None) or decoder.context_costs
+            online = ", corrected online" if getattr(costs, "online", False) else ", fixed for the run"
+            stale = getattr(costs, "stale", None)
+            stale = f"; stale, measured again at the next quiet start: {stale}" if stale else ""
+            print(f"costs: {_COSTS_SOURCES[decoder.costs_source]}{online}{stale}", file=sys.stderr)
         if not args.baseline and getattr(decoder.policy, "model_source", None) is not None:
             print(f"acceptance model: {decoder.policy.model_source}", file=sys.stderr)
     if args.show_tree and rounds:

@@ -413,9 +413,8 @@ def measure(target, draft=None, sizes=DEFAULT_SIZES, prefix_len: int = 200, repe
             return timers[role][0].latency(n)
 
     try:
-        for step in plan[:1] + plan:
-            latency(*step)                                                       # warm-up (the first twice)
-        pilot = {step: latency(*step) for step in plan}                         # in order of size
+        latency(*plan[0])                                                        # the very first forward
+        pilot = {step: latency(*step) for step in plan}             # warms every shape up, in order of size
         plan = _prune(plan, pilot)
         rounds = max(1, min(3, repeats // 2))
         timed = robust_timings(plan, latency, gen, rounds=rounds, per_round=-(-repeats // rounds))
@@ -425,6 +424,9 @@ def measure(target, draft=None, sizes=DEFAULT_SIZES, prefix_len: int = 200, repe
         for module in made:
             kernels.unpack(module)
     provisional = busy_check.finish()
+    spread = statistics.median(timed.spread.values()) if timed.spread else 0.0
+    if provisional is None and spread > SPREAD_LIMIT:
+        provisional = f"timings spread by {spread:.0%} between rounds (median)"
     meta = {"target": _model_name(target), "draft": _model_name(draft) if draft is not None else None,
             "target_key": _model_key(target),
             "dtype": str(verify_lm.dtype).replace("torch.", ""), "device": str(verify_lm.device),
@@ -446,8 +448,9 @@ def measure(target, draft=None, sizes=DEFAULT_SIZES, prefix_len: int = 200, repe
 
 
 def _prune(plan: list[tuple], pilot: dict[tuple, float]) -> list[tuple]:
-    """The plan less each role's sizes past the first whose fastest pilot time exceeds
-    `PRUNE_FACTOR` times its smallest size's (such blocks cannot pay for themselves)."""
+    """The plan less each role's sizes past the first that, with the next size too, costs more than
+    `PRUNE_FACTOR` times its smallest size in the pilot pass (such blocks cannot pay for
+    themselves; two sizes in a row, so that one slow pilot run prunes nothing)."""
     keep = []
     for role in dict.fromkeys(s[0] for s in plan):
         best: dict[int, float] = {}
@@ -455,7 +458,8 @@ def _prune(plan: list[tuple], pilot: dict[tuple, float]) -> list[tuple]:
             if r == role:
                 best[n] = min(ms, best.get(n, ms))
         ns = sorted(best)
-        cut = next((n for n in ns if best[n] > PRUNE_FACTOR * best[ns[0]]), ns[-1])
+        dear = [best[n] > PRUNE_FACTOR * best[ns[0]] for n in ns]
+        cut = next((n for n, a, b in zip(ns, dear, dear[1:]) if a and b), ns[-1])
         keep += [s for s in plan if s[0] == role and s[1] <= cut]
     return keep
 
@@ -616,8 +620,9 @@ def load_or_measure(target, draft=None, measure_if_missing: bool = True, force: 
         return prof
     if not quiet:
         dtype = str(next(target.parameters()).dtype).replace("torch.", "")
-        print(f"mcsd: measuring this machine's costs for {_model_name(target)} ({dtype}, "
-              f"{torch.get_num_threads()} threads; cached in {path.parent})...", file=sys.stderr, flush=True)
+        n = torch.get_num_threads()
+        print(f"mcsd: measuring this machine's costs for {_model_name(target)} ({dtype}, {n} thread"
+              f"{'s' if n > 1 else ''}; cached in {path.parent})...", file=sys.stderr, flush=True)
     with cache_writes(path.parent):                   # a cache that cannot be written fails before measuring
         path.parent.mkdir(parents=True, exist_ok=True)
     kwargs.setdefault("repeats", CALIBRATION_REPEATS)
@@ -660,7 +665,7 @@ class Costs:
     """
 
     def __init__(self, verify: dict[int, float], draft: dict[int, float], source: str = "default",
-                 adapt: float = 0.15, online: bool = True):
+                 adapt: float = 0.15, online: bool = False):
         self.verify, self.draft, self.source, self.adapt = dict(verify), dict(draft), source, adapt
         self.online = online
         self.stale: str | None = None
