@@ -129,21 +129,26 @@ def test_a_profile_cached_from_a_busy_run_is_replaced_after_contrary_evidence(ta
                                                                                fresh_cache, monkeypatch):
     monkeypatch.setattr(profile, "BusyCheck", Quiet)
     monkeypatch.setattr(profile, "quiet_now", lambda threads_used=None: True)
-    honest = load_or_measure(target, random_draft, quiet=True, **QUICK)
-    poisoned(target, random_draft)
-    use_clock(monkeypatch, FakeClock(0, step_ms=honest.best_ms("verify")[1], jitter=0.2))   # as measured
+    latency, _ = fake_latency()                                # what measuring finds: 10 + rows ms
+    monkeypatch.setattr(profile._ModelTimer, "latency", lambda self, n: latency("any", n, "onednn"))
+    load_or_measure(target, random_draft, quiet=True, **QUICK)
+    poisoned(target, random_draft)                             # as if measured while the machine was busy
+    use_clock(monkeypatch, FakeClock(0, step_ms=11.0, jitter=0.2))   # rounds take what the machine takes
     dec = TreeDecoder(target, random_draft)
-    assert dec.costs_source == "cached" and dec.policy.costs.verify[1] > 100 * honest.verify_ms[1]
+    assert dec.costs_source == "cached" and dec.policy.costs.verify[1] == 11_000.0
     first = dec.generate(PROMPT, max_new_tokens=60, ignore_eos=True)
     assert dec.policy.costs.stale and "faster" in dec.policy.costs.stale
+    assert dec.policy.costs.verify[1] == 11_000.0              # fixed for the run that found it stale
     assert load_cached(target, random_draft, remeasure=False).meta["stale"]    # flagged in the cache
-    # the same decoder measures again before its next generation; a new one at its start
-    second = dec.generate(PROMPT, max_new_tokens=60, ignore_eos=True)
+    # the same decoder measures again before its next generation (a new one would at its start)
+    stream = dec.stream(PROMPT, max_new_tokens=60, ignore_eos=True)
+    next(stream)
     assert dec.costs_source == "measured" and dec.policy.costs.stale is None
-    assert dec.policy.costs.verify[1] < 10 * honest.verify_ms[1]
-    assert first.tokens == second.tokens                       # float32: exact either way
+    assert dec.policy.costs.verify[1] == 11.0 and dec.calibration_s > 0
     fresh = load_cached(target, random_draft)
-    assert fresh is not None and not fresh.meta.get("stale") and fresh.verify_ms[1] < 10 * honest.verify_ms[1]
+    assert fresh is not None and not fresh.meta.get("stale") and fresh.verify_ms[1] == 11.0
+    second = dec._collect(stream, None)
+    assert first.tokens == second.tokens                       # float32: exact either way
 
 
 def test_agreeing_rounds_do_not_mark_a_profile_stale():
