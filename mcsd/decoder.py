@@ -144,9 +144,12 @@ class TreeDecoder:
             default) keeps the exact target-initialised single root.
         calibrate: for a cost-aware policy: None (default) uses this machine's
             cached cost profile and measures one (a few seconds, once per
-            machine, pair, dtype and thread count) when there is none; True
-            measures again; False never measures (cached profile, else a
-            generic default).
+            machine, pair, dtype and thread count) when there is none, or
+            when the cached one was measured on a busy machine or rounds
+            contradicted it and the machine is quiet now; True measures
+            again; False never measures (cached profile, else a generic
+            default). Without a drafter nothing is measured (unless True):
+            the target's matmul paths come from any cached profile of it.
 
     Attributes:
         costs_source: where a cost-aware policy's costs came from ("cached",

@@ -10,7 +10,7 @@ default is as many threads as there are free cores, at least one.
 What counts as busy: CPU time spent by other processes on the cores this
 process may run on (`os.sched_getaffinity`), read from `/proc/stat` over a
 window (the command line's start-up, a second or two of imports), less this
-process's own time. A core more than a quarter busy elsewhere counts as
+process's own time. A core a quarter busy or more elsewhere counts as
 taken. Without `/proc/stat` the one-minute load average stands in (it may
 count this process too).
 
@@ -24,7 +24,7 @@ import os
 import time
 from dataclasses import dataclass
 
-TAKEN_FRACTION = 0.25            # a core busy elsewhere more than this is not free for a torch thread
+TAKEN_FRACTION = 0.25            # a core this busy elsewhere (or more) is not free for a torch thread
 MIN_WINDOW_S = 0.1               # the shortest window the busy share is read over
 
 
