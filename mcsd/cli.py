@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "machine, from its calibrated costs)")
     src.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or auto (spread the target over GPUs)")
     src.add_argument("--attention", default="auto", choices=ATTENTION_BACKENDS, help="tree attention backend")
+    src.add_argument("--threads", type=int, default=None,
+                     help="CPU threads for torch (default: the cores free of other processes' work, at least 1; "
+                          "OMP_NUM_THREADS, where set, is kept)")
 
     inp = p.add_argument_group("prompt")
     inp.add_argument("--prompt", help="prompt text (default: read --prompt-file, else stdin); UTF-8")
@@ -161,9 +164,9 @@ def _stats_summary(stats, baseline: bool) -> str:
     return "\n".join(lines)
 
 
-_COSTS_SOURCES = {"cached": "this machine's calibrated profile (cached), corrected online",
-                  "measured": "measured on this machine just now (cached for next time), corrected online",
-                  "default": "generic defaults (not calibrated: --no-calibrate), corrected online"}
+_COSTS_SOURCES = {"cached": "this machine's calibrated profile (cached)",
+                  "measured": "measured on this machine just now (cached for next time)",
+                  "default": "generic defaults (not calibrated: --no-calibrate)"}
 
 
 def _auto_dtype(target, draft, args):
@@ -172,8 +175,11 @@ def _auto_dtype(target, draft, args):
     from .profile import choose_dtype
     if args.device != "cpu" and not str(args.device).startswith("cuda"):
         return target, draft, "float32", "float32: --dtype auto measures on one cpu or cuda device only"
-    choice = choose_dtype(target, draft, drafting=not args.baseline, calibrate=args.calibrate,
-                          free_draft=_drafter_kinds(args)[2])
+    # --baseline needs no costs: it measures nothing unless asked to (--calibrate)
+    calibrate = False if args.baseline and args.calibrate is None else args.calibrate
+    choice = choose_dtype(target, draft, drafting=not args.baseline, calibrate=calibrate,
+                          free_draft=_drafter_kinds(args)[2], borrow=args.baseline)
+    args.dtype_calibration_s, args.calibration_provisional = choice.calibration_s, choice.provisional
     if choice.dtype != "float32":
         target, draft = cast_pair(target, draft, choice.dtype)
     return target, draft, choice.dtype, choice.reason
@@ -185,6 +191,8 @@ def _check_args(args) -> None:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.lossy_target_roots < 0:
         raise UsageError(f"--lossy-target-roots must be >= 0, got {args.lossy_target_roots}")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {args.threads}")
     if (args.target is not None and args.draft is None and args.target not in PRESETS and not args.baseline
             and args.drafter != "context"):
         raise UsageError(f"--target {args.target} needs a --draft (or use --baseline, --drafter context, or a "
@@ -235,6 +243,7 @@ def _load(args):
     from .decoder import TreeDecoder
     from .models import load_model, load_model_pair, load_tokenizer
 
+    _set_threads(args)
     load_dtype = "float32" if args.dtype == "auto" else args.dtype
     model_kind, with_context, context_only = _drafter_kinds(args)
     if args.baseline or context_only:
@@ -257,6 +266,24 @@ def _load(args):
     return decoder, tokenizer, dtype_reason
 
 
+def _set_threads(args) -> None:
+    """torch's thread count: --threads, else OMP_NUM_THREADS where set, else the free cores
+    (`mcsd.threads`, read over the start-up since `args.load_since`); the choice is kept in args."""
+    import os
+
+    import torch
+
+    from . import threads
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if args.threads is not None:
+        args.thread_choice = threads.explicit(args.threads, "--threads")
+    elif env.isdigit() and int(env) > 0:
+        args.thread_choice = threads.explicit(int(env), "OMP_NUM_THREADS")
+    else:
+        args.thread_choice = threads.fit_threads(getattr(args, "load_since", None))
+    torch.set_num_threads(args.thread_choice.threads)
+
+
 def _settings(args, decoder, dtype_reason) -> dict:
     """What actually ran: a baseline run has no tree, policy or drafter."""
     drafter = decoder.drafter
@@ -273,6 +300,8 @@ def _settings(args, decoder, dtype_reason) -> dict:
             "device": args.device, "attention": decoder.attention, "baseline": args.baseline,
             "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
             "lossy_target_roots": args.lossy_target_roots,
+            "threads": args.thread_choice.threads, "threads_reason": args.thread_choice.reason,
+            "calibration_s": round(decoder.calibration_s + getattr(args, "dtype_calibration_s", 0.0), 2),
             "context": _context_settings(decoder) if drafted else None}
 
 
@@ -311,6 +340,8 @@ def run(args) -> int:
     if args.list_models:
         print("\n".join(describe_presets()))
         return 0
+    from .threads import snapshot
+    args.load_since = snapshot()                    # other processes' CPU use is read from here to the load
     from . import pearl  # noqa: F401  (registers the "pearl" execution mode)
     from .policies import POLICIES, resolve_policy
     parse_policy_options(args.policy_option)        # a malformed setting fails before anything loads
@@ -356,10 +387,20 @@ def run(args) -> int:
     if args.stats:
         print(_stats_summary(out.stats, args.baseline), file=sys.stderr)
         print(f"dtype: {dtype_reason or args.dtype + ' (as asked)'}", file=sys.stderr)
+        print(f"threads: {args.thread_choice.reason}", file=sys.stderr)
+        spent = decoder.calibration_s + getattr(args, "dtype_calibration_s", 0.0)
+        busy = decoder.calibration_note or ("; provisional: measured on a busy machine"
+                                            if getattr(args, "calibration_provisional", False) else "")
+        if spent or busy:
+            print(f"calibration: {spent:.1f}s measuring this machine's costs in this run{busy}", file=sys.stderr)
         if decoder.kernels_note is not None:
             print(f"matmul kernels: {decoder.kernels_note}", file=sys.stderr)
         if decoder.costs_source is not None:
-            print(f"costs: {_COSTS_SOURCES[decoder.costs_source]}", file=sys.stderr)
+            costs = getattr(decoder.policy, "costs", None) or decoder.context_costs
+            online = ", corrected online" if getattr(costs, "online", False) else ", fixed for the run"
+            stale = getattr(costs, "stale", None)
+            stale = f"; stale, measured again at the next quiet start: {stale}" if stale else ""
+            print(f"costs: {_COSTS_SOURCES[decoder.costs_source]}{online}{stale}", file=sys.stderr)
         if not args.baseline and getattr(decoder.policy, "model_source", None) is not None:
             print(f"acceptance model: {decoder.policy.model_source}", file=sys.stderr)
     if args.show_tree and rounds:

@@ -144,9 +144,12 @@ class TreeDecoder:
             default) keeps the exact target-initialised single root.
         calibrate: for a cost-aware policy: None (default) uses this machine's
             cached cost profile and measures one (a few seconds, once per
-            machine, pair, dtype and thread count) when there is none; True
-            measures again; False never measures (cached profile, else a
-            generic default).
+            machine, pair, dtype and thread count) when there is none, or
+            when the cached one was measured on a busy machine or rounds
+            contradicted it and the machine is quiet now; True measures
+            again; False never measures (cached profile, else a generic
+            default). Without a drafter nothing is measured (unless True):
+            the target's matmul paths come from any cached profile of it.
 
     Attributes:
         costs_source: where a cost-aware policy's costs came from ("cached",
@@ -192,15 +195,20 @@ class TreeDecoder:
         self.tokenizer = tokenizer
         options = dict(policy_options or {})
         self.costs_source = None
+        self.calibration_s, self.calibration_note = 0.0, None    # time spent measuring here, for --stats
+        self._profiled = (target, draft)              # what a stale profile is measured again for
         fetched = []                                  # this machine's profile, looked up once
 
         def device_profile():
             if not fetched:
                 fetched.append(self._device_profile(target, draft, calibrate))
+                self._note_calibration(*fetched[0])
             return fetched[0]
 
         def device_costs():
-            return self._costs_of(*device_profile())
+            costs = self._costs_of(*device_profile())
+            costs.on_stale = self._stale_marker(target, draft)
+            return costs
 
         if isinstance(policy, str) and getattr(POLICIES.get(policy), "uses_device_profile", False) \
                 and "costs" not in options:
@@ -222,7 +230,9 @@ class TreeDecoder:
                 self.costs_source = self.context_costs.source
         self.kernels_note = None                      # which matmul path small blocks run on, for --stats
         if kernels.packable(self.target.dtype, self.target.device):
-            self._use_kernels(device_profile()[0])
+            alone = self.drafter is None and self.context is None and not calibrate
+            # the target alone needs only its paths: from any cached profile of it, never measured
+            self._use_kernels(self._target_profile(target) if alone else device_profile()[0])
         # Trees live where the target's inputs live (its embedding's device under a device_map).
         for pol in (self.policy, self._baseline_policy):
             pol.topology = pol.topology.to(self.target.device)
@@ -275,6 +285,8 @@ class TreeDecoder:
         prompt_ids = self.encode(prompt)
         self._check_length(prompt_ids.numel(), cfg.max_new_tokens)
         policy = self._baseline_policy if baseline else self.policy
+        if not baseline:
+            self._refresh_stale_costs()                 # between generations, never within one
         drafter = None if baseline else self.drafter
         context = None if baseline else self.context
         return (yield from self._decode(prompt_ids, cfg, policy, drafter, on_round, context))
@@ -361,7 +373,7 @@ class TreeDecoder:
             drafted, graft = grown.tree, None
             if context is not None:                             # free branches from the context, merged in
                 costs = self.context_costs
-                spent_ms = (time.perf_counter() - t0) * 1000 + (costs.verify_ms(drafted.size) if costs else 0.0)
+                spent_ms = self._round_ms(drafted, costs)        # from costs, not this run's clock
                 probs = policy.node_probabilities()
                 expected = self._expected_tokens(policy, drafted_accepts, drafted.size)
                 graft = context.graft(drafted, sequence, expected, spent_ms, costs,
@@ -471,13 +483,65 @@ class TreeDecoder:
         self.kernels_note = "; ".join(notes) or None
 
     @staticmethod
+    def _round_ms(tree: DraftTree, costs) -> float:
+        """A round's time before context nodes, in ms, from the costs alone (so that the graft, and
+        the output, do not depend on how long this run's forwards happened to take): the draft
+        forwards that grew `tree` (one per level but the last, over that level's nodes) and its
+        verify."""
+        if costs is None:
+            return 0.0
+        widths = torch.bincount(tree.depth).tolist()[:-1]                 # nodes per level fed to the drafter
+        return sum(costs.draft_ms(w) for w in widths) + costs.verify_ms(tree.size)
+
+    def _refresh_stale_costs(self) -> None:
+        """Measure again, on a quiet machine, where the last generation found the profile stale
+        (`mcsd.profile.Costs`), and run the next one on the new kernel paths and costs. The costs
+        are updated in place (the policy and context drafting share them)."""
+        costs = getattr(self.policy, "costs", None) or self.context_costs
+        if costs is None or costs.stale is None or not self._quiet():
+            return
+        target, draft = self._profiled
+        prof, source = self._device_profile(target, draft, calibrate=True)
+        self._note_calibration(prof, source)
+        costs.rebase(self._costs_of(prof, source))
+        self.costs_source = source
+        if kernels.packable(self.target.dtype, self.target.device):
+            self._use_kernels(prof)
+
+    @staticmethod
+    def _quiet() -> bool:
+        from .profile import quiet_now
+        return quiet_now()
+
+    def _note_calibration(self, prof, source: str) -> None:
+        """Remember what measuring cost this run and whether it was provisional, for --stats."""
+        if prof is None or source != "measured":
+            return
+        self.calibration_s += prof.meta.get("calibration_s", 0.0)
+        if prof.meta.get("provisional"):
+            self.calibration_note = f"; provisional: {prof.meta['provisional']}"
+
+    @staticmethod
+    def _stale_marker(target, draft):
+        """on_stale for Costs: flag the cached profile so that the next start measures again."""
+        from .profile import mark_stale
+        timed = draft if isinstance(draft, torch.nn.Module) or getattr(draft, "uses_target_hidden", False) else None
+        return lambda reason: mark_stale(target, timed, reason)
+
+    @staticmethod
+    def _target_profile(target):
+        """A cached profile with the target's costs (alone or from a pair's), measuring nothing."""
+        from .profile import load_target_costs
+        return load_target_costs(target)
+
+    @staticmethod
     def _device_profile(target, draft, calibrate: bool | None = None):
         """(this machine's profile for the pair or None, where it came from): the cached one,
         measured when missing (or when `calibrate` is True); None with `calibrate=False` and
         nothing cached."""
         from .profile import load_cached, load_or_measure
         timed = draft if isinstance(draft, torch.nn.Module) or getattr(draft, "uses_target_hidden", False) else None
-        prof = None if calibrate else load_cached(target, timed)
+        prof = None if calibrate else load_cached(target, timed, remeasure=calibrate is None)
         if prof is not None:
             return prof, "cached"
         if calibrate is False:

@@ -26,9 +26,10 @@ from .cache import cache_dir, cache_writes
 from .lm import CachedLM
 from .tree import causal_allowed
 
-DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_SIZES = (1, 2, 4, 8, 16, 32)     # tree sizes timed; larger ones extrapolate proportionally
+DEFAULT_DRAFT_SIZES = (1, 2, 4, 8, 16)    # draft level widths timed
 ATEN_MAX_ROWS = 16          # block sizes up to this are also timed through ATen's kernels (mcsd.kernels)
-CALIBRATION_REPEATS = 5     # the quick measurement a first generation makes (a few seconds)
+CALIBRATION_REPEATS = 4     # the quick measurement a first generation makes: 2 rounds of 2 runs (see measure)
 
 
 @dataclass
@@ -208,30 +209,196 @@ class _HeadTimer:
         return elapsed
 
 
+# ---------------------------------------------------------------------------- robust timing
+
+SPREAD_LIMIT = 0.25         # a timing whose two best rounds differ by more than this is measured again
+DROP_LIMIT = 0.15           # n+1.. rows measured this much faster than n rows: both measured again
+REMEASURE_PASSES = 2        # extra rounds at most for such timings
+PRUNE_FACTOR = 8.0          # blocks past the first one costing this many 1-row steps are not measured
+PROBE_DISAGREEMENT = 1.5    # a fixed kernel this much slower or faster after measuring than before: busy
+
+
+@dataclass
+class Timings:
+    """Robust per-step timings (`robust_timings`).
+
+    Attributes:
+        ms: {step: min over rounds of the round's median} in ms, then the monotone envelope.
+        spread: {step: (second-best round median - best) / best}; 0 with one round.
+        remeasured: steps timed in extra rounds (large spread, or inconsistent with a neighbour).
+        lowered: steps the envelope lowered (a smaller block measured slower than a larger one).
+    """
+
+    ms: dict
+    spread: dict
+    remeasured: set
+    lowered: set
+
+
+def _summary(rounds: list[list[float]]) -> tuple[float, float]:
+    """(min of the rounds' medians, relative gap between the best two medians)."""
+    meds = sorted(statistics.median(r) for r in rounds if r)
+    return meds[0], ((meds[1] - meds[0]) / meds[0] if len(meds) > 1 and meds[0] > 0 else 0.0)
+
+
+def robust_timings(plan: list[tuple], latency, gen: torch.Generator, rounds: int = 3, per_round: int = 2,
+                   remeasure_passes: int = REMEASURE_PASSES) -> Timings:
+    """Time every step of `plan` robustly against a machine whose speed drifts.
+
+    A step is (role, rows, path). Each round times every step `per_round`
+    times in one shuffled order (so a slow spell spreads over many steps, not
+    one size); a step's time is the minimum over rounds of its round median
+    (interference only ever adds time). Then the timings are checked: a step
+    whose best two rounds disagree by more than `SPREAD_LIMIT`, or a block of
+    more rows measured more than `DROP_LIMIT` faster than a smaller one of the
+    same role and path, gets another round (at most `remeasure_passes`).
+    Last, a monotone envelope: n rows never cost more than any larger block
+    of the same role and path (n rows could run as n+1, one dropped).
+
+    Args:
+        plan: the steps.
+        latency: latency(role, rows, path) -> ms, one timed forward.
+        gen: shuffles the order.
+    Returns:
+        Timings.
+    """
+    samples: dict[tuple, list[list[float]]] = {step: [] for step in plan}
+
+    def one_round(steps):
+        order = [s for s in steps for _ in range(per_round)]
+        for step in steps:
+            samples[step].append([])
+        for i in torch.randperm(len(order), generator=gen).tolist():
+            samples[order[i]][-1].append(latency(*order[i]))
+
+    for _ in range(max(1, rounds)):
+        one_round(plan)
+    remeasured: set = set()
+    for _ in range(remeasure_passes):
+        suspects = _suspects({s: _summary(r) for s, r in samples.items()})
+        if not suspects:
+            break
+        remeasured |= suspects
+        one_round([s for s in plan if s in suspects])
+    summary = {s: _summary(r) for s, r in samples.items()}
+    ms, lowered = _envelope({s: v[0] for s, v in summary.items()})
+    return Timings(ms=ms, spread={s: v[1] for s, v in summary.items()}, remeasured=remeasured, lowered=lowered)
+
+
+def _lines(steps) -> dict[tuple, list[tuple]]:
+    """Steps grouped by (role, path), each group in order of rows."""
+    groups: dict[tuple, list[tuple]] = {}
+    for step in sorted(steps, key=lambda s: (s[0], s[2], s[1])):
+        groups.setdefault((step[0], step[2]), []).append(step)
+    return groups
+
+
+def _suspects(summary: dict[tuple, tuple[float, float]]) -> set:
+    """Steps to measure again: a large spread, or a larger block measured much faster than a smaller one."""
+    bad = {s for s, (_, spread) in summary.items() if spread > SPREAD_LIMIT}
+    for line in _lines(summary).values():
+        for small, large in zip(line, line[1:]):
+            if summary[large][0] < summary[small][0] * (1 - DROP_LIMIT):
+                bad |= {small, large}
+    return bad
+
+
+def _envelope(ms: dict[tuple, float]) -> tuple[dict[tuple, float], set]:
+    """Each step's time capped by every larger block's of its role and path (a suffix minimum)."""
+    out, lowered = dict(ms), set()
+    for line in _lines(ms).values():
+        best = float("inf")
+        for step in reversed(line):
+            if out[step] > best:
+                out[step], lowered = best, lowered | {step}
+            best = out[step]
+    return out, lowered
+
+
+def _probe_ms(repeats: int = 7) -> float:
+    """A fixed small kernel (a 64 x 256 by 256 x 256 float32 product), min over repeats, in ms:
+    timed before and after a measurement, a disagreement says the machine's speed moved."""
+    gen = torch.Generator().manual_seed(1)
+    a, b = torch.randn(64, 256, generator=gen), torch.randn(256, 256, generator=gen)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(8):
+            a @ b
+        best = min(best, (time.perf_counter() - t0) * 1000)
+    return best
+
+
+class BusyCheck:
+    """Whether the machine was busy while measuring: other processes' CPU use on this process's
+    cores left fewer free cores than torch's threads (`mcsd.threads`), or a fixed probe kernel
+    timed before and after disagrees by `PROBE_DISAGREEMENT`."""
+
+    def __init__(self, probe=_probe_ms):
+        self.probe = probe
+
+    def start(self) -> None:
+        from . import threads
+        self.load, self.before = threads.snapshot(), self.probe()
+
+    def finish(self) -> str | None:
+        """None when quiet, else why the measurement is provisional."""
+        from . import threads
+        after, load = self.probe(), threads.snapshot()
+        used = torch.get_num_threads()
+        busy = threads.busy_elsewhere(self.load, load, threads.allowed_cpus()) \
+            if self.load is not None and load is not None else None
+        if busy is not None and threads.choose_threads(len(threads.allowed_cpus()), busy).threads < used:
+            return f"other processes used {busy:.1f} cores' worth while {used} threads measured"
+        ratio = max(after, self.before) / max(min(after, self.before), 1e-9)
+        if ratio > PROBE_DISAGREEMENT:
+            return f"a fixed probe kernel took {self.before:.2f} ms before and {after:.2f} ms after"
+        return None
+
+
+def quiet_now(threads_used: int | None = None) -> bool:
+    """No other process keeps the cores torch's threads need busy (read over `mcsd.threads.MIN_WINDOW_S`)."""
+    from . import threads
+    used = threads_used or torch.get_num_threads()
+    return threads.fit_threads().threads >= used
+
+
 def measure(target, draft=None, sizes=DEFAULT_SIZES, prefix_len: int = 200, repeats: int = 20,
-            draft_sizes=(1, 2, 4, 8, 16, 32)) -> DeviceProfile:
-    """Measure verify latency per tree size (and draft latency per level width), interleaved.
+            draft_sizes=DEFAULT_DRAFT_SIZES, busy_check: BusyCheck | None = None) -> DeviceProfile:
+    """Measure verify latency per tree size (and draft latency per level width), robustly.
 
     `draft` is a causal LM or a target-feature drafter (`mcsd.feature_draft`).
-    Sizes are visited in a shuffled order each repeat so that drift (thermal,
-    other load) spreads evenly; the median of `repeats` runs is kept. Where
-    oneDNN and ATen kernels both could run the matrix products (bfloat16 or
+    Every (role, size, path) is timed `repeats` times in rounds of shuffled,
+    interleaved order and summarised by `robust_timings` (minimum of round
+    medians, re-measuring what is inconsistent, a monotone envelope); the
+    profile's meta records each timing's spread and what was re-measured.
+    After a warm-up pass in order of size, sizes past the first block that
+    costs `PRUNE_FACTOR` one-row steps are not measured (such blocks never pay;
+    costs past the largest measured size are extrapolated proportionally).
+    Where oneDNN and ATen kernels both could run the matrix products (bfloat16 or
     float16 on a CPU with native support, `mcsd.kernels.switchable`), blocks
     up to `ATEN_MAX_ROWS` are also timed on ATen, and every block on prepacked
     oneDNN weights (`mcsd.kernels.pack`; the copies are dropped again unless the
     model had them before), interleaved the same way.
+
+    A measurement taken while the machine was busy (`BusyCheck`) is marked
+    provisional in meta["provisional"] (the reason): it serves the run that
+    made it and is measured again on a later quiet start (`load_cached`).
     """
+    t_start = time.perf_counter()
+    busy_check = busy_check or BusyCheck()
+    busy_check.start()
     gen = torch.Generator().manual_seed(0)
-    timers = {"verify": (_ModelTimer(target, prefix_len, gen), sizes)}
+    timers = {"verify": (_ModelTimer(target, prefix_len, gen), tuple(sizes))}
     if draft is not None:
         timer = (_HeadTimer if _is_feature_drafter(draft) else _ModelTimer)(draft, prefix_len, gen)
-        timers["draft"] = (timer, draft_sizes)
+        timers["draft"] = (timer, tuple(draft_sizes))
     verify_lm = timers["verify"][0].lm
     both = {role: kernels.switchable(t.dtype, t.device) for role, (t, _) in timers.items()}
     modules = {"verify": target, "draft": drafter_module(draft) if draft is not None else None}
     packs = {role: modules[role] is not None and kernels.packable(t.dtype, t.device)
              for role, (t, _) in timers.items()}
-    plan = [(role, n, path) for role, (_, ns) in timers.items() for n in ns for path in kernels.PATHS
+    plan = [(role, n, path) for role, (_, ns) in timers.items() for n in sorted(ns) for path in kernels.PATHS
             if path == "onednn" or (path == "aten" and both[role] and n <= ATEN_MAX_ROWS)
             or (path == "packed" and packs[role])]
     saved = getattr(draft, "kernels", None)
@@ -246,31 +413,55 @@ def measure(target, draft=None, sizes=DEFAULT_SIZES, prefix_len: int = 200, repe
             return timers[role][0].latency(n)
 
     try:
-        for step in plan:
-            latency(*step)                                                       # warm-up
-        samples: dict[tuple[str, int, str], list[float]] = {}
-        for _ in range(repeats):
-            for i in torch.randperm(len(plan), generator=gen).tolist():
-                samples.setdefault(plan[i], []).append(latency(*plan[i]))
+        latency(*plan[0])                                                        # the very first forward
+        pilot = {step: latency(*step) for step in plan}             # warms every shape up, in order of size
+        plan = _prune(plan, pilot)
+        rounds = max(1, min(3, repeats // 2))
+        timed = robust_timings(plan, latency, gen, rounds=rounds, per_round=-(-repeats // rounds))
     finally:
         if draft is not None and _is_feature_drafter(draft):
             draft.kernels = saved
         for module in made:
             kernels.unpack(module)
-    med = {k: statistics.median(v) for k, v in samples.items()}
+    provisional = busy_check.finish()
+    spread = statistics.median(timed.spread.values()) if timed.spread else 0.0
+    if provisional is None and spread > SPREAD_LIMIT:
+        provisional = f"timings spread by {spread:.0%} between rounds (median)"
     meta = {"target": _model_name(target), "draft": _model_name(draft) if draft is not None else None,
+            "target_key": _model_key(target),
             "dtype": str(verify_lm.dtype).replace("torch.", ""), "device": str(verify_lm.device),
             "attention": getattr(target.config, "_attn_implementation", None),
             "threads": torch.get_num_threads(), "torch": torch.__version__, "repeats": repeats,
-            "host": machine_info(str(verify_lm.device))}
+            "host": machine_info(str(verify_lm.device)),
+            "spread": {f"{r}:{p}:{n}": round(v, 3) for (r, n, p), v in timed.spread.items()},
+            "remeasured": sorted(f"{r}:{p}:{n}" for r, n, p in timed.remeasured),
+            "lowered": sorted(f"{r}:{p}:{n}" for r, n, p in timed.lowered),
+            "provisional": provisional, "calibration_s": round(time.perf_counter() - t_start, 2)}
 
     def table(role, ns, path):
-        return {n: med[(role, n, path)] for n in ns if (role, n, path) in med}
+        return {n: timed.ms[(role, n, path)] for n in ns if (role, n, path) in timed.ms}
     return DeviceProfile(verify_ms=table("verify", sizes, "onednn"), draft_ms=table("draft", draft_sizes, "onednn"),
                          verify_aten_ms=table("verify", sizes, "aten"), draft_aten_ms=table("draft", draft_sizes, "aten"),
                          verify_packed_ms=table("verify", sizes, "packed"),
                          draft_packed_ms=table("draft", draft_sizes, "packed"),
                          prefix_len=prefix_len, meta=meta)
+
+
+def _prune(plan: list[tuple], pilot: dict[tuple, float]) -> list[tuple]:
+    """The plan less each role's sizes past the first that, with the next size too, costs more than
+    `PRUNE_FACTOR` times its smallest size in the pilot pass (such blocks cannot pay for
+    themselves; two sizes in a row, so that one slow pilot run prunes nothing)."""
+    keep = []
+    for role in dict.fromkeys(s[0] for s in plan):
+        best: dict[int, float] = {}
+        for (r, n, _), ms in pilot.items():
+            if r == role:
+                best[n] = min(ms, best.get(n, ms))
+        ns = sorted(best)
+        dear = [best[n] > PRUNE_FACTOR * best[ns[0]] for n in ns]
+        cut = next((n for n, a, b in zip(ns, dear, dear[1:]) if a and b), ns[-1])
+        keep += [s for s in plan if s[0] == role and s[1] <= cut]
+    return keep
 
 
 def drafter_module(draft) -> torch.nn.Module | None:
@@ -346,27 +537,82 @@ def profile_path(target, draft, dtype=None) -> Path:
     return cache_dir() / "profiles" / f"{digest}.json"
 
 
-def load_cached(target, draft=None, dtype=None) -> DeviceProfile | None:
-    """The cached profile for this setup, if there is a readable one measured on this machine."""
-    path = profile_path(target, draft, dtype)
-    if not path.is_file():
-        return None
+def _readable(path: Path, device) -> DeviceProfile | None:
+    """The profile in `path` if it is readable and was measured on this machine."""
     try:
         prof = DeviceProfile.from_json(path.read_text())
-    except (ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError):
         return None                                   # unreadable: measure again
-    here, host = host_key(next(target.parameters()).device), prof.meta.get("host", {})
+    here, host = host_key(device), prof.meta.get("host", {})
     if {k: host.get(k) for k in here} != here:
         return None                                   # measured on another machine
     return prof
 
 
+def needs_remeasure(prof: DeviceProfile) -> str | None:
+    """Why a cached profile should be measured again (provisional: measured on a busy machine;
+    stale: later runs' timings disagreed with it), or None."""
+    return prof.meta.get("stale") or prof.meta.get("provisional")
+
+
+def load_cached(target, draft=None, dtype=None, remeasure: bool = True) -> DeviceProfile | None:
+    """The cached profile for this setup, if there is a readable one measured on this machine.
+
+    With `remeasure`, a profile flagged for measuring again (`needs_remeasure`)
+    is passed over (None: the caller measures) when the machine is quiet now;
+    on a busy machine it is still returned, since measuring again would only
+    measure the noise again.
+    """
+    dev = next(target.parameters()).device
+    prof = _readable(profile_path(target, draft, dtype), dev)
+    if prof is not None and remeasure and needs_remeasure(prof) and quiet_now():
+        return None
+    return prof
+
+
+def load_target_costs(target, dtype=None) -> DeviceProfile | None:
+    """A cached profile holding this target's verify costs in this setup, measured alone or with any
+    drafter (its verify tables are the same either way), without measuring anything; for runs of
+    the target alone (`--baseline`). A profile flagged for measuring again serves too."""
+    dev = next(target.parameters()).device
+    own = _readable(profile_path(target, None, dtype), dev)
+    if own is not None:
+        return own
+    dtype = str(dtype or next(target.parameters()).dtype).replace("torch.", "")
+    want = {"target_key": _model_key(target), "dtype": dtype, "device": str(dev),
+            "attention": getattr(target.config, "_attn_implementation", None), "threads": torch.get_num_threads()}
+    folder = cache_dir() / "profiles"
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else ():
+        prof = _readable(path, dev)
+        if prof is not None and all(prof.meta.get(k) == v for k, v in want.items()):
+            return prof
+    return None
+
+
+def mark_stale(target, draft, reason: str, dtype=None) -> bool:
+    """Flag the cached profile of this setup for measuring again at the next start (`load_cached`);
+    False where there is none or the cache cannot be written."""
+    path = profile_path(target, draft, dtype)
+    prof = _readable(path, next(target.parameters()).device)
+    if prof is None:
+        return False
+    prof.meta["stale"] = reason
+    try:
+        path.write_text(prof.to_json())
+    except OSError:
+        return False
+    return True
+
+
 def load_or_measure(target, draft=None, measure_if_missing: bool = True, force: bool = False,
                     quiet: bool = False, **kwargs) -> DeviceProfile | None:
-    """The cached profile for this setup, measured (and cached) on first use or when `force`d.
+    """The cached profile for this setup, measured (and cached) on first use, when `force`d, or when
+    the cached one is flagged and the machine is quiet now (`load_cached`).
 
-    A measurement prints one line on stderr (unless `quiet`). Keyword
-    arguments go to `measure`; the default is a quick calibration (5 repeats).
+    A measurement prints one line on stderr (unless `quiet`), and a second when
+    the machine was busy meanwhile (the profile is then provisional). Keyword
+    arguments go to `measure`; the default is a quick calibration
+    (`CALIBRATION_REPEATS`).
     """
     path = profile_path(target, draft)
     prof = None if force else load_cached(target, draft)
@@ -374,12 +620,16 @@ def load_or_measure(target, draft=None, measure_if_missing: bool = True, force: 
         return prof
     if not quiet:
         dtype = str(next(target.parameters()).dtype).replace("torch.", "")
-        print(f"mcsd: measuring this machine's costs for {_model_name(target)} ({dtype}; once, cached in "
-              f"{path.parent})...", file=sys.stderr, flush=True)
+        n = torch.get_num_threads()
+        print(f"mcsd: measuring this machine's costs for {_model_name(target)} ({dtype}, {n} thread"
+              f"{'s' if n > 1 else ''}; cached in {path.parent})...", file=sys.stderr, flush=True)
     with cache_writes(path.parent):                   # a cache that cannot be written fails before measuring
         path.parent.mkdir(parents=True, exist_ok=True)
     kwargs.setdefault("repeats", CALIBRATION_REPEATS)
     prof = measure(target, draft, **kwargs)
+    if prof.meta.get("provisional") and not quiet:
+        print(f"mcsd: the machine was busy while measuring ({prof.meta['provisional']}): these costs serve "
+              f"until a quieter start measures again", file=sys.stderr, flush=True)
     with cache_writes(path.parent):
         path.write_text(prof.to_json())
     return prof
@@ -387,21 +637,48 @@ def load_or_measure(target, draft=None, measure_if_missing: bool = True, force: 
 
 # ---------------------------------------------------------------------------- costs the policies use
 
+STALE_RATIO = 1.3            # plain steps this much slower or faster than the profile, persistently: stale
+STALE_ROUNDS = 8             # ... over this many plain (1-row) steps in a row (the median of them)
+STALE_RATIO_ANY = 1.6        # rounds of any size, a looser bound (per-round work the profile leaves out)
+STALE_ROUNDS_ANY = 24
+
+
 class Costs:
     """Round costs in milliseconds: verify(n tree tokens) and one draft level of width w,
-    from a measured profile, corrected online by what rounds actually take.
+    from a measured profile, optionally corrected online by what rounds actually take.
 
-    The correction is a multiplicative factor per power-of-two size bucket,
-    an exponentially weighted mean (weight `adapt`) of measured / predicted
-    time; a bucket not yet seen uses the mean over all buckets. So a busy or
-    throttled machine, a longer context or another prompt length moves the
-    costs within a few rounds, while the measured shape (how verify grows
-    with tree size) still orders sizes that have not been tried.
+    The correction (`online`) is a multiplicative factor per power-of-two size
+    bucket, an exponentially weighted mean (weight `adapt`) of measured /
+    predicted time; a bucket not yet seen uses the mean over all buckets. So a
+    busy or throttled machine, a longer context or another prompt length
+    moves the costs within a few rounds, while the measured shape (how verify
+    grows with tree size) still orders sizes that have not been tried. It
+    makes the costs, and so the trees a policy grows, depend on this run's
+    timings; the learned policy leaves it off unless asked (`online_costs`).
+
+    Whether or not it corrects, every observed verify round is checked against
+    the profile: when the median of the last `STALE_ROUNDS` plain (1-row)
+    steps is off by `STALE_RATIO` or more either way (or of the last
+    `STALE_ROUNDS_ANY` rounds of any size by `STALE_RATIO_ANY`), the profile is
+    stale: `stale` says why, and `on_stale(reason)` is called once (the decoder
+    flags the cached profile for measuring again at the next start).
     """
 
     def __init__(self, verify: dict[int, float], draft: dict[int, float], source: str = "default",
-                 adapt: float = 0.15):
+                 adapt: float = 0.15, online: bool = False):
         self.verify, self.draft, self.source, self.adapt = dict(verify), dict(draft), source, adapt
+        self.online = online
+        self.stale: str | None = None
+        self.on_stale = None
+        self._plain: list[float] = []               # measured / profile, last plain steps
+        self._any: list[float] = []                 # the same, last rounds of any size
+        self.reset_corrections()
+
+    def rebase(self, other: "Costs") -> None:
+        """Take `other`'s measured costs and source (a profile measured again), keeping this one's
+        settings and hook; corrections and the staleness check start over."""
+        self.verify, self.draft, self.source = dict(other.verify), dict(other.draft), other.source
+        self.stale, self._plain, self._any = None, [], []
         self.reset_corrections()
 
     def reset_corrections(self) -> None:
@@ -421,6 +698,8 @@ class Costs:
                    source=source)
 
     def _corr(self, kind: str, n: float) -> float:
+        if not self.online:
+            return 1.0
         return self._factor[kind].get(int(n).bit_length(), self._overall[kind])
 
     def base_verify_ms(self, n: int) -> float:
@@ -443,16 +722,35 @@ class Costs:
         return self.base_draft_ms(width) * self._corr("draft", width)
 
     def observe(self, kind: str, n: int | None, predicted_ms: float, measured_ms: float) -> None:
-        """Fold one measured round into the correction: "verify" with n tree tokens, or "draft"
-        with n None (a round's draft levels of several widths, corrected as a whole; predicted_ms
-        is their uncorrected sum)."""
+        """Fold one measured round into the correction (when `online`) and the staleness check:
+        "verify" with n tree tokens, or "draft" with n None (a round's draft levels of several
+        widths, corrected as a whole; predicted_ms is their uncorrected sum)."""
         if predicted_ms <= 0 or measured_ms <= 0:
             return
         ratio, a = measured_ms / predicted_ms, self.adapt
+        if kind == "verify" and self.source != "default":
+            self._check_stale(n, ratio)
+        if not self.online:
+            return
         if n is not None:
             bucket, b = self._factor[kind], int(n).bit_length()
             bucket[b] = (1 - a) * bucket.get(b, self._overall[kind]) + a * ratio
         self._overall[kind] = (1 - a) * self._overall[kind] + a * ratio
+
+    def _check_stale(self, n: int | None, ratio: float) -> None:
+        checks = [(self._any, STALE_ROUNDS_ANY, STALE_RATIO_ANY, "rounds")]
+        if n == 1:
+            checks.append((self._plain, STALE_ROUNDS, STALE_RATIO, "plain steps"))
+        for window, size, bound, what in checks:
+            window.append(ratio)
+            del window[:-size]
+            if self.stale is None and len(window) == size:
+                mid = statistics.median(window)
+                if not 1 / bound < mid < bound:
+                    self.stale = (f"the last {size} {what} took {mid:.2f}x the profile's time "
+                                  f"(measured {'faster' if mid < 1 else 'slower'})")
+                    if self.on_stale is not None:
+                        self.on_stale(self.stale)
 
 
 # ---------------------------------------------------------------------------- the dtype that wins
@@ -481,10 +779,12 @@ class DtypeChoice:
     dtype: str
     reason: str
     rates: dict                 # dtype -> expected tokens/s of the method on this machine
+    calibration_s: float = 0.0  # time spent measuring for the choice in this run
+    provisional: bool = False   # some profile it rests on was measured on a busy machine
 
 
 def choose_dtype(target, draft, candidates=None, drafting: bool = True, calibrate: bool | None = None,
-                 quiet: bool = False, free_draft: bool = False) -> DtypeChoice:
+                 quiet: bool = False, free_draft: bool = False, borrow: bool = False) -> DtypeChoice:
     """The dtype in which this pair runs fastest here, from the calibrated cost of each candidate.
 
     `target` (and `draft`) must be in float32; a candidate other than float32
@@ -493,25 +793,36 @@ def choose_dtype(target, draft, candidates=None, drafting: bool = True, calibrat
     (nothing to draft, only verify). Candidates default to float32 and bfloat16 on a
     CPU, bfloat16 and float16 on CUDA. With `calibrate=False` and a profile
     missing, a fixed rule decides instead: bfloat16 on CUDA and on CPUs with
-    native bf16 (AVX512-BF16 or AMX, as oneDNN uses it), float32 on other CPUs. The models are not
+    native bf16 (AVX512-BF16 or AMX, as oneDNN uses it), float32 on other CPUs. `borrow`
+    (with no draft): the target's costs may come from a cached profile of it with any
+    drafter (`load_target_costs`). A cached profile flagged for measuring again is
+    measured again when the machine is quiet (`calibrate` None). The models are not
     converted here (see `mcsd.models.cast_pair`).
     """
     device = next(target.parameters()).device
     if candidates is None:
         candidates = ("bfloat16", "float16") if device.type == "cuda" else ("float32", "bfloat16")
-    profiles = {name: None if calibrate else load_cached(target, draft, getattr(torch, name)) for name in candidates}
+    def cached(name):
+        dtype = getattr(torch, name)
+        prof = load_cached(target, draft, dtype, remeasure=calibrate is None)
+        if prof is None and draft is None and borrow:
+            prof = load_target_costs(target, dtype)         # the target's costs from a pair's profile
+        return prof
+    profiles = {name: None if calibrate else cached(name) for name in candidates}
     if calibrate is False and any(p is None for p in profiles.values()):
         native = device.type == "cuda" or host_key(device)["onednn_bf16"]      # what torch runs bf16 products with
         best = "bfloat16" if native else "float32"
         return DtypeChoice(best, f"{best}: not calibrated; {'native' if native else 'no native'} bfloat16 "
                                  f"on this {'GPU' if device.type == 'cuda' else 'CPU'}", {})
-    rates, depths = {}, {}
+    rates, depths, spent, provisional = {}, {}, 0.0, False
     for name, prof in profiles.items():
         if prof is None:
             dtype = getattr(torch, name)
             t, d = (target, draft) if dtype == next(target.parameters()).dtype else _cast_copy(target, draft, dtype)
             prof = load_or_measure(t, d, force=True, quiet=quiet)
+            spent += prof.meta.get("calibration_s", 0.0)
             del t, d
+        provisional = provisional or bool(needs_remeasure(prof))
         rates[name], depths[name] = expected_rate(Costs.from_profile(prof), drafting and (draft is not None or free_draft),
                                                   free_draft=free_draft and draft is None)
     best = max(rates, key=rates.get)
@@ -519,7 +830,7 @@ def choose_dtype(target, draft, candidates=None, drafting: bool = True, calibrat
     what = f"chains of {depths[best]}" if depths[best] else "plain steps"
     reason = (f"{best}: {rates[best]:.1f} expected tokens/s with {what} on this machine "
               f"(measured costs; {others}; {ASSUMED_ACCEPTANCE:.0%} acceptance per drafted token assumed)")
-    return DtypeChoice(best, reason, rates)
+    return DtypeChoice(best, reason, rates, spent, provisional)
 
 
 def _cast_copy(target, draft, dtype):

@@ -48,6 +48,9 @@ def private_profile_cache(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     folder = tmp_path_factory.mktemp("mcsd-cache")
     mp.setattr("mcsd.profile.cache_dir", lambda: folder)
+    # whether the machine looks quiet right now must not decide whether a test measures again
+    # (a profile measured on a busy machine is kept); tests of that patch it themselves
+    mp.setattr("mcsd.profile.quiet_now", lambda threads_used=None: False)
     yield folder
     mp.undo()
 

@@ -35,7 +35,7 @@ def test_a_profile_from_another_machine_is_never_used(target, random_draft):
 
 
 def test_costs_follow_measured_rounds():
-    costs = Costs(verify={1: 10.0, 8: 20.0}, draft={1: 2.0}, adapt=0.5)
+    costs = Costs(verify={1: 10.0, 8: 20.0}, draft={1: 2.0}, adapt=0.5, online=True)
     for _ in range(12):                                     # one-token steps take twice the profile's time
         costs.observe("verify", 1, costs.base_verify_ms(1), 20.0)
     assert costs.verify_ms(1) == pytest.approx(20.0, rel=1e-3)

@@ -163,7 +163,7 @@ def test_a_node_is_priced_at_the_measured_slope_not_at_corrected_whole_rounds():
     tree = DraftTree.root_only(TreeTopology.from_spec(""), torch.tensor(3))
     shape = {1: 20.0, 2: 24.0, 4: 32.0, 64: 272.0}                   # 4 ms per node
     plain = Costs(shape, {1: 1.0})
-    corrected = Costs(shape, {1: 1.0})
+    corrected = Costs(shape, {1: 1.0}, online=True)                 # corrections are opt-in
     for n, factor in ((1, 1.2), (2, 1.6), (4, 2.0), (8, 2.4)):       # rounds measured slower, more so for bigger trees
         for _ in range(30):
             corrected.observe("verify", n, corrected.base_verify_ms(n), factor * corrected.base_verify_ms(n))

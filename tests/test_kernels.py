@@ -264,3 +264,16 @@ def test_calibration_times_prepacked_weights_and_the_decoder_packs_them():
     assert "prepacked oneDNN weights" in dec.kernels_note
     out = dec.generate(PROMPT, max_new_tokens=16)
     assert len(out.tokens) == 16
+
+
+@pytest.mark.skipif(not kernels.packable(torch.float32, "cpu"), reason="no oneDNN on this CPU")
+def test_a_packed_model_can_be_copied():
+    """oneDNN's blocked weights cannot be deep-copied; the copy runs on its plain weights, same output."""
+    import copy
+    model = tiny_llama(3)
+    kernels.pack(model)
+    twin = copy.deepcopy(model)
+    assert kernels.is_packed(model) and not kernels.is_packed(twin)
+    ids = PROMPT[None]
+    with torch.no_grad(), kernels.using("packed"):
+        assert torch.allclose(model(ids).logits, twin(ids).logits, atol=1e-5)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ..config import ConfigError
 from ..models import ModelLoadError, models_dir
 from ..profile import Costs
 from ..tree import DraftTree, TreeTopology
@@ -209,9 +210,15 @@ class LearnedPolicy(TreePolicy):
     is worth with this drafter on this machine is carried from one prompt
     to the next, not re-learned from a burst of probes on each.
 
-    Costs come from this machine's calibrated profile and are corrected
-    online: `observe_timing` folds every round's measured draft and verify
-    time into them (see `mcsd.profile.Costs`).
+    Costs come from this machine's calibrated profile, fixed for the run,
+    so that the trees grown (and in bfloat16, where a tree's size changes
+    the target's rounding, the output) depend only on the inputs and the
+    profile, not on how long this run's forwards happened to take.
+    `observe_timing` still compares every round's measured verify time with
+    the profile; a profile that persistently disagrees is flagged for
+    measuring again (see `mcsd.profile.Costs`). With `online_costs` the
+    measured times also correct the costs within the run (faster to adapt to
+    a machine that slowed down; trees then vary from run to run).
 
     Acceptance is the drafter's: a drafter whose folder ships its own model
     (`acceptance.json`, fit on that drafter's traces) replaces the generic
@@ -224,6 +231,8 @@ class LearnedPolicy(TreePolicy):
         model: an AcceptanceModel, or a path to one (default: the drafter's
             own model where it ships one, else the generic shipped model).
         costs: device costs (default: `Costs.default()`; see `Costs.from_profile`).
+        online_costs: correct the costs within the run from measured round times
+            (default False: costs fixed for the run, trees repeatable).
 
     Attributes:
         model_source: where the acceptance model came from (a path, or "given").
@@ -236,7 +245,7 @@ class LearnedPolicy(TreePolicy):
     max_probe_gap = 48                  # the longest wait after probes that kept losing
 
     def __init__(self, topology: TreeTopology, model: AcceptanceModel | str | Path | None = None,
-                 costs: Costs | None = None):
+                 costs: Costs | None = None, online_costs: bool = False):
         super().__init__(topology)
         self._model_given = model is not None
         path = None if isinstance(model, AcceptanceModel) else Path(model if model is not None
@@ -244,6 +253,9 @@ class LearnedPolicy(TreePolicy):
         self.model = model if path is None else AcceptanceModel.load(path)
         self.model_source = "given" if path is None else str(path)
         self.costs = costs or Costs.default()
+        if not isinstance(online_costs, bool):
+            raise ConfigError(f"online_costs must be true or false, got {online_costs!r}")
+        self.costs.online = online_costs
         self.predict_s = 0.0          # feature building + prediction time, for the overhead report
         self.forget()
         self.reset()

@@ -1,0 +1,208 @@
+"""Trustworthy on a busy machine: timings summarised robustly and checked, a measurement from a
+busy machine or one that later rounds contradict is measured again, --baseline measures nothing,
+and trees (so the output) do not depend on this run's clock. Timers and clocks here are fakes."""
+
+import json
+import random
+import types
+
+import pytest
+import torch
+
+from mcsd import TreeDecoder, profile
+from mcsd.profile import (Costs, DeviceProfile, load_cached, load_or_measure, measure, profile_path,
+                          robust_timings)
+
+PROMPT = torch.tensor([3, 17, 42, 5, 9, 11])
+QUICK = dict(sizes=(1, 2, 4, 8), prefix_len=16, repeats=4, draft_sizes=(1, 2))
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr("mcsd.profile.cache_dir", lambda: tmp_path)
+    return tmp_path
+
+
+class Quiet:
+    """A BusyCheck that finds the machine quiet (or busy, with a reason)."""
+
+    def __init__(self, reason=None):
+        self.reason = reason
+
+    def start(self):
+        pass
+
+    def finish(self):
+        return self.reason
+
+
+def fake_latency(absurd_calls: int = 0, absurd_rows: int = 4):
+    """latency(role, rows, path) in ms: 10 + rows, but the first `absurd_calls` timings of
+    `absurd_rows` rows take 1000 ms (a slow spell that landed on one size)."""
+    calls = []
+
+    def latency(role, rows, path):
+        calls.append((role, rows, path))
+        if rows == absurd_rows and sum(c[1] == absurd_rows for c in calls) <= absurd_calls:
+            return 1000.0
+        return 10.0 + rows
+    return latency, calls
+
+
+def test_one_absurd_size_is_detected_and_measured_again():
+    plan = [("verify", n, "onednn") for n in (1, 2, 4, 8, 16)]
+    latency, calls = fake_latency(absurd_calls=4)             # both rounds of 2 runs: absurd
+    timed = robust_timings(plan, latency, torch.Generator().manual_seed(0), rounds=2, per_round=2)
+    four = ("verify", 4, "onednn")
+    assert four in timed.remeasured                           # 4 rows dearer than 8: measured again
+    assert timed.ms[four] == 14.0
+    assert [timed.ms[s] for s in plan] == [11.0, 12.0, 14.0, 18.0, 26.0]
+    assert sum(c[1] == 4 for c in calls) > 4                  # the extra round ran
+    quiet, _ = fake_latency()
+    again = robust_timings(plan, quiet, torch.Generator().manual_seed(0), rounds=2, per_round=2)
+    assert again.remeasured == set() and again.ms == timed.ms  # nothing to re-measure when consistent
+
+
+def test_a_slow_spell_is_summarised_away_and_the_envelope_is_monotone():
+    plan = [("verify", n, "onednn") for n in (1, 2, 4)]
+    samples = iter([500.0] * 6 + [11.0, 12.0, 14.0] * 20)     # the whole first round is slow
+    timed = robust_timings(plan, lambda r, n, p: next(samples) if n != 2 else 30.0,
+                           torch.Generator().manual_seed(0), rounds=3, per_round=2, remeasure_passes=0)
+    # 2 rows measured dearer than 4: capped at 4 rows' time (2 rows could run as 4)
+    assert timed.lowered == {("verify", 2, "onednn")}
+    ms = [timed.ms[s] for s in plan]
+    assert ms == sorted(ms) and ms[0] < 100
+
+
+def test_a_measured_profile_records_its_spread_and_what_was_measured_again(target, random_draft, monkeypatch):
+    latency, _ = fake_latency(absurd_calls=5)                 # the pilot run and both rounds of 4 rows
+    monkeypatch.setattr(profile._ModelTimer, "latency", lambda self, n: latency("any", n, "onednn"))
+    prof = measure(target, random_draft, busy_check=Quiet(), **QUICK)
+    assert prof.verify_ms[4] == 14.0 and prof.best_ms("verify")[4] == 14.0
+    assert "verify:onednn:4" in prof.meta["remeasured"]
+    assert set(prof.meta["spread"]) >= {"verify:onednn:1", "draft:onednn:2"}
+    assert prof.meta["provisional"] is None and prof.meta["calibration_s"] >= 0
+
+
+def test_a_busy_measurement_is_provisional_and_measured_again_when_quiet(target, random_draft, fresh_cache,
+                                                                         monkeypatch):
+    monkeypatch.setattr(profile, "BusyCheck", lambda: Quiet("other processes used 1.0 cores"))
+    busy = load_or_measure(target, random_draft, quiet=True, **QUICK)
+    assert busy.meta["provisional"]
+    monkeypatch.setattr(profile, "quiet_now", lambda threads_used=None: False)
+    assert load_cached(target, random_draft) is not None          # still busy: the provisional one serves
+    monkeypatch.setattr(profile, "quiet_now", lambda threads_used=None: True)
+    assert load_cached(target, random_draft) is None              # quiet: measure again
+    assert load_cached(target, random_draft, remeasure=False) is not None   # --no-calibrate keeps it
+    monkeypatch.setattr(profile, "BusyCheck", Quiet)
+    dec = TreeDecoder(target, random_draft)
+    assert dec.costs_source == "measured" and dec.calibration_s > 0
+    assert load_cached(target, random_draft).meta["provisional"] is None
+
+
+class FakeClock:
+    """time.perf_counter for the decoder: every reading advances by a jittering step (ms)."""
+
+    def __init__(self, seed: int, step_ms: float = 1.0, jitter: float = 0.9):
+        self.rng, self.step, self.jitter, self.now = random.Random(seed), step_ms, jitter, 0.0
+
+    def perf_counter(self):
+        self.now += self.step * (1 + self.jitter * (2 * self.rng.random() - 1)) / 1000
+        return self.now
+
+
+def use_clock(monkeypatch, clock):
+    monkeypatch.setattr("mcsd.decoder.time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+
+
+def poisoned(target, draft, factor=1000.0):
+    """Cache a profile whose every time is `factor` times what this machine takes (a busy first run)."""
+    path = profile_path(target, draft)
+    prof = DeviceProfile.from_json(path.read_text())
+    for name in profile._TABLES:
+        setattr(prof, name, {n: ms * factor for n, ms in getattr(prof, name).items()})
+    path.write_text(prof.to_json())
+    return prof
+
+
+def test_a_profile_cached_from_a_busy_run_is_replaced_after_contrary_evidence(target, random_draft,
+                                                                               fresh_cache, monkeypatch):
+    monkeypatch.setattr(profile, "BusyCheck", Quiet)
+    monkeypatch.setattr(profile, "quiet_now", lambda threads_used=None: True)
+    latency, _ = fake_latency()                                # what measuring finds: 10 + rows ms
+    monkeypatch.setattr(profile._ModelTimer, "latency", lambda self, n: latency("any", n, "onednn"))
+    load_or_measure(target, random_draft, quiet=True, **QUICK)
+    poisoned(target, random_draft)                             # as if measured while the machine was busy
+    use_clock(monkeypatch, FakeClock(0, step_ms=11.0, jitter=0.2))   # rounds take what the machine takes
+    dec = TreeDecoder(target, random_draft)
+    assert dec.costs_source == "cached" and dec.policy.costs.verify[1] == 11_000.0
+    first = dec.generate(PROMPT, max_new_tokens=60, ignore_eos=True)
+    assert dec.policy.costs.stale and "faster" in dec.policy.costs.stale
+    assert dec.policy.costs.verify[1] == 11_000.0              # fixed for the run that found it stale
+    assert load_cached(target, random_draft, remeasure=False).meta["stale"]    # flagged in the cache
+    # the same decoder measures again before its next generation (a new one would at its start)
+    stream = dec.stream(PROMPT, max_new_tokens=60, ignore_eos=True)
+    next(stream)
+    assert dec.costs_source == "measured" and dec.policy.costs.stale is None
+    assert dec.policy.costs.verify[1] == 11.0 and dec.calibration_s > 0
+    fresh = load_cached(target, random_draft)
+    assert fresh is not None and not fresh.meta.get("stale") and fresh.verify_ms[1] == 11.0
+    second = dec._collect(stream, None)
+    assert first.tokens == second.tokens                       # float32: exact either way
+
+
+def test_agreeing_rounds_do_not_mark_a_profile_stale():
+    costs = Costs(verify={1: 10.0, 8: 20.0}, draft={1: 2.0}, source="cached")
+    marks = []
+    costs.on_stale = marks.append
+    rng = random.Random(0)
+    for i in range(200):
+        n = 1 if i % 2 else 8
+        costs.observe("verify", n, costs.base_verify_ms(n), costs.base_verify_ms(n) * rng.uniform(0.85, 1.2))
+    assert costs.stale is None and marks == []
+    for _ in range(8):                                          # then plain steps take 1.5x: stale, once
+        costs.observe("verify", 1, 10.0, 15.0)
+    assert costs.stale and "slower" in costs.stale and len(marks) == 1
+    assert costs.verify_ms(1) == 10.0                           # not corrected: costs fixed for the run
+
+
+def test_baseline_calibrates_nothing(model_dirs, fresh_cache, monkeypatch, capsys, target):
+    from mcsd.cli import main
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured")
+    monkeypatch.setattr(profile, "measure", no_measuring)
+    pair = ["--target", str(model_dirs / "target"), "--draft", str(model_dirs / "draft")]
+    for dtype in ("auto", "float32", "bfloat16"):
+        assert main(pair + ["--prompt", "w03 w17", "--max-new-tokens", "4", "--baseline", "--threads", "1",
+                            "--dtype", dtype, "--json"]) == 0
+        settings = json.loads(capsys.readouterr().out)["settings"]
+        assert settings["calibration_s"] == 0 and settings["costs"] is None
+    assert not list(fresh_cache.rglob("*.json"))
+    assert TreeDecoder(target, None).generate_baseline(PROMPT, max_new_tokens=4).tokens
+
+
+@pytest.mark.parametrize("draft_kind", ["model", "model+context"])
+def test_trees_do_not_depend_on_this_runs_clock(target, random_draft, fresh_cache, monkeypatch, draft_kind):
+    """Two runs whose forwards seem to take very different, jittering times grow the same trees
+    and emit the same tokens: the costs are the cached profile's, fixed for the run."""
+    monkeypatch.setattr(profile, "BusyCheck", Quiet)
+    load_or_measure(target, random_draft, quiet=True, **QUICK)
+    # these clocks contradict the profile, which is flagged; kept here (as on a busy machine) so both
+    # runs start from the same profile
+    monkeypatch.setattr(profile, "quiet_now", lambda threads_used=None: False)
+    draft = random_draft if draft_kind == "model" else [random_draft, "context"]
+
+    def run(clock, **options):
+        use_clock(monkeypatch, clock)
+        sizes = []
+        dec = TreeDecoder(target, draft, attention="sdpa", policy="learned", policy_options=options or None)
+        out = dec.generate(PROMPT, max_new_tokens=40, ignore_eos=True,
+                           on_round=lambda tree, acc: sizes.append(tree.size))
+        return out.tokens, sizes
+
+    fast, slow = FakeClock(1, step_ms=0.01), FakeClock(2, step_ms=500.0, jitter=0.99)
+    assert run(fast) == run(slow)
+    # with corrections from measured times asked for, the clock does shape the trees
+    assert run(FakeClock(1, step_ms=0.01), online_costs=True)[1] != run(FakeClock(2, step_ms=500.0),
+                                                                      online_costs=True)[1]
