@@ -759,7 +759,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=DEFAULT_TARGET, help="target: preset name, directory, .gguf or hub id")
     parser.add_argument("--data-dir", default=None, help="default: $MCSD_CACHE/data/<target-name>")
-    parser.add_argument("--questions", default=DEFAULT_QUESTIONS, help="Spec-Bench style JSONL (default: the shared Spec-Bench file)")
+    parser.add_argument("--questions", default=DEFAULT_QUESTIONS, help="Spec-Bench style JSONL (default: benchmarks/data/spec_bench/question.jsonl, or $MCSD_SPEC_BENCH)")
     parser.add_argument("--threads", type=int, default=2,
                         help="CPU threads; use 1 when another job shares a 2-core machine (a 2-thread "
                              "OpenMP pass with a core taken runs ~20x slower)")
