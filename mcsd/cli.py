@@ -178,6 +178,11 @@ def _stats_summary(stats, baseline: bool) -> str:
     return "\n".join(lines)
 
 
+# Why --dtype auto's "expected tokens/s" sits above the measured rate: it ranks dtypes, it does not forecast.
+_EXPECTED_NOTE = ("  (expected tokens/s ranks the dtypes by a cost model, it is not a forecast of this run: it "
+                  "assumes a fixed acceptance and chains, times forwards at a 200-token context, and leaves out the "
+                  "prefill and each round's own work, all of which the measured tokens/s above include)")
+
 _COSTS_SOURCES = {"cached": "this machine's calibrated profile (cached), corrected online",
                   "measured": "measured on this machine just now (cached for next time), corrected online",
                   "default": "generic defaults (not calibrated: --no-calibrate), corrected online"}
@@ -466,6 +471,8 @@ def run(args) -> int:
     if args.stats:
         print(_stats_summary(out.stats, args.baseline), file=sys.stderr)
         print(f"dtype: {dtype_reason or args.dtype + ' (as asked)'}", file=sys.stderr)
+        if dtype_reason and "expected tokens/s" in dtype_reason:
+            print(_EXPECTED_NOTE, file=sys.stderr)
         if decoder.kernels_note is not None:
             print(f"matmul kernels: {decoder.kernels_note}", file=sys.stderr)
         if decoder.costs_source is not None:

@@ -151,3 +151,13 @@ def test_library_tools_answer_help(tool):
     done = subprocess.run([sys.executable, str(ROOT / "tools" / tool), "--help"], capture_output=True, text=True,
                           timeout=120, cwd=ROOT)
     assert done.returncode == 0 and done.stdout.startswith("usage:"), done.stderr
+
+
+def test_stats_label_the_expected_rate_as_a_ranking(model_dirs, monkeypatch, capsys):
+    """--dtype auto's reason quotes a cost model's expected tokens/s; --stats says it is no forecast."""
+    monkeypatch.setattr(cli, "_auto_dtype", lambda t, d, a: (t, d, "float32",
+                                                              "float32: 59.1 expected tokens/s with chains of 2"))
+    assert main(["--target", str(model_dirs / "target"), "--draft", str(model_dirs / "draft"), "--tree", "2",
+                 "--policy", "static", "--prompt", "w03", "--max-new-tokens", "4", "--stats"]) == 0
+    err = capsys.readouterr().err
+    assert "59.1 expected tokens/s" in err and "not a forecast of this run" in err
