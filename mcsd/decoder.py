@@ -238,8 +238,8 @@ class TreeDecoder:
 
     # ------------------------------------------------------------------ public API
 
-    def generate(self, prompt, max_new_tokens: int | None = None, temperature: float | None = None,
-                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+    def generate(self, prompt, max_new_tokens: int = processors.UNSET, temperature: float = processors.UNSET,
+                 top_k: int = processors.UNSET, top_p: float = processors.UNSET, seed: int | None = None,
                  stop_strings=None, ignore_eos: bool = False, eos_token_ids=None,
                  streamer: Callable[[list[int]], None] | None = None,
                  on_round: Callable[[DraftTree, Acceptance], None] | None = None,
@@ -282,8 +282,9 @@ class TreeDecoder:
         return self._collect(self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_strings,
                                          ignore_eos, eos_token_ids, on_round=on_round, **options), streamer)
 
-    def generate_baseline(self, prompt, max_new_tokens: int | None = None, temperature: float | None = None,
-                          top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+    def generate_baseline(self, prompt, max_new_tokens: int = processors.UNSET,
+                          temperature: float = processors.UNSET, top_k: int = processors.UNSET,
+                          top_p: float = processors.UNSET, seed: int | None = None,
                           stop_strings=None, ignore_eos: bool = False, eos_token_ids=None,
                           streamer: Callable[[list[int]], None] | None = None,
                           **options) -> GenerationOutput | list[GenerationOutput]:
@@ -295,9 +296,9 @@ class TreeDecoder:
         return self._collect(self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_strings,
                                          ignore_eos, eos_token_ids, baseline=True, **options), streamer)
 
-    def stream(self, prompt, max_new_tokens: int | None = None, temperature: float | None = None,
-               top_k: int | None = None, top_p: float | None = None, seed: int | None = None, stop_strings=None,
-               ignore_eos: bool = False, eos_token_ids=None, baseline: bool = False,
+    def stream(self, prompt, max_new_tokens: int = processors.UNSET, temperature: float = processors.UNSET,
+               top_k: int = processors.UNSET, top_p: float = processors.UNSET, seed: int | None = None,
+               stop_strings=None, ignore_eos: bool = False, eos_token_ids=None, baseline: bool = False,
                on_round: Callable[[DraftTree, Acceptance], None] | None = None,
                **options) -> Iterator[list[int]]:
         """Generator over the same loop: yields each round's new tokens; returns the GenerationOutput.

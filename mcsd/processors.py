@@ -64,8 +64,18 @@ INERT_FIELDS = ("transformers_version", "_from_model_config", "pad_token_id", "b
                 "output_attentions", "output_hidden_states")
 
 
-def request(model, prompt_len: int, *, max_new_tokens=None, temperature=None, top_k=None, top_p=None, seed=None,
-            stop_strings=None, ignore_eos=False, eos_token_ids=None, **options) -> DecodeConfig:
+class _Unset:
+    """The default of a decoder argument the caller did not give (None, given, is checked like any value)."""
+
+    def __repr__(self) -> str:
+        return "<default>"
+
+
+UNSET = _Unset()
+
+
+def request(model, prompt_len: int, *, max_new_tokens=UNSET, temperature=UNSET, top_k=UNSET, top_p=UNSET,
+            seed=None, stop_strings=None, ignore_eos=False, eos_token_ids=None, **options) -> DecodeConfig:
     """One generation request from the decoder's arguments and `model.generate`-style options.
 
     Two ways to say how tokens are chosen:
@@ -82,7 +92,7 @@ def request(model, prompt_len: int, *, max_new_tokens=None, temperature=None, to
         model: the target (its `generation_config` supplies defaults in the second way).
         prompt_len: prompt tokens (a `max_length` counts them).
         max_new_tokens, temperature, top_k, top_p, seed, stop_strings,
-            ignore_eos, eos_token_ids: as `TreeDecoder.generate` (None = not given).
+            ignore_eos, eos_token_ids: as `TreeDecoder.generate` (UNSET = not given).
         options: the `model.generate` names in `OPTIONS`; `generation_config`
             a `transformers.GenerationConfig`; `logits_processor` a list or
             `LogitsProcessorList`; `return_logprobs` / `output_scores` ask for
@@ -99,7 +109,10 @@ def request(model, prompt_len: int, *, max_new_tokens=None, temperature=None, to
     gen_cfg = options.pop("generation_config", None)
     given = {k: v for k, v in options.items() if v is not None}
     for name, value in (("max_new_tokens", max_new_tokens), ("temperature", temperature), ("top_k", top_k),
-                        ("top_p", top_p), ("stop_strings", stop_strings), ("eos_token_id", eos_token_ids)):
+                        ("top_p", top_p)):
+        if value is not UNSET:
+            given[name] = value
+    for name, value in (("stop_strings", stop_strings), ("eos_token_id", eos_token_ids)):
         if value is not None:
             given[name] = value
     from_config = _fields(gen_cfg) if gen_cfg is not None else {}
@@ -113,8 +126,8 @@ def request(model, prompt_len: int, *, max_new_tokens=None, temperature=None, to
             settings["temperature"] = 0.0
         elif not settings["temperature"] > 0.0:
             raise ConfigError(f"do_sample=True needs temperature > 0, got {settings['temperature']}")
-    sampling = SamplingConfig(settings.get("temperature", 0.0), settings.get("top_k") or 0,
-                              settings.get("top_p", 1.0), settings.get("min_p") or 0.0,
+    sampling = SamplingConfig(settings.get("temperature", 0.0), settings.get("top_k", 0),
+                              settings.get("top_p", 1.0), settings.get("min_p", 0.0),
                               settings.get("typical_p", 1.0))
     processing = ProcessingConfig(
         repetition_penalty=settings.get("repetition_penalty", 1.0),
@@ -122,13 +135,13 @@ def request(model, prompt_len: int, *, max_new_tokens=None, temperature=None, to
         bad_words_ids=settings.get("bad_words_ids", ()), min_length=settings.get("min_length", 0),
         min_new_tokens=settings.get("min_new_tokens", 0), suppress_tokens=settings.get("suppress_tokens", ()),
         logits_processor=check_processors(settings.get("logits_processor")))
-    new_tokens = settings.get("max_new_tokens")
-    if new_tokens is None and "max_length" in settings:            # transformers' total length, prompt included
+    new_tokens = settings.get("max_new_tokens", 128)
+    if "max_new_tokens" not in settings and "max_length" in settings:   # transformers' total: the prompt included
         new_tokens = settings["max_length"] - prompt_len
         if new_tokens < 1:
             raise ConfigError(f"max_length {settings['max_length']} leaves no room after the prompt "
                               f"({prompt_len} tokens)")
-    return DecodeConfig(max_new_tokens=128 if new_tokens is None else new_tokens,
+    return DecodeConfig(max_new_tokens=new_tokens,
                         sampling=sampling, seed=seed, stop_strings=settings.get("stop_strings", ()),
                         eos_token_ids=settings.get("eos_token_id"), ignore_eos=ignore_eos, processing=processing,
                         return_logprobs=bool(settings.get("return_logprobs") or settings.get("output_scores")))

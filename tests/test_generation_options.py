@@ -64,7 +64,8 @@ def test_greedy_with_processors_equals_hf_generate(target, drafts, setting, draf
     out = dec.generate(PROMPT, max_new_tokens=N_NEW, **options)
     assert out.tokens == reference
     if draft_name == "same":                           # the draft, processed alike, is always accepted
-        assert out.stats.accept_by_depth and all(a == 1.0 for a in out.stats.accept_by_depth)
+        assert all(a == 1.0 for a in out.stats.accept_by_depth)
+        # (the default policy may not draft at all where this machine's costs say it does not pay)
         assert shape == "default" or out.stats.mean_accepted > 1.5
     # a GenerationConfig carries the same settings
     if setting == "penalty+ngram":
