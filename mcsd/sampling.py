@@ -24,7 +24,11 @@ def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     """
     if cfg.greedy:
         raise ValueError("logits_to_probs needs temperature > 0; greedy decoding uses argmax")
-    scores = logits.float() / cfg.temperature
+    scores = logits.float()
+    # Shifted so the top score is 0 before dividing: a tiny temperature then sends the others to -inf
+    # (the greedy limit) instead of overflowing to inf - inf = nan in the softmax. Below 1e-30 (which
+    # float32 would round to 0, making the top 0 / 0) every gap is already -inf: the same distribution.
+    scores = (scores - scores.amax(-1, keepdim=True)) / max(cfg.temperature, 1e-30)
     if cfg.top_k and cfg.top_k < scores.shape[-1]:
         kth = torch.topk(scores, cfg.top_k, dim=-1).values[..., -1:]            # (..., 1)
         scores = scores.masked_fill(scores < kth, float("-inf"))

@@ -232,3 +232,12 @@ def test_a_list_of_prompts_gives_a_list_of_outputs(target, drafts, tokenizer):
     assert [b.tokens for b in base] == [o.tokens for o in outs]
     # a flat list of ids is still one prompt
     assert dec.generate(PROMPT.tolist(), max_new_tokens=8).tokens == outs[0].tokens
+
+
+def test_a_tiny_temperature_is_the_greedy_limit_not_nan():
+    from mcsd.config import SamplingConfig
+    from mcsd.sampling import logits_to_probs
+    logits = torch.tensor([0.5, 2.0, -1.0, 2.0 - 1e-3])
+    for t in (1e-6, 1e-40, 1.9e-286):
+        probs = logits_to_probs(logits, SamplingConfig(t, top_k=3, min_p=0.1, typical_p=0.9))
+        assert torch.equal(probs, torch.tensor([0.0, 1.0, 0.0, 0.0]))
