@@ -14,7 +14,7 @@ import torch
 
 def pytest_addoption(parser):
     g = parser.getgroup("mcsd benchmarks")
-    g.addoption("--bench-prompts", default=None, help="Spec-Bench style JSONL (default: the shared Spec-Bench file)")
+    g.addoption("--bench-prompts", default=None, help="Spec-Bench style JSONL (default: benchmarks/data/spec_bench/question.jsonl, or $MCSD_SPEC_BENCH)")
     g.addoption("--bench-split", default="heldout", choices=("heldout", "fit", "all"))
     g.addoption("--bench-full", action="store_true", help="every prompt of the split, not one per category group")
     g.addoption("--bench-per-group", type=int, default=1, help="prompts per category group (default 1)")

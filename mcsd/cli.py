@@ -14,11 +14,13 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import socket
 import sys
 from pathlib import Path
 
 from .config import (ATTENTION_BACKENDS, DTYPE_NAMES, MAX_TREE_DEPTH, MAX_TREE_NODES, ConfigError, DecodeConfig,
-                     SamplingConfig)
+                     ProcessingConfig, SamplingConfig)
 from .errors import ModelLoadError
 from .presets import DEFAULT_PRESET, DRAFTERS, PRESETS, describe_presets, parse_drafter_spec
 
@@ -67,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     inp.add_argument("--prompt-file", help="read the prompt from this file (UTF-8)")
     inp.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn in the chat template")
     inp.add_argument("--system", help="system message for --chat")
+    inp.add_argument("--prompts-file", metavar="FILE.jsonl",
+                     help="several prompts, one JSON object a line with a \"prompt\" or \"text\" field (or "
+                          "Spec-Bench rows: the first of \"turns\"); generated one after another, one JSON result "
+                          "a line to stdout or --output")
 
     gen = p.add_argument_group("generation")
     gen.add_argument("--max-new-tokens", type=int, default=128)
@@ -75,6 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 = off (default)")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    gen.add_argument("--min-p", type=float, default=None, help="sampling: drop tokens below MIN_P x the top one's "
+                                                               "probability")
+    gen.add_argument("--typical-p", type=float, default=None, help="sampling: locally typical mass in (0, 1]")
+    gen.add_argument("--repetition-penalty", type=float, default=None,
+                     help="penalise tokens already in the sequence (> 1), as transformers does; exact: applied at "
+                          "every tree node with its own prefix")
+    gen.add_argument("--no-repeat-ngram-size", type=int, default=None, help="never repeat an n-gram of this size")
+    gen.add_argument("--min-new-tokens", type=int, default=None, help="no EOS before this many new tokens")
     gen.add_argument("--tree", default=None,
                      help=f"tree spec: k-config such as 4,2,2 (1,1,1,1 is a chain), at most {MAX_TREE_NODES} "
                           f"draft nodes and {MAX_TREE_DEPTH} levels; 0 = no drafting (plain target steps); with "
@@ -100,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--stream", action="store_true", help="print text as it is accepted")
     out.add_argument("--stats", action="store_true", help="print tokens/s, tau and acceptance by depth to stderr")
     out.add_argument("--json", action="store_true", help="print one JSON object with text, tokens and stats")
+    out.add_argument("--logprobs", action="store_true",
+                     help="with --json or --prompts-file: the target's log-probability of each new token")
+    out.add_argument("--output", metavar="FILE.jsonl", help="with --prompts-file: write the results here")
     out.add_argument("--show-tree", metavar="FILE.png",
                      help="draw the round with the longest accepted path (needs matplotlib)")
     return p
@@ -164,6 +181,11 @@ def _stats_summary(stats, baseline: bool) -> str:
     return "\n".join(lines)
 
 
+# Why --dtype auto's "expected tokens/s" sits above the measured rate: it ranks dtypes, it does not forecast.
+_EXPECTED_NOTE = ("  (expected tokens/s ranks the dtypes by a cost model, it is not a forecast of this run: it "
+                  "assumes a fixed acceptance and chains, times forwards at a 200-token context, and leaves out the "
+                  "prefill and each round's own work, all of which the measured tokens/s above include)")
+
 _COSTS_SOURCES = {"cached": "this machine's calibrated profile (cached)",
                   "measured": "measured on this machine just now (cached for next time)",
                   "default": "generic defaults (not calibrated: --no-calibrate)"}
@@ -185,10 +207,68 @@ def _auto_dtype(target, draft, args):
     return target, draft, choice.dtype, choice.reason
 
 
+def _looks_like_path(source: str) -> bool:
+    # "org/name" could be a hub id; "./x", "/x", "~/x", "a/b/c" or "x.gguf" can only be paths.
+    return source.endswith(".gguf") or source.startswith((".", "/", "~")) or source.count("/") > 1
+
+
+def _check_sources(args) -> None:
+    """A model given as a path that does not exist is named as such, before anything else about it."""
+    for flag, source in (("--target", args.target), ("--draft", args.draft)):
+        if source is not None and source not in PRESETS and _looks_like_path(source) \
+                and not Path(source).expanduser().exists():
+            raise UsageError(f"{flag} {source}: model path does not exist")
+
+
+def _hub_ids(args) -> list[tuple[str, str]]:
+    """(flag, id) for each model source that can only be a Hugging Face Hub id."""
+    return [(flag, src) for flag, src in (("--target", args.target), ("--draft", args.draft))
+            if src is not None and src not in PRESETS and not _looks_like_path(src)
+            and not Path(src).expanduser().exists()]
+
+
+def _hub_cache() -> Path:
+    """The local Hugging Face hub cache (huggingface_hub's own rule, without importing it)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def hub_reachable(timeout: float = 1.0) -> bool:
+    """Whether the Hugging Face Hub answers a TCP connection within `timeout` seconds."""
+    host = os.environ.get("HF_ENDPOINT", "https://huggingface.co").split("://")[-1].split("/")[0]
+    try:
+        socket.create_connection((host.split(":")[0], 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def _check_hub(args) -> None:
+    """Hub ids without a network: load from the local cache in offline mode (no retries), or stop at once
+    with one line when a model is not cached. transformers would otherwise retry for most of a minute."""
+    ids = _hub_ids(args)
+    if not ids or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "TRUE", "YES", "ON"):
+        return
+    if hub_reachable():
+        return
+    missing = [(flag, repo) for flag, repo in ids if not (_hub_cache() / f"models--{repo.replace('/', '--')}").is_dir()]
+    if missing:
+        flag, repo = missing[0]
+        raise UsageError(f"{flag} {repo}: not a local path, not in the Hugging Face cache ({_hub_cache()}), and the "
+                         f"Hub cannot be reached; pass a local directory or .gguf file, or download it first")
+    os.environ["HF_HUB_OFFLINE"] = "1"             # read when huggingface_hub is imported
+    hub = sys.modules.get("huggingface_hub.constants")
+    if hub is not None:                            # already imported (from Python): switch it there too
+        hub.HF_HUB_OFFLINE = True
+
+
 def _check_args(args) -> None:
     """Every mistake that needs no model, found before anything is loaded."""
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    _check_sources(args)
     if args.lossy_target_roots < 0:
         raise UsageError(f"--lossy-target-roots must be >= 0, got {args.lossy_target_roots}")
     if args.threads is not None and args.threads < 1:
@@ -198,7 +278,14 @@ def _check_args(args) -> None:
         raise UsageError(f"--target {args.target} needs a --draft (or use --baseline, --drafter context, or a "
                          f"preset: {', '.join(PRESETS)})")
     if args.draft is not None and args.target is None:
-        raise UsageError("--draft needs --target")
+        raise UsageError(f"--draft needs --target: a draft is checked against the target whose tokenizer it "
+                         f"shares; name that target (a preset works: --target {DEFAULT_PRESET} --draft DIR)")
+    if args.output is not None and args.prompts_file is None:
+        raise UsageError("--output writes --prompts-file results; for one prompt, redirect stdout")
+    if args.prompts_file is not None and (args.prompt is not None or args.prompt_file is not None):
+        raise UsageError("--prompts-file takes the prompts from the file; drop --prompt / --prompt-file")
+    if args.prompts_file is not None and args.show_tree:
+        raise UsageError("--show-tree draws one generation; it does not combine with --prompts-file")
     model_kind, with_context, context_only = _drafter_kinds(args)
     if args.context_store is not None:
         if not with_context:
@@ -222,8 +309,19 @@ def _check_args(args) -> None:
             raise UsageError(f"cannot write --show-tree {args.show_tree}: no directory {png.parent}")
     from .tree import parse_tree_spec
     DecodeConfig(max_new_tokens=args.max_new_tokens, seed=args.seed, stop_strings=tuple(args.stop),
-                 sampling=SamplingConfig(args.temperature, args.top_k, args.top_p))
+                 sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.min_p or 0.0,
+                                         1.0 if args.typical_p is None else args.typical_p),
+                 processing=ProcessingConfig(**{k: v for k, v in _processing(args).items() if v is not None}))
     parse_tree_spec(args.tree)
+    if (args.lossy_target_roots or args.policy == "pearl") and not args.baseline \
+            and (any(v is not None for v in _processing(args).values()) or args.logprobs):
+        raise UsageError("--repetition-penalty, --no-repeat-ngram-size, --min-new-tokens and --logprobs need the "
+                         "exact tree loop; not with --lossy-target-roots or --policy pearl")
+
+
+def _processing(args) -> dict:
+    return {"repetition_penalty": args.repetition_penalty, "no_repeat_ngram_size": args.no_repeat_ngram_size,
+            "min_new_tokens": args.min_new_tokens}
 
 
 def _drafter_kinds(args) -> tuple[str | None, bool, bool]:
@@ -299,6 +397,7 @@ def _settings(args, decoder, dtype_reason) -> dict:
             "acceptance_model": getattr(decoder.policy, "model_source", None) if drafted else None,
             "device": args.device, "attention": decoder.attention, "baseline": args.baseline,
             "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
+            "min_p": args.min_p, "typical_p": args.typical_p, **_processing(args),
             "lossy_target_roots": args.lossy_target_roots,
             "threads": args.thread_choice.threads, "threads_reason": args.thread_choice.reason,
             "calibration_s": round(decoder.calibration_s + getattr(args, "dtype_calibration_s", 0.0), 2),
@@ -350,15 +449,23 @@ def run(args) -> int:
     if args.tree is None:
         args.tree = POLICIES[args.policy].default_tree if args.policy in POLICIES else "4,2,2"
     _check_args(args)                               # fail on a malformed flag before loading anything
-    text = _read_prompt(args)
+    if args.prompts_file is not None:
+        texts = _read_prompts_file(args.prompts_file)
+    else:
+        texts = [_read_prompt(args)]
+    _check_hub(args)
     decoder, tokenizer, dtype_reason = _load(args)
-    prompt = _format_prompt(text, tokenizer, args)
+    if args.prompts_file is not None:
+        return _run_many(args, decoder, tokenizer, texts)
+    prompt = _format_prompt(texts[0], tokenizer, args)
 
     printed = {"text": ""}
-    streamed: list[int] = []
+    streamed: list[int] = []                          # every token so far: printed on Ctrl-C
 
     def stream_text(new_tokens):
         streamed.extend(new_tokens)
+        if not args.stream or args.json:
+            return
         full = tokenizer.decode(streamed, skip_special_tokens=True)
         if not full.endswith("\ufffd"):                   # wait for a complete multi-byte character
             sys.stdout.write(full[len(printed["text"]):])
@@ -366,17 +473,25 @@ def run(args) -> int:
             printed["text"] = full
 
     rounds = []
-    common = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                  top_p=args.top_p, seed=args.seed, stop_strings=tuple(args.stop),
-                  streamer=stream_text if args.stream and not args.json else None)
-    if args.baseline:
-        out = decoder.generate_baseline(prompt, **common)
-    else:
-        out = decoder.generate(prompt, on_round=(lambda t, a: rounds.append((t, a))) if args.show_tree else None,
-                               **common)
+    common = dict(_options(args), streamer=stream_text)
+    try:
+        if args.baseline:
+            out = decoder.generate_baseline(prompt, **common)
+        else:
+            out = decoder.generate(prompt, on_round=(lambda t, a: rounds.append((t, a))) if args.show_tree else None,
+                                   **common)
+    except KeyboardInterrupt:                         # keep what was generated: the rest of the text
+        text = tokenizer.decode(streamed, skip_special_tokens=True)
+        sys.stdout.write(text[len(printed["text"]):] + "\n")
+        sys.stdout.flush()
+        print(f"mcsd-generate: interrupted after {len(streamed)} tokens", file=sys.stderr)
+        return 130
     if args.json:
-        print(json.dumps({"text": out.text, "tokens": out.tokens, "finish_reason": out.finish_reason,
-                          "stats": out.stats.as_dict(), "settings": _settings(args, decoder, dtype_reason)}))
+        result = {"text": out.text, "tokens": out.tokens, "finish_reason": out.finish_reason,
+                  "stats": out.stats.as_dict(), "settings": _settings(args, decoder, dtype_reason)}
+        if args.logprobs:
+            result["logprobs"] = out.logprobs
+        print(json.dumps(result))
     elif args.stream:
         sys.stdout.write(out.text[len(printed["text"]):] + "\n")
     else:
@@ -393,6 +508,8 @@ def run(args) -> int:
                                             if getattr(args, "calibration_provisional", False) else "")
         if spent or busy:
             print(f"calibration: {spent:.1f}s measuring this machine's costs in this run{busy}", file=sys.stderr)
+        if dtype_reason and "expected tokens/s" in dtype_reason:
+            print(_EXPECTED_NOTE, file=sys.stderr)
         if decoder.kernels_note is not None:
             print(f"matmul kernels: {decoder.kernels_note}", file=sys.stderr)
         if decoder.costs_source is not None:
@@ -405,6 +522,80 @@ def run(args) -> int:
             print(f"acceptance model: {decoder.policy.model_source}", file=sys.stderr)
     if args.show_tree and rounds:
         _draw_best_round(rounds, args.show_tree, tokenizer)
+    return 0
+
+
+def _options(args) -> dict:
+    """The generation keywords the flags ask for (unset ones left out)."""
+    options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                   top_p=args.top_p, seed=args.seed, stop_strings=tuple(args.stop), min_p=args.min_p,
+                   typical_p=args.typical_p, **_processing(args))
+    if args.logprobs:
+        options["return_logprobs"] = True
+    return {k: v for k, v in options.items() if v is not None}
+
+
+def _read_prompts_file(path: str) -> list[str]:
+    """The prompts of a JSONL file: each line's "prompt" or "text" field, or the first of its "turns"."""
+    try:
+        data = Path(path).expanduser().read_bytes()
+    except OSError as exc:
+        raise UsageError(f"cannot read --prompts-file {path}: {exc.strerror}") from None
+    texts = []
+    for n, line in enumerate(_decode_utf8(data, f"--prompts-file {path}").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as exc:
+            raise UsageError(f"--prompts-file {path}:{n}: not JSON ({exc})") from None
+        text = None
+        if isinstance(row, dict):
+            text = row.get("prompt", row.get("text"))
+            turns = row.get("turns")
+            if text is None and isinstance(turns, list) and turns:
+                text = turns[0]
+        if not isinstance(text, str) or not text.strip():
+            raise UsageError(f"--prompts-file {path}:{n}: expected an object with a non-empty \"prompt\" or "
+                             f"\"text\" string, or a \"turns\" list")
+        texts.append(text)
+    if not texts:
+        raise UsageError(f"--prompts-file {path} holds no prompts")
+    return texts
+
+
+def _run_many(args, decoder, tokenizer, texts: list[str]) -> int:
+    """Generate for each prompt in turn, one JSON result a line, with a progress bar on a terminal."""
+    from .progress import bars_wanted
+    sink = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+    generate = decoder.generate_baseline if args.baseline else decoder.generate
+    bar = None
+    if bars_wanted():
+        from tqdm import tqdm
+        bar = tqdm(total=len(texts), desc="prompts", unit="prompt", file=sys.stderr)
+    done = 0
+    try:
+        for i, text in enumerate(texts):
+            out = generate(_format_prompt(text, tokenizer, args), **_options(args))
+            row = {"index": i, "text": out.text, "tokens": out.tokens, "finish_reason": out.finish_reason,
+                   "stats": out.stats.as_dict()}
+            if args.logprobs:
+                row["logprobs"] = out.logprobs
+            sink.write(json.dumps(row) + "\n")
+            sink.flush()
+            done += 1
+            if bar is not None:
+                bar.update(1)
+    except KeyboardInterrupt:
+        print(f"mcsd-generate: interrupted after {done} of {len(texts)} prompts", file=sys.stderr)
+        return 130
+    finally:
+        if bar is not None:
+            bar.close()
+        if sink is not sys.stdout:
+            sink.close()
+    if args.stats:
+        print(f"{done} prompts", file=sys.stderr)
     return 0
 
 

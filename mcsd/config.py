@@ -51,13 +51,22 @@ class SamplingConfig:
     temperature: float = 0.0  # 0 means greedy (argmax); > 0 samples from softmax(logits / T)
     top_k: int = 0            # keep only the k most likely tokens; 0 disables
     top_p: float = 1.0        # keep the smallest set of tokens whose mass reaches top_p; 1.0 disables
+    min_p: float = 0.0        # drop tokens below min_p x the top token's probability; 0 disables
+    typical_p: float = 1.0    # locally typical sampling: keep the most typical tokens up to this mass; 1.0 disables
 
     def __post_init__(self):
         temperature, top_p = _number("temperature", self.temperature), _number("top_p", self.top_p)
+        min_p, typical_p = _number("min_p", self.min_p), _number("typical_p", self.typical_p)
         if not (0.0 <= temperature < math.inf):
             raise ConfigError(f"temperature must be >= 0 and finite, got {self.temperature}")
         if not (0.0 < top_p <= 1.0):
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= min_p <= 1.0):
+            raise ConfigError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not (0.0 < typical_p <= 1.0):
+            raise ConfigError(f"typical_p must be in (0, 1], got {self.typical_p}")
+        object.__setattr__(self, "min_p", min_p)
+        object.__setattr__(self, "typical_p", typical_p)
         # frozen: stored once here as plain Python numbers
         object.__setattr__(self, "temperature", temperature)
         object.__setattr__(self, "top_k", _integer("top_k", self.top_k, 0))
@@ -66,6 +75,51 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class ProcessingConfig:
+    """Logits processors applied at every tree node before a token is chosen (`mcsd.processors`).
+
+    The options mirror `model.generate`'s of the same names; they are applied
+    in Hugging Face's order (repetition penalty, n-gram ban, bad words, minimum
+    lengths, suppressed tokens), then the caller's own `logits_processor` list,
+    then the sampling warpers of `SamplingConfig`.
+    """
+
+    repetition_penalty: float = 1.0                # > 1 penalises tokens already in the sequence; 1 disables
+    no_repeat_ngram_size: int = 0                  # ban any n-gram from occurring twice; 0 disables
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()   # token sequences never to generate
+    min_length: int = 0                            # no EOS before the sequence (prompt included) is this long
+    min_new_tokens: int = 0                        # no EOS before this many new tokens
+    suppress_tokens: tuple[int, ...] = ()          # tokens never generated
+    logits_processor: tuple = ()                   # the caller's LogitsProcessor objects, in order
+
+    def __post_init__(self):
+        penalty = _number("repetition_penalty", self.repetition_penalty)
+        if not (0.0 < penalty < math.inf):
+            raise ConfigError(f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty}")
+        object.__setattr__(self, "repetition_penalty", penalty)
+        for name in ("no_repeat_ngram_size", "min_length", "min_new_tokens"):
+            object.__setattr__(self, name, _integer(name, getattr(self, name), 0))
+        try:
+            bad = tuple(tuple(_integer("bad_words_ids", t, 0) for t in seq) for seq in (self.bad_words_ids or ()))
+        except TypeError:
+            raise ConfigError(f"bad_words_ids must be a list of lists of token ids, got {self.bad_words_ids!r}") \
+                from None
+        if any(not seq for seq in bad):
+            raise ConfigError("bad_words_ids must not hold an empty sequence")
+        object.__setattr__(self, "bad_words_ids", bad)
+        object.__setattr__(self, "suppress_tokens", tuple(_integer("suppress_tokens", t, 0)
+                                                          for t in _as_tuple(self.suppress_tokens, numbers.Integral)))
+        object.__setattr__(self, "logits_processor", tuple(self.logits_processor or ()))
+
+    @property
+    def active(self) -> bool:
+        """True when any processor is to run (otherwise the raw logits are used as they are)."""
+        return (self.repetition_penalty != 1.0 or self.no_repeat_ngram_size > 0 or bool(self.bad_words_ids)
+                or self.min_length > 0 or self.min_new_tokens > 0 or bool(self.suppress_tokens)
+                or bool(self.logits_processor))
 
 
 @dataclass(frozen=True)
@@ -82,6 +136,8 @@ class DecodeConfig:
     stop_strings: tuple[str, ...] = ()     # stop once the decoded text contains one of these
     eos_token_ids: tuple[int, ...] = ()    # empty: taken from the tokenizer / generation config
     ignore_eos: bool = False               # keep going past EOS (benchmarks of fixed length)
+    processing: ProcessingConfig = field(default_factory=ProcessingConfig)   # logits processors at every node
+    return_logprobs: bool = False          # report the target's log-probability of each emitted token
 
     def __post_init__(self):
         stops = _as_tuple(self.stop_strings, str)

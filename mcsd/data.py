@@ -8,6 +8,7 @@ anything that is trained (drafts, decision models, thresholds).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -31,13 +32,28 @@ class Prompt:
         return "mt_bench" if self.category in MT_BENCH else self.category
 
 
+# The Spec-Bench question file shipped with the project (see benchmarks/data/spec_bench/README.md).
+SHIPPED_SPEC_BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "data" / "spec_bench" / "question.jsonl"
+SHIPPED_SHA256 = "4b6d33e79484f9841c487ee87d1cf6aa8c6066f61d5d482ff09e5a007fafdf04"
+
+
 def default_spec_bench() -> Path:
-    """$MCSD_SPEC_BENCH, else ../shared/data/spec_bench/question.jsonl beside the project."""
+    """$MCSD_SPEC_BENCH, else the Spec-Bench copy shipped in benchmarks/data/spec_bench/."""
     env = os.environ.get("MCSD_SPEC_BENCH")
     if env:
         return Path(env).expanduser()
-    root = Path(__file__).resolve().parent.parent
-    return root.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
+    return SHIPPED_SPEC_BENCH
+
+
+def check_shipped(path: Path) -> None:
+    """ConfigError when `path` is the shipped Spec-Bench copy and its bytes are not the published
+    file's (a 0.7 MB hash, about a millisecond: checked on every default load)."""
+    if path.resolve() != SHIPPED_SPEC_BENCH:
+        return
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != SHIPPED_SHA256:
+        raise ConfigError(f"{path} is not the published Spec-Bench file (sha256 {digest[:12]}..., expected "
+                          f"{SHIPPED_SHA256[:12]}...); restore it with git checkout, or set MCSD_SPEC_BENCH")
 
 
 def in_split(question_id: int, split: str) -> bool:
@@ -51,6 +67,7 @@ def load_prompts(path: str | Path | None = None, split: str = "heldout") -> list
     path = Path(path) if path is not None else default_spec_bench()
     if not path.is_file():
         raise ConfigError(f"prompt file not found: {path} (set MCSD_SPEC_BENCH or pass a path)")
+    check_shipped(path)
     prompts = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, start=1):

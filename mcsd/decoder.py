@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from . import kernels
+from . import kernels, processors
 from .attention import set_backend
 from .config import ConfigError, DecodeConfig, SamplingConfig
 from .context import ContextDrafter
@@ -108,12 +108,20 @@ class GenerationOutput:
         text: decoded new text (special tokens skipped), or None without a tokenizer.
         stats: counters and timings.
         finish_reason: "eos", "stop_string" or "length".
+        logprobs: with `return_logprobs` (or `output_scores`), the target's
+            float32 log-probability of each of `tokens`, from the verify pass:
+            greedy, the log-softmax of the processed logits (after any logits
+            processors); sampling, the log of the distribution the token was
+            drawn from (processors, then temperature, top-k, top-p, min-p,
+            typical-p), i.e. the target's own, not a rejection's residual.
+            Else None.
     """
 
     tokens: list[int]
     text: str | None
     stats: GenerationStats
     finish_reason: str
+    logprobs: list[float] | None = None
 
 
 class TreeDecoder:
@@ -240,17 +248,21 @@ class TreeDecoder:
 
     # ------------------------------------------------------------------ public API
 
-    def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int | None = None, stop_strings=(), ignore_eos: bool = False,
-                 eos_token_ids=None, streamer: Callable[[list[int]], None] | None = None,
-                 on_round: Callable[[DraftTree, Acceptance], None] | None = None) -> GenerationOutput:
+    def generate(self, prompt, max_new_tokens: int = processors.UNSET, temperature: float = processors.UNSET,
+                 top_k: int = processors.UNSET, top_p: float = processors.UNSET, seed: int | None = None,
+                 stop_strings=None, ignore_eos: bool = False, eos_token_ids=None,
+                 streamer: Callable[[list[int]], None] | None = None,
+                 on_round: Callable[[DraftTree, Acceptance], None] | None = None,
+                 **options) -> GenerationOutput | list[GenerationOutput]:
         """Generate with tree speculative decoding.
 
         Args:
             prompt: a string (tokenised as is; apply a chat template first if
-                wanted), a list of token ids, or a (T,) / (1, T) tensor.
-            max_new_tokens, temperature, top_k, top_p, seed: as in plain sampling;
-                temperature 0 is greedy.
+                wanted), a list of token ids, or a (T,) / (1, T) tensor; or a
+                list of such prompts, generated one after another (not batched).
+            max_new_tokens: default 128.
+            temperature, top_k, top_p, seed: as in plain sampling; temperature
+                0 (the default) is greedy, top_k 0 and top_p 1 are off.
             stop_strings: stop once the decoded new text contains one of them.
             ignore_eos: keep generating past EOS.
             eos_token_ids: token id(s) that end generation; default: the
@@ -258,31 +270,54 @@ class TreeDecoder:
             streamer: called with each round's newly emitted tokens.
             on_round: called with each round's tree and its Acceptance (for
                 inspection and drawing; off the hot path when None).
+            options: `model.generate`'s names (see `mcsd.processors.request`):
+                `generation_config`, `do_sample`, `min_p`, `typical_p`,
+                `repetition_penalty`, `no_repeat_ngram_size`, `bad_words_ids`,
+                `min_length`, `min_new_tokens`, `suppress_tokens`,
+                `eos_token_id`, `max_length`, `logits_processor` (a list of
+                LogitsProcessor), `return_logprobs` / `output_scores`. Anything
+                else is a ConfigError naming it. Processors and logprobs need
+                the exact loop: not with policy "pearl" or lossy_target_roots.
         Returns:
-            GenerationOutput. Its tokens follow exactly the target's own
-            distribution under these settings (token-identical to plain greedy
-            decoding when temperature is 0, in float32).
+            GenerationOutput (a list of them for a list of prompts). Its tokens
+            follow exactly the target's own *processed* distribution under these
+            settings (token-identical to `model.generate` with the same settings
+            when greedy, in float32).
         """
         if self.drafter is None and self.context is None:
             raise ConfigError("this TreeDecoder has no draft; pass draft=... or use generate_baseline()")
-        return self._collect(self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed,
-                                         stop_strings, ignore_eos, eos_token_ids, on_round=on_round), streamer)
+        if _is_prompt_list(prompt):
+            return [self.generate(p, max_new_tokens, temperature, top_k, top_p, seed, stop_strings, ignore_eos,
+                                  eos_token_ids, streamer, on_round, **options) for p in prompt]
+        return self._collect(self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_strings,
+                                         ignore_eos, eos_token_ids, on_round=on_round, **options), streamer)
 
-    def generate_baseline(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
-                          top_p: float = 1.0, seed: int | None = None, stop_strings=(), ignore_eos: bool = False,
-                          eos_token_ids=None, streamer: Callable[[list[int]], None] | None = None) -> GenerationOutput:
-        """Plain target-only decoding through the same loop (a tree of just the root)."""
-        return self._collect(self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed,
-                                         stop_strings, ignore_eos, eos_token_ids, baseline=True), streamer)
+    def generate_baseline(self, prompt, max_new_tokens: int = processors.UNSET,
+                          temperature: float = processors.UNSET, top_k: int = processors.UNSET,
+                          top_p: float = processors.UNSET, seed: int | None = None,
+                          stop_strings=None, ignore_eos: bool = False, eos_token_ids=None,
+                          streamer: Callable[[list[int]], None] | None = None,
+                          **options) -> GenerationOutput | list[GenerationOutput]:
+        """Plain target-only decoding through the same loop (a tree of just the root); takes what
+        `generate` takes, a list of prompts included."""
+        if _is_prompt_list(prompt):
+            return [self.generate_baseline(p, max_new_tokens, temperature, top_k, top_p, seed, stop_strings,
+                                           ignore_eos, eos_token_ids, streamer, **options) for p in prompt]
+        return self._collect(self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_strings,
+                                         ignore_eos, eos_token_ids, baseline=True, **options), streamer)
 
-    def stream(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
-               top_p: float = 1.0, seed: int | None = None, stop_strings=(), ignore_eos: bool = False,
-               eos_token_ids=None, baseline: bool = False,
-               on_round: Callable[[DraftTree, Acceptance], None] | None = None) -> Iterator[list[int]]:
-        """Generator over the same loop: yields each round's new tokens; returns the GenerationOutput."""
-        cfg = DecodeConfig(max_new_tokens=max_new_tokens, sampling=SamplingConfig(temperature, top_k, top_p),
-                           seed=seed, stop_strings=stop_strings, ignore_eos=ignore_eos, eos_token_ids=eos_token_ids)
+    def stream(self, prompt, max_new_tokens: int = processors.UNSET, temperature: float = processors.UNSET,
+               top_k: int = processors.UNSET, top_p: float = processors.UNSET, seed: int | None = None,
+               stop_strings=None, ignore_eos: bool = False, eos_token_ids=None, baseline: bool = False,
+               on_round: Callable[[DraftTree, Acceptance], None] | None = None,
+               **options) -> Iterator[list[int]]:
+        """Generator over the same loop: yields each round's new tokens; returns the GenerationOutput.
+        Takes one prompt and `generate`'s options."""
         prompt_ids = self.encode(prompt)
+        cfg = processors.request(self.target.model, prompt_ids.numel(), max_new_tokens=max_new_tokens,
+                                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                 stop_strings=stop_strings, ignore_eos=ignore_eos, eos_token_ids=eos_token_ids,
+                                 **options)
         self._check_length(prompt_ids.numel(), cfg.max_new_tokens)
         policy = self._baseline_policy if baseline else self.policy
         if not baseline:
@@ -320,11 +355,13 @@ class TreeDecoder:
     def _decode(self, prompt_ids: torch.Tensor, cfg: DecodeConfig, policy: TreePolicy,
                 drafter: Drafter | None, on_round=None, context: ContextDrafter | None = None) -> Iterator[list[int]]:
         if isinstance(policy, PearlMode) and drafter is not None:    # draft and target run concurrently
+            _exact_loop_only(cfg, "policy 'pearl'")
             from . import pearl
             with kernels.suspend():                             # the matmul flag is shared by both threads
                 return (yield from pearl.decode(self, prompt_ids, cfg, policy, drafter))
         stats, gen = GenerationStats(), make_generator(cfg.seed, self.target.device)
         eos = self._eos_ids(cfg)
+        proc = processors.build(cfg.processing, prompt_ids.numel(), eos)   # None: raw logits decide
         t_start = time.perf_counter()
         policy.reset()
         if drafter is not None:
@@ -349,14 +386,17 @@ class TreeDecoder:
         if lossy and not cfg.sampling.greedy:
             raise ConfigError("lossy_target_roots is defined for greedy decoding only (temperature 0)")
         if lossy:   # the target's top-W become the next round's candidate roots; nothing emitted yet
-            roots, sequence, new = logits[-1].topk(lossy).indices, prompt_ids, []
+            _exact_loop_only(cfg, "lossy_target_roots")
+            roots, sequence, new, new_lp = logits[-1].topk(lossy).indices, prompt_ids, [], None
         else:
-            root = self._choose(logits[-1], cfg.sampling, gen)
+            scores = logits[-1] if proc is None else proc.at_prefix(prompt_ids, logits[-1])
+            root, new_lp = self._choose(scores, cfg, gen)
             sequence, new = torch.cat([prompt_ids, root.reshape(1)]), [int(root)]
         stats.target_forwards += 1
         stats.prefill_s = time.perf_counter() - t_start
         out: list[int] = []
-        finish = self._emit(out, new, cfg, eos)
+        logprobs: list[float] | None = [] if cfg.return_logprobs else None
+        finish = self._emit(out, new, cfg, eos, logprobs, new_lp)
         yield out[:]
         drafted_accepts: list[int] = []                         # per round, the drafted part's accepted count
 
@@ -368,7 +408,7 @@ class TreeDecoder:
             # 1-2. draft a tree under the target-initialised root
             t0 = time.perf_counter()
             grown = (grow_tree(drafter, policy, sequence, depth, cfg.sampling, gen,
-                               root_children=roots if lossy else None) if depth > 0
+                               root_children=roots if lossy else None, scores=proc) if depth > 0
                      else GrownTree(DraftTree.root_only(policy.topology, sequence[-1]), None))
             drafted, graft = grown.tree, None
             if context is not None:                             # free branches from the context, merged in
@@ -381,8 +421,8 @@ class TreeDecoder:
                 grown = grown.with_graft(graft)
             t1 = time.perf_counter()
             # 3-4. verify every node in one target forward, then accept
-            acc, path_hidden, last = self._verify(grown, cfg.sampling, gen, policy, wants_hidden, bool(lossy),
-                                                  context)
+            acc, path_hidden, last, new_lp = self._verify(grown, sequence, cfg, gen, policy, wants_hidden,
+                                                          bool(lossy), context, proc)
             t2 = time.perf_counter()
             # 5. commit the accepted path into both caches
             if wants_hidden:
@@ -409,7 +449,7 @@ class TreeDecoder:
                 new = torch.cat([new, acc.next_token.reshape(1)])
             sequence = torch.cat([sequence, new])
             before = len(out)
-            finish = self._emit(out, new.tolist(), cfg, eos)
+            finish = self._emit(out, new.tolist(), cfg, eos, logprobs, new_lp)
             yield out[before:]
 
         if drafter is not None:
@@ -420,12 +460,15 @@ class TreeDecoder:
         stats.new_tokens = len(out)
         stats.wall_s = time.perf_counter() - t_start
         text = self.tokenizer.decode(out, skip_special_tokens=True) if self.tokenizer is not None else None
-        return GenerationOutput(tokens=out, text=text, stats=stats, finish_reason=finish)
+        return GenerationOutput(tokens=out, text=text, stats=stats, finish_reason=finish, logprobs=logprobs)
 
-    def _verify(self, grown: GrownTree, sampling: SamplingConfig, gen, policy: TreePolicy,
-                hidden: bool | tuple[int, ...] = False,
-                skip_root: bool = False, context: ContextDrafter | None = None):
+    def _verify(self, grown: GrownTree, sequence: torch.Tensor, cfg: DecodeConfig, gen, policy: TreePolicy,
+                hidden: bool | tuple[int, ...] = False, skip_root: bool = False,
+                context: ContextDrafter | None = None, proc: processors.NodeScores | None = None):
         """One target forward over the tree's nodes, the acceptance rule, and the target cache commit.
+
+        `sequence` (T,) is the committed sequence ending with the root; `proc`
+        processes each node's logits with that node's own prefix.
 
         With skip_root (the lossy multi-root variant) the root is the last
         committed token, already in the cache, and its children are the
@@ -435,9 +478,10 @@ class TreeDecoder:
         Returns:
             (Acceptance; with `hidden` (True, or target layer indices) those hidden
             states along the newly committed path (else None); the target's logits
-            (V,) after the deepest accepted node).
+            (V,) after the deepest accepted node; with `cfg.return_logprobs` the
+            (k+1,) float32 log-probabilities of the emitted tokens, else None).
         """
-        tree = grown.tree
+        tree, sampling = grown.tree, cfg.sampling
         prefix = self.target.length
         anc = tree.mask()                                                  # (N, N), sliced from the topology
         s = int(skip_root)                                                 # rows of the tree fed to the target
@@ -445,6 +489,9 @@ class TreeDecoder:
         logits, states = out if hidden else (out, None)                   # (N-s, V), (N-s, H)
         if policy.wants_target_logits and not skip_root:
             policy.observe_target(tree, logits)
+        if proc is not None:                     # the processed distribution at each node, with its own prefix
+            logits = proc.at_nodes(sequence[:-1], tree, torch.arange(tree.size, device=logits.device), logits)
+        p_target = None
         if sampling.greedy:
             argmax = logits.argmax(-1)
             if skip_root:   # the root's row is not computed; its children are accepted as given
@@ -460,7 +507,12 @@ class TreeDecoder:
         if context is not None:                  # the target's predictions along the accepted path, recycled
             context.observe_logits(tree.tokens[acc.path], logits[kept])
         self.target.commit(prefix, kept)
-        return acc, (states[kept] if hidden else None), logits[acc.path[-1] - s]
+        emitted_lp = None
+        if cfg.return_logprobs:                  # row path[j] is the distribution the j-th emitted token came from
+            emitted = torch.cat([tree.tokens[acc.path[1:]], acc.next_token.reshape(1)])
+            dist = logits[kept].float().log_softmax(-1) if p_target is None else p_target[kept].log()
+            emitted_lp = dist.gather(1, emitted[:, None]).squeeze(1)
+        return acc, (states[kept] if hidden else None), logits[acc.path[-1] - s], emitted_lp
 
     # ------------------------------------------------------------------ helpers
 
@@ -573,13 +625,30 @@ class TreeDecoder:
         return 1.0 + sum(recent) / max(len(recent), 1)
 
     @staticmethod
-    def _choose(logits: torch.Tensor, sampling: SamplingConfig, gen) -> torch.Tensor:
-        if sampling.greedy:
-            return logits.argmax(-1)
-        return sample(logits_to_probs(logits, sampling), gen)
+    def _choose(scores: torch.Tensor, cfg: DecodeConfig, gen) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """scores (V,) -> (the chosen token (), its (1,) float32 log-probability with `return_logprobs`)."""
+        if cfg.sampling.greedy:
+            token, dist = scores.argmax(-1), None
+        else:
+            dist = logits_to_probs(scores, cfg.sampling)
+            token = sample(dist, gen)
+        if not cfg.return_logprobs:
+            return token, None
+        logp = scores.float().log_softmax(-1) if dist is None else dist.log()
+        return token, logp[token].reshape(1)
 
-    def _emit(self, out: list[int], new: list[int], cfg: DecodeConfig, eos: set[int]) -> str | None:
-        """Append new tokens, cut at EOS / stop string / length. Returns the finish reason or None."""
+    def _emit(self, out: list[int], new: list[int], cfg: DecodeConfig, eos: set[int],
+              logprobs: list[float] | None = None, new_logprobs: torch.Tensor | None = None) -> str | None:
+        """Append new tokens (and their log-probabilities to `logprobs`, when kept), cut at EOS / stop
+        string / length. Returns the finish reason or None."""
+        if logprobs is not None:
+            logprobs.extend(new_logprobs.tolist())
+        finish = self._finish(out, new, cfg, eos)
+        if logprobs is not None:
+            del logprobs[len(out):]
+        return finish
+
+    def _finish(self, out: list[int], new: list[int], cfg: DecodeConfig, eos: set[int]) -> str | None:
         start = len(out)
         out.extend(new)
         if not cfg.ignore_eos:
@@ -635,6 +704,21 @@ class TreeDecoder:
                 return done.value
             if streamer is not None and new:
                 streamer(new)
+
+
+def _exact_loop_only(cfg: DecodeConfig, what: str) -> None:
+    """ConfigError when `cfg` asks for what only the exact tree loop provides."""
+    asked = [name for name, on in (("logits processors / processor options", cfg.processing.active),
+                                   ("return_logprobs", cfg.return_logprobs)) if on]
+    if asked:
+        raise ConfigError(f"{' and '.join(asked)} need the exact tree loop; {what} does not support them")
+
+
+def _is_prompt_list(prompt) -> bool:
+    """True for a list / tuple of prompts (strings, id lists or 1-D tensors), False for one prompt."""
+    return (isinstance(prompt, (list, tuple)) and len(prompt) > 0
+            and all(isinstance(p, (str, list, tuple)) or (isinstance(p, torch.Tensor) and p.dim() >= 1)
+                    for p in prompt))
 
 
 def _split_drafters(draft):

@@ -152,7 +152,7 @@ def _draft_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor
 @torch.inference_mode()
 def grow_tree(drafter: Drafter, policy: TreePolicy, sequence: torch.Tensor, depth_limit: int,
               sampling: SamplingConfig, generator: torch.Generator | None,
-              root_children: torch.Tensor | None = None) -> GrownTree:
+              root_children: torch.Tensor | None = None, scores=None) -> GrownTree:
     """Grow one round's tree under the root `sequence[-1]`.
 
     Args:
@@ -165,6 +165,9 @@ def grow_tree(drafter: Drafter, policy: TreePolicy, sequence: torch.Tensor, dept
         generator: randomness for sampling.
         root_children: (W,) fixed first level instead of drafted children (the
             lossy multi-root variant puts the target's top-W tokens there).
+        scores: optional `mcsd.processors.NodeScores`: the logits processors,
+            applied to the draft's logits at each expanded node with its own
+            prefix, as verification applies them to the target's.
     Returns:
         GrownTree. One draft forward per level actually expanded.
     """
@@ -190,6 +193,8 @@ def grow_tree(drafter: Drafter, policy: TreePolicy, sequence: torch.Tensor, dept
         first = 1
 
     for depth in range(first, depth_limit):
+        if scores is not None:
+            logits = scores.at_nodes(sequence[:-1], tree, frontier, logits)
         probs = _draft_probs(logits, sampling)                             # (F, V)
         max_children = topo.n_children[tree.topo_ids[frontier]]           # (F,)
         n_children = policy.expand(Frontier(depth, frontier, max_children, probs, tree))

@@ -14,7 +14,7 @@ from .config import SamplingConfig
 
 
 def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
-    """Temperature, then top-k, then top-p (the order transformers uses), then softmax.
+    """Temperature, top-k, top-p, min-p, typical-p (the order transformers uses), then softmax.
 
     Args:
         logits: (..., V) raw scores.
@@ -24,7 +24,11 @@ def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     """
     if cfg.greedy:
         raise ValueError("logits_to_probs needs temperature > 0; greedy decoding uses argmax")
-    scores = logits.float() / cfg.temperature
+    scores = logits.float()
+    # Shifted so the top score is 0 before dividing: a tiny temperature then sends the others to -inf
+    # (the greedy limit) instead of overflowing to inf - inf = nan in the softmax. Below 1e-30 (which
+    # float32 would round to 0, making the top 0 / 0) every gap is already -inf: the same distribution.
+    scores = (scores - scores.amax(-1, keepdim=True)) / max(cfg.temperature, 1e-30)
     if cfg.top_k and cfg.top_k < scores.shape[-1]:
         kth = torch.topk(scores, cfg.top_k, dim=-1).values[..., -1:]            # (..., 1)
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -35,7 +39,26 @@ def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
         drop_sorted = (cum - sorted_scores.softmax(-1)) >= cfg.top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
+    if cfg.min_p > 0.0:
+        probs = scores.softmax(-1)
+        scores = scores.masked_fill(probs < cfg.min_p * probs.amax(-1, keepdim=True), float("-inf"))
+    if cfg.typical_p < 1.0:
+        scores = _typical(scores, cfg.typical_p)
     return scores.softmax(-1)
+
+
+def _typical(scores: torch.Tensor, mass: float) -> torch.Tensor:
+    """Locally typical sampling (Meister et al., 2022): keep the tokens whose surprise -log p is
+    closest to the entropy, most typical first, until their mass reaches `mass`. (..., V) -> (..., V)."""
+    logp = scores.log_softmax(-1)
+    p = logp.exp()
+    entropy = -(p * logp).nan_to_num(nan=0.0).sum(-1, keepdim=True)            # 0 * -inf counts as 0
+    gap = (-logp - entropy).abs()                                                # inf where p == 0
+    order = torch.argsort(gap, dim=-1)
+    p_sorted = p.gather(-1, order)
+    drop_sorted = (p_sorted.cumsum(-1) - p_sorted) >= mass                      # the most typical always stays
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return scores.masked_fill(drop, float("-inf"))
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -18,8 +18,8 @@ def decoder(target, random_draft, tokenizer):
     ([1.5, 2.0], "token ids must be integers, got torch.float32"),
     (torch.tensor([1.7, 2.0]), "token ids must be integers"),
     (torch.tensor([True, False]), "token ids must be integers, got torch.bool"),
-    (["w03"], "prompt must be a string, or token ids"),
-    ([[1, 2], [3]], "prompt must be a string, or token ids"),
+    ([None, [1]], "prompt must be a string, or token ids"),
+    ([[1, 2], None], "prompt must be a string, or token ids"),
     (None, "prompt must be a string, or token ids"),
     (b"w03", "prompt must be a string, or token ids"),
     ([2**70], "prompt must be a string, or token ids"),
@@ -33,6 +33,15 @@ def decoder(target, random_draft, tokenizer):
 def test_bad_prompts(decoder, prompt, fragment):
     with pytest.raises(ConfigError, match=fragment):
         decoder.generate(prompt, max_new_tokens=2)
+
+
+def test_a_list_of_prompts_is_several_prompts(decoder):
+    """A list of strings or of id lists was an error; it is now prompts generated one after another."""
+    outs = decoder.generate([[3, 4], "w03 w04"], max_new_tokens=4)
+    single = decoder.generate([3, 4], max_new_tokens=4).tokens
+    assert [o.tokens for o in outs] == [single, single]
+    with pytest.raises(ConfigError, match=r"token ids must lie in \[0, 64\)"):
+        decoder.generate([[3, 4], [999]], max_new_tokens=2)
 
 
 @pytest.mark.parametrize("prompt", [[3, 4], torch.tensor([[3, 4]]), np.array([3, 4], dtype=np.int32), "w03 w04"])

@@ -167,7 +167,7 @@ def main(argv=None) -> int:
     ap.add_argument("--drafter", default="model", choices=("model", "feature"))
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--prompts", default=None, help="Spec-Bench style JSONL (default: the shared file)")
+    ap.add_argument("--prompts", default=None, help="Spec-Bench style JSONL (default: benchmarks/data/spec_bench/question.jsonl, or $MCSD_SPEC_BENCH)")
     ap.add_argument("--split", default="fit", choices=("fit", "heldout"))
     ap.add_argument("--limit", type=int, default=0, help="at most this many prompts (0 = all)")
     ap.add_argument("--per-group", type=int, default=0,

@@ -174,3 +174,38 @@ def records(doc: Document, tokenizer, chunk_tokens: int, fmt: str = "chat") -> l
                     "prompt": torch.tensor(prompt, dtype=torch.int32),
                     "response": torch.tensor(response, dtype=torch.int32), "finished": False})
     return out
+
+
+def main(argv=None) -> int:
+    """List what a corpus source holds (documents, bytes, licences); `target_data.py corpus` stores it."""
+    import argparse
+    parser = argparse.ArgumentParser(
+        prog="corpus.py", description="Text for teacher-forced passes: list the documents a source yields "
+        "(the library of `python tools/target_data.py corpus`, which stores and labels them).")
+    parser.add_argument("--package", action="append", default=[], metavar="NAME",
+                        help="an installed Python package's source and documentation (repeatable)")
+    parser.add_argument("--path", action="append", default=[], metavar="DIR",
+                        help="text files under a folder the user names (repeatable)")
+    parser.add_argument("--licence", default="unknown", help="the licence of --path files")
+    args = parser.parse_args(argv)
+    if not args.package and not args.path:
+        parser.print_help()
+        return 0
+    try:
+        docs = [d for name in args.package for d in package_documents(name)[0]]
+        docs += [d for root in args.path for d in path_documents(root, args.licence)]
+    except CorpusError as exc:
+        print(f"corpus.py: error: {exc}", file=__import__("sys").stderr)
+        return 2
+    docs = dedupe(docs)
+    by_source: dict[str, list] = {}
+    for d in docs:
+        by_source.setdefault(d.source, []).append(d)
+    for source, items in by_source.items():
+        print(f"{source}: {len(items)} documents, {sum(len(d.text) for d in items)} characters, "
+              f"licence {items[0].licence}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

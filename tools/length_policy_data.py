@@ -118,3 +118,22 @@ def auc_or_none(y: np.ndarray, p: np.ndarray) -> float | None:
     from sklearn.metrics import roc_auc_score
     y = np.asarray(y).astype(bool)
     return float(roc_auc_score(y, p)) if 0 < y.sum() < len(y) else None
+
+
+
+def main(argv=None) -> int:
+    """This file is a library; its command line only says so and where to go."""
+    import argparse
+    parser = argparse.ArgumentParser(
+        prog="length_policy_data.py",
+        description="A library shared by the length-policy trainers: chains out of trace folders "
+                    "(tools/collect_traces.py writes them), path labels, and a round-by-round simulation that "
+                    "scores a stopping rule against static chain lengths. Nothing to run here: fit a policy with "
+                    "python tools/train_disco.py or python tools/train_specdecpp.py (each takes --help).")
+    parser.parse_args(argv)
+    parser.print_help()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

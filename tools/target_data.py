@@ -766,7 +766,7 @@ def main(argv=None):
     parser.add_argument("--data-dir", default=None, help="default: $MCSD_CACHE/data/<target-name>")
     parser.add_argument("--store", default=None,
                         help="token store of the magpie/answer stages (default: the repository's data/<target-name>)")
-    parser.add_argument("--questions", default=DEFAULT_QUESTIONS, help="Spec-Bench style JSONL (default: the shared Spec-Bench file)")
+    parser.add_argument("--questions", default=DEFAULT_QUESTIONS, help="Spec-Bench style JSONL (default: benchmarks/data/spec_bench/question.jsonl, or $MCSD_SPEC_BENCH)")
     parser.add_argument("--threads", type=int, default=2,
                         help="CPU threads; use 1 when another job shares a 2-core machine (a 2-thread "
                              "OpenMP pass with a core taken runs ~20x slower)")
