@@ -10,8 +10,8 @@ classes:
 
 - matmul: linear layers' products (`aten::linear` / `mm` / `addmm`, oneDNN's
   prepacked `mkldnn::_linear_pointwise`) and everything they call;
-- attention: `scaled_dot_product_attention` (or mcsd's own attention, scoped
-  `mcsd::attention`) and everything it calls;
+- attention: `scaled_dot_product_attention`, batched products and softmax
+  (mcsd's grouped-query attention), and everything they call;
 - elementwise: arithmetic on activations (norms, rotary, SwiGLU, residuals, mask);
 - copy: concatenation, dtype casts and copies (cache appends, commits);
 - other: every other ATen operation (views, indexing, allocation);
@@ -42,11 +42,14 @@ from .tree import causal_allowed
 CLASSES = ("matmul", "attention", "elementwise", "copy", "other", "python")
 ATTENTION_SCOPE = "mcsd::attention"         # record_function name of mcsd's own attention paths
 
-_MATMUL_ROOTS = {"aten::linear", "aten::matmul", "aten::mm", "aten::addmm", "aten::bmm",
+_MATMUL_ROOTS = {"aten::linear", "aten::matmul", "aten::mm", "aten::addmm",
                  "mkldnn::_linear_pointwise", "aten::mkldnn_linear"}
-_ATTENTION_ROOTS = {"aten::scaled_dot_product_attention", ATTENTION_SCOPE}
+# Batched products and softmax occur only in attention in a Llama-style forward (linear layers fold
+# their batch into one `mm`); mcsd's grouped-query attention is made of them.
+_ATTENTION_ROOTS = {"aten::scaled_dot_product_attention", ATTENTION_SCOPE, "aten::bmm", "aten::baddbmm",
+                    "aten::softmax", "aten::_softmax"}
 _ELEMENTWISE = {"aten::mul", "aten::add", "aten::sub", "aten::div", "aten::neg", "aten::rsqrt", "aten::pow",
-                "aten::mean", "aten::silu", "aten::sigmoid", "aten::exp", "aten::softmax", "aten::_softmax",
+                "aten::mean", "aten::silu", "aten::sigmoid", "aten::exp",
                 "aten::mul_", "aten::add_", "aten::div_", "aten::masked_fill", "aten::where", "aten::embedding",
                 "aten::cos", "aten::sin", "aten::sqrt", "aten::var", "aten::sum"}
 _COPY = {"aten::cat", "aten::copy_", "aten::_to_copy", "aten::to", "aten::clone", "aten::contiguous",
@@ -77,17 +80,18 @@ class Breakdown:
 
 
 def _classify(evt) -> str:
-    """The class of one profiled event, from its own name and its ancestors'."""
+    """The class of one profiled event: its outermost recognised ancestor (or itself) decides,
+    else its own name."""
+    chain = []
     node = evt
     while node is not None:
-        if node.name in _ATTENTION_ROOTS:
+        chain.append(node.name)
+        node = node.cpu_parent
+    for name in reversed(chain):                    # outermost first: a linear layer's inner bmm stays matmul
+        if name in _ATTENTION_ROOTS:
             return "attention"
-        node = node.cpu_parent
-    node = evt
-    while node is not None:
-        if node.name in _MATMUL_ROOTS:
+        if name in _MATMUL_ROOTS:
             return "matmul"
-        node = node.cpu_parent
     if evt.name in _ELEMENTWISE:
         return "elementwise"
     if evt.name in _COPY:
