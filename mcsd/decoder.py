@@ -468,9 +468,6 @@ class TreeDecoder:
             notes.append(f"{label}: {table.describe()}")
             if table.uses_packed and module is not None:       # prepacked weights are made once, here
                 kernels.pack(module)
-            if table.uses_tuned and module is not None:        # ... and the per-layer choices set up
-                from .linear_tuning import install
-                install(module, {"choice": prof.linear_choice[role]})
         self.kernels_note = "; ".join(notes) or None
 
     @staticmethod

@@ -44,10 +44,9 @@ import torch.nn.functional as F
 
 _suspensions = 0                  # > 0 while some caller runs forwards on several threads
 _lock = threading.Lock()
-_local = threading.local()        # .packed / .tuned: linear layers on this thread use their prepacked weights /
-                                  # their per-shape choice (mcsd.linear_tuning)
+_local = threading.local()        # .packed: linear layers on this thread use their prepacked weights
 
-PATHS = ("onednn", "aten", "packed", "tuned")
+PATHS = ("onednn", "aten", "packed")
 PACK_ROWS = 8                     # the block size oneDNN chooses the packed layout for (it serves every size)
 
 
@@ -111,9 +110,6 @@ class _Packed:
 
 
 def _packed_forward(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    tuned = layer.__dict__.get("_mcsd_tuned")          # the "tuned" path (mcsd.linear_tuning), when on
-    if tuned is not None and (out := tuned(layer, x)) is not None:
-        return out
     packed = layer.__dict__.get("_mcsd_packed")
     if packed is not None and getattr(_local, "packed", False) and x.dtype == packed.weight.dtype \
             and packed.fresh(layer):
@@ -144,8 +140,7 @@ def unpack(module: torch.nn.Module) -> None:
     for layer in module.modules():
         if "_mcsd_packed" in layer.__dict__:
             del layer.__dict__["_mcsd_packed"]
-            if "_mcsd_tuned" not in layer.__dict__:          # its forward still serves the tuned path
-                layer.__dict__.pop("forward", None)
+            layer.__dict__.pop("forward", None)
 
 
 def is_packed(module: torch.nn.Module) -> bool:
@@ -165,24 +160,11 @@ def _packed_weights(enabled: bool):
 
 
 @contextlib.contextmanager
-def tuned_products(enabled: bool):
-    """Linear layers on this thread run the implementation `mcsd.linear_tuning` measured fastest
-    for their shape and block size (where it gave them one)."""
-    before = getattr(_local, "tuned", False)
-    _local.tuned = enabled
-    try:
-        yield
-    finally:
-        _local.tuned = before
-
-
-@contextlib.contextmanager
 def using(path: str):
-    """Run the block on one matmul path: "onednn", "aten", "packed" or "tuned" (per-layer choices,
-    `mcsd.linear_tuning`; see the module's text)."""
+    """Run the block on one matmul path: "onednn", "aten" or "packed" (see the module's text)."""
     if path not in PATHS:
         raise ValueError(f"unknown matmul path {path!r}; choose from {', '.join(PATHS)}")
-    with onednn(path != "aten"), _packed_weights(path == "packed"), tuned_products(path == "tuned"):
+    with onednn(path != "aten"), _packed_weights(path == "packed"):
         yield
 
 
@@ -207,31 +189,26 @@ class KernelTable:
         onednn_ms: {rows: ms} through oneDNN (the default path).
         aten_ms: {rows: ms} through ATen's kernels; may cover fewer sizes.
         packed_ms: {rows: ms} through oneDNN on prepacked weights (`pack`), or None.
-        tuned_ms: {rows: ms} with each linear layer on its own measured choice
-            (`mcsd.linear_tuning`), or None.
             Between and beyond measured sizes each is interpolated as in
             `mcsd.profile.interpolate`; past the largest size ATen was timed at,
             ATen is not considered.
     """
 
     def __init__(self, onednn_ms: dict[int, float], aten_ms: dict[int, float],
-                 packed_ms: dict[int, float] | None = None, tuned_ms: dict[int, float] | None = None):
+                 packed_ms: dict[int, float] | None = None):
         self.onednn_ms, self.aten_ms, self.packed_ms = dict(onednn_ms), dict(aten_ms), dict(packed_ms or {})
-        self.tuned_ms = dict(tuned_ms or {})
         self._limit = max(self.aten_ms) if self.aten_ms else 0
-        self._top = max([*self.onednn_ms, *self.aten_ms, *self.packed_ms, *self.tuned_ms])
+        self._top = max([*self.onednn_ms, *self.aten_ms, *self.packed_ms])
         self._memo: dict[int, str] = {}
 
     def path(self, rows: int) -> str:
-        """The fastest path for a block of `rows` ("onednn", "aten", "packed" or "tuned")."""
+        """The fastest path for a block of `rows` ("onednn", "aten" or "packed")."""
         hit = self._memo.get(rows)
         if hit is None:
             from .profile import interpolate
             options = [("onednn", self.onednn_ms)]
             if self.packed_ms:
                 options.append(("packed", self.packed_ms))
-            if self.tuned_ms:
-                options.append(("tuned", self.tuned_ms))
             if rows <= self._limit:
                 options.append(("aten", self.aten_ms))
             hit = min(options, key=lambda o: interpolate(o[1], rows))[0]    # ties: the earlier
@@ -247,14 +224,8 @@ class KernelTable:
         """Some measured block size runs on prepacked weights (they must be made: `pack`)."""
         return any(self.path(n) == "packed" for n in range(1, self._top + 1))
 
-    @property
-    def uses_tuned(self) -> bool:
-        """Some block size runs on per-layer tuned products (`mcsd.linear_tuning.install` must set them up)."""
-        return any(self.path(n) == "tuned" for n in range(1, self._top + 2))
-
     def describe(self) -> str:
-        names = {"aten": "ATen kernels", "packed": "prepacked oneDNN weights", "onednn": "oneDNN",
-                 "tuned": "per-layer tuned products"}
+        names = {"aten": "ATen kernels", "packed": "prepacked oneDNN weights", "onednn": "oneDNN"}
         runs: list[list] = []                                  # [path, first rows, last rows]
         for n in range(1, self._top + 2):                      # _top + 1 stands for every larger block
             p = self.path(n)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from . import kernels, kv_cache, linear_tuning
+from . import kernels, kv_cache
 from .cache import cache_dir, cache_writes
 from .lm import CachedLM
 from .tree import causal_allowed
@@ -45,10 +45,6 @@ class DeviceProfile:
         verify_packed_ms, draft_packed_ms: the same through oneDNN on prepacked
             weights (`mcsd.kernels.pack`), every size; empty where weights cannot
             be prepacked.
-        verify_tuned_ms, draft_tuned_ms: the same with each linear layer on the
-            product measured fastest for its shape (`mcsd.linear_tuning`), every
-            size; empty where that is not done (other than float32 on a CPU).
-        linear_choice: {role: the tuning's per-shape choices}, what `tuned` runs.
         meta: model names, dtype, device, backend, thread count, torch version.
     """
 
@@ -60,27 +56,22 @@ class DeviceProfile:
     draft_aten_ms: dict[int, float] = field(default_factory=dict)
     verify_packed_ms: dict[int, float] = field(default_factory=dict)
     draft_packed_ms: dict[int, float] = field(default_factory=dict)
-    verify_tuned_ms: dict[int, float] = field(default_factory=dict)
-    draft_tuned_ms: dict[int, float] = field(default_factory=dict)
-    linear_choice: dict = field(default_factory=dict)
 
-    def paths(self, role: str) -> tuple[dict[int, float], ...]:
-        """(default path, ATen path, prepacked path, tuned path) timings of the target ("verify") or the
-        draft ("draft")."""
+    def paths(self, role: str) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
+        """(default path, ATen path, prepacked path) timings of the target ("verify") or the draft ("draft")."""
         if role == "verify":
-            return self.verify_ms, self.verify_aten_ms, self.verify_packed_ms, self.verify_tuned_ms
-        return self.draft_ms, self.draft_aten_ms, self.draft_packed_ms, self.draft_tuned_ms
+            return self.verify_ms, self.verify_aten_ms, self.verify_packed_ms
+        return self.draft_ms, self.draft_aten_ms, self.draft_packed_ms
 
     def kernel_table(self, role: str) -> kernels.KernelTable | None:
         """Which matmul path each block size of `role` runs fastest on; None where only one path was timed."""
-        default, aten, packed, tuned = self.paths(role)
-        tuned = tuned if self.linear_choice.get(role) else {}
-        return kernels.KernelTable(default, aten, packed, tuned) if default and (aten or packed or tuned) else None
+        default, aten, packed = self.paths(role)
+        return kernels.KernelTable(default, aten, packed) if default and (aten or packed) else None
 
     def best_ms(self, role: str) -> dict[int, float]:
         """{size: ms} on the fastest path per measured size (what the engine runs)."""
-        default, aten, packed, tuned = self.paths(role)
-        return {n: min(ms, aten.get(n, ms), packed.get(n, ms), tuned.get(n, ms)) for n, ms in default.items()}
+        default, aten, packed = self.paths(role)
+        return {n: min(ms, aten.get(n, ms), packed.get(n, ms)) for n, ms in default.items()}
 
     def verify_cost(self, n_tokens: int) -> float:
         """Interpolated verify time for n tokens (linear between measured sizes, flat outside),
@@ -103,12 +94,10 @@ class DeviceProfile:
         if not table("verify_ms"):
             raise KeyError("verify_ms")
         return cls(**{name: table(name) for name in _TABLES},
-                   prefix_len=int(d.get("prefix_len", 200)), meta=dict(d.get("meta", {})),
-                   linear_choice=dict(d.get("linear_choice", {})))
+                   prefix_len=int(d.get("prefix_len", 200)), meta=dict(d.get("meta", {})))
 
 
-_TABLES = ("verify_ms", "draft_ms", "verify_aten_ms", "draft_aten_ms", "verify_packed_ms", "draft_packed_ms",
-           "verify_tuned_ms", "draft_tuned_ms")
+_TABLES = ("verify_ms", "draft_ms", "verify_aten_ms", "draft_aten_ms", "verify_packed_ms", "draft_packed_ms")
 
 
 def interpolate(table: dict[int, float], n: float) -> float:
@@ -230,9 +219,7 @@ def measure(target, draft=None, sizes=DEFAULT_SIZES, prefix_len: int = 200, repe
     float16 on a CPU with native support, `mcsd.kernels.switchable`), blocks
     up to `ATEN_MAX_ROWS` are also timed on ATen, and every block on prepacked
     oneDNN weights (`mcsd.kernels.pack`; the copies are dropped again unless the
-    model had them before), interleaved the same way. Float32 models on a CPU are
-    also tuned per linear layer shape (`mcsd.linear_tuning.tune`) and timed on
-    those choices (the "tuned" path).
+    model had them before), interleaved the same way.
     """
     gen = torch.Generator().manual_seed(0)
     timers = {"verify": (_ModelTimer(target, prefix_len, gen), sizes)}
@@ -244,24 +231,18 @@ def measure(target, draft=None, sizes=DEFAULT_SIZES, prefix_len: int = 200, repe
     modules = {"verify": target, "draft": drafter_module(draft) if draft is not None else None}
     packs = {role: modules[role] is not None and kernels.packable(t.dtype, t.device)
              for role, (t, _) in timers.items()}
-    tunes = {role: modules[role] is not None and linear_tuning.tunable(t.dtype, t.device)
-             for role, (t, _) in timers.items()}
     plan = [(role, n, path) for role, (_, ns) in timers.items() for n in ns for path in kernels.PATHS
             if path == "onednn" or (path == "aten" and both[role] and n <= ATEN_MAX_ROWS)
-            or (path == "packed" and packs[role]) or (path == "tuned" and tunes[role])]
+            or (path == "packed" and packs[role])]
     saved = getattr(draft, "kernels", None)
     if draft is not None and _is_feature_drafter(draft):
         draft.kernels = None                                                     # timed on the path chosen here
     made = [m for role, m in modules.items() if packs.get(role) and not kernels.is_packed(m)]
     for module in made:
         kernels.pack(module)
-    choices = {role: linear_tuning.tune(modules[role])["choice"] for role in tunes if tunes[role]}
-    tuned_here = [modules[role] for role in choices if not linear_tuning.is_installed(modules[role])]
-    for role in choices:
-        linear_tuning.install(modules[role], {"choice": choices[role]})
 
     def latency(role, n, path):
-        with kernels.using(path) if both[role] or packs[role] or tunes[role] else contextlib.nullcontext():
+        with kernels.using(path) if both[role] or packs[role] else contextlib.nullcontext():
             return timers[role][0].latency(n)
 
     try:
@@ -276,8 +257,6 @@ def measure(target, draft=None, sizes=DEFAULT_SIZES, prefix_len: int = 200, repe
             draft.kernels = saved
         for module in made:
             kernels.unpack(module)
-        for module in tuned_here:
-            linear_tuning.uninstall(module)
     med = {k: statistics.median(v) for k, v in samples.items()}
     meta = {"target": _model_name(target), "draft": _model_name(draft) if draft is not None else None,
             "dtype": str(verify_lm.dtype).replace("torch.", ""), "device": str(verify_lm.device),
@@ -291,8 +270,7 @@ def measure(target, draft=None, sizes=DEFAULT_SIZES, prefix_len: int = 200, repe
                          verify_aten_ms=table("verify", sizes, "aten"), draft_aten_ms=table("draft", draft_sizes, "aten"),
                          verify_packed_ms=table("verify", sizes, "packed"),
                          draft_packed_ms=table("draft", draft_sizes, "packed"),
-                         verify_tuned_ms=table("verify", sizes, "tuned"), draft_tuned_ms=table("draft", draft_sizes, "tuned"),
-                         linear_choice=choices, prefix_len=prefix_len, meta=meta)
+                         prefix_len=prefix_len, meta=meta)
 
 
 def drafter_module(draft) -> torch.nn.Module | None:
@@ -363,8 +341,6 @@ def profile_path(target, draft, dtype=None) -> Path:
         parts.append("onednn-aten-packed")            # profiles timed on every matmul path
     elif kernels.packable(dtype, dev):
         parts.append("default-packed")                # timed with and without prepacked weights
-    if linear_tuning.tunable(dtype, dev):
-        parts.append("tuned")                         # ... and on per-layer tuned products
     key = "|".join(parts)
     digest = hashlib.sha1(key.encode()).hexdigest()[:12]
     return cache_dir() / "profiles" / f"{digest}.json"
