@@ -151,6 +151,13 @@ def register(implementation: str) -> None:
         _register_xformers()
 
 
+def describe(implementation: str) -> str:
+    """What a resolved implementation name runs, in words (for `--stats`)."""
+    return {GQA_NAME: f"grouped-query products for 2-{GQA_MAX_ROWS} float32 rows, SDPA otherwise",
+            XFORMERS_NAME: "xformers memory-efficient attention", "sdpa": "torch SDPA",
+            "eager": "transformers' eager attention"}.get(implementation, implementation)
+
+
 def xformers_unavailable_reason(device) -> str | None:
     """None if the xformers backend can run on `device`, else a sentence saying why not."""
     if torch.device(device).type != "cuda":

@@ -358,6 +358,8 @@ def run(args) -> int:
         print(f"dtype: {dtype_reason or args.dtype + ' (as asked)'}", file=sys.stderr)
         if decoder.kernels_note is not None:
             print(f"matmul kernels: {decoder.kernels_note}", file=sys.stderr)
+        from .attention import describe as describe_attention
+        print(f"attention: {describe_attention(decoder.attention)}; KV cache written in place", file=sys.stderr)
         if decoder.costs_source is not None:
             print(f"costs: {_COSTS_SOURCES[decoder.costs_source]}", file=sys.stderr)
         if not args.baseline and getattr(decoder.policy, "model_source", None) is not None:
