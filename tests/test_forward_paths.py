@@ -156,3 +156,41 @@ def test_forward_profile_splits_a_forward_into_classes():
     assert "b" in format_comparison(times)
     with pytest.raises(ValueError, match="clock"):
         compare(model, [Variant("a")], clock="gpu")
+
+
+def test_bench_report_renders_the_forward_profile(tmp_path):
+    import json
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import bench_report
+    info = {"breakdown": [{"rows": 1, "wall_ms": 20.0, "profiled_ms": 25.0, "ops": 6000,
+                           "ms": {"matmul": 9.0, "attention": 5.0, "python": 4.0}}],
+            "compare_ms": {"before": {"1": 24.0}, "after": {"1": 20.5}}, "cache_len": 300, "attention": "sdpa"}
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"benchmarks": [{"extra_info": info}]}))
+    rows, env = bench_report.load(path)
+    text = bench_report.markdown(rows, env)
+    assert "| 1 | 20.0 | 9.0 | 5.0 | 4.0 | 6000 |" in text
+    assert "| rows | before | after |" in text and "| 1 | 24.0 | 20.5 |" in text
+
+
+def test_a_packed_model_deep_copies_and_the_copy_runs_on_its_own_weights():
+    """Prepacked copies (oneDNN's opaque tensors) are not copied: the copy computes from its plain
+    weights, and packing it again works."""
+    from mcsd import kernels
+    model = tiny_llama(3)
+    if not kernels.packable(torch.float32, "cpu"):
+        pytest.skip("oneDNN cannot prepack here")
+    kernels.pack(model)
+    clone = copy.deepcopy(model)
+    assert kernels.is_packed(model) and not kernels.is_packed(clone)
+    with torch.no_grad():
+        clone.lm_head.weight.mul_(2.0)                     # the copy's own weights are what it computes with
+        ids = PROMPT[None]
+        with kernels.using("packed"):
+            a, b = model(ids).logits, clone(ids).logits
+        assert not torch.allclose(a, b)
+        kernels.pack(clone)
+        with kernels.using("packed"):
+            assert torch.allclose(clone(ids).logits, b, atol=1e-5)
