@@ -25,6 +25,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--path", choices=("aten", "onednn", "packed"), default=None,
                     help="matmul path (default: torch's own choice; see mcsd.kernels)")
+    ap.add_argument("--attention", default="auto", help="auto, sdpa, gqa or eager (default auto: what the engine runs)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--top", action="store_true", help="also list the operations with the most self time")
     ap.add_argument("--json", type=Path, help="also write the breakdown here")
@@ -47,6 +48,12 @@ def main(argv=None) -> int:
         from mcsd.models import load_model
         from mcsd.presets import DEFAULT_PRESET
         model = load_model(args.target or DEFAULT_PRESET, args.dtype, "cpu")
+    from mcsd.attention import set_backend
+    from mcsd.config import ConfigError
+    try:
+        set_backend(model, args.attention)
+    except ConfigError as exc:
+        ap.error(str(exc))
     results = breakdown(model, sizes, cache_len=args.cache_len, repeats=args.repeats, path=args.path)
     print(f"{model.config._name_or_path} {args.dtype}, {torch.get_num_threads()} thread(s), "
           f"cache {args.cache_len}, matmul path {args.path or 'default'}, attention "
