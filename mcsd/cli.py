@@ -512,6 +512,8 @@ def run(args) -> int:
             print(_EXPECTED_NOTE, file=sys.stderr)
         if decoder.kernels_note is not None:
             print(f"matmul kernels: {decoder.kernels_note}", file=sys.stderr)
+        from .attention import describe as describe_attention
+        print(f"attention: {describe_attention(decoder.attention)}; KV cache written in place", file=sys.stderr)
         if decoder.costs_source is not None:
             costs = getattr(decoder.policy, "costs", None) or decoder.context_costs
             online = ", corrected online" if getattr(costs, "online", False) else ", fixed for the run"

@@ -19,7 +19,7 @@ class ConfigError(ValueError):
 # offer them before anything heavy is imported.
 DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
                "float16": "float16", "fp16": "float16"}          # accepted name -> torch dtype name
-ATTENTION_BACKENDS = ("auto", "sdpa", "xformers", "eager")
+ATTENTION_BACKENDS = ("auto", "sdpa", "gqa", "xformers", "eager")
 
 
 def _number(name: str, value) -> float:

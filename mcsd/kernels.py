@@ -113,6 +113,11 @@ class _Packed:
         (the same objects, storage and version counter)."""
         return self._stamp_of(layer) == self._stamp
 
+    def __deepcopy__(self, memo):
+        # A deep copy of a packed model has weights of its own, which this was not made from (and
+        # oneDNN's opaque tensors cannot be copied): the copy runs on its plain weights until packed.
+        return None
+
 
 def _packed_forward(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     packed = layer.__dict__.get("_mcsd_packed")

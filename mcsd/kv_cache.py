@@ -8,11 +8,82 @@ Only the handful of accepted entries is copied; the prefix is never touched.
 Works on transformers' `DynamicCache` (its per-layer `keys` / `values`
 tensors, shape (B, H_kv, T, D)). Sliding-window and quantised caches are not
 supported: they reorder or compress entries and cannot be committed this way.
+
+`in_place_cache` makes a DynamicCache whose full-attention layers keep their
+entries in a buffer allocated ahead (`InPlaceLayer`): a forward writes its
+block into the buffer instead of concatenating a new (B, H_kv, T, D) tensor
+per layer, which on a CPU also spares a large allocation (often a fresh
+memory mapping, page faults included) per layer and forward. `commit` and
+`truncate` work on both kinds unchanged: they write into and shorten views.
 """
 
 from __future__ import annotations
 
 import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+HEADROOM = 256            # positions an in-place layer reserves beyond what it holds when it (re)allocates
+
+
+class InPlaceLayer(DynamicLayer):
+    """A DynamicLayer whose `keys` / `values` are views of a preallocated (B, H_kv, capacity, D) buffer.
+
+    `update` copies the block into the buffer after the held positions and
+    returns views of everything held; the buffer doubles (one copy) when it is
+    full. Anything that replaces `keys` / `values` with a tensor of its own
+    (beam reordering, a crop that copies) is adopted into a fresh buffer on the
+    next update, so the layer stays correct under transformers' own methods.
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._key_buf: torch.Tensor | None = None
+        self._value_buf: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._key_buf = self._value_buf = None
+
+    def _views_buffer(self) -> bool:
+        return (self._key_buf is not None and self.keys.data_ptr() == self._key_buf.data_ptr()
+                and self.values.data_ptr() == self._value_buf.data_ptr())
+
+    def _reallocate(self, need: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        held = self.get_seq_length()
+        old = 0 if self._key_buf is None else self._key_buf.shape[-2]
+        capacity = max(need + HEADROOM, 2 * old)
+        b, h, _, d = key_states.shape
+        self._key_buf = key_states.new_empty(b, h, capacity, d)
+        self._value_buf = value_states.new_empty(b, h, capacity, value_states.shape[-1])
+        if held:
+            self._key_buf[:, :, :held].copy_(self.keys)
+            self._value_buf[:, :, :held].copy_(self.values)
+        self.keys, self.values = self._key_buf[:, :, :held], self._value_buf[:, :, :held]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write the block's (B, H_kv, n, D) keys and values after the held positions; returns
+        views (B, H_kv, held + n, D) of all of them."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        held = self.get_seq_length()
+        need = held + key_states.shape[-2]
+        buf = self._key_buf
+        fits = (buf is not None and need <= buf.shape[-2] and buf.shape[:2] == key_states.shape[:2]
+                and buf.dtype == key_states.dtype and (held == 0 or self._views_buffer()))
+        if not fits:
+            self._reallocate(need, key_states, value_states)
+        self._key_buf[:, :, held:need].copy_(key_states)
+        self._value_buf[:, :, held:need].copy_(value_states)
+        self.keys, self.values = self._key_buf[:, :, :need], self._value_buf[:, :, :need]
+        return self.keys, self.values
+
+
+def in_place_cache(config) -> DynamicCache:
+    """A DynamicCache for a model with this config whose plain full-attention layers are
+    `InPlaceLayer`s (other layer kinds, e.g. sliding-window ones, stay as transformers makes them)."""
+    cache = DynamicCache(config=config)
+    cache.layers = [InPlaceLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
 
 
 def _layers(cache):

@@ -21,13 +21,16 @@ class CachedLM:
 
     Attributes:
         model: the transformers model (eval mode).
-        cache: its DynamicCache; holds `length` committed positions between rounds.
+        cache: its DynamicCache; holds `length` committed positions between rounds. With
+            `in_place` (the default) its layers write into buffers allocated ahead instead of
+            concatenating (`mcsd.kv_cache.InPlaceLayer`).
         kernels: which CPU matmul path each block size runs on (`mcsd.kernels`;
             None leaves torch's setting alone).
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, in_place: bool = True):
         self.model = model
+        self.in_place = in_place
         self.dtype = model.get_input_embeddings().weight.dtype
         self.device = model.get_input_embeddings().weight.device
         self.cache = None
@@ -37,7 +40,8 @@ class CachedLM:
 
     def reset(self) -> None:
         from transformers import DynamicCache
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = kv_cache.in_place_cache(self.model.config) if self.in_place \
+            else DynamicCache(config=self.model.config)
 
     @property
     def length(self) -> int:

@@ -9,8 +9,9 @@ from mcsd.attention import resolve_backend
 from mcsd.config import ConfigError
 
 
-def test_auto_falls_back_to_sdpa_on_cpu():
-    assert resolve_backend("auto", "cpu") == "sdpa"
+def test_auto_picks_the_grouped_query_path_on_cpu():
+    assert resolve_backend("auto", "cpu") == "mcsd_gqa"
+    assert resolve_backend("gqa", "cpu") == "mcsd_gqa"
     assert resolve_backend("sdpa", "cpu") == "sdpa"
 
 

@@ -32,7 +32,7 @@ def test_json_output_matches_baseline(model_dirs, capsys):
     for key in ("mean_accepted", "accept_by_depth", "target_forwards", "draft_forwards", "tokens_per_s",
                 "draft_s", "verify_s", "wall_s"):
         assert key in tree["stats"]
-    assert tree["settings"]["attention"] == "sdpa"
+    assert tree["settings"]["attention"] == "mcsd_gqa"              # auto on a CPU
     # the learned policy's acceptance model: the generic one (this draft's folder ships none)
     assert tree["settings"]["acceptance_model"].endswith("decision-models/acceptance.json")
     assert base["settings"]["acceptance_model"] is None
@@ -44,6 +44,7 @@ def test_stream_and_stats(model_dirs, capsys):
     captured = capsys.readouterr()
     assert len(captured.out.split()) == 10
     assert "tokens/s" in captured.err and "acceptance by depth" in captured.err
+    assert "attention: grouped-query products for 2-32 float32 rows" in captured.err
 
 
 def test_prompt_from_file_and_stdin(model_dirs, tmp_path, capsys, monkeypatch):

@@ -4,8 +4,10 @@
     python tools/bench_report.py bench.json --out bench-report/
 
 Writes `report.md` (overall table: speedup, tau, tokens/s, exactness; then a
-methods x category table of speedup and tau), `speedup_by_category.png` and
-`tau_vs_tree_size.png`, and prints the Markdown.
+methods x category table of speedup and tau; then, where
+`benchmarks/test_forward_profile.py` ran, where a forward's time goes and the
+forward paths compared), `speedup_by_category.png` and `tau_vs_tree_size.png`,
+and prints the Markdown.
 """
 
 from __future__ import annotations
@@ -19,9 +21,35 @@ from pathlib import Path
 def load(path: Path) -> tuple[list[dict], dict]:
     data = json.loads(path.read_text())
     rows = [b["extra_info"] for b in data.get("benchmarks", []) if "method" in b.get("extra_info", {})]
-    if not rows:
+    forward = [b["extra_info"] for b in data.get("benchmarks", [])
+               if {"breakdown", "compare_ms"} & set(b.get("extra_info", {}))]
+    if not rows and not forward:
         raise SystemExit(f"{path}: no mcsd speed benchmarks found (run pytest benchmarks/ --benchmark-json=...)")
-    return rows, {"datetime": data.get("datetime"), **rows[0].get("environment", {})}
+    return rows, {"datetime": data.get("datetime"), **(rows or forward)[0].get("environment", {}), "forward": forward}
+
+
+def forward_markdown(infos: list[dict]) -> list[str]:
+    """Tables from `benchmarks/test_forward_profile.py`: ms per operation class and block size, and
+    the forward paths' median ms per block size (interleaved in one process)."""
+    lines = []
+    for info in infos:
+        if "breakdown" in info:
+            classes = list(info["breakdown"][0]["ms"])
+            lines += ["", f"Where a forward's time goes ({info.get('cache_len')}-token cache, attention "
+                          f"{info.get('attention')}; ms of a profiled forward):", "",
+                      "| rows | wall ms | " + " | ".join(classes) + " | ATen ops |",
+                      "| ---: | ---: |" + " ---: |" * len(classes) + " ---: |"]
+            for r in info["breakdown"]:
+                lines.append(f"| {r['rows']} | {r['wall_ms']:.1f} | " + " | ".join(f"{r['ms'][c]:.1f}" for c in classes)
+                             + f" | {r['ops']} |")
+        if "compare_ms" in info:
+            names = list(info["compare_ms"])
+            sizes = list(info["compare_ms"][names[0]])
+            lines += ["", "Forward paths, median ms per block size (interleaved in one process):", "",
+                      "| rows | " + " | ".join(names) + " |", "| ---: |" + " ---: |" * len(names)]
+            for n in sizes:
+                lines.append(f"| {n} | " + " | ".join(f"{info['compare_ms'][m][n]:.1f}" for m in names) + " |")
+    return lines
 
 
 def _fmt(x, spec=".2f"):
@@ -40,6 +68,8 @@ def tree_size(spec: str | None) -> int:
 
 
 def markdown(rows: list[dict], env: dict) -> str:
+    if not rows:                                  # only the forward profile ran
+        return "\n".join(forward_markdown(env.get("forward", []))[1:]) + "\n"
     when = env.get("datetime") or datetime.now(timezone.utc).isoformat()
     lines = [f"Machine: {env.get('processor')} ({env.get('cpu_count')} cores, {env.get('threads')} threads"
              f"{', ' + env['cuda'] if env.get('cuda') else ''}); {env.get('device')}, {env.get('dtype')}; "
@@ -65,6 +95,7 @@ def markdown(rows: list[dict], env: dict) -> str:
     best = _best(rows)
     if best:
         lines += ["", best]
+    lines += forward_markdown(env.get("forward", []))
     return "\n".join(lines) + "\n"
 
 

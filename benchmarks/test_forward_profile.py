@@ -1,0 +1,62 @@
+"""Where a target forward's time goes, and what the faster forward paths change.
+
+Two reports, neither asserted:
+- the breakdown per operation class (matmul, attention, elementwise, copy,
+  other ATen, Python) of a 1-token step and of verifies of 2-64 rows over a
+  300-token cache (`mcsd.forward_profile.breakdown`), in
+  `benchmark.extra_info["breakdown"]`;
+- the same block sizes timed interleaved in one process on today's and the
+  previous forward paths (`mcsd.forward_profile.compare`): SDPA with a
+  concatenating cache against grouped-query attention with the in-place
+  cache, on each matmul path the kernel table can choose, in
+  `benchmark.extra_info["compare_ms"]` (median ms per variant and size).
+
+    pytest benchmarks/test_forward_profile.py --benchmark-only --bench-threads 1 --bench-dtype float32
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from mcsd.forward_profile import Variant, breakdown, compare, format_comparison, format_table
+from mcsd.kernels import packable
+
+SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def test_forward_breakdown(benchmark, bench):
+    sizes = (1, 8) if bench.smoke else SIZES
+    result = {}
+
+    def run():
+        result["rows"] = breakdown(bench.target, sizes, cache_len=300, repeats=2 if bench.smoke else 5)
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    print("\n" + format_table(result["rows"]))
+    benchmark.extra_info.update({
+        "breakdown": [{"rows": r.rows, "wall_ms": r.wall_ms, "profiled_ms": r.profiled_ms, "ms": r.ms, "ops": r.ops,
+                       "top": r.top} for r in result["rows"]],
+        "cache_len": 300, "attention": bench.target.config._attn_implementation, "environment": bench.environment,
+    })
+
+
+def test_forward_paths_interleaved(benchmark, bench):
+    sizes = (1, 8) if bench.smoke else SIZES
+    model = bench.target
+    variants = [Variant("sdpa+concatenating cache", "sdpa", in_place=False),
+                Variant("gqa+in-place cache", "mcsd_gqa", in_place=True)]
+    if packable(model.dtype, model.device):
+        variants.append(Variant("gqa+in-place, packed", "mcsd_gqa", in_place=True, path="packed"))
+    result = {}
+
+    def run():
+        result["times"] = compare(model, variants, sizes, cache_len=300, repeats=3 if bench.smoke else 10,
+                                  clock="cpu" if torch.get_num_threads() == 1 else "wall")
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    print("\n" + format_comparison(result["times"]))
+    benchmark.extra_info.update({
+        "compare_ms": {name: {n: statistics.median(t) for n, t in per.items()} for name, per in result["times"].items()},
+        "cache_len": 300, "environment": bench.environment,
+    })

@@ -1,0 +1,74 @@
+"""Where a target forward's time goes, per block size: matmul, attention, elementwise, copies, Python.
+
+    python tools/profile_forward.py --threads 1                  # the embedded target, bfloat16
+    python tools/profile_forward.py --dtype float32 --sizes 1,9 --path packed --json out.json
+    python tools/profile_forward.py --stand-in smollm2-135m      # random weights, same shapes
+
+Runs a 1-token step and verifies of 2-64 rows over a `--cache-len` cache under
+torch.profiler and prints one line per block size (see `mcsd.forward_profile`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def main(argv=None) -> int:
+    from mcsd.profile import STAND_INS
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", help="target source (default: the embedded preset)")
+    ap.add_argument("--stand-in", choices=sorted(STAND_INS), help="a random-weight model of this architecture")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--sizes", default="1,2,4,8,16,32,64", help="comma-separated block sizes")
+    ap.add_argument("--cache-len", type=int, default=300, help="committed positions before the block")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--path", choices=("aten", "onednn", "packed"), default=None,
+                    help="matmul path (default: torch's own choice; see mcsd.kernels)")
+    ap.add_argument("--attention", default="auto", help="auto, sdpa, gqa or eager (default auto: what the engine runs)")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--top", action="store_true", help="also list the operations with the most self time")
+    ap.add_argument("--json", type=Path, help="also write the breakdown here")
+    args = ap.parse_args(argv)
+    try:
+        sizes = tuple(int(n) for n in args.sizes.split(","))
+    except ValueError:
+        ap.error(f"--sizes must be comma-separated integers, got {args.sizes!r}")
+    if min(sizes) < 1 or args.cache_len < 1 or args.repeats < 1:
+        ap.error("--sizes, --cache-len and --repeats must be positive")
+
+    import torch
+    from mcsd.forward_profile import breakdown, format_table, to_json
+    from mcsd.profile import machine_info, stand_in
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.stand_in:
+        model = stand_in(args.stand_in, args.dtype)
+    else:
+        from mcsd.models import load_model
+        from mcsd.presets import DEFAULT_PRESET
+        model = load_model(args.target or DEFAULT_PRESET, args.dtype, "cpu")
+    from mcsd.attention import set_backend
+    from mcsd.config import ConfigError
+    try:
+        set_backend(model, args.attention)
+    except ConfigError as exc:
+        ap.error(str(exc))
+    results = breakdown(model, sizes, cache_len=args.cache_len, repeats=args.repeats, path=args.path)
+    print(f"{model.config._name_or_path} {args.dtype}, {torch.get_num_threads()} thread(s), "
+          f"cache {args.cache_len}, matmul path {args.path or 'default'}, attention "
+          f"{model.config._attn_implementation}; ms per forward (share of wall)")
+    print(format_table(results))
+    if args.top:
+        for r in results:
+            print(f"\n{r.rows} rows: " + "; ".join(f"{name} {ms:.2f} ms x{calls:g}" for name, ms, calls in r.top))
+    if args.json:
+        meta = {"model": model.config._name_or_path, "dtype": args.dtype, "threads": torch.get_num_threads(),
+                "path": args.path, "attention": model.config._attn_implementation, "host": machine_info("cpu")}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(to_json(results, meta))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
