@@ -103,11 +103,6 @@ class _Packed:
         return tuple((id(t), t.data_ptr(), t._version) if t is not None else None
                      for t in (layer.weight, layer.bias))
 
-    def __deepcopy__(self, memo):
-        # oneDNN's blocked tensors cannot be copied; a copied model runs on its plain weights
-        # (and is packed again by `pack` where wanted)
-        return None
-
     def fresh(self, layer: torch.nn.Linear) -> bool:
         """The layer's weight (and bias) are still the tensors this copy was made from, unchanged
         (the same objects, storage and version counter)."""
