@@ -24,7 +24,6 @@ target generates in; "plain" keeps the text bare.
 
 from __future__ import annotations
 
-import argparse
 
 import hashlib
 from dataclasses import dataclass
@@ -180,8 +179,6 @@ def records(doc: Document, tokenizer, chunk_tokens: int, fmt: str = "chat") -> l
 
 def main(argv=None) -> int:
     """A library with no stage of its own: `--help` (or no argument) prints what it is and what runs it."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="`python tools/target_data.py corpus` runs it and `teacher` labels what it stores.")
-    parser.parse_args(argv)
-    parser.print_help()
-    return 0
+    from mcsd.train import library_main
+    return library_main(__doc__, "`python tools/target_data.py corpus` runs it; `teacher` labels what it stores.",
+                        argv)

@@ -9,7 +9,6 @@ replayed on it without running a model.
 
 from __future__ import annotations
 
-import argparse
 
 from pathlib import Path
 
@@ -124,8 +123,5 @@ def auc_or_none(y: np.ndarray, p: np.ndarray) -> float | None:
 
 def main(argv=None) -> int:
     """A library with no stage of its own: `--help` (or no argument) prints what it is and what runs it."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="`python tools/train_disco.py` and `python tools/train_specdecpp.py` run it.")
-    parser.parse_args(argv)
-    parser.print_help()
-    return 0
+    from mcsd.train import library_main
+    return library_main(__doc__, "`python tools/train_disco.py` and `python tools/train_specdecpp.py` run it.", argv)
