@@ -419,10 +419,7 @@ def test_cli_context_mistakes_are_one_line(model_dirs, tmp_path, capsys, extra, 
 
 def test_build_context_store_tool(model_dirs, tmp_path, capsys):
     import json
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-    import build_context_store
+    from mcsd.train import context_store as build_context_store
 
     outputs = tmp_path / "outputs.jsonl"
     outputs.write_text(json.dumps({"tokens": [3, 4, 5]}) + "\n\n" + json.dumps({"text": "w07 w08"}) + "\n")

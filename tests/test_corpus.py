@@ -1,17 +1,13 @@
 """The corpus stage of the data engine: text files and installed packages cut into chunks with
 provenance, resumable, refusing evaluation data, then labelled by the teacher stage."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-
-import corpus  # noqa: E402
-import target_data  # noqa: E402
-from conftest import word_tokenizer  # noqa: E402
+from mcsd.train import corpus
+from mcsd.train import data as td
+from mcsd.train import engine
+from conftest import word_tokenizer
 
 CHAT = ("{% for m in messages %}w02 {{ m['content'] }} w03 {% endfor %}"
         "{% if add_generation_prompt %}w04 {% endif %}")
@@ -98,28 +94,28 @@ def test_corpus_stage_resumes_caps_records_provenance_and_feeds_the_teacher(tmp_
     common = ["--target", str(tmp_path / "target"), "--data-dir", str(data), "--threads", "1"]
     corpus_args = ["corpus", "--run", "words", "--paths", str(text), "--licence", "CC0-1.0", "--chunk-tokens", "24",
                    "--shard-records", "3"]
-    target_data.main(common + corpus_args + ["--max-tokens", "100"])
-    entry = target_data.read_manifest(data)["runs"]["words"]
+    engine.main(common + corpus_args + ["--max-tokens", "100"])
+    entry = td.read_manifest(data)["runs"]["words"]
     assert 100 <= entry["n_tokens"] < 100 + 24
-    target_data.main(common + corpus_args)                           # resumed: the rest, nothing twice
-    entry = target_data.read_manifest(data)["runs"]["words"]
+    engine.main(common + corpus_args)                                # resumed: the rest, nothing twice
+    entry = td.read_manifest(data)["runs"]["words"]
     keys = entry["done"]
     assert len(keys) == len(set(keys))
     files = {k.split(":")[-1].split("#")[0] for k in keys}
     assert files == {"copy.txt", "f1.txt", "f2.txt", "f3.txt"}      # f0.txt has copy.txt's text: stored once
-    stored = list(target_data.iter_records(data, "words"))
+    stored = list(td.iter_records(data, "words"))
     assert sum(len(r["response"]) for r in stored) == entry["n_tokens"]
     prov = entry["provenance"][str(text)]
     assert prov["licence"] == "CC0-1.0" and prov["tokens"] == entry["n_tokens"] and prov["chunks"] == len(keys)
     assert prov["files"] == 4                                        # the copy is not one
-    target_data.main(common + corpus_args)                           # a third call adds nothing
-    assert target_data.read_manifest(data)["runs"]["words"]["n_tokens"] == entry["n_tokens"]
-    import train_feature_drafter
-    card = train_feature_drafter.run_provenance(data, ["words"])["words"]
+    engine.main(common + corpus_args)                                # a third call adds nothing
+    assert td.read_manifest(data)["runs"]["words"]["n_tokens"] == entry["n_tokens"]
+    from mcsd.train.feature_head import run_provenance
+    card = run_provenance(data, ["words"])["words"]
     assert card["sources"][str(text)]["licence"] == "CC0-1.0" and card["tokens"] == entry["n_tokens"]
-    target_data.main(common + ["teacher", "words", "--store-layers", "1,2"])
-    ex = target_data.load_examples(data, ["words"], with_hidden=True)
+    engine.main(common + ["teacher", "words", "--store-layers", "1,2"])
+    ex = td.load_examples(data, ["words"], with_hidden=True)
     assert len(ex) == len(keys)
     assert all(e["layers"].shape == (len(e["response"]), 2 * target.config.hidden_size) for e in ex)
     with pytest.raises(SystemExit, match="evaluation data"):
-        target_data.main(common + ["--questions", str(text / "f1.txt"), "corpus", "--run", "bad", "--paths", str(text)])
+        engine.main(common + ["--questions", str(text / "f1.txt"), "corpus", "--run", "bad", "--paths", str(text)])

@@ -3,31 +3,29 @@ trained on generation runs with and without stored hidden states, exported as a 
 its basis, continued with --init, and the refusals."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+from mcsd.train import distill as dd
+from mcsd.train import data as td
+from mcsd.train import engine
 
-import distill_draft as dd  # noqa: E402
-import target_data  # noqa: E402
-
-from conftest import tiny_llama, word_tokenizer  # noqa: E402
+from conftest import tiny_llama, word_tokenizer
 
 
 def _store_run(data_dir: Path, target, run: str, n_prompts: int, seed: int, store_hidden: bool):
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, 64, (4,), generator=g).tolist() for _ in range(n_prompts)]
-    outs = target_data.generate_batch(target, prompts, max_new_tokens=24, eos_ids=(1,), pad_id=0, topk=4,
-                                      store_hidden=store_hidden)
+    outs = engine.generate_batch(target, prompts, max_new_tokens=24, eos_ids=(1,), pad_id=0, topk=4,
+                                 store_hidden=store_hidden)
     split = "heldout" if run == "held" else "fit"
-    target_data.start_run(data_dir, "runs", run, {"split": split, "store_hidden": store_hidden})
+    td.start_run(data_dir, "runs", run, {"split": split, "store_hidden": store_hidden})
     records = [{"key": f"{run}-{i}/0", "prompt_id": f"{run}-{i}", "category": "qa",
                 "prompt": torch.tensor(p, dtype=torch.int32), **o} for i, (p, o) in enumerate(zip(prompts, outs))]
-    target_data.save_shard(data_dir, "runs", run, records,
-                           {"n_sequences": len(records), "n_tokens": sum(len(r["response"]) for r in records)})
+    td.save_shard(data_dir, "runs", run, records,
+                  {"n_sequences": len(records), "n_tokens": sum(len(r["response"]) for r in records)})
     return sum(len(r["response"]) for r in records)
 
 

@@ -106,10 +106,7 @@ def test_device_profile_times_a_feature_drafter(target, tmp_path, monkeypatch):
 def test_cost_measurement_of_a_feature_head(target, version):
     """tools/measure_draft.py --feature-head: interleaved 1-token timings over a fixed-length cache,
     the head reading the target layers it was built for."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-    import measure_draft
+    from mcsd.train import measure as measure_draft
     drafter = FeatureDrafter(random_head(target) if version == "v1" else random_v2_head(target), target)
     context = list(range(3, 23))
     cost = measure_draft.measure_feature_cost(target, drafter, context, runs=3, warmup=1)

@@ -2,31 +2,29 @@
 stage (hidden states stored as it generates), prompt subsets, going on from a saved head, and the card."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+from mcsd.train import data as td
+from mcsd.train import engine
+from mcsd.train import feature_head as tfd
 
-import target_data  # noqa: E402
-import train_feature_drafter as tfd  # noqa: E402
-
-from conftest import tiny_llama  # noqa: E402
-from mcsd.feature_draft import FeatureHead  # noqa: E402
+from conftest import tiny_llama
+from mcsd.feature_draft import FeatureHead
 
 
 def _store_run(data_dir: Path, target, run: str, n_prompts: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, 64, (4,), generator=g).tolist() for _ in range(n_prompts)]
-    outs = target_data.generate_batch(target, prompts, max_new_tokens=20, eos_ids=(1,), pad_id=0, topk=4,
-                                      store_hidden=True)
-    target_data.start_run(data_dir, "runs", run, {"split": "fit" if run == "fit" else "heldout", "store_hidden": True})
+    outs = engine.generate_batch(target, prompts, max_new_tokens=20, eos_ids=(1,), pad_id=0, topk=4,
+                                 store_hidden=True)
+    td.start_run(data_dir, "runs", run, {"split": "fit" if run == "fit" else "heldout", "store_hidden": True})
     records = [{"key": f"{run}-{i}/0", "prompt_id": f"{run}-{i}", "category": "qa",
                 "prompt": torch.tensor(p, dtype=torch.int32), **o} for i, (p, o) in enumerate(zip(prompts, outs))]
-    target_data.save_shard(data_dir, "runs", run, records,
-                           {"n_sequences": len(records), "n_tokens": sum(len(r["response"]) for r in records)})
+    td.save_shard(data_dir, "runs", run, records,
+                  {"n_sequences": len(records), "n_tokens": sum(len(r["response"]) for r in records)})
     return sum(len(r["response"]) for r in records)
 
 
@@ -88,8 +86,8 @@ def test_v2_head_end_to_end_from_the_teacher_stage(setup):
     from conftest import word_tokenizer
     word_tokenizer().save_pretrained(tmp_path / "target")       # the teacher stage pads with its tokenizer
     for run in ("fit", "held"):
-        target_data.main(["--target", str(tmp_path / "target"), "--data-dir", str(data), "--threads", "1",
-                          "teacher", run, "--store-layers", "1,2"])
+        engine.main(["--target", str(tmp_path / "target"), "--data-dir", str(data), "--threads", "1",
+                     "teacher", run, "--store-layers", "1,2"])
     head_dir = tmp_path / "v2-head"
     assert tfd.main(common + ["--feature-layers", "1,2", "--out", str(head_dir)]) == 0
     head = FeatureHead.load(head_dir)
@@ -106,8 +104,8 @@ def test_v1_head_widened_to_v2_goes_on_from_where_it_was(setup):
     from conftest import word_tokenizer
     word_tokenizer().save_pretrained(tmp_path / "target")
     for run in ("fit", "held"):
-        target_data.main(["--target", str(tmp_path / "target"), "--data-dir", str(data), "--threads", "1",
-                          "teacher", run, "--store-layers", "1,-1"])
+        engine.main(["--target", str(tmp_path / "target"), "--data-dir", str(data), "--threads", "1",
+                     "teacher", run, "--store-layers", "1,-1"])
     v1 = tmp_path / "v1"
     assert tfd.main(common + ["--out", str(v1)]) == 0
     same = tmp_path / "same"

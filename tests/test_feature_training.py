@@ -1,17 +1,12 @@
 """The feature-head trainer's conventions match the drafter's: a head fitted on a tiny target's own text
 agrees with it teacher-forced *and* gets drafts accepted when decoding."""
 
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+from mcsd.train import feature_head as tfd
 
-import train_feature_drafter as tfd  # noqa: E402
-
-from mcsd import TreeDecoder  # noqa: E402
-from mcsd.feature_draft import FeatureDrafter, FeatureHead, FeatureHeadConfig  # noqa: E402
+from mcsd import TreeDecoder
+from mcsd.feature_draft import FeatureDrafter, FeatureHead, FeatureHeadConfig
 
 
 def _examples(target, n=12, length=40):

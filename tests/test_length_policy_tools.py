@@ -1,21 +1,17 @@
 """Traces with draft hidden states -> DISCO classifier and SpecDec++ head -> policies that load them, end to end."""
 
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+from mcsd.train import disco as train_disco
+from mcsd.train import specdecpp as train_specdecpp
+from mcsd.train.length_data import ChainCosts, chains, drafted_from_decisions, path_labels
 
-import train_disco  # noqa: E402
-import train_specdecpp  # noqa: E402
-from length_policy_data import ChainCosts, chains, drafted_from_decisions, path_labels  # noqa: E402
-
-from mcsd import TreeDecoder  # noqa: E402
-from mcsd.policies import make_policy  # noqa: E402
-from test_trace_tools import collect_fit_and_heldout  # noqa: E402
+from mcsd import TreeDecoder
+from mcsd.policies import make_policy
+from test_trace_tools import collect_fit_and_heldout
 
 
 def test_path_labels_chains_and_drafted_lengths():

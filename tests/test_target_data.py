@@ -1,28 +1,24 @@
 """The data engine's two ways of labelling target text agree: what batched generation stores
 (left-padded, KV-cached, rows leaving at EOS) is what a teacher-forced pass over the same text computes."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-
-import target_data  # noqa: E402
+from mcsd.train import data as td
+from mcsd.train import engine
 
 
 def test_generation_labels_match_a_teacher_pass(target):
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (3, 7, 5, 9)]
     eos = (12,)  # rows 2 and 4 write it early and leave the batch (and the KV cache) mid-run
-    outs = target_data.generate_batch(target, prompts, max_new_tokens=12, temperature=0.0, eos_ids=eos,
-                                      pad_id=0, topk=4, store_hidden=True)
+    outs = engine.generate_batch(target, prompts, max_new_tokens=12, temperature=0.0, eos_ids=eos,
+                                 pad_id=0, topk=4, store_hidden=True)
     assert [o["finished"] for o in outs] == [False, True, False, True]
     assert [len(o["response"]) for o in outs] == [12, 4, 12, 2]
     records = [{"key": str(i), "prompt": torch.tensor(p, dtype=torch.int32), "response": o["response"]}
                for i, (p, o) in enumerate(zip(prompts, outs))]
-    teacher = target_data.teacher_batch(target, records, topk=4, store_hidden=True, pad_id=0)
+    teacher = engine.teacher_batch(target, records, topk=4, store_hidden=True, pad_id=0)
     for o, t in zip(outs, teacher):
         R = len(o["response"])
         assert o["hidden"].shape == t["hidden"].shape == (R, target.config.hidden_size)
@@ -34,33 +30,33 @@ def test_generation_labels_match_a_teacher_pass(target):
 
 
 def test_generation_without_hidden_stores_none(target):
-    outs = target_data.generate_batch(target, [[3, 4, 9]], max_new_tokens=4, eos_ids=(1,), pad_id=0, topk=4)
+    outs = engine.generate_batch(target, [[3, 4, 9]], max_new_tokens=4, eos_ids=(1,), pad_id=0, topk=4)
     assert "hidden" not in outs[0] and outs[0]["topk_ids"].shape == (len(outs[0]["response"]), 4)
 
 
 @pytest.mark.parametrize("with_hidden", [False, True])
 def test_load_examples_reads_hidden_from_generation_runs(tmp_path, target, with_hidden):
-    out = target_data.generate_batch(target, [[3, 4, 9]], max_new_tokens=4, eos_ids=(1,), pad_id=0, topk=4,
-                                     store_hidden=True)[0]
-    target_data.start_run(tmp_path, "runs", "r", {"store_hidden": True})
-    target_data.save_shard(tmp_path, "runs", "r", [{"key": "a/0", "prompt": torch.tensor([3, 4, 9]), **out}],
-                           {"n_sequences": 1, "n_tokens": len(out["response"])})
-    (ex,) = target_data.load_examples(tmp_path, ["r"], with_hidden=with_hidden)
+    out = engine.generate_batch(target, [[3, 4, 9]], max_new_tokens=4, eos_ids=(1,), pad_id=0, topk=4,
+                                store_hidden=True)[0]
+    td.start_run(tmp_path, "runs", "r", {"store_hidden": True})
+    td.save_shard(tmp_path, "runs", "r", [{"key": "a/0", "prompt": torch.tensor([3, 4, 9]), **out}],
+                  {"n_sequences": 1, "n_tokens": len(out["response"])})
+    (ex,) = td.load_examples(tmp_path, ["r"], with_hidden=with_hidden)
     assert ("hidden" in ex) == with_hidden
 
 
 def test_load_examples_names_a_run_without_hidden(tmp_path, target):
-    out = target_data.generate_batch(target, [[3, 4, 9]], max_new_tokens=4, eos_ids=(1,), pad_id=0, topk=4)[0]
-    target_data.start_run(tmp_path, "runs", "plain", {})
-    target_data.save_shard(tmp_path, "runs", "plain", [{"key": "a/0", "prompt": torch.tensor([3, 4, 9]), **out}],
-                           {"n_sequences": 1, "n_tokens": len(out["response"])})
+    out = engine.generate_batch(target, [[3, 4, 9]], max_new_tokens=4, eos_ids=(1,), pad_id=0, topk=4)[0]
+    td.start_run(tmp_path, "runs", "plain", {})
+    td.save_shard(tmp_path, "runs", "plain", [{"key": "a/0", "prompt": torch.tensor([3, 4, 9]), **out}],
+                  {"n_sequences": 1, "n_tokens": len(out["response"])})
     with pytest.raises(ValueError, match="plain.*--store-hidden"):
-        target_data.load_examples(tmp_path, ["plain"], with_hidden=True)
+        td.load_examples(tmp_path, ["plain"], with_hidden=True)
 
 
 def test_teacher_stores_the_chosen_layers(target):
     records = [{"key": "a", "prompt": torch.tensor([3, 4, 9]), "response": torch.tensor([5, 6, 7, 8])}]
-    out = target_data.teacher_batch(target, records, topk=4, store_hidden=True, pad_id=0, store_layers=(0, 2, -1))[0]
+    out = engine.teacher_batch(target, records, topk=4, store_hidden=True, pad_id=0, store_layers=(0, 2, -1))[0]
     with torch.no_grad():
         hs = target(torch.tensor([[3, 4, 9, 5, 6, 7, 8]]), output_hidden_states=True).hidden_states
     want = torch.cat([hs[0][0, 2:6], hs[2][0, 2:6], hs[-1][0, 2:6]], dim=-1).half()

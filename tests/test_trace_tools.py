@@ -1,22 +1,19 @@
 """Trace collection and decision-model training end to end on tiny models, then the learned policy using them."""
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+from mcsd.train import traces as collect_traces
+from mcsd.train import decision_models as train_decision_models
 
-import collect_traces  # noqa: E402
-import train_decision_models  # noqa: E402
-
-from mcsd import TreeDecoder  # noqa: E402
-from mcsd.policies import AcceptanceModel, LearnedPolicy  # noqa: E402
-from mcsd.policies.learned import FEATURE_NAMES  # noqa: E402
-from mcsd.tree import TreeTopology  # noqa: E402
+from mcsd import TreeDecoder
+from mcsd.policies import AcceptanceModel, LearnedPolicy
+from mcsd.policies.learned import FEATURE_NAMES
+from mcsd.tree import TreeTopology
 
 
 def _prompts(path: Path):

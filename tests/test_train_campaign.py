@@ -160,10 +160,8 @@ def test_answer_stage_writes_shards_and_resumes(tmp_path):
 
 
 def test_a_store_run_becomes_a_teacher_labelled_run(tmp_path, target):
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-    import target_data
+    from mcsd.train import data as td
+    from mcsd.train import engine
 
     store = ShardStore(tmp_path / "store")
     store.start_run("mp", {"temperature": 0.0})
@@ -171,11 +169,11 @@ def test_a_store_run_becomes_a_teacher_labelled_run(tmp_path, target):
                            Record("mp-1/0", "math", [4, 5], [10, 11, 12], False)], seconds=1.0)
     data = tmp_path / "cache"
     common = ["--data-dir", str(data), "--store", str(store.root)]
-    target_data.main(common + ["from-store", "--run", "mp"])
-    target_data.main(common + ["from-store", "--run", "mp"])                 # resumed: nothing twice
-    records = list(target_data.iter_records(data, "mp"))
+    engine.main(common + ["from-store", "--run", "mp"])
+    engine.main(common + ["from-store", "--run", "mp"])                 # resumed: nothing twice
+    records = list(td.iter_records(data, "mp"))
     assert [r["key"] for r in records] == ["mp-0/0", "mp-1/0"]
     assert records[1]["prompt"].tolist() == [4, 5] and records[1]["response"].tolist() == [10, 11, 12]
     # the teacher labels them like any response run (what the trainers read)
-    outs = target_data.teacher_batch(target, records, topk=4, pad_id=0)
+    outs = engine.teacher_batch(target, records, topk=4, pad_id=0)
     assert [o["topk_ids"].shape for o in outs] == [(2, 4), (3, 4)]

@@ -5,3 +5,23 @@ decision-model training.
 (`mcsd` outside this folder) never imports `mcsd.train`, so an inference user
 pays nothing for it.
 """
+
+
+def library_main(doc: str, runs_it: str, argv: list[str] | None = None) -> int:
+    """The command line of a library module with no stage of its own: `--help` (or no argument) prints
+    its docstring and what runs it.
+
+    Args:
+        doc: the module's docstring.
+        runs_it: one sentence naming the commands that use the module.
+        argv: command-line arguments (default: sys.argv[1:]).
+    Returns:
+        0, the exit status.
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc, epilog=runs_it,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.parse_args(argv)
+    parser.print_help()
+    return 0

@@ -1,0 +1,185 @@
+"""The data engine's folder: the manifest, response and teacher shards, prompt
+sources, the target's loading, and reading labelled examples back.
+
+The layout under `<root>/data/<target-name>/` is described in
+`mcsd.train.engine`, whose stages write it; the trainers read it back with
+`load_examples`.
+
+Limitations: one process at a time per stage and run (the manifest is locked
+while written, but two runs of the same stage would both do the same pending
+prompts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from mcsd.data import load_prompts as load_prompts_file
+from mcsd.models import cache_dir
+
+DEFAULT_TARGET = "smollm2-135m"          # the embedded preset; any model source works
+
+
+# -----------------------------------------------------------------------------
+# Paths, target loading, prompts
+
+
+def default_data_dir(target_path: str) -> Path:
+    """Cache folder for one target's data, outside the repository."""
+    return cache_dir() / "data" / Path(target_path).name
+
+
+def pick_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def pick_dtype(name: str = "auto") -> torch.dtype:
+    """"auto" is bfloat16 on CUDA and float32 on CPU: a CPU without AVX512-BF16
+    (AVX2 only, like the one this was built on) runs *batched* bfloat16 matmuls
+    3-5x slower than float32, so bulk data generation is faster in float32.
+    The bfloat16 target is the float32 checkpoint rounded, and its next-token
+    distribution is the same up to that rounding."""
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+
+
+def load_target(source: str, device: str | None = None, dtype=torch.bfloat16):
+    """The target and its tokenizer through the package's loader (preset, directory, .gguf or hub id)."""
+    from mcsd.models import load_model, load_tokenizer
+
+    device = device or pick_device()
+    dtype = pick_dtype(dtype) if isinstance(dtype, str) else dtype
+    return load_model(source, dtype, device, role="target"), load_tokenizer(source)
+
+
+def load_spec_bench(path: str | None = None, split: str = "fit") -> list[dict]:
+    """Spec-Bench first turns as prompt dicts {id, category, text} (split as in mcsd.data)."""
+    return [{"id": f"sb-{p.question_id}", "category": p.category, "text": p.text}
+            for p in load_prompts_file(path, split)]
+
+
+def load_prompts(data_dir: Path, source: str, split: str, questions: str) -> list[dict]:
+    """Prompt dicts from a source: "specbench" (with split) or "selfinstruct"."""
+    if source == "specbench":
+        return load_spec_bench(questions, split)
+    if source == "selfinstruct":
+        path = data_dir / "prompts" / "selfinstruct.jsonl"
+        return [json.loads(line) for line in open(path)] if path.exists() else []
+    raise ValueError(f"unknown prompt source {source!r}")
+
+
+# -----------------------------------------------------------------------------
+# Manifest: one JSON file, updated under a lock, written atomically
+
+
+def read_manifest(data_dir: Path) -> dict:
+    path = data_dir / "manifest.json"
+    if not path.exists():
+        return {"runs": {}, "teacher": {}, "selfinstruct": {}}
+    return json.loads(path.read_text())
+
+
+@contextlib.contextmanager
+def manifest_update(data_dir: Path):
+    """Yield the freshly read manifest; write it back when the block ends.
+    The lock serialises writers (a stage and a one-off prompttext, say);
+    the atomic replace means a reader never sees half a file."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with open(data_dir / ".manifest.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        manifest = read_manifest(data_dir)
+        yield manifest
+        tmp = data_dir / "manifest.json.tmp"
+        tmp.write_text(json.dumps(manifest, indent=1))
+        os.replace(tmp, data_dir / "manifest.json")
+
+
+def save_shard(data_dir: Path, section: str, run: str, records: list[dict], stats: dict):
+    """Write one shard and record it (and its keys) in the manifest."""
+    with manifest_update(data_dir) as manifest:
+        entry = manifest[section][run]
+        rel = f"{section_folder(section)}/{run}/{len(entry['shards']):05d}.pt"
+        (data_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        torch.save(records, data_dir / rel)
+        entry["shards"].append(rel)
+        entry["done"].extend(r["key"] for r in records)
+        for name, value in stats.items():
+            entry[name] = entry.get(name, 0) + value
+
+
+def section_folder(section: str) -> str:
+    return {"runs": "responses", "teacher": "teacher"}[section]
+
+
+def start_run(data_dir: Path, section: str, run: str, settings: dict, command: str | None = None) -> set[str]:
+    """Create the run's manifest entry (or check its settings match), record
+    the command line that (re)started it, and return the keys already done."""
+    with manifest_update(data_dir) as manifest:
+        entry = manifest[section].setdefault(run, {"settings": settings, "shards": [], "done": []})
+        if entry["settings"] != settings:
+            sys.exit(f"run {run!r} exists with other settings:\n{entry['settings']}\nvs\n{settings}")
+        if command is not None and command not in entry.setdefault("commands", []):
+            entry["commands"].append(command)  # a resumed stage with the same command adds none
+        return set(entry["done"])
+
+
+# -----------------------------------------------------------------------------
+# Reading the data back (used by the trainers)
+
+
+def iter_records(data_dir: Path, run: str):
+    """Yield the stored response records of a run, shard by shard."""
+    manifest = read_manifest(Path(data_dir))
+    for rel in manifest["runs"][run]["shards"]:
+        yield from torch.load(Path(data_dir) / rel, weights_only=True)
+
+
+def load_examples(data_dir: Path, runs: list[str], with_hidden: bool | str = False) -> list[dict]:
+    """All records of `runs`, with the teacher's labels where the teacher
+    stage ran and the generation-time labels otherwise.
+
+    with_hidden: False drops stored hidden states, True keeps them and
+    requires them (records without are skipped, a run with none is an
+    error), "optional" keeps them where stored.
+
+    Records with no labels yet (a prompttext run before its teacher pass)
+    are skipped. Returns dicts: key, prompt_id, category, prompt (P,) int32,
+    response (R,) int32, topk_ids (R, k) int32, topk_probs (R, k) float16
+    [, hidden (R, H) float16].
+    """
+    if with_hidden not in (False, True, "optional"):
+        raise ValueError(f"with_hidden must be False, True or 'optional', not {with_hidden!r}")
+    required = with_hidden is True
+    data_dir = Path(data_dir)
+    manifest = read_manifest(data_dir)
+    examples = []
+    for run in runs:
+        labels = {}
+        if run in manifest["teacher"]:
+            for rel in manifest["teacher"][run]["shards"]:
+                for t in torch.load(data_dir / rel, weights_only=True):
+                    labels[t["key"]] = t
+        unlabelled, n_before = 0, len(examples)
+        for r in iter_records(data_dir, run):
+            r = {**r, **labels.get(r["key"], {})}
+            if not with_hidden:
+                r.pop("hidden", None)  # 1 KB a position that only the feature trainer reads
+                r.pop("layers", None)
+            if "topk_ids" not in r or (required and "hidden" not in r):
+                unlabelled += 1  # e.g. a prompttext run whose teacher pass is not finished
+                continue
+            examples.append(r)
+        if required and len(examples) == n_before:
+            raise ValueError(f"run {run!r} has no hidden states: generate it with --store-hidden "
+                             f"or run `teacher {run} --store-hidden`")
+        if unlabelled:
+            print(f"[load_examples] {run}: skipped {unlabelled} records without teacher labels")
+    return examples

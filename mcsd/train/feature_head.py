@@ -1,0 +1,366 @@
+"""Train a target-feature draft head (mcsd.feature_draft.FeatureHead) on target-written data.
+
+Data come from tools/target_data.py: responses the target wrote to the
+fitting split (and to self-instruct prompts) with, per response position, the
+target's final hidden state and its top-k next-token distribution, stored as
+it generates (or by a teacher-forced pass, for text it did not generate):
+
+    python tools/target_data.py generate --run fit-greedy --split fit --store-hidden
+    python tools/target_data.py generate --run heldout-greedy --split heldout --store-hidden
+    python tools/train_feature_drafter.py --runs fit-greedy --heldout-run heldout-greedy --time-budget-min 30
+
+Training, per response position t (hidden[t] is the target feature that
+predicts response[t]):
+- step 1 reads (hidden[t], emb(response[t])) and must predict hidden[t+1]
+  (smooth-L1 regression) and the target's distribution of response[t+1]
+  (cross-entropy to the renormalised top-k, over the head's sub-vocabulary);
+- steps 2..K read the head's *own* previous predictions in place of hidden
+  (unrolled, as the head runs deeper in a tree), each predicting one more
+  token ahead. A head trained only on true features collapses from step 2 on.
+
+The sub-vocabulary is the `--sub-vocab` most frequent tokens among the
+fitting responses and their top-k labels; label mass outside it is dropped.
+Checkpoints go to the mcsd cache every few minutes and a killed run resumes.
+The final head (safetensors + JSON config + card) goes to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import shlex
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from mcsd.feature_draft import FeatureHead, FeatureHeadConfig
+from mcsd.models import cache_dir, load_model
+from mcsd.train import data as target_data
+
+
+def sub_vocabulary(examples: list[dict], size: int, vocab: int) -> torch.Tensor:
+    """Frequency-ranked token ids (responses and their top-k labels), sorted ascending."""
+    counts: Counter = Counter()
+    for ex in examples:
+        counts.update(ex["response"].tolist())
+        counts.update(ex["topk_ids"].flatten().tolist())
+    ids = [t for t, _ in counts.most_common(size)]
+    return torch.tensor(sorted(ids[:size] if len(ids) >= size else ids), dtype=torch.long).clamp(max=vocab - 1)
+
+
+def windows(examples: list[dict], length: int) -> list[tuple[int, int]]:
+    """(example index, start) pairs covering every response in windows of `length` positions."""
+    out = []
+    for i, ex in enumerate(examples):
+        r = len(ex["response"])
+        out.extend((i, s) for s in range(0, max(r - 1, 1), length))
+    return out
+
+
+def batch(examples, items, length, device):
+    """Stack windows: hidden (B, L, H), the head's inputs (B, L, L'*H: the stored target layers of a v2
+    head, else the hidden states again), tokens (B, L), topk ids/probs (B, L, k), valid (B, L), positions."""
+    h_dim = examples[items[0][0]]["hidden"].shape[1]
+    v2 = "layers" in examples[items[0][0]]
+    in_dim = examples[items[0][0]]["layers"].shape[1] if v2 else h_dim
+    k = examples[items[0][0]]["topk_ids"].shape[1]
+    B = len(items)
+    hid = torch.zeros(B, length, h_dim)
+    inp = torch.zeros(B, length, in_dim) if v2 else hid
+    tok = torch.zeros(B, length, dtype=torch.long)
+    ids = torch.zeros(B, length, k, dtype=torch.long)
+    probs = torch.zeros(B, length, k)
+    valid = torch.zeros(B, length, dtype=torch.bool)
+    pos = torch.zeros(B, length, dtype=torch.long)
+    for b, (i, s) in enumerate(items):
+        ex = examples[i]
+        n = min(length, len(ex["response"]) - s)
+        hid[b, :n] = ex["hidden"][s:s + n].float()
+        if v2:
+            inp[b, :n] = ex["layers"][s:s + n].float()
+        tok[b, :n] = ex["response"][s:s + n].long()
+        ids[b, :n] = ex["topk_ids"][s:s + n].long()
+        probs[b, :n] = ex["topk_probs"][s:s + n].float()
+        valid[b, :n] = True
+        pos[b, :n] = torch.arange(len(ex["prompt"]) + s, len(ex["prompt"]) + s + n)
+    hid = hid.to(device)
+    return hid, inp.to(device) if v2 else hid, tok.to(device), ids.to(device), probs.to(device), valid.to(device), pos.to(device)
+
+
+def unrolled_loss(head, embed, hid, inp, tok, ids, probs, valid, pos, steps: int, slot, feat_weight: float):
+    """Loss over `steps` unrolled steps, and per-step top-1 agreement counts.
+
+    Entry t reads (f_t, emb(tok[t])) at position pos[t] (the token's own
+    position) and predicts f_{t+1}; its scores are matched to the target's
+    distribution at t+1.
+    Step j reads the step j-1 predictions shifted by one position. Step 1 of a
+    v2 head reads the fused target layers `inp`; every step predicts the final state.
+    """
+    feats = head.fused(inp)
+    total = hid.new_zeros(())
+    stats = []
+    for j in range(steps):
+        span = hid.shape[1] - 1 - j                       # entries with a target j+1 positions ahead
+        if span <= 0:
+            break
+        x_feat = feats[:, :span]
+        x_tok = embed(tok[:, j:j + span]) if j else embed(tok[:, :span])
+        pred = head(x_feat, x_tok, pos[:, j:j + span])                               # (B, span, H)
+        want_f = hid[:, 1 + j:1 + j + span]
+        m = valid[:, 1 + j:1 + j + span] & valid[:, j:j + span]
+        lab_ids, lab_p = ids[:, 1 + j:1 + j + span], probs[:, 1 + j:1 + j + span]
+        in_sub = slot[lab_ids] >= 0
+        lab_p = torch.where(in_sub, lab_p, 0.0)
+        lab_p = lab_p / lab_p.sum(-1, keepdim=True).clamp_min(1e-6)
+        logq = torch.log_softmax(head.sub_scores(pred), dim=-1)                       # (B, span, K)
+        ce = -(lab_p * logq.gather(-1, slot[lab_ids].clamp_min(0))).sum(-1)
+        reg = F.smooth_l1_loss(pred, want_f, reduction="none").mean(-1)
+        step_loss = ((ce + feat_weight * reg) * m).sum() / m.sum().clamp_min(1)
+        total = total + step_loss * (0.8 ** j)
+        top1 = head.vocab_ids[logq.argmax(-1)]
+        stats.append((int(((top1 == lab_ids[..., 0]) & m).sum()), int(m.sum())))
+        # next step reads these predictions; entry t of step j+1 is entry t+1's input
+        feats = pred
+    return total, stats
+
+
+@torch.no_grad()
+def agreement(head, embed, examples, length, device, steps=3):
+    """Teacher-forced agreement with the target's greedy token at steps 1..steps (top-1 and top-4)."""
+    head.eval()
+    hits1, hits4, n = [0] * steps, [0] * steps, [0] * steps
+    for i in range(len(examples)):
+        for start in range(0, max(len(examples[i]["response"]) - 1, 1), length):
+            hid, inp, tok, ids, probs, valid, pos = batch(examples, [(i, start)], length, device)
+            feats = head.fused(inp)
+            for j in range(steps):
+                span = hid.shape[1] - 1 - j
+                if span <= 0:
+                    break
+                pred = head(feats[:, :span], embed(tok[:, j:j + span]), pos[:, j:j + span])
+                m = valid[:, 1 + j:1 + j + span] & valid[:, j:j + span]
+                want = ids[:, 1 + j:1 + j + span, 0]
+                top4 = head.vocab_ids[head.sub_scores(pred).topk(4, dim=-1).indices]
+                hits1[j] += int(((top4[..., 0] == want) & m).sum())
+                hits4[j] += int(((top4 == want[..., None]).any(-1) & m).sum())
+                n[j] += int(m.sum())
+                feats = pred
+    head.train()
+    return [{"step": j + 1, "top1": hits1[j] / max(n[j], 1), "top4": hits4[j] / max(n[j], 1), "positions": n[j]}
+            for j in range(steps)]
+
+
+def run_provenance(data_dir: Path, runs: list[str]) -> dict:
+    """Per run: its settings, size, generation time, the commands that wrote it and, for corpus runs,
+    the sources' provenance (from the manifest)."""
+    manifest = target_data.read_manifest(Path(data_dir))
+    out = {}
+    for run in runs:
+        entry, teacher = manifest["runs"][run], manifest["teacher"].get(run)
+        out[run] = {"settings": entry["settings"], "sequences": entry.get("n_sequences"),
+                    "tokens": entry.get("n_tokens"), "minutes": round(entry.get("seconds", 0) / 60, 1),
+                    "commands": entry.get("commands", [])}
+        if entry.get("provenance"):              # a corpus run: per source, version, licence and size
+            out[run]["sources"] = entry["provenance"]
+        if teacher:
+            out[run]["teacher"] = {"settings": teacher["settings"], "minutes": round(teacher.get("seconds", 0) / 60, 1),
+                                   "commands": teacher.get("commands", [])}
+    return out
+
+
+def _curve_point(card: dict, head: str) -> dict:
+    return {"positions": card["data"]["positions"], "subset": card["data"].get("subset", 1.0),
+            "positions_seen": card["training"]["positions_seen"], "head": head,
+            "agreement": card["heldout_agreement"]}
+
+
+def data_size_curve(card: dict, subset_dirs: list[Path], init_card: dict | None = None) -> list[dict]:
+    """Held-out agreement against training positions: the subset heads' cards, the head this one
+    continued from (trained on less data) and this head (`card`)."""
+    points = [_curve_point(json.loads((d / "card.json").read_text()), str(d)) for d in subset_dirs]
+    points += [_curve_point(c, head) for c, head in ((init_card, "--init head"), (card, "this head"))
+               if c and c.get("heldout_agreement")]
+    return sorted(points, key=lambda p: p["positions"])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default=None, help="target source (default: the embedded preset)")
+    ap.add_argument("--data-dir", type=Path, default=None, help="target_data.py folder")
+    ap.add_argument("--runs", nargs="+", required=True,
+                    help="response runs with hidden states (generated or teacher-labelled with --store-hidden)")
+    ap.add_argument("--heldout-run", default=None, help="run on held-out prompts, for agreement")
+    ap.add_argument("--out", type=Path, default=Path("models/smollm2-135m-feature-head"))
+    ap.add_argument("--init", type=Path, default=None,
+                    help="start from this saved head (its architecture and sub-vocabulary), e.g. to go on "
+                         "training a shipped head on new data; the size options below are then ignored, and "
+                         "--feature-layers with -1 among them widens a v1 head to a v2 one that starts out "
+                         "drafting exactly as it did")
+    ap.add_argument("--hidden", type=int, default=0, help="head width (0 = the target's)")
+    ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--feature-layers", default="",
+                    help="v2: the target hidden states the head reads, e.g. 2,15,27 (the runs must hold them: "
+                         "tools/target_data.py teacher RUN --store-layers 2,15,27); default: the final state (v1)")
+    ap.add_argument("--sub-vocab", type=int, default=8192)
+    ap.add_argument("--steps-unrolled", type=int, default=3)
+    ap.add_argument("--window", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--feat-weight", type=float, default=1.0)
+    ap.add_argument("--subset", type=float, default=1.0,
+                    help="train on this fraction of the prompts (all their responses), for learning curves "
+                         "against data size")
+    ap.add_argument("--curve-from", type=Path, nargs="*", default=[],
+                    help="heads trained with --subset: their data size and held-out agreement go on this "
+                         "head's card as the learning curve against data size")
+    ap.add_argument("--time-budget-min", type=float, default=30.0)
+    ap.add_argument("--max-updates", type=int, default=0, help="stop after this many updates (0 = time only)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    torch.set_num_threads(args.threads)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    t_start = time.time()
+    target = load_model(args.target or "smollm2-135m", dtype="float32", device=device)
+    embed = target.get_input_embeddings()
+    data_dir = args.data_dir or target_data.default_data_dir(args.target or target_data.DEFAULT_TARGET)
+    train = target_data.load_examples(data_dir, args.runs, with_hidden=True)
+    held = target_data.load_examples(data_dir, [args.heldout_run], with_hidden=True) if args.heldout_run else []
+    if args.subset < 1.0:
+        prompt_ids = sorted({e["prompt_id"] for e in train})
+        keep = set(random.Random(args.seed).sample(prompt_ids, round(args.subset * len(prompt_ids))))
+        train = [e for e in train if e["prompt_id"] in keep]
+    if not train:
+        sys.exit("no training examples with hidden states; run tools/target_data.py teacher RUN --store-hidden first")
+    feature_layers = tuple(int(x) for x in args.feature_layers.split(",") if x.strip())
+    saved = FeatureHead.load(args.init) if args.init is not None else None
+    widen = saved is not None and not saved.cfg.feature_layers and bool(feature_layers)
+    if saved is not None and not widen:
+        if feature_layers and feature_layers != saved.cfg.feature_layers:
+            sys.exit(f"{args.init} reads target layers {list(saved.cfg.feature_layers)}, not {list(feature_layers)}; "
+                     f"only a v1 head widens to other layers")
+        feature_layers = saved.cfg.feature_layers
+    if widen and -1 not in feature_layers:
+        sys.exit(f"a v1 head (--init {args.init}) widens to layers that include -1, the final state it reads")
+    width = target.config.hidden_size * len(feature_layers)
+    if feature_layers:
+        manifest = target_data.read_manifest(Path(data_dir))
+        for run in args.runs + ([args.heldout_run] if args.heldout_run else []):
+            stored = (manifest["teacher"].get(run) or {}).get("settings", {}).get("store_layers")
+            if stored is not None and tuple(stored) != feature_layers:
+                sys.exit(f"run {run!r} stores target layers {stored}, not {list(feature_layers)}")
+    for split in (train, held):
+        for ex in split:
+            if not feature_layers:
+                ex.pop("layers", None)                    # v1 reads the final state only
+            elif "layers" not in ex or ex["layers"].shape[1] != width:
+                sys.exit(f"--feature-layers {args.feature_layers or list(feature_layers)} needs the runs' stored "
+                         f"target layers ({width} values a position); run tools/target_data.py teacher RUN "
+                         f"--store-layers {','.join(map(str, feature_layers))}")
+    vocab = target.get_output_embeddings().weight.shape[0]
+    init_card = None
+    if saved is not None:
+        if widen:                                                # v1 -> v2, drafting as before at the start
+            head = saved.with_feature_layers(feature_layers).to(device)
+        else:
+            head = FeatureHead(saved.cfg).to(device)             # trainable, like a fresh head
+            head.load_state_dict(saved.state_dict())             # weights and sub-vocabulary
+        if head.cfg.vocab_size != vocab or head.cfg.target_hidden != target.config.hidden_size:
+            sys.exit(f"{args.init} was trained for another target (vocabulary {head.cfg.vocab_size}, "
+                     f"features {head.cfg.target_hidden})")
+        init_file = args.init / "card.json"
+        init_card = json.loads(init_file.read_text()) if init_file.is_file() else {}
+        print(f"starting from {args.init}" + (f", widened to target layers {list(feature_layers)}" if widen else ""))
+    else:
+        sub = sub_vocabulary(train, args.sub_vocab, vocab)
+        cfg = FeatureHeadConfig(target_hidden=target.config.hidden_size, hidden=args.hidden, layers=args.layers,
+                                feature_layers=feature_layers,
+                                heads=target.config.num_attention_heads, kv_heads=target.config.num_key_value_heads,
+                                rope_theta=float(getattr(target.config, "rope_theta", None)
+                                                 or target.config.rope_parameters["rope_theta"]),
+                                vocab_size=vocab, sub_vocab=len(sub),
+                                rms_norm_eps=float(target.config.rms_norm_eps))
+        head = FeatureHead(cfg).to(device)
+        head.vocab_ids = sub.to(device)
+    cfg, sub = head.cfg, head.vocab_ids
+    head.attach_lm_head(target.get_output_embeddings().weight)
+    slot = torch.full((vocab,), -1, dtype=torch.long, device=device)
+    slot[head.vocab_ids] = torch.arange(len(sub), device=device)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
+
+    ckpt = cache_dir() / "train" / f"{args.out.name}.pt"
+    run_key = {"config": cfg.__dict__, "runs": args.runs, "init": str(args.init), "subset": args.subset}
+    update, seen = 0, 0
+    if ckpt.is_file():
+        state = torch.load(ckpt, weights_only=True)
+        if all(state.get(k) == v for k, v in run_key.items()):
+            head.load_state_dict(state["head"])
+            opt.load_state_dict(state["opt"])
+            update, seen = state["update"], state["seen"]
+            print(f"resumed at update {update}")
+    items = windows(train, args.window)
+    positions = sum(len(e["response"]) for e in train)
+    print(f"{len(train)} responses, {positions} positions, sub-vocabulary {len(sub)}, {len(items)} windows")
+    budget = args.time_budget_min * 60
+    last_ckpt = time.time()
+    curve = []
+    head.train()
+    while True:
+        random.shuffle(items)
+        for b in range(0, len(items), args.batch):
+            elapsed = time.time() - t_start
+            if elapsed > budget or (args.max_updates and update >= args.max_updates):
+                break
+            lr = args.lr * min(1.0, (update + 1) / 100) * 0.5 * (1 + math.cos(math.pi * min(elapsed / budget, 1.0)))
+            for g in opt.param_groups:
+                g["lr"] = lr
+            loss, stats = unrolled_loss(head, embed, *batch(train, items[b:b + args.batch], args.window, device),
+                                        args.steps_unrolled, slot, args.feat_weight)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            update += 1
+            seen += sum(n for _, n in stats[:1])
+            if update % 50 == 0:
+                acc = stats[0][0] / max(stats[0][1], 1)
+                print(f"update {update} loss {loss.item():.3f} step-1 train top1 {acc:.3f} positions {seen}")
+            if time.time() - last_ckpt > 300:
+                ckpt.parent.mkdir(parents=True, exist_ok=True)
+                torch.save({**run_key, "head": head.state_dict(), "opt": opt.state_dict(),
+                            "update": update, "seen": seen}, ckpt)
+                last_ckpt = time.time()
+            if held and update % 500 == 0:
+                curve.append({"positions_seen": seen, "agreement": agreement(head, embed, held, args.window, device)})
+        else:
+            continue
+        break
+
+    metrics = agreement(head, embed, held, args.window, device) if held else []
+    for m in metrics:
+        print(f"held-out step {m['step']}: top-1 {m['top1']:.3f}, top-4 {m['top4']:.3f} ({m['positions']} positions)")
+    card = {"architecture": {"kind": "target-feature draft head", **cfg.__dict__},
+            "parameters": sum(p.numel() for p in head.parameters() if p.requires_grad),
+            "data": {"runs": run_provenance(data_dir, args.runs), "subset": args.subset, "responses": len(train),
+                     "positions": positions},
+            "training": {"updates": update, "positions_seen": seen, "seconds": round(time.time() - t_start),
+                         "steps_unrolled": args.steps_unrolled},
+            "heldout_agreement": metrics, "learning_curve": curve,
+            "command": "python tools/train_feature_drafter.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))}
+    card["data_size_curve"] = data_size_curve(card, args.curve_from, init_card)
+    if init_card is not None:
+        card["continued_from"] = {k: init_card.get(k) for k in ("data", "training", "heldout_agreement", "command",
+                                                                "continued_from") if k in init_card}
+    head.save(args.out, card=card)
+    print(f"wrote {args.out}")
+    return 0
