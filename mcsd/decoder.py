@@ -27,7 +27,7 @@ import torch
 
 from . import kernels, processors
 from .attention import set_backend
-from .config import ConfigError, DecodeConfig, SamplingConfig
+from .config import ConfigError, DecodeConfig
 from .context import ContextDrafter
 from .draft import Drafter, GrownTree, ModelDrafter, grow_tree
 from .lm import CachedLM

@@ -126,6 +126,29 @@ def model_dirs(tmp_path_factory, target, random_draft, tokenizer):
     return root
 
 
+def perturbed(model, scale, seed=7):
+    """A copy of `model` with Gaussian noise on every weight: accepts some drafts, rejects others."""
+    import copy
+    out = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in out.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * p.std())
+    return out
+
+
+def pooled_chi_square_p(counts, exact, n):
+    """p-value of a chi-square test of `counts` against `exact` probabilities for n draws,
+    cells expected fewer than 5 times pooled into one."""
+    from scipy.stats import chisquare
+    big = exact * n >= 5
+    observed = torch.cat([counts[big], counts[~big].sum()[None]])
+    expected = torch.cat([exact[big], exact[~big].sum()[None]]) * n
+    keep = expected > 0
+    return chisquare(observed[keep].numpy(), expected[keep].numpy() * observed.sum().item()
+                     / expected[keep].sum().item()).pvalue
+
+
 def exact_two_token_probs(model, prompt, sampling, vocab):
     """P(first two new tokens = (a, b)) under plain sampling from `model`, by enumeration: (vocab, vocab)."""
     from mcsd.sampling import logits_to_probs
@@ -139,7 +162,6 @@ def exact_two_token_probs(model, prompt, sampling, vocab):
 def assert_follows_target(decoder, target, sampling, n=1500, prompt=(1, 2, 3)):
     """Chi-square test (reject at p < 0.001) of n seeded generations' first two tokens against
     exact enumeration of the target's distribution; sparse cells are pooled. Returns the counts."""
-    from scipy.stats import chisquare
     prompt = torch.tensor(prompt)
     vocab = target.config.vocab_size
     exact = exact_two_token_probs(target, prompt, sampling, vocab).flatten()
@@ -151,11 +173,6 @@ def assert_follows_target(decoder, target, sampling, n=1500, prompt=(1, 2, 3)):
         counts[out.tokens[0] * vocab + out.tokens[1]] += 1
         accepted += out.stats.accepted_per_round[0] > 0
     assert counts[exact == 0].sum() == 0                      # tokens outside top-k / top-p never appear
-    big = exact * n >= 5
-    observed = torch.cat([counts[big], counts[~big].sum()[None]])
-    expected = torch.cat([exact[big], exact[~big].sum()[None]]) * n
-    keep = expected > 0
-    p = chisquare(observed[keep].numpy(), expected[keep].numpy() * observed.sum().item()
-                  / expected[keep].sum().item()).pvalue
+    p = pooled_chi_square_p(counts, exact, n)
     assert p > 1e-3, f"chi-square p = {p:.2e}"
     return accepted

@@ -1,26 +1,15 @@
 """Lossless: tree output equals plain decoding (greedy, float32) and follows the target's distribution (sampling)."""
 
-import copy
 
 import pytest
 import torch
 
-from conftest import assert_follows_target, tiny_llama
+from conftest import assert_follows_target, perturbed, tiny_llama
 from mcsd import TreeDecoder
 from mcsd.config import SamplingConfig
 
 PROMPT = torch.tensor([3, 17, 42, 5, 9, 11])
 SPECS = ["1", "1,1,1,1", "2,2", "4,2,2", "3,2,2,1", ((0,), (1,), (0, 0), (0, 1), (0, 0, 0), (1, 0))]
-
-
-def perturbed(model, scale, seed=7):
-    """A copy of `model` with Gaussian noise on every weight: accepts some drafts, rejects others."""
-    out = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in out.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale * p.std())
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,5 @@
 """model.generate's options through the exact loop: processors at every tree node, logprobs, prompt lists."""
 
-import copy
 
 import pytest
 import torch
@@ -8,7 +7,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import (PrefixConstrainedLogitsProcessor,
                                                     RepetitionPenaltyLogitsProcessor)
 
-from conftest import tiny_llama
+from conftest import perturbed, pooled_chi_square_p, tiny_llama
 from mcsd import TreeDecoder
 from mcsd.config import ConfigError
 
@@ -22,15 +21,6 @@ class PathBonus(LogitsProcessor):
     def __call__(self, input_ids, scores):
         favoured = input_ids.sum(-1) % scores.shape[-1]                      # (n,)
         return scores.index_put((torch.arange(scores.shape[0]), favoured), torch.tensor(4.0), accumulate=True)
-
-
-def perturbed(model, scale, seed=7):
-    out = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in out.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale * p.std())
-    return out
 
 
 def hf_greedy(model, **options):
@@ -123,7 +113,6 @@ def exact_second_third_probs(model, prompt, temperature, penalty):
 
 
 def test_sampling_with_repetition_penalty_follows_the_processed_target():
-    from scipy.stats import chisquare
     target = tiny_llama(10, vocab=V_SMALL, layers=1, sharpness=6.0, hidden=16)
     draft = perturbed(target, 0.2, seed=3)
     prompt = torch.tensor([1, 2, 3])
@@ -140,12 +129,7 @@ def test_sampling_with_repetition_penalty_follows_the_processed_target():
         out = dec.generate(prompt, max_new_tokens=3, temperature=temperature, repetition_penalty=penalty, seed=seed)
         counts[out.tokens[1] * V_SMALL + out.tokens[2]] += 1
         accepted += out.stats.accepted_per_round[0] > 0
-    big = exact * n >= 5
-    observed = torch.cat([counts[big], counts[~big].sum()[None]])
-    expected = torch.cat([exact[big], exact[~big].sum()[None]]) * n
-    keep = expected > 0
-    p = chisquare(observed[keep].numpy(), expected[keep].numpy() * observed.sum().item()
-                  / expected[keep].sum().item()).pvalue
+    p = pooled_chi_square_p(counts, exact, n)
     assert p > 1e-3, f"chi-square p = {p:.2e}"
     assert 0 < accepted < n
 
