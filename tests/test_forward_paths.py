@@ -160,10 +160,11 @@ def test_forward_profile_splits_a_forward_into_classes():
 
 def test_bench_report_renders_the_forward_profile(tmp_path):
     import json
-    import sys
+    import runpy
     from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-    import bench_report
+    from types import SimpleNamespace
+    # the script's own namespace, as `python tools/bench_report.py` would build it (not imported as a module)
+    bench_report = SimpleNamespace(**runpy.run_path(str(Path(__file__).resolve().parents[1] / "tools" / "bench_report.py")))
     info = {"breakdown": [{"rows": 1, "wall_ms": 20.0, "profiled_ms": 25.0, "ops": 6000,
                            "ms": {"matmul": 9.0, "attention": 5.0, "python": 4.0}}],
             "compare_ms": {"before": {"1": 24.0}, "after": {"1": 20.5}}, "cache_len": 300, "attention": "sdpa"}
