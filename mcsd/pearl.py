@@ -52,6 +52,7 @@ import torch
 from . import kv_cache
 from .config import ConfigError, DecodeConfig, SamplingConfig
 from .draft import ModelDrafter
+from .output import GenerationOutput, GenerationStats
 from .policies import register_policy
 from .policies.base import TreePolicy
 from .sampling import logits_to_probs, make_generator, sample
@@ -187,8 +188,6 @@ def decode(dec, prompt_ids: torch.Tensor, cfg: DecodeConfig, mode: PearlMode,
         drafter: the standalone draft.
     Yields each emission's new tokens; returns the GenerationOutput.
     """
-    from .decoder import GenerationOutput, GenerationStats
-
     stats, sampling, window = GenerationStats(), cfg.sampling, mode.window
     gen = make_generator(cfg.seed, dec.target.device)
     base_seed = cfg.seed if cfg.seed is not None else int(torch.randint(0, 2**62, (1,), generator=gen))
