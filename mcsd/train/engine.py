@@ -72,7 +72,7 @@ from tqdm import tqdm
 
 from mcsd.data import chat_ids
 from mcsd.train import campaign
-from mcsd.train.campaign import seed_for
+from mcsd.train.campaign import length_batches, seed_for
 from mcsd.train.data import (DEFAULT_TARGET, default_data_dir, iter_records, load_prompts, load_spec_bench,
                              load_target, manifest_update, pick_device, pick_dtype, read_manifest, save_shard,
                              start_run)
@@ -86,21 +86,6 @@ TOPK = 8  # the target's top-8 holds ~92% of its mass on its own responses
 
 # -----------------------------------------------------------------------------
 # Batched generation with the target
-
-
-def length_batches(items: list, lengths: list[int], batch_size: int, token_budget: int):
-    """Group items of similar length (sorted ascending) into batches of at
-    most `batch_size` items and about `token_budget` padded tokens."""
-    order = sorted(range(len(items)), key=lambda i: lengths[i])
-    batch = []
-    for i in order:
-        longest = max([lengths[j] for j in batch] + [lengths[i]])
-        if batch and (len(batch) >= batch_size or longest * (len(batch) + 1) > token_budget):
-            yield batch
-            batch = []
-        batch.append(i)
-    if batch:
-        yield batch
 
 
 def generate_batch(
@@ -156,7 +141,7 @@ def run_generate(args):
     lengths = [len(ids) for _, _, ids in jobs]
     bar = tqdm(total=len(jobs), desc=f"generate {args.run}", unit="seq", dynamic_ncols=True)
     t0, n_tok = time.time(), 0
-    for batch in length_batches(jobs, lengths, args.batch_size, args.token_budget):
+    for batch in length_batches(lengths, args.batch_size, args.token_budget):
         t_batch = time.time()
         keys = [jobs[i][0] for i in batch]
         generator = torch.Generator(device=pick_device()).manual_seed(seed_for(args.run, keys[0]))
@@ -556,7 +541,7 @@ def run_teacher(args):
         lengths = [len(r["prompt"]) + len(r["response"]) for r in records]
         print(f"[teacher {run}] {len(done)} done, {len(records)} pending", flush=True)
         bar = tqdm(total=sum(lengths), desc=f"teacher {run}", unit="tok", dynamic_ncols=True)
-        for batch in length_batches(records, lengths, args.batch_size, args.token_budget):
+        for batch in length_batches(lengths, args.batch_size, args.token_budget):
             t_batch = time.time()
             outs = teacher_batch(model, [records[i] for i in batch], TOPK, args.store_hidden,
                                  _pad_id(tokenizer), tuple(args.store_layers))
