@@ -336,21 +336,34 @@ def _drafter_kinds(args) -> tuple[str | None, bool, bool]:
     return kind, context, kind is None
 
 
-def _load(args):
-    """(decoder, tokenizer, why this dtype or None) for the run the flags ask for."""
-    from .decoder import TreeDecoder
+def _load_models(args):
+    """(target, draft or None, tokenizer) as the flags ask, in the dtype they are loaded in."""
     from .models import load_model, load_model_pair, load_tokenizer
 
     _set_threads(args)
     load_dtype = "float32" if args.dtype == "auto" else args.dtype
-    model_kind, with_context, context_only = _drafter_kinds(args)
+    model_kind, _, context_only = _drafter_kinds(args)
     if args.baseline or context_only:
         target_src = args.target or DEFAULT_PRESET
         tokenizer = load_tokenizer(target_src)
-        target, draft = load_model(target_src, load_dtype, args.device, role="target"), None
-    else:
-        target, draft, tokenizer = load_model_pair(args.target, args.draft, dtype=load_dtype, device=args.device,
-                                                    drafter=model_kind)
+        return load_model(target_src, load_dtype, args.device, role="target"), None, tokenizer
+    return load_model_pair(args.target, args.draft, dtype=load_dtype, device=args.device, drafter=model_kind)
+
+
+def _check_lengths(args, target, tokenizer, prompts: list[str]) -> None:
+    """Every prompt, with the tokens asked for, fits the target's context window."""
+    from .config import check_context_window
+    window = getattr(target.config, "max_position_embeddings", None)
+    for prompt in prompts:
+        n = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        check_context_window(window, n, args.max_new_tokens)
+
+
+def _build_decoder(args, target, draft, tokenizer):
+    """(decoder, why this dtype or None): --dtype auto's choice, the context drafter, the decoder."""
+    from .decoder import TreeDecoder
+
+    _, with_context, _ = _drafter_kinds(args)
     dtype_reason = None
     if args.dtype == "auto":
         target, draft, args.dtype, dtype_reason = _auto_dtype(target, draft, args)
@@ -361,7 +374,7 @@ def _load(args):
     decoder = TreeDecoder(target, draft, tokenizer=tokenizer, tree=args.tree, policy=args.policy,
                           attention=args.attention, lossy_target_roots=args.lossy_target_roots,
                           calibrate=args.calibrate, policy_options=parse_policy_options(args.policy_option) or None)
-    return decoder, tokenizer, dtype_reason
+    return decoder, dtype_reason
 
 
 def _set_threads(args) -> None:
@@ -454,10 +467,13 @@ def run(args) -> int:
     else:
         texts = [_read_prompt(args)]
     _check_hub(args)
-    decoder, tokenizer, dtype_reason = _load(args)
+    target, draft, tokenizer = _load_models(args)
+    prompts = [_format_prompt(text, tokenizer, args) for text in texts]
+    _check_lengths(args, target, tokenizer, prompts)  # before any calibration: a bad input costs nothing
+    decoder, dtype_reason = _build_decoder(args, target, draft, tokenizer)
     if args.prompts_file is not None:
-        return _run_many(args, decoder, tokenizer, texts)
-    prompt = _format_prompt(texts[0], tokenizer, args)
+        return _run_many(args, decoder, prompts)
+    prompt = prompts[0]
 
     printed = {"text": ""}
     streamed: list[int] = []                          # every token so far: printed on Ctrl-C
@@ -566,7 +582,7 @@ def _read_prompts_file(path: str) -> list[str]:
     return texts
 
 
-def _run_many(args, decoder, tokenizer, texts: list[str]) -> int:
+def _run_many(args, decoder, prompts: list[str]) -> int:
     """Generate for each prompt in turn, one JSON result a line, with a progress bar on a terminal."""
     from .progress import bars_wanted
     sink = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
@@ -574,11 +590,11 @@ def _run_many(args, decoder, tokenizer, texts: list[str]) -> int:
     bar = None
     if bars_wanted():
         from tqdm import tqdm
-        bar = tqdm(total=len(texts), desc="prompts", unit="prompt", file=sys.stderr)
+        bar = tqdm(total=len(prompts), desc="prompts", unit="prompt", file=sys.stderr)
     done = 0
     try:
-        for i, text in enumerate(texts):
-            out = generate(_format_prompt(text, tokenizer, args), **_options(args))
+        for i, prompt in enumerate(prompts):
+            out = generate(prompt, **_options(args))
             row = {"index": i, "text": out.text, "tokens": out.tokens, "finish_reason": out.finish_reason,
                    "stats": out.stats.as_dict()}
             if args.logprobs:
@@ -589,7 +605,7 @@ def _run_many(args, decoder, tokenizer, texts: list[str]) -> int:
             if bar is not None:
                 bar.update(1)
     except KeyboardInterrupt:
-        print(f"mcsd-generate: interrupted after {done} of {len(texts)} prompts", file=sys.stderr)
+        print(f"mcsd-generate: interrupted after {done} of {len(prompts)} prompts", file=sys.stderr)
         return 130
     finally:
         if bar is not None:

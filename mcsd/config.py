@@ -22,6 +22,13 @@ DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", 
 ATTENTION_BACKENDS = ("auto", "sdpa", "gqa", "xformers", "eager")
 
 
+def check_context_window(context_window: int | None, prompt_len: int, max_new_tokens: int) -> None:
+    """A ConfigError when the prompt and the tokens asked for do not fit the target's context window."""
+    if context_window is not None and prompt_len + max_new_tokens > context_window:
+        raise ConfigError(f"prompt ({prompt_len} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the "
+                          f"target's context window of {context_window} tokens")
+
+
 def _number(name: str, value) -> float:
     """A real number (not a bool, not a string); ConfigError otherwise."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):

@@ -26,7 +26,7 @@ import torch
 
 from . import kernels, processors
 from .attention import set_backend
-from .config import ConfigError, DecodeConfig
+from .config import ConfigError, DecodeConfig, check_context_window
 from .context import ContextDrafter
 from .draft import Drafter, GrownTree, ModelDrafter, grow_tree
 from .lm import CachedLM
@@ -605,10 +605,7 @@ class TreeDecoder:
         return ids
 
     def _check_length(self, prompt_len: int, max_new_tokens: int) -> None:
-        if self.context_window is not None and prompt_len + max_new_tokens > self.context_window:
-            raise ConfigError(
-                f"prompt ({prompt_len} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the target's "
-                f"context window of {self.context_window} tokens")
+        check_context_window(self.context_window, prompt_len, max_new_tokens)
 
     @staticmethod
     def _collect(rounds: Iterator[list[int]], streamer) -> GenerationOutput:
