@@ -71,7 +71,10 @@ def test_drafting_that_cannot_pay_is_switched_off(target):
     """A draft as costly as the target that never agrees with it: after the first losing rounds
     the calibrated policy runs plain steps, drafting only in ever rarer probes."""
     useless = tiny_llama(99, layers=2)
-    dec = TreeDecoder(target, useless, attention="sdpa", calibrate=True)
+    # the costs such a pair has, fixed so that no noisy measurement can make drafting look cheap
+    costs = Costs(verify={1: 10.0, 2: 11.0, 4: 12.0, 8: 14.0, 16: 20.0, 32: 30.0, 64: 50.0},
+                  draft={1: 10.0, 2: 10.5, 4: 11.0}, source="measured")
+    dec = TreeDecoder(target, useless, attention="sdpa", policy_options={"costs": costs})
     drafted = []
     begin = dec.drafter.begin_round
     dec.drafter.begin_round = lambda seq: (drafted.append(len(seq)), begin(seq))[1]
