@@ -252,6 +252,28 @@ def run_store_status(args):
     print(store_for(args).status())
 
 
+def run_coverage(args):
+    """Sub-vocabulary coverage of the target's argmax, from the store's greedy runs, into the manifest."""
+    from mcsd.train import coverage
+    store = store_for(args)
+    runs = args.runs or [name for name, e in sorted(store.manifest()["runs"].items())
+                         if e["settings"].get("temperature", 0.0) == 0.0]
+    for name in runs:
+        if store.manifest()["runs"][name]["settings"].get("temperature", 0.0) != 0.0:
+            raise SystemExit(f"coverage: run {name!r} is sampled; its tokens are not the target's argmax")
+    head_ids = None
+    if args.head:
+        from safetensors import safe_open
+        with safe_open(str(Path(args.head) / "feature_head.safetensors"), "pt") as f:
+            head_ids = f.get_tensor("vocab_ids").tolist()
+    result = coverage.report(store.records(runs), head_ids)
+    result["runs"] = runs
+    if args.head:
+        result["head"]["path"] = args.head
+    store.set_info(coverage=result)
+    print(json.dumps(result, indent=1))
+
+
 # -----------------------------------------------------------------------------
 # Self-instruct: the target writes new prompts from fitting-split examples
 
@@ -687,6 +709,10 @@ def main(argv=None):
 
     sub.add_parser("store-status", help="what the token store holds: prompts, responses, tokens, time")
 
+    cv = sub.add_parser("coverage", help="how much of the target's held-out argmax a sub-vocabulary covers")
+    cv.add_argument("--runs", nargs="*", default=None, help="greedy store runs (default: all greedy runs)")
+    cv.add_argument("--head", default=None, help="a feature head folder: also its own sub-vocabulary's coverage")
+
     args = parser.parse_args(argv)
     if getattr(args, "store_layers", ()):
         args.store_hidden = True          # the final state stays the trainer's regression target
@@ -696,4 +722,4 @@ def main(argv=None):
     {"generate": run_generate, "selfinstruct": run_selfinstruct, "prompttext": run_prompttext, "corpus": run_corpus,
      "teacher": run_teacher, "status": run_status,
      "magpie": run_magpie, "answer": run_answer, "campaign": run_campaign,
-     "from-store": run_from_store, "store-status": run_store_status}[args.stage](args)
+     "from-store": run_from_store, "store-status": run_store_status, "coverage": run_coverage}[args.stage](args)
