@@ -791,7 +791,7 @@ def choose_dtype(target, draft, candidates=None, drafting: bool = True, calibrat
     is measured on a converted copy (only when its profile is not cached, or
     when `calibrate` is True). `free_draft`: proposals come from context
     (nothing to draft, only verify). Candidates default to float32 and bfloat16 on a
-    CPU, bfloat16 and float16 on CUDA. With `calibrate=False` and a profile
+    CPU with native bf16 (float32 alone on other CPUs), bfloat16 and float16 on CUDA. With `calibrate=False` and a profile
     missing, a fixed rule decides instead: bfloat16 on CUDA and on CPUs with
     native bf16 (AVX512-BF16 or AMX, as oneDNN uses it), float32 on other CPUs. `borrow`
     (with no draft): the target's costs may come from a cached profile of it with any
@@ -800,8 +800,12 @@ def choose_dtype(target, draft, candidates=None, drafting: bool = True, calibrat
     converted here (see `mcsd.models.cast_pair`).
     """
     device = next(target.parameters()).device
+    native = device.type == "cuda" or host_key(device)["onednn_bf16"]          # what torch runs bf16 products with
     if candidates is None:
-        candidates = ("bfloat16", "float16") if device.type == "cuda" else ("float32", "bfloat16")
+        # on a CPU without native bf16, oneDNN emulates its products: never faster enough to
+        # give up float32's exactness for, so not worth the calibration time
+        candidates = ("bfloat16", "float16") if device.type == "cuda" else \
+            ("float32", "bfloat16") if native else ("float32",)
     def cached(name):
         dtype = getattr(torch, name)
         prof = load_cached(target, draft, dtype, remeasure=calibrate is None)
@@ -810,7 +814,6 @@ def choose_dtype(target, draft, candidates=None, drafting: bool = True, calibrat
         return prof
     profiles = {name: None if calibrate else cached(name) for name in candidates}
     if calibrate is False and any(p is None for p in profiles.values()):
-        native = device.type == "cuda" or host_key(device)["onednn_bf16"]      # what torch runs bf16 products with
         best = "bfloat16" if native else "float32"
         return DtypeChoice(best, f"{best}: not calibrated; {'native' if native else 'no native'} bfloat16 "
                                  f"on this {'GPU' if device.type == 'cuda' else 'CPU'}", {})
@@ -826,7 +829,8 @@ def choose_dtype(target, draft, candidates=None, drafting: bool = True, calibrat
         rates[name], depths[name] = expected_rate(Costs.from_profile(prof), drafting and (draft is not None or free_draft),
                                                   free_draft=free_draft and draft is None)
     best = max(rates, key=rates.get)
-    others = ", ".join(f"{n} {r:.1f}" for n, r in rates.items() if n != best)
+    others = ", ".join(f"{n} {r:.1f}" for n, r in rates.items() if n != best) or \
+        "bfloat16 not measured: no native bfloat16 on this CPU"
     what = f"chains of {depths[best]}" if depths[best] else "plain steps"
     reason = (f"{best}: {rates[best]:.1f} expected tokens/s with {what} on this machine "
               f"(measured costs; {others}; {ASSUMED_ACCEPTANCE:.0%} acceptance per drafted token assumed)")

@@ -93,13 +93,24 @@ def test_expected_rate_prefers_cheap_verification():
 
 def test_choose_dtype_measures_each_candidate(target, random_draft):
     t, d = tiny_llama(0), tiny_llama(1, layers=1)
-    choice = choose_dtype(t, d, calibrate=True, quiet=True)
+    choice = choose_dtype(t, d, candidates=("float32", "bfloat16"), calibrate=True, quiet=True)
     assert choice.dtype in ("float32", "bfloat16") and set(choice.rates) == {"float32", "bfloat16"}
     assert choice.dtype in choice.reason and "tokens/s" in choice.reason
     assert next(t.parameters()).dtype == torch.float32                 # the originals are not converted
     assert load_cached(t, d, torch.bfloat16) is not None               # both cached for the next run
-    again = choose_dtype(t, d, quiet=True)
+    again = choose_dtype(t, d, candidates=("float32", "bfloat16"), quiet=True)
     assert again.rates == choice.rates                                  # from the cache, nothing re-measured
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bfloat16_is_measured_only_where_the_cpu_runs_it_natively(monkeypatch, native):
+    import mcsd.profile
+    real = mcsd.profile.host_key
+    monkeypatch.setattr("mcsd.profile.host_key", lambda device: {**real(device), "onednn_bf16": native})
+    t, d = tiny_llama(6), tiny_llama(7, layers=1)
+    choice = choose_dtype(t, d, calibrate=True, quiet=True)
+    assert set(choice.rates) == ({"float32", "bfloat16"} if native else {"float32"})
+    assert native or (choice.dtype == "float32" and "no native bfloat16" in choice.reason)
 
 
 def test_choose_dtype_without_calibration_uses_a_rule():
