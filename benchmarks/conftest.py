@@ -68,6 +68,7 @@ class Bench:
             choice = choose_dtype(self.target, self.draft)
             self.dtype, self.dtype_reason = choice.dtype, choice.reason
             self.target, self.draft = cast_pair(self.target, self.draft, self.dtype)
+        self.target_preset = PRESETS.get(opt("--bench-target") or DEFAULT_PRESET)
         self.draft_is_model = isinstance(self.draft, torch.nn.Module)
         # Hugging Face assisted generation needs a standalone draft model: with a
         # preset's feature head, it still runs with the preset's own draft model,

@@ -45,7 +45,7 @@ class Run:
 @dataclass(frozen=True)
 class Method:
     name: str
-    family: str                       # baseline | hf_assisted | hf_prompt_lookup | chain | tree | policy | context | pearl
+    family: str                       # baseline | hf_assisted | hf_prompt_lookup | chain | tree | policy | context | pearl | llama_cpp
     run: Callable[["object", torch.Tensor], Run]
     tree: str | None = None
     policy: str | None = None                  # tree policy name, checked before the run
@@ -130,6 +130,43 @@ def _mcsd(bench, ids, tree: str | None, policy: str = "static", baseline: bool =
                s.accepted_by_depth, s.offered_by_depth, s.context_nodes, s.context_accepted)
 
 
+def llama_cpp_unavailable(bench) -> str | None:
+    """Why llama.cpp cannot run the bench's target, or None: the `llama` extra (llama-cpp-python)
+    must be installed and the target must be a preset, whose GGUF is what mcsd converted it from."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return ("llama-cpp-python is not installed (pip install -e '.[llama]'; it builds llama.cpp from "
+                "source, about 30 minutes on 2 cores)")
+    if bench.target_preset is None:
+        return "llama.cpp runs a preset's GGUF; --bench-target is not a preset"
+    if bench.device != "cpu":
+        return "llama.cpp is compared on the CPU only"
+    return None
+
+
+def _llama_cpp(bench, ids) -> Run:
+    """llama.cpp on the GGUF the target was converted from: greedy (top-1), the bench's prompt ids,
+    torch's thread count; prompt processing is timed, as the engine's prefill is."""
+    llm = bench.decoders.get("llama_cpp")
+    if llm is None:
+        from llama_cpp import Llama
+
+        from mcsd.models import fetch_preset_gguf
+        llm = bench.decoders["llama_cpp"] = Llama(
+            model_path=str(fetch_preset_gguf(bench.target_preset)), n_ctx=2048, n_threads=torch.get_num_threads(),
+            n_threads_batch=torch.get_num_threads(), verbose=False)
+    eos = {llm.token_eos(), *(bench.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>",))}
+    tokens = []
+    llm.reset()
+    t0 = time.perf_counter()
+    for tok in llm.generate(ids.tolist(), top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        tokens.append(int(tok))
+        if tok in eos or len(tokens) >= bench.max_new_tokens:
+            break
+    return Run(tokens, time.perf_counter() - t0, len(tokens))
+
+
 def all_methods() -> list[Method]:
     """Every method, the reference ("baseline") first."""
     methods = [
@@ -141,6 +178,8 @@ def all_methods() -> list[Method]:
         # what TreeDecoder(target, draft, tokenizer=...) and mcsd-generate run when nothing is asked for
         Method("default", "policy", lambda b, ids: _mcsd(b, ids, None, "auto"), policy="auto"),
         Method("hf_assisted", "hf_assisted", lambda b, ids: _hf(b, ids, assistant=True)),
+        # another engine on the same weights' source (the preset's GGUF): where a CPU user compares
+        Method("llama_cpp", "llama_cpp", _llama_cpp),
     ]
     for n in HF_FIXED:
         methods.append(Method(f"hf_assisted_n{n}", "hf_assisted", lambda b, ids, n=n: _hf(

@@ -37,6 +37,9 @@ def skip_reason(bench, method) -> str | None:
     """Why `method` cannot run in this session, or None."""
     if method.family in ("hf_assisted", "pearl") and bench.assistant is None:
         return f"{method.name} needs a standalone draft model"
+    if method.family == "llama_cpp":
+        from methods import llama_cpp_unavailable
+        return llama_cpp_unavailable(bench)
     if method.name == "hf_compiled" and bench.smoke:
         return "compiling takes about a minute per shape on a CPU; not in the smoke run"
     if method.policy is not None:
@@ -113,5 +116,5 @@ def test_method(benchmark, bench, method, request):
         "environment": bench.environment,
     })
     info["other_s"] = max(info["seconds"] - info["draft_s"] - info["verify_s"], 0.0) \
-        if method.family not in ("baseline", "hf_assisted") or method.name == "baseline_mcsd" else None
+        if method.family not in ("baseline", "hf_assisted", "llama_cpp") or method.name == "baseline_mcsd" else None
     benchmark.extra_info.update(info)
