@@ -86,3 +86,33 @@ def test_v2_head_trains_on_fused_layers_and_is_accepted(target):
     out = dec.generate(data[0]["prompt"], max_new_tokens=30, ignore_eos=True)
     assert out.tokens == data[0]["response"][:30].tolist()
     assert out.stats.mean_accepted > 1.5
+
+
+def test_teacher_forced_chains_are_what_decoding_accepts(target):
+    """Greedy decoding with a static chain accepts, in the round rooted at response position t,
+    exactly as many tokens as the trainer's teacher-forced chain from t gets right in a row:
+    the trainer's inputs at depth >= 2, positions and cache are the drafter's. (The drafter reads
+    one prompt position, as the trainer's windows over the response do.)"""
+    torch.manual_seed(0)
+    data = _examples(target, length=60)
+    vocab = target.config.vocab_size
+    cfg = FeatureHeadConfig(target_hidden=32, layers=1, heads=4, kv_heads=2, vocab_size=vocab, sub_vocab=48)
+    head = FeatureHead(cfg)
+    _, after = _fit(head, target, data, updates=60)
+    assert after[0]["top1_given_prev"] == after[0]["top1"] and after[1]["positions_reached"] < after[1]["positions"]
+    embed = target.get_input_embeddings()
+    checked, accepted = 0, 0
+    for ex in data[:4]:
+        want = tfd.chain_lengths(head, embed, ex, steps=3)
+        dec = TreeDecoder(target, FeatureDrafter(head, target, window=1), tree="1,1,1", policy="static",
+                          attention="sdpa")
+        out = dec.generate(ex["prompt"], max_new_tokens=60, ignore_eos=True)
+        assert out.tokens == ex["response"].tolist()
+        t = 0
+        for a in out.stats.accepted_per_round:
+            if t + 4 < len(ex["response"]):             # the chain and its bonus token fit in max_new_tokens
+                assert a == int(want[t]), (t, a, want[t - 2:t + 3])
+                checked += 1
+                accepted += a
+            t += a + 1
+    assert checked > 30 and 0 < accepted < 3 * checked    # rounds of every kind were compared

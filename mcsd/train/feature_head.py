@@ -17,6 +17,10 @@ predicts response[t]):
 - steps 2..K read the head's *own* previous predictions in place of hidden
   (unrolled, as the head runs deeper in a tree), each predicting one more
   token ahead. A head trained only on true features collapses from step 2 on.
+  Each step attends to the true-feature entries of step 1 up to its chain's
+  root and to its own chain's earlier steps (`unroll`), the context a drafted
+  node has in decoding, so the teacher-forced chain from a position is what a
+  decoding round rooted there accepts (tests/test_feature_training.py).
 
 The sub-vocabulary is the `--sub-vocab` most frequent tokens among the
 fitting responses and their top-k labels; label mass outside it is dropped.
@@ -93,25 +97,68 @@ def batch(examples, items, length, device):
     return hid, inp.to(device) if v2 else hid, tok.to(device), ids.to(device), probs.to(device), valid.to(device), pos.to(device)
 
 
+def chain_mask(length: int, spans: list[int], dtype: torch.dtype, device) -> torch.Tensor:
+    """The additive attention mask of unrolled step j = len(spans) - 1 >= 1 (`unroll`).
+
+    Keys are every step's entries so far: step 1's `length` (= spans[0])
+    entries (true features), then `spans[1]` entries of step 2, ..., `spans[j]`
+    of step j.
+    Entry t of step j (the chain rooted at t, j nodes deep) sees step 1's
+    entries up to t and its own chain's entries of steps 2..j, as the drafted
+    node it stands for sees the committed cache and its ancestors in a tree.
+
+    Returns:
+        (1, 1, spans[j], length + sum(spans[1:])) float, 0 where visible.
+    """
+    q = spans[-1]
+    t = torch.arange(q, device=device)
+    parts = [torch.arange(length, device=device)[None, :] <= t[:, None]]               # step 1: entries <= t
+    parts += [torch.arange(span, device=device)[None, :] == t[:, None] for span in spans[1:]]  # own chain only
+    allowed = torch.cat(parts, dim=1)
+    out = torch.zeros(1, 1, q, allowed.shape[1], dtype=dtype, device=device)
+    return out.masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+def unroll(head, embed, inp, tok, pos, steps: int):
+    """Run the head `steps` steps deep from every entry of a batch of windows, as it drafts.
+
+    Step 1 reads (f_t, token t) for every entry t (true features, causal);
+    step j reads step j-1's predicted feature and token t+j-1, and attends to
+    step 1's entries up to t and its own chain's earlier steps (`chain_mask`),
+    through one KV cache that grows by a step at a time: the context a drafted
+    node has in decoding, where the committed positions' entries come from
+    true features and only its ancestors' from predictions.
+
+    Yields:
+        (j, span, pred): step j = 0.., its entries 0..span-1, predicted features (B, span, H)
+        of the entries' next positions (entry t of step j predicts position t+j+1's feature).
+    """
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    feats = head.fused(inp)
+    spans = []
+    for j in range(steps):
+        span = inp.shape[1] - 1 - j                        # entries with a target j+1 positions ahead
+        if span <= 0:
+            return
+        spans.append(span)
+        mask = None if j == 0 else chain_mask(spans[0], spans, feats.dtype, feats.device)
+        pred = head(feats[:, :span], embed(tok[:, j:j + span]), pos[:, j:j + span], mask, cache)
+        yield j, span, pred
+        feats = pred
+
+
 def unrolled_loss(head, embed, hid, inp, tok, ids, probs, valid, pos, steps: int, slot, feat_weight: float):
-    """Loss over `steps` unrolled steps, and per-step top-1 agreement counts.
+    """Loss over `steps` unrolled steps (`unroll`), and per-step top-1 agreement counts.
 
     Entry t reads (f_t, emb(tok[t])) at position pos[t] (the token's own
     position) and predicts f_{t+1}; its scores are matched to the target's
-    distribution at t+1.
-    Step j reads the step j-1 predictions shifted by one position. Step 1 of a
-    v2 head reads the fused target layers `inp`; every step predicts the final state.
+    distribution at t+1. Every step predicts the final state.
     """
-    feats = head.fused(inp)
     total = hid.new_zeros(())
     stats = []
-    for j in range(steps):
-        span = hid.shape[1] - 1 - j                       # entries with a target j+1 positions ahead
-        if span <= 0:
-            break
-        x_feat = feats[:, :span]
-        x_tok = embed(tok[:, j:j + span]) if j else embed(tok[:, :span])
-        pred = head(x_feat, x_tok, pos[:, j:j + span])                               # (B, span, H)
+    for j, span, pred in unroll(head, embed, inp, tok, pos, steps):
         want_f = hid[:, 1 + j:1 + j + span]
         m = valid[:, 1 + j:1 + j + span] & valid[:, j:j + span]
         lab_ids, lab_p = ids[:, 1 + j:1 + j + span], probs[:, 1 + j:1 + j + span]
@@ -125,35 +172,68 @@ def unrolled_loss(head, embed, hid, inp, tok, ids, probs, valid, pos, steps: int
         total = total + step_loss * (0.8 ** j)
         top1 = head.vocab_ids[logq.argmax(-1)]
         stats.append((int(((top1 == lab_ids[..., 0]) & m).sum()), int(m.sum())))
-        # next step reads these predictions; entry t of step j+1 is entry t+1's input
-        feats = pred
     return total, stats
+
+
+def _chain_steps(head, embed, hid, inp, tok, ids, valid, pos, steps):
+    """Per unrolled step j = 1..steps (`unroll`), for the chain drafted from every entry of one
+    window: (top-1 right (1, span), target token in the top 4 (1, span), entry counted (1, span))."""
+    for j, span, pred in unroll(head, embed, inp, tok, pos, steps):
+        m = valid[:, 1 + j:1 + j + span] & valid[:, j:j + span]
+        want = ids[:, 1 + j:1 + j + span, 0]
+        top4 = head.vocab_ids[head.sub_scores(pred).topk(4, dim=-1).indices]
+        yield (top4[..., 0] == want) & m, (top4 == want[..., None]).any(-1) & m, m
 
 
 @torch.no_grad()
 def agreement(head, embed, examples, length, device, steps=3):
-    """Teacher-forced agreement with the target's greedy token at steps 1..steps (top-1 and top-4)."""
+    """Teacher-forced agreement with the target's greedy token at steps 1..steps (`_chain_steps`).
+
+    `top1` and `top4` count every entry; `top1_given_prev` counts only the
+    entries whose steps 1..j-1 were all top-1 right, which is what a chain's
+    acceptance at depth j measures in real greedy decoding (a depth is
+    verified only where the depths above it were accepted), so the two compare.
+    """
     head.eval()
     hits1, hits4, n = [0] * steps, [0] * steps, [0] * steps
+    cond_hits, cond_n = [0] * steps, [0] * steps
     for i in range(len(examples)):
         for start in range(0, max(len(examples[i]["response"]) - 1, 1), length):
-            hid, inp, tok, ids, probs, valid, pos = batch(examples, [(i, start)], length, device)
-            feats = head.fused(inp)
-            for j in range(steps):
-                span = hid.shape[1] - 1 - j
-                if span <= 0:
-                    break
-                pred = head(feats[:, :span], embed(tok[:, j:j + span]), pos[:, j:j + span])
-                m = valid[:, 1 + j:1 + j + span] & valid[:, j:j + span]
-                want = ids[:, 1 + j:1 + j + span, 0]
-                top4 = head.vocab_ids[head.sub_scores(pred).topk(4, dim=-1).indices]
-                hits1[j] += int(((top4[..., 0] == want) & m).sum())
-                hits4[j] += int(((top4 == want[..., None]).any(-1) & m).sum())
+            hid, inp, tok, ids, _, valid, pos = batch(examples, [(i, start)], length, device)
+            chain_ok = valid                                         # (1, L): the steps so far all right
+            for j, (right, in_top4, m) in enumerate(_chain_steps(head, embed, hid, inp, tok, ids, valid, pos, steps)):
+                reached = chain_ok[:, :right.shape[1]] & m
+                hits1[j] += int(right.sum())
+                hits4[j] += int(in_top4.sum())
                 n[j] += int(m.sum())
-                feats = pred
+                cond_hits[j] += int((right & reached).sum())
+                cond_n[j] += int(reached.sum())
+                chain_ok = right & reached
     head.train()
-    return [{"step": j + 1, "top1": hits1[j] / max(n[j], 1), "top4": hits4[j] / max(n[j], 1), "positions": n[j]}
+    return [{"step": j + 1, "top1": hits1[j] / max(n[j], 1), "top4": hits4[j] / max(n[j], 1), "positions": n[j],
+             "top1_given_prev": cond_hits[j] / max(cond_n[j], 1), "positions_reached": cond_n[j]}
             for j in range(steps)]
+
+
+@torch.no_grad()
+def chain_lengths(head, embed, example: dict, steps: int = 3, device="cpu") -> torch.Tensor:
+    """Teacher-forced, for every response position t of one example: how many of the `steps` tokens
+    after it a chain drafted from t gets right in a row (what real greedy decoding accepts in a
+    round rooted there). Positions whose chain runs past the response hold what fits.
+
+    Returns:
+        (R,) long, R the response length.
+    """
+    r = len(example["response"])
+    hid, inp, tok, ids, _, valid, pos = batch([example], [(0, 0)], r, device)
+    run = torch.zeros(1, r, dtype=torch.long, device=hid.device)
+    alive = torch.ones(1, r, dtype=torch.bool, device=hid.device)
+    for right, _, _ in _chain_steps(head, embed, hid, inp, tok, ids, valid, pos, steps):
+        span = right.shape[1]
+        alive[:, :span] &= right
+        alive[:, span:] = False
+        run += alive.long()
+    return run[0]
 
 
 def run_provenance(data_dir: Path, runs: list[str]) -> dict:
