@@ -11,7 +11,7 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "TreeDecoder": "decoder", "GenerationOutput": "decoder", "GenerationStats": "decoder",
+    "TreeDecoder": "decoder", "GenerationOutput": "output", "GenerationStats": "output",
     "Drafter": "draft", "ModelDrafter": "draft",
     "load_model_pair": "models",
     "ModelLoadError": "errors", "TokenizerMismatchError": "errors",

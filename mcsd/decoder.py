@@ -1,14 +1,13 @@
 """`TreeDecoder`: the speculative decoding loop.
 
-Each round:
-  1. the root is the token the target itself chose last round (exact by construction);
-  2. the drafter grows a tree beneath it, one forward per level;
-  3. the target scores every tree node in one forward (sliced tree mask);
-  4. greedy matching or multi-candidate rejection sampling picks the accepted
-     path and the target's own next token;
-  5. both KV caches keep the accepted path and drop the rest;
-  6. the accepted tokens are emitted, and generation stops on EOS, a stop
-     string or `max_new_tokens`.
+Prefill (the target reads the prompt and chooses the first token itself), then each round:
+  1-2. propose: the drafter grows a tree beneath the root, the token the target itself chose
+       last round (exact by construction), context branches merged in (`mcsd.propose`);
+  3-4. verify: the target scores every node in one forward (sliced tree mask); greedy matching
+       or multi-candidate rejection sampling accepts a path and the target's own next token;
+  5. commit: both KV caches keep the accepted path; the policy and drafters observe the round;
+  6. emit: generation stops on EOS, a stop string or `max_new_tokens` (`mcsd.output`).
+The decoder's parts are resolved in `mcsd.resolve`, its costs and matmul paths in `mcsd.calibration`.
 
 Limitations: one sequence at a time (batch size 1); models must use
 transformers' DynamicCache (no sliding-window or quantised caches); under
@@ -24,17 +23,18 @@ from typing import Callable, Iterator
 
 import torch
 
-from . import kernels, processors
-from .attention import set_backend
+from . import kernels, pearl, processors, prompts
+from .calibration import Calibration
 from .config import ConfigError, DecodeConfig, check_context_window
 from .context import ContextDrafter
-from .draft import Drafter, GrownTree, ModelDrafter, grow_tree
+from .draft import GrownTree
 from .lm import CachedLM
-from .models import check_vocab_sizes
-from .output import GenerationOutput, GenerationStats
+from .output import Emission, GenerationOutput, GenerationStats, eos_ids
 from .pearl import PearlMode
-from .policies import POLICIES, TreePolicy, make_policy, resolve_policy
-from .sampling import logits_to_probs, make_generator, sample
+from .policies import TreePolicy, make_policy
+from .propose import Proposer
+from .resolve import resolve
+from .sampling import choose, logits_to_probs, make_generator
 from .tree import DraftTree
 from .verify import Acceptance, accept_greedy, accept_sampling
 
@@ -75,91 +75,42 @@ class TreeDecoder:
             the target's matmul paths come from any cached profile of it.
 
     Attributes:
+        calibration: this machine's costs and matmul paths (`mcsd.calibration`).
         costs_source: where a cost-aware policy's costs came from ("cached",
             "measured", "default"), or None for other policies.
+        calibration_s, calibration_note, kernels_note: what measuring took here,
+            whether it was provisional, which matmul path small blocks run on.
     """
 
     def __init__(self, target, draft=None, tokenizer=None, tree=None, policy="auto",
                  attention: str = "auto", policy_options: dict | None = None, lossy_target_roots: int = 0,
                  calibrate: bool | None = None):
-        self.target = CachedLM(target)
+        self.target, self.tokenizer = CachedLM(target), tokenizer
         self.lossy_roots = int(lossy_target_roots)
-        draft, self.context = _split_drafters(draft)
-        if self.context is not None and self.lossy_roots:
-            raise ConfigError("context drafting is exact-only; it cannot be combined with lossy_target_roots")
-        if self.context is not None and draft is None:
-            if policy not in ("auto", "static"):
-                raise ConfigError(f"policy {policy!r} shapes a draft model's tree; context drafting alone "
-                                  f"(no draft model) takes no policy")
-            policy, tree = "static", ""                 # nothing to draft with a model: the root alone, then context
-        policy = resolve_policy(policy, lossy=self.lossy_roots > 0, drafting=draft is not None)
-        if tree is None and isinstance(policy, str):
-            tree = POLICIES[policy].default_tree if policy in POLICIES else TreePolicy.default_tree
-        if self.lossy_roots and policy == "pearl":
-            raise ConfigError("PEARL drafts exact chains; it does not combine with lossy_target_roots")
-        if self.lossy_roots:
-            vocab = target.get_input_embeddings().weight.shape[0]
-            if not 1 <= self.lossy_roots <= vocab or not isinstance(tree, str):
-                raise ConfigError(f"lossy_target_roots needs a width between 1 and the vocabulary size ({vocab}) "
-                                  f"and a k-config tree string")
-            # candidate roots form the first level; the drafted tree grows beneath each of them
-            tree = f"{self.lossy_roots},{tree}" if tree.strip() not in ("", "0") else str(self.lossy_roots)
-        self.attention = set_backend(target, attention)
-        if draft is None:
-            self.drafter = None
-        elif isinstance(draft, torch.nn.Module):
-            check_vocab_sizes(target, draft)
-            set_backend(draft, attention)
-            self.drafter = ModelDrafter(draft)
-        elif all(hasattr(draft, m) for m in ("begin_round", "step", "commit", "reset")):
-            self.drafter = draft
-        else:
-            raise ConfigError(f"draft must be a causal LM or a Drafter, got {type(draft).__name__}")
-        self.tokenizer = tokenizer
-        options = dict(policy_options or {})
-        self.costs_source = None
-        self.calibration_s, self.calibration_note = 0.0, None    # time spent measuring here, for --stats
-        self._profiled = (target, draft)              # what a stale profile is measured again for
-        fetched = []                                  # this machine's profile, looked up once
-
-        def device_profile():
-            if not fetched:
-                fetched.append(self._device_profile(target, draft, calibrate))
-                self._note_calibration(*fetched[0])
-            return fetched[0]
-
-        def device_costs():
-            costs = self._costs_of(*device_profile())
-            costs.on_stale = self._stale_marker(target, draft)
-            return costs
-
-        if isinstance(policy, str) and getattr(POLICIES.get(policy), "uses_device_profile", False) \
-                and "costs" not in options:
-            options["costs"] = device_costs()
-        if "costs" in options:
-            self.costs_source = options["costs"].source
-        self.policy = make_policy(policy, tree, **options)
+        parts = resolve(target, draft, tree, policy, attention, self.lossy_roots)
+        self.drafter, self.context, self.attention = parts.drafter, parts.context, parts.attention
+        self.calibration = Calibration(self.target, self.drafter, parts.draft, calibrate)
+        self.policy = make_policy(parts.policy, parts.tree, **self.calibration.policy_options(parts.policy,
+                                                                                              policy_options))
         if self.drafter is not None:
             self.policy.bind_drafter(self.drafter)
         self._baseline_policy = make_policy("static", "")
         self.context_costs = None                     # prices a context node's verify time
-        if self.context is not None and isinstance(self.policy, PearlMode):
-            raise ConfigError("the pearl mode drafts a chain with a draft model; it does not take context drafting")
         if self.context is not None:
             self.context.bind(target.get_input_embeddings().weight.shape[0], self.target.device)
             self.context_costs = getattr(self.policy, "costs", None)
             if self.context_costs is None:
-                self.context_costs = device_costs()
-                self.costs_source = self.context_costs.source
-        self.kernels_note = None                      # which matmul path small blocks run on, for --stats
-        if kernels.packable(self.target.dtype, self.target.device):
-            alone = self.drafter is None and self.context is None and not calibrate
-            # the target alone needs only its paths: from any cached profile of it, never measured
-            self._use_kernels(self._target_profile(target) if alone else device_profile()[0])
+                self.context_costs = self.calibration.costs()
+        self.calibration.choose_kernels(target_alone=self.drafter is None and self.context is None)
         # Trees live where the target's inputs live (its embedding's device under a device_map).
         for pol in (self.policy, self._baseline_policy):
             pol.topology = pol.topology.to(self.target.device)
         self.context_window = getattr(target.config, "max_position_embeddings", None)
+
+    costs_source = property(lambda self: self.calibration.source)
+    calibration_s = property(lambda self: self.calibration.seconds)
+    calibration_note = property(lambda self: self.calibration.note)
+    kernels_note = property(lambda self: self.calibration.kernels_note)
 
     # ------------------------------------------------------------------ public API
 
@@ -201,7 +152,7 @@ class TreeDecoder:
         """
         if self.drafter is None and self.context is None:
             raise ConfigError("this TreeDecoder has no draft; pass draft=... or use generate_baseline()")
-        if _is_prompt_list(prompt):
+        if prompts.is_prompt_list(prompt):
             return [self.generate(p, max_new_tokens, temperature, top_k, top_p, seed, stop_strings, ignore_eos,
                                   eos_token_ids, streamer, on_round, **options) for p in prompt]
         return self._collect(self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_strings,
@@ -215,7 +166,7 @@ class TreeDecoder:
                           **options) -> GenerationOutput | list[GenerationOutput]:
         """Plain target-only decoding through the same loop (a tree of just the root); takes what
         `generate` takes, a list of prompts included."""
-        if _is_prompt_list(prompt):
+        if prompts.is_prompt_list(prompt):
             return [self.generate_baseline(p, max_new_tokens, temperature, top_k, top_p, seed, stop_strings,
                                            ignore_eos, eos_token_ids, streamer, **options) for p in prompt]
         return self._collect(self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_strings,
@@ -233,149 +184,92 @@ class TreeDecoder:
                                  temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                  stop_strings=stop_strings, ignore_eos=ignore_eos, eos_token_ids=eos_token_ids,
                                  **options)
-        self._check_length(prompt_ids.numel(), cfg.max_new_tokens)
-        policy = self._baseline_policy if baseline else self.policy
-        if not baseline:
-            self._refresh_stale_costs()                 # between generations, never within one
-        drafter = None if baseline else self.drafter
-        context = None if baseline else self.context
-        return (yield from self._decode(prompt_ids, cfg, policy, drafter, on_round, context))
+        check_context_window(self.context_window, prompt_ids.numel(), cfg.max_new_tokens)
+        if baseline:
+            return (yield from self._decode(prompt_ids, cfg, Proposer(self._baseline_policy, None, None)))
+        # between generations, never within one: measure again where the last one found the costs stale
+        self.calibration.refresh(getattr(self.policy, "costs", None) or self.context_costs)
+        proposer = Proposer(self.policy, self.drafter, self.context, self.lossy_roots, self.context_costs)
+        if proposer.lossy and not cfg.sampling.greedy:
+            raise ConfigError("lossy_target_roots is defined for greedy decoding only (temperature 0)")
+        if proposer.lossy:
+            _exact_loop_only(cfg, "lossy_target_roots")
+        return (yield from self._decode(prompt_ids, cfg, proposer, on_round))
 
     def encode(self, prompt) -> torch.Tensor:
         """Prompt (str, list of ids, or tensor) -> (T,) long ids on the target's device."""
-        if isinstance(prompt, str):
-            if not prompt.strip():
-                raise ConfigError("the prompt is empty")
-            if self.tokenizer is None:
-                raise ConfigError("a string prompt needs a tokenizer; pass tokenizer=... or token ids")
-            ids = self.tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
-        else:
-            ids = _as_ids(prompt)
-            if ids.dim() == 2:
-                if ids.shape[0] != 1:
-                    raise ConfigError(f"batched prompts are not supported (got batch size {ids.shape[0]})")
-                ids = ids[0]
-            if ids.dim() != 1:
-                raise ConfigError(f"prompt ids must be 1-D or (1, T), got shape {tuple(ids.shape)}")
-        if ids.numel() == 0:
-            raise ConfigError("the prompt is empty")
         vocab = self.target.model.get_input_embeddings().weight.shape[0]
-        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
-            raise ConfigError(f"prompt token ids must lie in [0, {vocab}); got {int(ids.min())}..{int(ids.max())}")
-        return ids.to(self.target.device)
+        return prompts.encode(prompt, self.tokenizer, vocab, self.target.device)
 
     # ------------------------------------------------------------------ the loop
 
     @torch.inference_mode()
-    def _decode(self, prompt_ids: torch.Tensor, cfg: DecodeConfig, policy: TreePolicy,
-                drafter: Drafter | None, on_round=None, context: ContextDrafter | None = None) -> Iterator[list[int]]:
+    def _decode(self, prompt_ids: torch.Tensor, cfg: DecodeConfig, proposer: Proposer,
+                on_round=None) -> Iterator[list[int]]:
+        policy, drafter = proposer.policy, proposer.drafter
         if isinstance(policy, PearlMode) and drafter is not None:    # draft and target run concurrently
             _exact_loop_only(cfg, "policy 'pearl'")
-            from . import pearl
             with kernels.suspend():                             # the matmul flag is shared by both threads
                 return (yield from pearl.decode(self, prompt_ids, cfg, policy, drafter))
         stats, gen = GenerationStats(), make_generator(cfg.seed, self.target.device)
-        eos = self._eos_ids(cfg)
-        proc = processors.build(cfg.processing, prompt_ids.numel(), eos)   # None: raw logits decide
+        emitted = Emission(cfg, eos_ids(cfg, self.target.model, self.tokenizer), self.tokenizer)
+        proc = processors.build(cfg.processing, prompt_ids.numel(), emitted.eos)   # None: raw logits decide
         t_start = time.perf_counter()
-        policy.reset()
-        if drafter is not None:
-            drafter.reset()
-
-        # Prefill: the target reads the prompt and chooses the first token itself. Only the last
-        # row is projected onto the vocabulary: the prompt's other rows would give context drafting
-        # recycled predictions for prompt tokens, but the projection costs more than they gain (a
-        # long prompt's, without native bfloat16, more than the n-gram source's copies then save).
-        self.target.reset()
-        wants_hidden = drafter is not None and getattr(drafter, "uses_target_hidden", False)
-        if wants_hidden:                                        # which target layers it reads (default: the last)
-            wants_hidden = tuple(getattr(drafter, "feature_layers", (-1,)))
-            logits, prompt_hidden = self.target.extend(prompt_ids, hidden=wants_hidden, last_logits=True)
-            drafter.observe_target(prompt_hidden)               # features of every prompt position
-        else:
-            logits = self.target.extend(prompt_ids, last_logits=True)
-        if context is not None:
-            context.reset(prompt_ids)
-            context.observe_logits(prompt_ids[-1:], logits[-1:])   # the prompt's last token's, recycled
-        lossy = self.lossy_roots if drafter is not None else 0
-        if lossy and not cfg.sampling.greedy:
-            raise ConfigError("lossy_target_roots is defined for greedy decoding only (temperature 0)")
-        if lossy:   # the target's top-W become the next round's candidate roots; nothing emitted yet
-            _exact_loop_only(cfg, "lossy_target_roots")
-            roots, sequence, new, new_lp = logits[-1].topk(lossy).indices, prompt_ids, [], None
-        else:
-            scores = logits[-1] if proc is None else proc.at_prefix(prompt_ids, logits[-1])
-            root, new_lp = self._choose(scores, cfg, gen)
-            sequence, new = torch.cat([prompt_ids, root.reshape(1)]), [int(root)]
+        # 0. prefill: the target reads the prompt and chooses the first token itself
+        sequence, new, new_lp = self._prefill(prompt_ids, cfg, proposer, gen, proc)
         stats.target_forwards += 1
         stats.prefill_s = time.perf_counter() - t_start
-        out: list[int] = []
-        logprobs: list[float] | None = [] if cfg.return_logprobs else None
-        finish = self._emit(out, new, cfg, eos, logprobs, new_lp)
-        yield out[:]
-        drafted_accepts: list[int] = []                         # per round, the drafted part's accepted count
+        yield emitted.add(new, new_lp)
 
-        while finish is None:
-            remaining = cfg.max_new_tokens - len(out)
-            depth = min(policy.begin_round(), remaining - (0 if lossy else 1)) if drafter is not None else 0
-            if lossy:
-                depth = max(depth, 1)                           # the candidate roots are this round's level 1
-            # 1-2. draft a tree under the target-initialised root
+        while emitted.finish is None:
+            # 1-2. propose: the drafter's tree under the root, context branches merged in
             t0 = time.perf_counter()
-            grown = (grow_tree(drafter, policy, sequence, depth, cfg.sampling, gen,
-                               root_children=roots if lossy else None, scores=proc) if depth > 0
-                     else GrownTree(DraftTree.root_only(policy.topology, sequence[-1]), None))
-            drafted, graft = grown.tree, None
-            if context is not None:                             # free branches from the context, merged in
-                costs = self.context_costs
-                spent_ms = self._round_ms(drafted, costs)        # from costs, not this run's clock
-                probs = policy.node_probabilities()
-                expected = self._expected_tokens(policy, drafted_accepts, drafted.size)
-                graft = context.graft(drafted, sequence, expected, spent_ms, costs,
-                                      probs if probs is not None and probs.numel() == drafted.size else None)
-                grown = grown.with_graft(graft)
+            proposal = proposer.propose(sequence, cfg.max_new_tokens - len(emitted.tokens), cfg.sampling, gen, proc)
             t1 = time.perf_counter()
-            # 3-4. verify every node in one target forward, then accept
-            acc, path_hidden, last, new_lp = self._verify(grown, sequence, cfg, gen, policy, wants_hidden,
-                                                          bool(lossy), context, proc)
+            # 3-4. verify every node in one target forward, then accept (the target's cache keeps the path)
+            acc, path_hidden, last, new_lp = self._verify(proposal.grown, sequence, cfg, gen, policy,
+                                                          proposer.hidden, proposer.lossy > 0, proposer.context, proc)
             t2 = time.perf_counter()
-            # 5. commit the accepted path into both caches
-            if wants_hidden:
-                drafter.observe_target(path_hidden)               # features of root .. deepest accepted
-            if drafter is not None and depth > 0:
-                drafter.commit(acc.path)
+            # 5. commit the path to the drafter's cache; the proposers observe how the round went
+            proposer.observe(proposal, acc, path_hidden, last, (t1 - t0) * 1000, (t2 - t1) * 1000)
             stats.draft_s += t1 - t0
             stats.verify_s += t2 - t1
             stats.target_forwards += 1
-            stats.record_round(grown.tree, acc.n_accepted)
-            if graft is not None:
-                context.observe(graft, acc.path)
-            # the policy hears about its own tree: the accepted path's drafted part
-            drafted_accepts.append(int((acc.path < drafted.size).sum()) - 1)
-            policy.observe(drafted_accepts[-1], drafted)
-            policy.observe_timing(grown.tree, (t1 - t0) * 1000, (t2 - t1) * 1000)
+            stats.record_round(proposal.grown.tree, acc.n_accepted)
             if on_round is not None:
-                on_round(grown.tree, acc)
+                on_round(proposal.grown.tree, acc)
             # 6. emit
-            new = grown.tree.tokens[acc.path[1:]]
-            if lossy:
-                roots = last.topk(lossy).indices
-            else:
-                new = torch.cat([new, acc.next_token.reshape(1)])
+            new = proposal.emitted(acc, lossy=proposer.lossy > 0)
             sequence = torch.cat([sequence, new])
-            before = len(out)
-            finish = self._emit(out, new.tolist(), cfg, eos, logprobs, new_lp)
-            yield out[before:]
+            yield emitted.add(new.tolist(), new_lp)
 
-        if drafter is not None:
-            stats.draft_forwards = drafter.forwards
-        if context is not None:
-            stats.context_nodes, stats.context_accepted = context.proposed_nodes, context.accepted_nodes
-        stats.policy_s = getattr(policy, "predict_s", 0.0)
-        stats.new_tokens = len(out)
+        proposer.record(stats)
         stats.wall_s = time.perf_counter() - t_start
-        text = self.tokenizer.decode(out, skip_special_tokens=True) if self.tokenizer is not None else None
-        return GenerationOutput(tokens=out, text=text, stats=stats, finish_reason=finish, logprobs=logprobs)
+        return emitted.output(stats)
+
+    def _prefill(self, prompt_ids: torch.Tensor, cfg: DecodeConfig, proposer: Proposer, gen, proc):
+        """The target reads the prompt (T,) and, unless the round's roots are its top-W (lossy), chooses
+        the first token. Only the last row is projected onto the vocabulary: the prompt's other rows
+        would give context drafting recycled predictions for prompt tokens, but the projection costs
+        more than they gain (a long prompt's, without native bfloat16, more than the n-gram source's
+        copies then save).
+
+        Returns:
+            (the committed sequence ending with the root, the tokens to emit, their log-probabilities
+            with `cfg.return_logprobs` else None).
+        """
+        proposer.reset()
+        self.target.reset()
+        if proposer.hidden:                                     # the target layers the drafter reads
+            logits, prompt_hidden = self.target.extend(prompt_ids, hidden=proposer.hidden, last_logits=True)
+        else:
+            logits, prompt_hidden = self.target.extend(prompt_ids, last_logits=True), None
+        proposer.start(prompt_ids, logits, prompt_hidden)
+        if proposer.lossy:              # the target's top-W are the next round's candidate roots; nothing emitted
+            return prompt_ids, [], None
+        scores = logits[-1] if proc is None else proc.at_prefix(prompt_ids, logits[-1])
+        root, new_lp = choose(scores, cfg.sampling, gen, cfg.return_logprobs)
+        return torch.cat([prompt_ids, root.reshape(1)]), [int(root)], new_lp
 
     def _verify(self, grown: GrownTree, sequence: torch.Tensor, cfg: DecodeConfig, gen, policy: TreePolicy,
                 hidden: bool | tuple[int, ...] = False, skip_root: bool = False,
@@ -431,182 +325,6 @@ class TreeDecoder:
 
     # ------------------------------------------------------------------ helpers
 
-    def _use_kernels(self, prof) -> None:
-        """Run each forward on the matmul path the profile measured faster for its size."""
-        if prof is None:
-            return
-        from .profile import drafter_module
-        notes = []
-        runners = [("target", "verify", self.target, self.target.model)]
-        if self.drafter is not None and hasattr(self.drafter, "kernels"):
-            runners.append(("draft", "draft", self.drafter, drafter_module(self.drafter)))
-        for label, role, runner, module in runners:
-            runner.kernels = table = prof.kernel_table(role)
-            if table is None:
-                continue
-            notes.append(f"{label}: {table.describe()}")
-            if table.uses_packed and module is not None:       # prepacked weights are made once, here
-                kernels.pack(module)
-        self.kernels_note = "; ".join(notes) or None
-
-    @staticmethod
-    def _round_ms(tree: DraftTree, costs) -> float:
-        """A round's time before context nodes, in ms, from the costs alone (so that the graft, and
-        the output, do not depend on how long this run's forwards happened to take): the draft
-        forwards that grew `tree` (one per level but the last, over that level's nodes) and its
-        verify."""
-        if costs is None:
-            return 0.0
-        widths = torch.bincount(tree.depth).tolist()[:-1]                 # nodes per level fed to the drafter
-        return sum(costs.draft_ms(w) for w in widths) + costs.verify_ms(tree.size)
-
-    def _refresh_stale_costs(self) -> None:
-        """Measure again, on a quiet machine, where the last generation found the profile stale
-        (`mcsd.profile.Costs`), and run the next one on the new kernel paths and costs. The costs
-        are updated in place (the policy and context drafting share them)."""
-        costs = getattr(self.policy, "costs", None) or self.context_costs
-        if costs is None or costs.stale is None or not self._quiet():
-            return
-        target, draft = self._profiled
-        prof, source = self._device_profile(target, draft, calibrate=True)
-        self._note_calibration(prof, source)
-        costs.rebase(self._costs_of(prof, source))
-        self.costs_source = source
-        if kernels.packable(self.target.dtype, self.target.device):
-            self._use_kernels(prof)
-
-    @staticmethod
-    def _quiet() -> bool:
-        from .profile import quiet_now
-        return quiet_now()
-
-    def _note_calibration(self, prof, source: str) -> None:
-        """Remember what measuring cost this run and whether it was provisional, for --stats."""
-        if prof is None or source != "measured":
-            return
-        self.calibration_s += prof.meta.get("calibration_s", 0.0)
-        if prof.meta.get("provisional"):
-            self.calibration_note = f"; provisional: {prof.meta['provisional']}"
-
-    @staticmethod
-    def _stale_marker(target, draft):
-        """on_stale for Costs: flag the cached profile so that the next start measures again."""
-        from .profile import mark_stale
-        timed = draft if isinstance(draft, torch.nn.Module) or getattr(draft, "uses_target_hidden", False) else None
-        return lambda reason: mark_stale(target, timed, reason)
-
-    @staticmethod
-    def _target_profile(target):
-        """A cached profile with the target's costs (alone or from a pair's), measuring nothing."""
-        from .profile import load_target_costs
-        return load_target_costs(target)
-
-    @staticmethod
-    def _device_profile(target, draft, calibrate: bool | None = None):
-        """(this machine's profile for the pair or None, where it came from): the cached one,
-        measured when missing (or when `calibrate` is True); None with `calibrate=False` and
-        nothing cached."""
-        from .profile import load_cached, load_or_measure
-        timed = draft if isinstance(draft, torch.nn.Module) or getattr(draft, "uses_target_hidden", False) else None
-        prof = None if calibrate else load_cached(target, timed, remeasure=calibrate is None)
-        if prof is not None:
-            return prof, "cached"
-        if calibrate is False:
-            return None, "default"
-        return load_or_measure(target, timed, force=True), "measured"
-
-    @staticmethod
-    def _costs_of(prof, source: str):
-        """Costs from a profile (see `_device_profile`); generic defaults without one."""
-        from .profile import Costs
-        return Costs.from_profile(prof, source=source) if prof is not None else Costs.default()
-
-    @staticmethod
-    def _device_costs(target, draft, calibrate: bool | None = None):
-        """This machine's costs for the pair (see `_device_profile`)."""
-        return TreeDecoder._costs_of(*TreeDecoder._device_profile(target, draft, calibrate))
-
-    @staticmethod
-    def _expected_tokens(policy: TreePolicy, drafted_accepts: list[int], drafted_size: int) -> float:
-        """Tokens this round should emit before context nodes: 1 for the root alone, else the
-        policy's estimate for its tree where it has one, else 1 + the mean accepted from drafted
-        trees in recent rounds (context branches' acceptances are not the drafter's)."""
-        if drafted_size == 1:                     # the root alone: it is the one token for sure
-            return 1.0
-        own = policy.expected_tokens()
-        if own is not None:
-            return own
-        recent = drafted_accepts[-16:]
-        return 1.0 + sum(recent) / max(len(recent), 1)
-
-    @staticmethod
-    def _choose(scores: torch.Tensor, cfg: DecodeConfig, gen) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """scores (V,) -> (the chosen token (), its (1,) float32 log-probability with `return_logprobs`)."""
-        if cfg.sampling.greedy:
-            token, dist = scores.argmax(-1), None
-        else:
-            dist = logits_to_probs(scores, cfg.sampling)
-            token = sample(dist, gen)
-        if not cfg.return_logprobs:
-            return token, None
-        logp = scores.float().log_softmax(-1) if dist is None else dist.log()
-        return token, logp[token].reshape(1)
-
-    def _emit(self, out: list[int], new: list[int], cfg: DecodeConfig, eos: set[int],
-              logprobs: list[float] | None = None, new_logprobs: torch.Tensor | None = None) -> str | None:
-        """Append new tokens (and their log-probabilities to `logprobs`, when kept), cut at EOS / stop
-        string / length. Returns the finish reason or None."""
-        if logprobs is not None:
-            logprobs.extend(new_logprobs.tolist())
-        finish = self._finish(out, new, cfg, eos)
-        if logprobs is not None:
-            del logprobs[len(out):]
-        return finish
-
-    def _finish(self, out: list[int], new: list[int], cfg: DecodeConfig, eos: set[int]) -> str | None:
-        start = len(out)
-        out.extend(new)
-        if not cfg.ignore_eos:
-            for i in range(start, len(out)):
-                if out[i] in eos:
-                    del out[i + 1:]
-                    return "eos"
-        if cfg.stop_strings and self.tokenizer is not None:
-            cut = self._stop_string_cut(out, start, cfg.stop_strings)
-            if cut is not None:
-                del out[cut:]
-                return "stop_string"
-        if len(out) >= cfg.max_new_tokens:
-            del out[cfg.max_new_tokens:]
-            return "length"
-        return None
-
-    def _stop_string_cut(self, out: list[int], start: int, stops: tuple[str, ...]) -> int | None:
-        # Find the first new token whose arrival completes a stop string.
-        # Any stop string completed this round ends within the new tokens; a window of
-        # earlier tokens covers one that began before them.
-        lo = max(0, start - 32)
-        for end in range(start + 1, len(out) + 1):
-            text = self.tokenizer.decode(out[lo:end], skip_special_tokens=False)
-            if any(s in text for s in stops):
-                return end
-        return None
-
-    def _eos_ids(self, cfg: DecodeConfig) -> set[int]:
-        if cfg.eos_token_ids:
-            return set(cfg.eos_token_ids)
-        ids: set[int] = set()
-        gen_cfg = getattr(self.target.model, "generation_config", None)
-        for source in (getattr(gen_cfg, "eos_token_id", None), getattr(self.tokenizer, "eos_token_id", None)):
-            if isinstance(source, int):
-                ids.add(source)
-            elif source is not None:
-                ids.update(int(i) for i in source)
-        return ids
-
-    def _check_length(self, prompt_len: int, max_new_tokens: int) -> None:
-        check_context_window(self.context_window, prompt_len, max_new_tokens)
-
     @staticmethod
     def _collect(rounds: Iterator[list[int]], streamer) -> GenerationOutput:
         while True:
@@ -624,41 +342,3 @@ def _exact_loop_only(cfg: DecodeConfig, what: str) -> None:
                                    ("return_logprobs", cfg.return_logprobs)) if on]
     if asked:
         raise ConfigError(f"{' and '.join(asked)} need the exact tree loop; {what} does not support them")
-
-
-def _is_prompt_list(prompt) -> bool:
-    """True for a list / tuple of prompts (strings, id lists or 1-D tensors), False for one prompt."""
-    return (isinstance(prompt, (list, tuple)) and len(prompt) > 0
-            and all(isinstance(p, (str, list, tuple)) or (isinstance(p, torch.Tensor) and p.dim() >= 1)
-                    for p in prompt))
-
-
-def _split_drafters(draft):
-    """`draft` as given -> (model drafter or None, ContextDrafter or None)."""
-    items = list(draft) if isinstance(draft, (list, tuple)) else [draft]
-    model, context = None, None
-    for item in items:
-        if isinstance(item, str) and item == "context":
-            item = ContextDrafter()
-        if isinstance(item, ContextDrafter):
-            if context is not None:
-                raise ConfigError("draft lists at most one context drafter")
-            context = item
-        elif item is not None:
-            if model is not None:
-                raise ConfigError("draft lists at most one model drafter (a causal LM or a Drafter) "
-                                  "and one context drafter")
-            model = item
-    return model, context
-
-
-def _as_ids(prompt) -> torch.Tensor:
-    """A list / array / tensor of token ids as a long tensor; ConfigError for anything else."""
-    try:
-        ids = torch.as_tensor(prompt)
-    except (TypeError, ValueError, RuntimeError, OverflowError):
-        raise ConfigError(f"prompt must be a string, or token ids as a list or tensor of integers; "
-                          f"got {type(prompt).__name__}") from None
-    if ids.numel() and (ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool):
-        raise ConfigError(f"prompt token ids must be integers, got {ids.dtype}")
-    return ids.long()

@@ -50,6 +50,18 @@ PATHS = ("onednn", "aten", "packed")
 PACK_ROWS = 8                     # the block size oneDNN chooses the packed layout for (it serves every size)
 
 
+def interpolate(table: dict[int, float], n: float) -> float:
+    """A latency table {size: ms} read at size `n`: linear between measured sizes, flat below the
+    smallest, proportional past the largest."""
+    xs = sorted(table)
+    if n <= xs[0]:
+        return table[xs[0]]
+    for lo, hi in zip(xs, xs[1:]):
+        if n <= hi:
+            return table[lo] + (table[hi] - table[lo]) * (n - lo) / (hi - lo)
+    return table[xs[-1]] * n / xs[-1]                 # past the largest size: proportional
+
+
 def switchable(dtype: torch.dtype, device) -> bool:
     """True where the two paths differ for this dtype and device: a CPU, bfloat16 or float16,
     and a oneDNN build that takes those products on this processor."""
@@ -195,7 +207,7 @@ class KernelTable:
         aten_ms: {rows: ms} through ATen's kernels; may cover fewer sizes.
         packed_ms: {rows: ms} through oneDNN on prepacked weights (`pack`), or None.
             Between and beyond measured sizes each is interpolated as in
-            `mcsd.profile.interpolate`; past the largest size ATen was timed at,
+            `interpolate`; past the largest size ATen was timed at,
             ATen is not considered.
     """
 
@@ -210,7 +222,6 @@ class KernelTable:
         """The fastest path for a block of `rows` ("onednn", "aten" or "packed")."""
         hit = self._memo.get(rows)
         if hit is None:
-            from .profile import interpolate
             options = [("onednn", self.onednn_ms)]
             if self.packed_ms:
                 options.append(("packed", self.packed_ms))

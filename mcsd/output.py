@@ -1,13 +1,17 @@
-"""What a generation returns: the tokens and text, logprobs where asked for, and the round statistics.
+"""What a generation returns (the tokens and text, logprobs where asked for, and the round statistics)
+and when it ends (EOS, a stop string, `max_new_tokens`).
 
-Its own module so that every way of decoding (the tree loop, PEARL's concurrent mode) returns the same
-types without importing one another.
+Its own module so that every way of decoding (the tree loop, PEARL's concurrent mode) emits by the same
+rules and returns the same types without importing one another.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
+from .config import DecodeConfig
 from .tree import DraftTree
 
 
@@ -94,3 +98,88 @@ class GenerationOutput:
     stats: GenerationStats
     finish_reason: str
     logprobs: list[float] | None = None
+
+
+def eos_ids(cfg: DecodeConfig, model, tokenizer) -> set[int]:
+    """The token ids that end generation: `cfg.eos_token_ids`, else the model's generation config's
+    and the tokenizer's EOS."""
+    if cfg.eos_token_ids:
+        return set(cfg.eos_token_ids)
+    ids: set[int] = set()
+    gen_cfg = getattr(model, "generation_config", None)
+    for source in (getattr(gen_cfg, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source is not None:
+            ids.update(int(i) for i in source)
+    return ids
+
+
+class Emission:
+    """The tokens a generation has emitted so far, cut at EOS, a stop string or `max_new_tokens`.
+
+    Args:
+        cfg: the generation's settings (stop rules, whether logprobs are kept).
+        eos: token ids that end generation (see `eos_ids`).
+        tokenizer: decodes the text for stop strings and the output; None: ids only.
+
+    Attributes:
+        tokens: the new tokens emitted.
+        logprobs: with `cfg.return_logprobs`, one float per token; else None.
+        finish: the finish reason ("eos", "stop_string", "length") once generation ends, else None.
+    """
+
+    def __init__(self, cfg: DecodeConfig, eos: set[int], tokenizer=None):
+        self.cfg, self.eos, self.tokenizer = cfg, eos, tokenizer
+        self.tokens: list[int] = []
+        self.logprobs: list[float] | None = [] if cfg.return_logprobs else None
+        self.finish: str | None = None
+
+    def add(self, new: list[int], new_logprobs: torch.Tensor | None = None) -> list[int]:
+        """Append new tokens (and their (k,) log-probabilities, when kept), cut by the stop rules.
+        Returns the tokens emitted by this call."""
+        start = len(self.tokens)
+        if self.logprobs is not None:
+            self.logprobs.extend(new_logprobs.tolist())
+        self.finish = self._finish(new)
+        if self.logprobs is not None:
+            del self.logprobs[len(self.tokens):]
+        return self.tokens[start:]
+
+    def output(self, stats: GenerationStats) -> GenerationOutput:
+        """The generation's result, `stats` counting the emitted tokens."""
+        stats.new_tokens = len(self.tokens)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True) if self.tokenizer is not None else None
+        return GenerationOutput(tokens=self.tokens, text=text, stats=stats, finish_reason=self.finish,
+                                logprobs=self.logprobs)
+
+    def _finish(self, new: list[int]) -> str | None:
+        out, cfg = self.tokens, self.cfg
+        start = len(out)
+        out.extend(new)
+        if not cfg.ignore_eos:
+            for i in range(start, len(out)):
+                if out[i] in self.eos:
+                    del out[i + 1:]
+                    return "eos"
+        if cfg.stop_strings and self.tokenizer is not None:
+            cut = self._stop_string_cut(start, cfg.stop_strings)
+            if cut is not None:
+                del out[cut:]
+                return "stop_string"
+        if len(out) >= cfg.max_new_tokens:
+            del out[cfg.max_new_tokens:]
+            return "length"
+        return None
+
+    def _stop_string_cut(self, start: int, stops: tuple[str, ...]) -> int | None:
+        # Find the first new token whose arrival completes a stop string.
+        # Any stop string completed this round ends within the new tokens; a window of
+        # earlier tokens covers one that began before them.
+        out = self.tokens
+        lo = max(0, start - 32)
+        for end in range(start + 1, len(out) + 1):
+            text = self.tokenizer.decode(out[lo:end], skip_special_tokens=False)
+            if any(s in text for s in stops):
+                return end
+        return None

@@ -52,7 +52,7 @@ import torch
 from . import kv_cache
 from .config import ConfigError, DecodeConfig, SamplingConfig
 from .draft import ModelDrafter
-from .output import GenerationOutput, GenerationStats
+from .output import Emission, GenerationStats, eos_ids
 from .policies import register_policy
 from .policies.base import TreePolicy
 from .sampling import logits_to_probs, make_generator, sample
@@ -181,7 +181,7 @@ def decode(dec, prompt_ids: torch.Tensor, cfg: DecodeConfig, mode: PearlMode,
     but its last token; a draft job, if running, continues `seq`.
 
     Args:
-        dec: the TreeDecoder (its target, emit and EOS helpers are used).
+        dec: the TreeDecoder (its target and tokenizer are used).
         prompt_ids: (T,) long prompt.
         cfg: decoding settings.
         mode: the PEARL settings (window, pre/post-verify).
@@ -192,8 +192,8 @@ def decode(dec, prompt_ids: torch.Tensor, cfg: DecodeConfig, mode: PearlMode,
     gen = make_generator(cfg.seed, dec.target.device)
     base_seed = cfg.seed if cfg.seed is not None else int(torch.randint(0, 2**62, (1,), generator=gen))
     n_jobs = 0
-    eos = dec._eos_ids(cfg)
     target, draft = dec.target, drafter.lm
+    emitted = Emission(cfg, eos_ids(cfg, target.model, dec.tokenizer), dec.tokenizer)
     t_start = time.perf_counter()
     target.reset()
     draft.reset()
@@ -235,10 +235,8 @@ def decode(dec, prompt_ids: torch.Tensor, cfg: DecodeConfig, mode: PearlMode,
     root_cached = True
     stats.target_forwards += 1
     stats.prefill_s = time.perf_counter() - t_start
-    out: list[int] = []
-    finish = None
 
-    while finish is None:
+    while emitted.finish is None:
         if job is None:
             job = start_job(seq)
         t0 = time.perf_counter()
@@ -256,16 +254,15 @@ def decode(dec, prompt_ids: torch.Tensor, cfg: DecodeConfig, mode: PearlMode,
             fix = _check(root_probs, token, q, sampling.greedy, gen)
             new = [token if fix is None else fix]
             seq.extend(new)
-            before = len(out)
-            finish = dec._emit(out, new, cfg, eos)
-            if fix is not None or finish is not None:
+            fresh = emitted.add(new)
+            if fix is not None or emitted.finish is not None:
                 stats.rounds += 1
                 stats.accepted_per_round.append(0 if fix is not None else 1)
                 absorb(job, seq)
                 job, root_cached = None, False
-                yield out[before:]
+                yield fresh
                 continue
-            yield out[before:]
+            yield fresh
             t1 = time.perf_counter()
             chain = job.take(window - 1)       # the rest, checked by the target's next forward
         else:
@@ -300,16 +297,13 @@ def decode(dec, prompt_ids: torch.Tensor, cfg: DecodeConfig, mode: PearlMode,
             new.append(fix)
             root_cached = False
         seq.extend(new)
-        before = len(out)
-        finish = dec._emit(out, new, cfg, eos)
-        if fix is not None or finish is not None or job is None:
+        fresh = emitted.add(new)
+        if fix is not None or emitted.finish is not None or job is None:
             absorb(job, seq)
             job = None
-        yield out[before:]
+        yield fresh
 
     absorb(job, seq)
     stats.draft_forwards = drafter.forwards
-    stats.new_tokens = len(out)
     stats.wall_s = time.perf_counter() - t_start
-    text = dec.tokenizer.decode(out, skip_special_tokens=True) if dec.tokenizer is not None else None
-    return GenerationOutput(tokens=out, text=text, stats=stats, finish_reason=finish)
+    return emitted.output(stats)

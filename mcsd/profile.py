@@ -23,6 +23,7 @@ import torch
 
 from . import kernels, kv_cache
 from .cache import cache_dir, cache_writes
+from .kernels import interpolate
 from .lm import CachedLM
 from .tree import causal_allowed
 
@@ -99,17 +100,6 @@ class DeviceProfile:
 
 
 _TABLES = ("verify_ms", "draft_ms", "verify_aten_ms", "draft_aten_ms", "verify_packed_ms", "draft_packed_ms")
-
-
-def interpolate(table: dict[int, float], n: float) -> float:
-    """Linear between measured sizes, flat below the smallest, proportional past the largest."""
-    xs = sorted(table)
-    if n <= xs[0]:
-        return table[xs[0]]
-    for lo, hi in zip(xs, xs[1:]):
-        if n <= hi:
-            return table[lo] + (table[hi] - table[lo]) * (n - lo) / (hi - lo)
-    return table[xs[-1]] * n / xs[-1]                 # past the largest size: proportional
 
 
 # ISA flags that change what batched work costs on a CPU (native bf16 / fp16 matmuls, AMX tiles).

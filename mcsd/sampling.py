@@ -67,6 +67,21 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
 
 
+def choose(scores: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None,
+           logprob: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """scores (V,) -> (the chosen token (): the argmax when greedy, else drawn from the processed
+    distribution; with `logprob` its (1,) float32 log-probability under that distribution, else None)."""
+    if cfg.greedy:
+        token, dist = scores.argmax(-1), None
+    else:
+        dist = logits_to_probs(scores, cfg)
+        token = sample(dist, generator)
+    if not logprob:
+        return token, None
+    logp = scores.float().log_softmax(-1) if dist is None else dist.log()
+    return token, logp[token].reshape(1)
+
+
 def sample_without_replacement(probs: torch.Tensor, k: int,
                                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """k distinct draws per row, in draw order (Gumbel top-k).

@@ -99,7 +99,7 @@ def test_a_hub_id_without_network_fails_at_once(monkeypatch, tmp_path, capsys):
         raise OSError("network unreachable")
 
     monkeypatch.setattr(cli.socket, "create_connection", refuse)
-    monkeypatch.setattr(cli, "_load", lambda args: pytest.fail("loaded a model"))
+    monkeypatch.setattr(cli, "_load_models", lambda args: pytest.fail("loaded a model"))
     t0 = time.perf_counter()
     assert main(["--target", "no-such-org/no-such-model", "--baseline", "--prompt", "w03"]) == 2
     assert time.perf_counter() - t0 < 2.0

@@ -196,19 +196,22 @@ def test_the_root_alone_is_expected_to_emit_one_token():
     and no estimate of the policy's own, 1 + what drafted trees got accepted lately (not the round
     totals, which count context acceptances and would make every context node look dearer)."""
     from mcsd.policies import make_policy
+    from mcsd.propose import expected_tokens
     policy = make_policy("static", "2,1")
-    assert TreeDecoder._expected_tokens(policy, [4, 4, 4], 1) == 1.0
-    assert TreeDecoder._expected_tokens(policy, [1, 0, 2], 3) == 2.0
-    assert TreeDecoder._expected_tokens(policy, [], 3) == 1.0
+    assert expected_tokens(policy, [4, 4, 4], 1) == 1.0
+    assert expected_tokens(policy, [1, 0, 2], 3) == 2.0
+    assert expected_tokens(policy, [], 3) == 1.0
 
 
-def test_expected_tokens_of_a_drafted_tree_leave_out_context_acceptances(pair):
+def test_expected_tokens_of_a_drafted_tree_leave_out_context_acceptances(pair, monkeypatch):
     """In a combined run, the fallback estimate reads the drafted part's acceptances only."""
+    from mcsd import propose
     target, draft = pair
     seen = []
-    real = TreeDecoder._expected_tokens
+    real = propose.expected_tokens
     dec = TreeDecoder(target, [draft, "context"], tree="1,1", policy="static", attention="sdpa", calibrate=False)
-    dec._expected_tokens = lambda policy, accepts, size: seen.append(list(accepts)) or real(policy, accepts, size)
+    monkeypatch.setattr(propose, "expected_tokens",
+                        lambda policy, accepts, size: seen.append(list(accepts)) or real(policy, accepts, size))
     out = dec.generate(REPEATING, max_new_tokens=40, ignore_eos=True)
     assert max(out.stats.accepted_per_round) > 2           # context branches got more accepted than the chain can
     assert seen and all(0 <= a <= 2 for a in seen[-1])     # a 1,1 chain accepts at most its 2 drafted nodes

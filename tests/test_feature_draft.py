@@ -84,7 +84,7 @@ def test_load_pair_with_a_feature_head_directory(model_dirs, tmp_path, target):
 
 def test_device_profile_times_a_feature_drafter(target, tmp_path, monkeypatch):
     """Tree policies get draft costs for a feature head too, cached under a key of its own."""
-    from mcsd.decoder import TreeDecoder as TD
+    from mcsd.calibration import device_costs
     from mcsd.profile import load_or_measure, measure, profile_path
     monkeypatch.setenv("MCSD_CACHE", str(tmp_path))
     drafter = FeatureDrafter(random_head(target), target, name="tiny-head")
@@ -94,12 +94,12 @@ def test_device_profile_times_a_feature_drafter(target, tmp_path, monkeypatch):
     assert prof.meta["draft"] == "feature-head:tiny-head"
     other = FeatureDrafter(random_head(target), target, name="other-head")
     assert profile_path(target, drafter) != profile_path(target, other) != profile_path(target, None)
-    uncalibrated = TD._device_costs(target, drafter, calibrate=False)              # nothing cached, no measuring
+    uncalibrated = device_costs(target, drafter, calibrate=False)              # nothing cached, no measuring
     assert (uncalibrated.draft, uncalibrated.source) == ({1: 0.1, 8: 0.13, 32: 0.2}, "default")
     load_or_measure(target, drafter, sizes=(1, 4), prefix_len=16, repeats=1, draft_sizes=(1, 2))
-    cached = TD._device_costs(target, drafter)
+    cached = device_costs(target, drafter)
     assert cached.draft.keys() == {1, 2} and cached.source == "cached"               # the cached profile
-    assert TD._device_costs(target, drafter, calibrate=True).source == "measured"    # measured again
+    assert device_costs(target, drafter, calibrate=True).source == "measured"    # measured again
 
 
 @pytest.mark.parametrize("version", ["v1", "v2"])

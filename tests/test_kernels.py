@@ -259,7 +259,7 @@ def test_calibration_times_prepacked_weights_and_the_decoder_packs_them():
     prof.verify_packed_ms = {n: 0.5 * ms for n, ms in prof.verify_ms.items()}   # as if they won everywhere
     prof.verify_aten_ms = {}
     dec = TreeDecoder(model, draft, tree="2,1", policy="static", calibrate=False)
-    dec._use_kernels(prof)
+    dec.calibration.use_kernels(prof)
     assert dec.target.kernels.uses_packed and kernels.is_packed(model)
     assert "prepacked oneDNN weights" in dec.kernels_note
     out = dec.generate(PROMPT, max_new_tokens=16)
