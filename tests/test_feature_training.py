@@ -116,3 +116,23 @@ def test_teacher_forced_chains_are_what_decoding_accepts(target):
                 accepted += a
             t += a + 1
     assert checked > 30 and 0 < accepted < 3 * checked    # rounds of every kind were compared
+
+
+def test_depth_report_compares_both_sides_per_group(target):
+    from mcsd.train import depth_report
+    torch.manual_seed(0)
+    data = _examples(target, n=6, length=30)
+    for i, ex in enumerate(data):
+        ex["category"] = ("writing", "math_reasoning")[i % 2]        # an MT-bench category, and a group of its own
+    cfg = FeatureHeadConfig(target_hidden=32, layers=1, heads=4, kv_heads=2, vocab_size=target.config.vocab_size,
+                            sub_vocab=48)
+    head = FeatureHead(cfg)
+    _fit(head, target, data, updates=30)
+    result = depth_report.report(target, FeatureDrafter(head, target), target.get_input_embeddings(), data,
+                                 max_new_tokens=30)
+    for side in ("teacher_forced", "decoding"):
+        assert {"all", "mt_bench", "math_reasoning"} <= set(result[side])
+        assert [d["depth"] for d in result[side]["all"]] == [1, 2, 3]
+        assert result[side]["all"][0]["reached"] > result[side]["all"][2]["reached"] > 0
+    assert result["decoding"]["outputs_equal_to_stored"] == "6/6"        # exact: the target's own greedy text
+    assert depth_report.differs(0.5, 4000, 0.6, 4000) and not depth_report.differs(0.5, 40, 0.6, 40)

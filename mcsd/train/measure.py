@@ -137,6 +137,27 @@ def feature_head_main(args, data_dir: Path) -> None:
                                 "the target's 1-token forward, median of interleaved runs"))
 
 
+def depth_report_main(args, data_dir: Path) -> None:
+    """--depth-report: acceptance by depth, teacher-forced and decoding, on the head's card."""
+    from mcsd.models import load_feature_drafter
+    from mcsd.train import depth_report
+
+    target, _ = td.load_target(args.target, device="cpu", dtype=getattr(torch, args.dtype))
+    drafter = load_feature_drafter(args.depth_report, target, args.dtype)
+    examples = td.load_examples(data_dir, [args.data_run], with_hidden=True)
+    if args.per_group is not None:
+        seen: dict[str, int] = {}
+        examples = [e for e in examples
+                    if seen.setdefault(g := depth_report.group_of(e["category"]), 0) < args.per_group
+                    and not seen.__setitem__(g, seen[g] + 1)]
+    result = depth_report.report(target, drafter, target.get_input_embeddings(), examples,
+                                 max_new_tokens=args.max_new_tokens)
+    result.update(run=args.data_run, dtype=args.dtype, threads=args.threads, prompts=len(examples))
+    print(json.dumps(result, indent=1))
+    if not args.no_card:
+        write_figures(Path(args.depth_report), args, indent=1, depth_report=result)
+
+
 def per_category(draft, examples: list[dict], pad_id: int, max_len: int) -> dict:
     """Top-1 / top-4 agreement by Spec-Bench category."""
     out = {}
@@ -160,12 +181,24 @@ def main(argv=None):
     parser.add_argument("--feature-head", default=None,
                         help="measure the cost of this target-feature head instead (its agreement figures "
                              "come from tools/train_feature_drafter.py)")
+    parser.add_argument("--depth-report", default=None, metavar="HEAD",
+                        help="this feature head's acceptance by depth, teacher-forced and decoding, per category "
+                             "group, on --data-run (mcsd.train.depth_report); written on its card")
+    parser.add_argument("--data-run", default="heldout-greedy",
+                        help="with --depth-report: held-out greedy responses with the layers the head reads "
+                             "(target_data.py generate, then teacher --store-layers)")
+    parser.add_argument("--dtype", default="float32", help="with --depth-report: the target's dtype")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="with --depth-report: decoding length")
+    parser.add_argument("--per-group", type=int, default=None,
+                        help="with --depth-report: the first N prompts of each category group (default: all)")
     args = parser.parse_args(argv)
     args.argv = argv
     torch.set_num_threads(args.threads)
     data_dir = Path(args.data_dir or td.default_data_dir(args.target))
     if args.feature_head:
         return feature_head_main(args, data_dir)
+    if args.depth_report:
+        return depth_report_main(args, data_dir)
 
     # 1. the target's own greedy responses to held-out prompts (cached, resumable)
     engine.main(["--target", args.target, "--data-dir", str(data_dir), "--threads", str(args.threads),

@@ -1,0 +1,95 @@
+"""A feature head's acceptance by depth, teacher-forced and in real decoding, on the same prompts.
+
+Both sides run on the target's own greedy responses to held-out prompts:
+
+- teacher-forced: the head's chain from every response position
+  (`mcsd.train.feature_head.agreement`), depth j counted where depths
+  1..j-1 were right, which is what a chain's acceptance at depth j means;
+- decoding: `TreeDecoder` with a static chain of `depth` nodes, greedy,
+  from the same prompts, the drafter as the product runs it; acceptance at
+  depth j given depth j-1, as `GenerationStats.accept_by_depth` reports it.
+
+The two differ in which positions root a round (every position, or those
+decoding happens to reach) and in the prompt positions the drafter reads
+(the trainer's windows read none before the response; the drafter its
+`window`); with a window of one, tests/test_feature_training.py checks round
+by round that they are the same computation.
+
+    python tools/measure_draft.py --depth-report models/smollm2-135m-feature-head --data-run heldout-greedy
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mcsd.data import MT_BENCH
+
+
+def group_of(category: str) -> str:
+    """Spec-Bench's MT-bench categories as one group, each other category its own (`mcsd.data`)."""
+    return "mt_bench" if category in MT_BENCH else category
+
+
+def _by_group(examples: list[dict]) -> dict[str, list[dict]]:
+    groups: dict[str, list[dict]] = {}
+    for ex in examples:
+        groups.setdefault(group_of(ex["category"]), []).append(ex)
+    return dict(sorted(groups.items()))
+
+
+def teacher_forced(head, embed, examples: list[dict], depth: int = 3, window: int = 256) -> dict:
+    """{"all": [...], group: [...]}: per depth, `top1_given_prev` (and its positions) from
+    `agreement` over windows of `window` response positions."""
+    from mcsd.train.feature_head import agreement
+
+    def summary(exs):
+        return [{"depth": a["step"], "acceptance": round(a["top1_given_prev"], 4), "reached": a["positions_reached"]}
+                for a in agreement(head, embed, exs, window, "cpu", steps=depth)]
+    return {"all": summary(examples), **{g: summary(exs) for g, exs in _by_group(examples).items()}}
+
+
+def decoding(target, drafter, examples: list[dict], depth: int = 3, max_new_tokens: int = 128) -> dict:
+    """{"all": [...], group: [...]}: per depth, acceptance given the depth above and rounds that
+    reached it, decoding each example's prompt greedily with a static chain; also how many
+    outputs equal the stored responses (the same target and dtype write the same tokens)."""
+    from mcsd import TreeDecoder
+
+    dec = TreeDecoder(target, drafter, tree=",".join(["1"] * depth), policy="static")
+    counts: dict[str, list[list[int]]] = {}
+    same = 0
+    for ex in examples:
+        out = dec.generate(torch.as_tensor(ex["prompt"], dtype=torch.long), max_new_tokens=max_new_tokens)
+        same += out.tokens == ex["response"][:len(out.tokens)].tolist()
+        for key in ("all", group_of(ex["category"])):
+            acc, off = counts.setdefault(key, [[0] * depth, [0] * depth])
+            for d, (a, o) in enumerate(zip(out.stats.accepted_by_depth, out.stats.offered_by_depth)):
+                acc[d] += a
+                off[d] += o
+    result = {key: [{"depth": d + 1, "acceptance": round(a / o, 4) if o else None, "reached": o}
+                    for d, (a, o) in enumerate(zip(acc, off))] for key, (acc, off) in counts.items()}
+    result["outputs_equal_to_stored"] = f"{same}/{len(examples)}"
+    return result
+
+
+def differs(a: float, n_a: int, b: float, n_b: int, z: float = 2.0) -> bool:
+    """Whether two acceptance rates differ by more than `z` standard errors of their difference."""
+    if not n_a or not n_b:
+        return False
+    p = (a * n_a + b * n_b) / (n_a + n_b)
+    se = math.sqrt(max(p * (1 - p), 1e-12) * (1 / n_a + 1 / n_b))
+    return abs(a - b) > z * se
+
+
+def report(target, drafter, embed, examples: list[dict], depth: int = 3, max_new_tokens: int = 128) -> dict:
+    """Both sides per group and depth, and where they differ beyond noise (2 standard errors)."""
+    tf = teacher_forced(drafter.head, embed, examples, depth)
+    real = decoding(target, drafter, examples, depth, max_new_tokens)
+    beyond = [f"{g} depth {t['depth']}: teacher-forced {t['acceptance']} ({t['reached']}) vs decoding "
+              f"{r['acceptance']} ({r['reached']})"
+              for g in tf for t, r in zip(tf[g], real.get(g, []))
+              if r["acceptance"] is not None and differs(t["acceptance"], t["reached"], r["acceptance"], r["reached"])]
+    return {"teacher_forced": tf, "decoding": real, "beyond_noise": beyond,
+            "what": f"static chain of {depth}, greedy, {len(examples)} held-out prompts, {max_new_tokens} new "
+                    f"tokens in decoding; acceptance at depth j given depth j-1"}
