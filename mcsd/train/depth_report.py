@@ -32,6 +32,18 @@ def group_of(category: str) -> str:
     return "mt_bench" if category in MT_BENCH else category
 
 
+def first_per_group(examples: list[dict], n: int) -> list[dict]:
+    """The first `n` examples of each category group, in their order."""
+    taken: dict[str, int] = {}
+    out = []
+    for ex in examples:
+        group = group_of(ex["category"])
+        if taken.get(group, 0) < n:
+            out.append(ex)
+            taken[group] = taken.get(group, 0) + 1
+    return out
+
+
 def _by_group(examples: list[dict]) -> dict[str, list[dict]]:
     groups: dict[str, list[dict]] = {}
     for ex in examples:

@@ -146,10 +146,7 @@ def depth_report_main(args, data_dir: Path) -> None:
     drafter = load_feature_drafter(args.depth_report, target, args.dtype)
     examples = td.load_examples(data_dir, [args.data_run], with_hidden=True)
     if args.per_group is not None:
-        seen: dict[str, int] = {}
-        examples = [e for e in examples
-                    if seen.setdefault(g := depth_report.group_of(e["category"]), 0) < args.per_group
-                    and not seen.__setitem__(g, seen[g] + 1)]
+        examples = depth_report.first_per_group(examples, args.per_group)
     result = depth_report.report(target, drafter, target.get_input_embeddings(), examples,
                                  max_new_tokens=args.max_new_tokens)
     result.update(run=args.data_run, dtype=args.dtype, threads=args.threads, prompts=len(examples))
