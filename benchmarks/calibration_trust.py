@@ -92,16 +92,19 @@ def poisoned(shared: Path, dtype: str) -> dict:
 
 
 def _paths(cache: Path) -> dict[str, str]:
-    """(role:size) -> the matmul path a cache's profiles time fastest, over every profile in it."""
+    """(setup:role:size) -> the matmul path a cache's profiles time fastest, over every profile in it
+    (a setup: target, drafter, dtype and threads)."""
     chosen = {}
     for path in sorted((cache / "profiles").glob("*.json")):
         prof = json.loads(path.read_text())
+        meta = prof.get("meta", {})
+        setup = f"{Path(str(meta.get('target'))).name}+{meta.get('draft')}/{meta.get('dtype')}/{meta.get('threads')}t"
         for role in ("verify", "draft"):
             tables = {p: prof.get(f"{role}{suffix}_ms") or {} for p, suffix in
                       (("onednn", ""), ("aten", "_aten"), ("packed", "_packed"))}
             for n in tables["onednn"]:
                 timed = {p: t[n] for p, t in tables.items() if n in t}
-                chosen[f"{path.stem}:{role}:{n}"] = min(timed, key=timed.get)
+                chosen[f"{setup}:{role}:{n}"] = min(timed, key=timed.get)
     return chosen
 
 
