@@ -93,6 +93,7 @@ class FeatureHead(nn.Module):
                                rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps,
                                bos_token_id=None, eos_token_id=None, pad_token_id=None)   # no vocabulary of its own
         self.body = LlamaModel(body_cfg)                  # embeddings unused: we pass inputs_embeds
+        self._cache_kw = kv_cache.cache_keyword(self.body)
         self.body.embed_tokens.requires_grad_(False)
         self.expand = nn.Linear(w, cfg.target_hidden, bias=False) if w != cfg.target_hidden else nn.Identity()
         self.register_buffer("vocab_ids", torch.arange(cfg.sub_vocab or cfg.vocab_size), persistent=True)
@@ -115,7 +116,7 @@ class FeatureHead(nn.Module):
         """
         x = self.reduce(torch.cat([features, token_embeds], dim=-1))                 # (B, T, w)
         out = self.body(inputs_embeds=x, position_ids=position_ids, attention_mask=attention_mask,
-                        past_key_values=past_key_values, use_cache=past_key_values is not None)
+                        use_cache=past_key_values is not None, **{self._cache_kw: past_key_values})
         return self.expand(out.last_hidden_state)
 
     def fused(self, target_states: torch.Tensor) -> torch.Tensor:

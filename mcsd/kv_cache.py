@@ -19,6 +19,8 @@ memory mapping, page faults included) per layer and forward. `commit` and
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
@@ -128,3 +130,9 @@ def truncate(cache, length: int) -> None:
             continue
         layer.keys = layer.keys[:, :, :length]
         layer.values = layer.values[:, :, :length]
+
+
+def cache_keyword(model) -> str:
+    """The keyword a transformers model's forward takes its KV cache by: `cache` where it has one
+    (newer transformers, which deprecate `past_key_values`), else `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

@@ -37,6 +37,7 @@ class CachedLM:
         self.kernels: kernels.KernelTable | None = None
         # transformers' causal LMs can project only the last rows onto the vocabulary
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._cache_kw = kv_cache.cache_keyword(model)
 
     def reset(self) -> None:
         from transformers import DynamicCache
@@ -72,8 +73,8 @@ class CachedLM:
         keep = {"logits_to_keep": 1} if last_logits and self._keeps_logits else {}
         with kernels.running(self.kernels, tokens.numel()):
             out = self.model(input_ids=tokens.to(self.device)[None], position_ids=positions.to(self.device)[None],
-                             attention_mask=mask, past_key_values=self.cache, use_cache=True,
-                             output_hidden_states=hidden, **keep)
+                             attention_mask=mask, use_cache=True, output_hidden_states=hidden,
+                             **{self._cache_kw: self.cache}, **keep)
         logits = out.logits[0].to(self.device)          # a device_map may end on another GPU
         if not hidden:
             return logits
