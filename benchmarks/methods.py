@@ -156,7 +156,7 @@ def _llama_cpp(bench, ids) -> Run:
         llm = bench.decoders["llama_cpp"] = Llama(
             model_path=str(fetch_preset_gguf(bench.target_preset)), n_ctx=2048, n_threads=torch.get_num_threads(),
             n_threads_batch=torch.get_num_threads(), verbose=False)
-    eos = {llm.token_eos(), *(bench.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>",))}
+    eos = {llm.token_eos(), bench.tokenizer.convert_tokens_to_ids("<|im_end|>")}
     tokens = []
     llm.reset()
     t0 = time.perf_counter()

@@ -29,7 +29,12 @@ class Prompt:
 
     @property
     def group(self) -> str:
-        return "mt_bench" if self.category in MT_BENCH else self.category
+        return group_of(self.category)
+
+
+def group_of(category: str) -> str:
+    """A Spec-Bench category's group: the MT-bench categories as one, every other its own."""
+    return "mt_bench" if category in MT_BENCH else category
 
 
 # The Spec-Bench question file shipped with the project (see benchmarks/data/spec_bench/README.md).

@@ -24,12 +24,7 @@ import math
 
 import torch
 
-from mcsd.data import MT_BENCH
-
-
-def group_of(category: str) -> str:
-    """Spec-Bench's MT-bench categories as one group, each other category its own (`mcsd.data`)."""
-    return "mt_bench" if category in MT_BENCH else category
+from mcsd.data import group_of
 
 
 def first_per_group(examples: list[dict], n: int) -> list[dict]:
