@@ -86,6 +86,8 @@ def test_a_measured_profile_records_its_spread_and_what_was_measured_again(targe
 
 def test_a_busy_measurement_is_provisional_and_measured_again_when_quiet(target, random_draft, fresh_cache,
                                                                          monkeypatch):
+    latency, _ = fake_latency()                               # consistent timings: only the busy check decides
+    monkeypatch.setattr(profile._ModelTimer, "latency", lambda self, n: latency("any", n, "onednn"))
     monkeypatch.setattr(profile, "BusyCheck", lambda: Quiet("other processes used 1.0 cores"))
     busy = load_or_measure(target, random_draft, quiet=True, **QUICK)
     assert busy.meta["provisional"]
