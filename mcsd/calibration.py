@@ -29,7 +29,8 @@ class Calibration:
         source: where the costs in use came from ("cached", "measured", "default"), or None when
             nothing prices trees.
         seconds: time spent measuring in this run.
-        note: "; provisional: ..." when a measurement was taken on a busy machine, else None.
+        note: "; provisional: ..." when a measurement was taken on a busy machine, a note when it
+            confirmed a profile flagged stale (`profile.settle`), else None.
         kernels_note: which matmul path small blocks run on, or None.
     """
 
@@ -108,6 +109,9 @@ class Calibration:
         self.seconds += prof.meta.get("calibration_s", 0.0)
         if prof.meta.get("provisional"):
             self.note = f"; provisional: {prof.meta['provisional']}"
+        elif prof.meta.get("confirmed"):
+            self.note = (f"; the cached costs, flagged stale, were confirmed (within "
+                         f"{prof.meta['confirmed']['largest_ratio'] - 1:.0%}) and stay")
 
 
 def _timed(draft):

@@ -594,20 +594,56 @@ def mark_stale(target, draft, reason: str, dtype=None) -> bool:
     return True
 
 
+AGREE_RATIO = 1.25           # a new measurement this close to a flagged profile's, size by size, confirms it
+
+
+def agrees(old: DeviceProfile, new: DeviceProfile, bound: float = AGREE_RATIO) -> float | None:
+    """The largest ratio between the two profiles' costs (fastest path, each size both measured)
+    when every one is within `bound` (either way), else None."""
+    worst = 1.0
+    for role in ("verify", "draft"):
+        a, b = old.best_ms(role), new.best_ms(role)
+        if a.keys() != b.keys():
+            return None
+        for n in a:
+            worst = max(worst, a[n] / b[n], b[n] / a[n])
+    return worst if worst <= bound else None
+
+
+def settle(old: DeviceProfile, new: DeviceProfile) -> DeviceProfile:
+    """A flagged profile measured again: where the new figures agree with it (`agrees`), the old
+    ones stay (with the flag cleared), so that the kernel paths and the trees they price, and
+    with them a bfloat16 run's output, do not move with measuring noise; else the new profile."""
+    if new.meta.get("provisional") or old.meta.get("provisional"):
+        return new                  # a busy measurement on either side confirms nothing
+    worst = agrees(old, new)
+    if worst is None:
+        return new
+    kept = DeviceProfile(**{name: dict(getattr(old, name)) for name in _TABLES},
+                         prefix_len=old.prefix_len, meta=dict(old.meta))
+    kept.meta.update(stale=None, provisional=None, calibration_s=new.meta.get("calibration_s", 0.0),
+                     confirmed={"flag": old.meta.get("stale"), "largest_ratio": round(worst, 3)})
+    return kept
+
+
 def load_or_measure(target, draft=None, measure_if_missing: bool = True, force: bool = False,
-                    quiet: bool = False, **kwargs) -> DeviceProfile | None:
+                    quiet: bool = False, settle_flagged: bool = True, **kwargs) -> DeviceProfile | None:
     """The cached profile for this setup, measured (and cached) on first use, when `force`d, or when
     the cached one is flagged and the machine is quiet now (`load_cached`).
 
     A measurement prints one line on stderr (unless `quiet`), and a second when
-    the machine was busy meanwhile (the profile is then provisional). Keyword
-    arguments go to `measure`; the default is a quick calibration
-    (`CALIBRATION_REPEATS`).
+    the machine was busy meanwhile (the profile is then provisional). A cached
+    profile flagged stale that the new measurement confirms keeps its figures
+    (`settle`, with `settle_flagged`). Keyword arguments go to `measure`; the
+    default is a quick calibration (`CALIBRATION_REPEATS`).
     """
     path = profile_path(target, draft)
     prof = None if force else load_cached(target, draft)
     if prof is not None or not measure_if_missing:
         return prof
+    flagged = _readable(path, next(target.parameters()).device) if settle_flagged else None
+    if flagged is not None and not flagged.meta.get("stale"):
+        flagged = None
     if not quiet:
         dtype = str(next(target.parameters()).dtype).replace("torch.", "")
         n = torch.get_num_threads()
@@ -617,6 +653,11 @@ def load_or_measure(target, draft=None, measure_if_missing: bool = True, force: 
         path.parent.mkdir(parents=True, exist_ok=True)
     kwargs.setdefault("repeats", CALIBRATION_REPEATS)
     prof = measure(target, draft, **kwargs)
+    if flagged is not None:
+        prof = settle(flagged, prof)
+        if prof.meta.get("confirmed") and not quiet:
+            print(f"mcsd: measured again within {prof.meta['confirmed']['largest_ratio'] - 1:.0%} of the cached "
+                  f"costs, which stay", file=sys.stderr, flush=True)
     if prof.meta.get("provisional") and not quiet:
         print(f"mcsd: the machine was busy while measuring ({prof.meta['provisional']}): these costs serve "
               f"until a quieter start measures again", file=sys.stderr, flush=True)

@@ -153,6 +153,31 @@ def test_a_profile_cached_from_a_busy_run_is_replaced_after_contrary_evidence(ta
     assert first.tokens == second.tokens                       # float32: exact either way
 
 
+def test_a_stale_flag_that_measuring_again_does_not_confirm_changes_nothing(target, random_draft, fresh_cache,
+                                                                             monkeypatch):
+    """A profile flagged stale (a slow spell during a run) and measured again within the noise keeps
+    its figures, so the kernel paths and trees (and a bfloat16 output) stay; a real change replaces it."""
+    monkeypatch.setattr(profile, "BusyCheck", Quiet)
+    monkeypatch.setattr(profile, "quiet_now", lambda threads_used=None: True)
+    scale = {"factor": 1.0}
+    latency, _ = fake_latency()
+    monkeypatch.setattr(profile._ModelTimer, "latency", lambda self, n: latency("any", n, "onednn") * scale["factor"])
+    first = load_or_measure(target, random_draft, quiet=True, **QUICK)
+    assert first.verify_ms[1] == 11.0
+    profile.mark_stale(target, random_draft, "the last 8 plain steps took 1.36x the profile's time")
+    scale["factor"] = 1.15                                     # measuring noise
+    again = load_or_measure(target, random_draft, quiet=True, **QUICK)
+    assert again.verify_ms == first.verify_ms and again.draft_ms == first.draft_ms
+    assert again.meta["stale"] is None and again.meta["confirmed"]["largest_ratio"] == pytest.approx(1.15)
+    assert load_cached(target, random_draft).verify_ms == first.verify_ms          # cached as confirmed
+    assert load_or_measure(target, random_draft, quiet=True, force=True, **QUICK).verify_ms[1] == \
+        pytest.approx(11 * 1.15)                               # --calibrate on an unflagged profile: new figures
+    profile.mark_stale(target, random_draft, "the last 8 plain steps took 2.0x the profile's time")
+    scale["factor"] = 2.0                                      # the machine really changed
+    changed = load_or_measure(target, random_draft, quiet=True, **QUICK)
+    assert changed.verify_ms[1] == pytest.approx(22.0) and "confirmed" not in changed.meta
+
+
 def test_agreeing_rounds_do_not_mark_a_profile_stale():
     costs = Costs(verify={1: 10.0, 8: 20.0}, draft={1: 2.0}, source="cached")
     marks = []
