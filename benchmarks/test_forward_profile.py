@@ -9,7 +9,10 @@ Two reports, neither asserted:
   previous forward paths (`mcsd.forward_profile.compare`): SDPA with a
   concatenating cache against grouped-query attention with the in-place
   cache, on each matmul path the kernel table can choose, in
-  `benchmark.extra_info["compare_ms"]` (median ms per variant and size).
+  `benchmark.extra_info["compare_ms"]` (median ms per variant and size);
+- a 1-token step compiled by torch.compile on transformers' static cache,
+  plain and with frozen weights, against the engine's own
+  (`mcsd.forward_profile.compiled_step`; skipped in the smoke run).
 
     pytest benchmarks/test_forward_profile.py --benchmark-only --bench-threads 1 --bench-dtype float32
 """
@@ -18,9 +21,10 @@ from __future__ import annotations
 
 import statistics
 
+import pytest
 import torch
 
-from mcsd.forward_profile import Variant, breakdown, compare, format_comparison, format_table
+from mcsd.forward_profile import Variant, breakdown, compare, compiled_step, format_comparison, format_table
 from mcsd.kernels import packable
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -60,3 +64,27 @@ def test_forward_paths_interleaved(benchmark, bench):
         "compare_ms": {name: {n: statistics.median(t) for n, t in per.items()} for name, per in result["times"].items()},
         "cache_len": 300, "environment": bench.environment,
     })
+
+
+@pytest.mark.parametrize("freezing", [False, True], ids=["compiled", "compiled+frozen"])
+def test_compiled_step(benchmark, bench, freezing):
+    """torch.compile (inductor) on transformers' static cache, against the engine's 1-token step:
+    the compile's first-call cost, and each step's median, in `extra_info`."""
+    if bench.smoke:
+        pytest.skip("compiling the target takes about a minute on a 2-core CPU; not part of the smoke run")
+    if bench.target.device.type != "cpu":
+        pytest.skip("the CPU's forward paths")
+    result = {}
+
+    def run():
+        result["step"] = compiled_step(bench.target, cache_len=300, capacity=512, repeats=15, freezing=freezing)
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    step = result["step"]
+    medians = {name: statistics.median(t) for name, t in step.ms.items()}
+    print(f"\nfirst compiled call {step.compile_s:.1f} s; " +
+          ", ".join(f"{name} {ms:.2f} ms" for name, ms in medians.items()) +
+          f"; logits differ by at most {step.max_abs_diff:.2e}, same greedy token: {step.same_argmax}")
+    benchmark.extra_info.update({"compiled_step": {"compile_s": step.compile_s, "median_ms": medians,
+                                                   "max_abs_diff": step.max_abs_diff,
+                                                   "same_argmax": step.same_argmax, "freezing": freezing},
+                                 "cache_len": 300, "capacity": 512, "environment": bench.environment})

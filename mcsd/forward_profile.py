@@ -291,3 +291,81 @@ def format_comparison(times: dict[str, dict[int, list[float]]]) -> str:
             cells.append(f"{min(t):>8.2f} / {statistics.median(t):>8.2f} ({statistics.median(t) / base:4.2f})")
         lines.append(f"{n:>5} " + " ".join(f"{c:>26}" for c in cells))
     return "\n".join(lines)
+
+
+@dataclass
+class CompiledStep:
+    """A 1-token step compiled by torch.compile (inductor) on a static KV cache, against the engine's own.
+
+    Attributes:
+        compile_s: the compiled step's first call (tracing, code generation, C++ compile; a warm
+            on-disk inductor cache shortens it).
+        ms: {variant: [ms per step, one per round]}: "engine" (CachedLM, the path the decoder runs
+            today), "static eager" (transformers' StaticCache, not compiled), "static compiled".
+        max_abs_diff: largest logit difference between the compiled and the eager static step.
+        same_argmax: whether the two agree on the greedy token.
+    """
+
+    compile_s: float
+    ms: dict[str, list[float]]
+    max_abs_diff: float
+    same_argmax: bool
+
+
+def compiled_step(model, cache_len: int = 300, capacity: int = 512, repeats: int = 10, freezing: bool = False,
+                  seed: int = 0) -> CompiledStep:
+    """Time a 1-token step three ways, interleaved round by round (see `CompiledStep`).
+
+    The static cache holds `capacity` slots and every step attends over all of
+    them (the slots past the sequence masked), which is what lets one compiled
+    graph serve every cache length; `freezing` folds the weights into the
+    graph as constants (inductor's `freezing`, which also prepacks them).
+    """
+    from transformers import StaticCache
+
+    from .kv_cache import cache_keyword
+
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    engine = _Runner(model, cache_len, seed=seed)
+    cache_kw = cache_keyword(model)
+    cache = StaticCache(config=model.config, max_cache_len=capacity)
+    dtype = model.get_input_embeddings().weight.dtype
+    slots = torch.arange(capacity)
+
+    def static_forward(fn, tokens, start):
+        n = tokens.numel()
+        rows = torch.arange(start, start + n)
+        mask = torch.where(slots[None, :] <= rows[:, None], 0.0, torch.finfo(dtype).min).to(dtype)[None, None]
+        logits = fn(input_ids=tokens[None], position_ids=rows[None], cache_position=rows, attention_mask=mask,
+                    use_cache=True, **{cache_kw: cache}).logits[0]
+        for layer in cache.layers:                                             # back to the prefix
+            layer.cumulative_length.fill_(start)
+        return logits
+
+    import torch._inductor.config as inductor_config
+    with torch.inference_mode(), inductor_config.patch(freezing=freezing):
+        static_forward(model.forward, torch.randint(0, vocab, (cache_len,), generator=gen), 0)
+        for layer in cache.layers:
+            layer.cumulative_length.fill_(cache_len)
+        compiled = torch.compile(model.forward, dynamic=False, fullgraph=True)
+        probe = torch.randint(0, vocab, (1,), generator=gen)
+        eager = static_forward(model.forward, probe, cache_len)
+        t0 = time.perf_counter()
+        fast = static_forward(compiled, probe, cache_len)
+        compile_s = time.perf_counter() - t0
+        steps = {"engine": lambda: engine.step(1),
+                 "static eager": lambda: static_forward(model.forward, torch.randint(0, vocab, (1,), generator=gen),
+                                                        cache_len),
+                 "static compiled": lambda: static_forward(compiled, torch.randint(0, vocab, (1,), generator=gen),
+                                                           cache_len)}
+        ms: dict[str, list[float]] = {name: [] for name in steps}
+        names = list(steps)
+        for r in range(repeats + 1):                                           # round 0 warms up
+            for i in torch.randperm(len(names), generator=gen).tolist():
+                t0 = time.perf_counter()
+                steps[names[i]]()
+                if r:
+                    ms[names[i]].append((time.perf_counter() - t0) * 1000)
+    return CompiledStep(compile_s=compile_s, ms=ms, max_abs_diff=float((fast - eager).abs().max()),
+                        same_argmax=bool(fast.argmax() == eager.argmax()))

@@ -158,6 +158,15 @@ def test_forward_profile_splits_a_forward_into_classes():
         compare(model, [Variant("a")], clock="gpu")
 
 
+def test_a_compiled_static_step_computes_the_engines_logits():
+    """The torch.compile candidate the benchmark times: its step gives the eager step's logits (float32)."""
+    from mcsd.forward_profile import compiled_step
+    model = tiny_llama(0, layers=1)
+    step = compiled_step(model, cache_len=12, capacity=32, repeats=2)
+    assert step.same_argmax and step.max_abs_diff < 1e-4 and step.compile_s > 0
+    assert set(step.ms) == {"engine", "static eager", "static compiled"} and all(len(t) == 2 for t in step.ms.values())
+
+
 def test_bench_report_renders_the_forward_profile(tmp_path):
     import json
     import runpy
