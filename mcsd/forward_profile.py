@@ -348,6 +348,7 @@ def compiled_step(model, cache_len: int = 300, capacity: int = 512, repeats: int
         static_forward(model.forward, torch.randint(0, vocab, (cache_len,), generator=gen), 0)
         for layer in cache.layers:
             layer.cumulative_length.fill_(cache_len)
+        torch._dynamo.reset()                       # an earlier compile of the same forward must not serve
         compiled = torch.compile(model.forward, dynamic=False, fullgraph=True)
         probe = torch.randint(0, vocab, (1,), generator=gen)
         eager = static_forward(model.forward, probe, cache_len)
