@@ -158,6 +158,7 @@ def test_forward_profile_splits_a_forward_into_classes():
         compare(model, [Variant("a")], clock="gpu")
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")   # inductor's own
 def test_a_compiled_static_step_computes_the_engines_logits():
     """The torch.compile candidate the benchmark times: its step gives the eager step's logits (float32)."""
     from mcsd.forward_profile import compiled_step
