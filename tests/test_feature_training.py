@@ -116,6 +116,13 @@ def test_teacher_forced_chains_are_what_decoding_accepts(target):
                 accepted += a
             t += a + 1
     assert checked > 30 and 0 < accepted < 3 * checked    # rounds of every kind were compared
+    # the depth report's replay of decoding's roots from the chain lengths counts what decoding counts
+    from mcsd.train import depth_report
+    for ex in data[:4]:
+        ex.setdefault("category", "writing")
+    drafter = FeatureDrafter(head, target, window=1)
+    assert depth_report.replayed(head, embed, data[:4], 3, max_new_tokens=60)["all"] == \
+        depth_report.decoding(target, drafter, data[:4], 3, max_new_tokens=60, ignore_eos=True)["all"]
 
 
 def test_depth_report_compares_both_sides_per_group(target):
@@ -130,7 +137,7 @@ def test_depth_report_compares_both_sides_per_group(target):
     _fit(head, target, data, updates=30)
     result = depth_report.report(target, FeatureDrafter(head, target), target.get_input_embeddings(), data,
                                  max_new_tokens=30)
-    for side in ("teacher_forced", "decoding"):
+    for side in ("teacher_forced", "teacher_forced_at_rounds", "decoding"):
         assert {"all", "mt_bench", "math_reasoning"} <= set(result[side])
         assert [d["depth"] for d in result[side]["all"]] == [1, 2, 3]
         assert result[side]["all"][0]["reached"] > result[side]["all"][2]["reached"] > 0

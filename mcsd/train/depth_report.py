@@ -10,7 +10,8 @@ Both sides run on the target's own greedy responses to held-out prompts:
   depth j given depth j-1, as `GenerationStats.accept_by_depth` reports it.
 
 The two differ in which positions root a round (every position, or those
-decoding happens to reach) and in the prompt positions the drafter reads
+decoding happens to reach: `replayed` counts the teacher-forced chains at
+decoding's roots only, which separates the two causes) and in the prompt positions the drafter reads
 (the trainer's windows read none before the response; the drafter its
 `window`); with a window of one, tests/test_feature_training.py checks round
 by round that they are the same computation.
@@ -57,7 +58,38 @@ def teacher_forced(head, embed, examples: list[dict], depth: int = 3, window: in
     return {"all": summary(examples), **{g: summary(exs) for g, exs in _by_group(examples).items()}}
 
 
-def decoding(target, drafter, examples: list[dict], depth: int = 3, max_new_tokens: int = 128) -> dict:
+def replayed(head, embed, examples: list[dict], depth: int = 3, max_new_tokens: int = 128) -> dict:
+    """{"all": [...], group: [...]}: teacher-forced chains, counted only at the positions greedy
+    decoding roots its rounds at. Decoding's first round is rooted at the response's first token;
+    a round that accepts a tokens roots the next one a + 1 tokens later (the accepted tokens, then
+    the target's own), so the roots are replayed from the chain lengths alone
+    (`mcsd.train.feature_head.chain_lengths`). Where the head reads what the drafter reads, this
+    is decoding's count, round for round; it differs from `teacher_forced` only in which
+    positions root a round."""
+    from mcsd.train.feature_head import chain_lengths
+
+    counts: dict[str, list[list[int]]] = {}
+    for ex in examples:
+        runs = chain_lengths(head, embed, ex, steps=depth)
+        limit = min(len(ex["response"]), max_new_tokens)
+        root = 0
+        while root < limit - 1:                  # the response's tokens up to `root` are emitted
+            drafted = min(depth, limit - root - 2)        # a round of k drafted nodes may emit k + 1 tokens
+            got = min(int(runs[root]), max(drafted, 0))
+            for key in ("all", group_of(ex["category"])):
+                acc, off = counts.setdefault(key, [[0] * depth, [0] * depth])
+                for d in range(drafted):
+                    off[d] += 1
+                    if got <= d:
+                        break
+                    acc[d] += 1
+            root += got + 1
+    return {key: [{"depth": d + 1, "acceptance": round(a / o, 4) if o else None, "reached": o}
+                  for d, (a, o) in enumerate(zip(acc, off))] for key, (acc, off) in counts.items()}
+
+
+def decoding(target, drafter, examples: list[dict], depth: int = 3, max_new_tokens: int = 128,
+             ignore_eos: bool = False) -> dict:
     """{"all": [...], group: [...]}: per depth, acceptance given the depth above and rounds that
     reached it, decoding each example's prompt greedily with a static chain; also how many
     outputs equal the stored responses (the same target and dtype write the same tokens)."""
@@ -67,7 +99,8 @@ def decoding(target, drafter, examples: list[dict], depth: int = 3, max_new_toke
     counts: dict[str, list[list[int]]] = {}
     same = 0
     for ex in examples:
-        out = dec.generate(torch.as_tensor(ex["prompt"], dtype=torch.long), max_new_tokens=max_new_tokens)
+        out = dec.generate(torch.as_tensor(ex["prompt"], dtype=torch.long), max_new_tokens=max_new_tokens,
+                           ignore_eos=ignore_eos)
         same += out.tokens == ex["response"][:len(out.tokens)].tolist()
         for key in ("all", group_of(ex["category"])):
             acc, off = counts.setdefault(key, [[0] * depth, [0] * depth])
@@ -92,11 +125,18 @@ def differs(a: float, n_a: int, b: float, n_b: int, z: float = 2.0) -> bool:
 def report(target, drafter, embed, examples: list[dict], depth: int = 3, max_new_tokens: int = 128) -> dict:
     """Both sides per group and depth, and where they differ beyond noise (2 standard errors)."""
     tf = teacher_forced(drafter.head, embed, examples, depth)
+    at_roots = replayed(drafter.head, embed, examples, depth, max_new_tokens)
     real = decoding(target, drafter, examples, depth, max_new_tokens)
     beyond = [f"{g} depth {t['depth']}: teacher-forced {t['acceptance']} ({t['reached']}) vs decoding "
               f"{r['acceptance']} ({r['reached']})"
               for g in tf for t, r in zip(tf[g], real.get(g, []))
               if r["acceptance"] is not None and differs(t["acceptance"], t["reached"], r["acceptance"], r["reached"])]
-    return {"teacher_forced": tf, "decoding": real, "beyond_noise": beyond,
+    beyond_at_rounds = [f"{g} depth {t['depth']}: at decoding's roots {t['acceptance']} ({t['reached']}) vs "
+                        f"decoding {r['acceptance']} ({r['reached']})"
+                        for g in at_roots for t, r in zip(at_roots[g], real.get(g, []))
+                        if None not in (t["acceptance"], r["acceptance"])
+                        and differs(t["acceptance"], t["reached"], r["acceptance"], r["reached"])]
+    return {"teacher_forced": tf, "teacher_forced_at_rounds": at_roots, "decoding": real, "beyond_noise": beyond,
+            "beyond_noise_at_rounds": beyond_at_rounds,
             "what": f"static chain of {depth}, greedy, {len(examples)} held-out prompts, {max_new_tokens} new "
                     f"tokens in decoding; acceptance at depth j given depth j-1"}
