@@ -8,6 +8,7 @@ against what it costs to draft and verify on *this* hardware.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import hashlib
 import json
@@ -619,29 +620,28 @@ def settle(old: DeviceProfile, new: DeviceProfile) -> DeviceProfile:
     worst = agrees(old, new)
     if worst is None:
         return new
-    kept = DeviceProfile(**{name: dict(getattr(old, name)) for name in _TABLES},
-                         prefix_len=old.prefix_len, meta=dict(old.meta))
+    kept = copy.deepcopy(old)
     kept.meta.update(stale=None, provisional=None, calibration_s=new.meta.get("calibration_s", 0.0),
                      confirmed={"flag": old.meta.get("stale"), "largest_ratio": round(worst, 3)})
     return kept
 
 
 def load_or_measure(target, draft=None, measure_if_missing: bool = True, force: bool = False,
-                    quiet: bool = False, settle_flagged: bool = True, **kwargs) -> DeviceProfile | None:
+                    quiet: bool = False, **kwargs) -> DeviceProfile | None:
     """The cached profile for this setup, measured (and cached) on first use, when `force`d, or when
     the cached one is flagged and the machine is quiet now (`load_cached`).
 
     A measurement prints one line on stderr (unless `quiet`), and a second when
     the machine was busy meanwhile (the profile is then provisional). A cached
     profile flagged stale that the new measurement confirms keeps its figures
-    (`settle`, with `settle_flagged`). Keyword arguments go to `measure`; the
+    (`settle`). Keyword arguments go to `measure`; the
     default is a quick calibration (`CALIBRATION_REPEATS`).
     """
     path = profile_path(target, draft)
     prof = None if force else load_cached(target, draft)
     if prof is not None or not measure_if_missing:
         return prof
-    flagged = _readable(path, next(target.parameters()).device) if settle_flagged else None
+    flagged = _readable(path, next(target.parameters()).device)
     if flagged is not None and not flagged.meta.get("stale"):
         flagged = None
     if not quiet:

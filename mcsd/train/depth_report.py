@@ -58,6 +58,12 @@ def teacher_forced(head, embed, examples: list[dict], depth: int = 3, window: in
     return {"all": summary(examples), **{g: summary(exs) for g, exs in _by_group(examples).items()}}
 
 
+def _rates(counts: dict[str, list[list[int]]]) -> dict:
+    """{key: [(accepted, offered) per depth]} counts as {key: [{"depth", "acceptance", "reached"}]}."""
+    return {key: [{"depth": d + 1, "acceptance": round(a / o, 4) if o else None, "reached": o}
+                  for d, (a, o) in enumerate(zip(acc, off))] for key, (acc, off) in counts.items()}
+
+
 def replayed(head, embed, examples: list[dict], depth: int = 3, max_new_tokens: int = 128) -> dict:
     """{"all": [...], group: [...]}: teacher-forced chains, counted only at the positions greedy
     decoding roots its rounds at. Decoding's first round is rooted at the response's first token;
@@ -84,8 +90,7 @@ def replayed(head, embed, examples: list[dict], depth: int = 3, max_new_tokens: 
                         break
                     acc[d] += 1
             root += got + 1
-    return {key: [{"depth": d + 1, "acceptance": round(a / o, 4) if o else None, "reached": o}
-                  for d, (a, o) in enumerate(zip(acc, off))] for key, (acc, off) in counts.items()}
+    return _rates(counts)
 
 
 def decoding(target, drafter, examples: list[dict], depth: int = 3, max_new_tokens: int = 128,
@@ -107,8 +112,7 @@ def decoding(target, drafter, examples: list[dict], depth: int = 3, max_new_toke
             for d, (a, o) in enumerate(zip(out.stats.accepted_by_depth, out.stats.offered_by_depth)):
                 acc[d] += a
                 off[d] += o
-    result = {key: [{"depth": d + 1, "acceptance": round(a / o, 4) if o else None, "reached": o}
-                    for d, (a, o) in enumerate(zip(acc, off))] for key, (acc, off) in counts.items()}
+    result = _rates(counts)
     result["outputs_equal_to_stored"] = f"{same}/{len(examples)}"
     return result
 
@@ -122,20 +126,22 @@ def differs(a: float, n_a: int, b: float, n_b: int, z: float = 2.0) -> bool:
     return abs(a - b) > z * se
 
 
+def _beyond(label: str, side: dict, real: dict) -> list[str]:
+    """Where `side` and decoding differ beyond noise, per group and depth, one line each."""
+    return [f"{g} depth {t['depth']}: {label} {t['acceptance']} ({t['reached']}) vs decoding "
+            f"{r['acceptance']} ({r['reached']})"
+            for g in side for t, r in zip(side[g], real.get(g, []))
+            if None not in (t["acceptance"], r["acceptance"])
+            and differs(t["acceptance"], t["reached"], r["acceptance"], r["reached"])]
+
+
 def report(target, drafter, embed, examples: list[dict], depth: int = 3, max_new_tokens: int = 128) -> dict:
     """Both sides per group and depth, and where they differ beyond noise (2 standard errors)."""
     tf = teacher_forced(drafter.head, embed, examples, depth)
     at_roots = replayed(drafter.head, embed, examples, depth, max_new_tokens)
     real = decoding(target, drafter, examples, depth, max_new_tokens)
-    beyond = [f"{g} depth {t['depth']}: teacher-forced {t['acceptance']} ({t['reached']}) vs decoding "
-              f"{r['acceptance']} ({r['reached']})"
-              for g in tf for t, r in zip(tf[g], real.get(g, []))
-              if r["acceptance"] is not None and differs(t["acceptance"], t["reached"], r["acceptance"], r["reached"])]
-    beyond_at_rounds = [f"{g} depth {t['depth']}: at decoding's roots {t['acceptance']} ({t['reached']}) vs "
-                        f"decoding {r['acceptance']} ({r['reached']})"
-                        for g in at_roots for t, r in zip(at_roots[g], real.get(g, []))
-                        if None not in (t["acceptance"], r["acceptance"])
-                        and differs(t["acceptance"], t["reached"], r["acceptance"], r["reached"])]
+    beyond = _beyond("teacher-forced", tf, real)
+    beyond_at_rounds = _beyond("at decoding's roots", at_roots, real)
     return {"teacher_forced": tf, "teacher_forced_at_rounds": at_roots, "decoding": real, "beyond_noise": beyond,
             "beyond_noise_at_rounds": beyond_at_rounds,
             "what": f"static chain of {depth}, greedy, {len(examples)} held-out prompts, {max_new_tokens} new "
