@@ -19,8 +19,8 @@ import socket
 import sys
 from pathlib import Path
 
-from .config import (ATTENTION_BACKENDS, DTYPE_NAMES, MAX_TREE_DEPTH, MAX_TREE_NODES, ConfigError, DecodeConfig,
-                     ProcessingConfig, SamplingConfig)
+from .config import (ATTENTION_BACKENDS, DTYPE_NAMES, MAX_TREE_DEPTH, MAX_TREE_NODES, WEIGHTS, ConfigError,
+                     DecodeConfig, ProcessingConfig, SamplingConfig)
 from .errors import ModelLoadError
 from .presets import DEFAULT_PRESET, DRAFTERS, PRESETS, describe_presets, parse_drafter_spec
 
@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--dtype", default="auto", choices=("auto", *DTYPE_NAMES),
                      help="compute dtype (default auto: the one this pair and method run fastest in on this "
                           "machine, from its calibrated costs)")
+    src.add_argument("--weights", default="dense", choices=WEIGHTS,
+                     help="q4: run the target's linear layers on the 4-bit codes of the Q4_1 GGUF it comes from "
+                          "(the embedded preset's, or a .gguf target), as llama.cpp does; bfloat16 compute, CPU "
+                          "only, exact with respect to q4 decoding. Default dense: the dequantised weights")
     src.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or auto (spread the target over GPUs)")
     src.add_argument("--attention", default="auto", choices=ATTENTION_BACKENDS, help="tree attention backend")
     src.add_argument("--threads", type=int, default=None,
@@ -273,6 +277,10 @@ def _check_args(args) -> None:
         raise UsageError(f"--lossy-target-roots must be >= 0, got {args.lossy_target_roots}")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
+    if args.weights == "q4" and args.dtype not in ("auto", "bfloat16", "bf16"):
+        raise UsageError(f"--weights q4 computes in bfloat16; drop --dtype {args.dtype} or pass --dtype bfloat16")
+    if args.weights == "q4" and args.device != "cpu":
+        raise UsageError(f"--weights q4 runs on the CPU (torch's int4 CPU kernel); drop --device {args.device}")
     if (args.target is not None and args.draft is None and args.target not in PRESETS and not args.baseline
             and args.drafter != "context"):
         raise UsageError(f"--target {args.target} needs a --draft (or use --baseline, --drafter context, or a "
@@ -341,13 +349,16 @@ def _load_models(args):
     from .models import load_model, load_model_pair, load_tokenizer
 
     _set_threads(args)
+    if args.weights == "q4" and args.dtype == "auto":
+        args.dtype, args.dtype_fixed = "bfloat16", "bfloat16: --weights q4 computes in it"
     load_dtype = "float32" if args.dtype == "auto" else args.dtype
     model_kind, _, context_only = _drafter_kinds(args)
     if args.baseline or context_only:
         target_src = args.target or DEFAULT_PRESET
         tokenizer = load_tokenizer(target_src)
-        return load_model(target_src, load_dtype, args.device, role="target"), None, tokenizer
-    return load_model_pair(args.target, args.draft, dtype=load_dtype, device=args.device, drafter=model_kind)
+        return load_model(target_src, load_dtype, args.device, role="target", weights=args.weights), None, tokenizer
+    return load_model_pair(args.target, args.draft, dtype=load_dtype, device=args.device, drafter=model_kind,
+                           weights=args.weights)
 
 
 def _check_lengths(args, target, tokenizer, prompts: list[str]) -> None:
@@ -364,7 +375,7 @@ def _build_decoder(args, target, draft, tokenizer):
     from .decoder import TreeDecoder
 
     _, with_context, _ = _drafter_kinds(args)
-    dtype_reason = None
+    dtype_reason = getattr(args, "dtype_fixed", None)
     if args.dtype == "auto":
         target, draft, args.dtype, dtype_reason = _auto_dtype(target, draft, args)
     if with_context and not args.baseline:
@@ -405,7 +416,7 @@ def _settings(args, decoder, dtype_reason) -> dict:
     return {"tree": args.tree if drafted and drafter is not None else None,
             "policy": args.policy if drafted and drafter is not None else None,
             "drafter": kind if drafted else None,
-            "dtype": args.dtype, "dtype_reason": dtype_reason, "costs": decoder.costs_source,
+            "dtype": args.dtype, "dtype_reason": dtype_reason, "weights": args.weights, "costs": decoder.costs_source,
             "matmul_kernels": decoder.kernels_note,
             "acceptance_model": getattr(decoder.policy, "model_source", None) if drafted else None,
             "device": args.device, "attention": decoder.attention, "baseline": args.baseline,

@@ -20,6 +20,7 @@ class ConfigError(ValueError):
 DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
                "float16": "float16", "fp16": "float16"}          # accepted name -> torch dtype name
 ATTENTION_BACKENDS = ("auto", "sdpa", "gqa", "xformers", "eager")
+WEIGHTS = ("dense", "q4")                 # how a target's linear layers run (mcsd.models.load_model)
 
 
 def check_context_window(context_window: int | None, prompt_len: int, max_new_tokens: int) -> None:

@@ -140,7 +140,8 @@ def pack(module: torch.nn.Module) -> int:
     returns the number of layers packed now."""
     done = 0
     for layer in module.modules():
-        if type(layer) is not torch.nn.Linear or not packable(layer.weight.dtype, layer.weight.device):
+        if type(layer) is not torch.nn.Linear or not packable(layer.weight.dtype, layer.weight.device) \
+                or "_mcsd_q4" in layer.__dict__:                # runs on its 4-bit weights (mcsd.quant)
             continue
         packed = layer.__dict__.get("_mcsd_packed")
         if packed is not None and packed.fresh(layer):

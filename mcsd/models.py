@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from .cache import cache_dir, cache_subdir, cache_writes, models_dir
-from .config import DTYPE_NAMES, ConfigError
+from .config import DTYPE_NAMES, WEIGHTS, ConfigError
 from .errors import ModelLoadError, TokenizerMismatchError
 from .feature_draft import FeatureDrafter, FeatureHead, is_feature_head
 from .presets import DEFAULT_PRESET, DRAFTERS, PRESETS, Preset
@@ -277,7 +277,7 @@ def _preset_path(source: str, role: str) -> str:
     return str(preset_target_dir(preset) if role == "target" else preset_draft_dir(preset))
 
 
-def load_model(source: str, dtype="bfloat16", device="cpu", role: str = "target"):
+def load_model(source: str, dtype="bfloat16", device="cpu", role: str = "target", weights: str = "dense"):
     """Load one causal LM in eval mode.
 
     Args:
@@ -285,9 +285,14 @@ def load_model(source: str, dtype="bfloat16", device="cpu", role: str = "target"
         dtype: "float32" | "bfloat16" | "float16" or a torch.dtype.
         device: "cpu", "cuda[:N]", "auto" or a device_map dict (multi-GPU, via accelerate).
         role: "target" or "draft", only for messages and preset resolution.
+        weights: "dense", or "q4": the linear layers run on the 4-bit codes of the Q4_1 GGUF the
+            model comes from (`mcsd.quant`; bfloat16 on the CPU only).
     Raises:
+        ConfigError for an unknown `weights`, or q4 from a source that is no GGUF;
         ModelLoadError with the source and the underlying cause.
     """
+    if weights not in WEIGHTS:
+        raise ConfigError(f"unknown weights {weights!r}; choose {' or '.join(WEIGHTS)}")
     from transformers import AutoModelForCausalLM
 
     torch_dtype = parse_dtype(dtype)
@@ -309,7 +314,30 @@ def load_model(source: str, dtype="bfloat16", device="cpu", role: str = "target"
         model.to(device)
     model.eval()
     model.requires_grad_(False)
+    if weights == "q4":
+        from . import quant
+        gguf_path = gguf_source(source)
+        if gguf_path is None:
+            raise ConfigError(f"q4 weights are read from a Q4_1 GGUF file; {source!r} is neither one, nor a preset, "
+                              f"nor a directory converted from one")
+        quant.attach(model, gguf_path)
     return model
+
+
+def gguf_source(source: str) -> Path | None:
+    """The GGUF file a model source's weights come from: a preset's, a .gguf path, or the file
+    a directory converted by mcsd was made from (None if there is none)."""
+    preset = PRESETS.get(source)
+    path = preset_target_dir(preset) if preset is not None else Path(source).expanduser()
+    if path.suffix == ".gguf":
+        return path if path.is_file() else None
+    try:
+        recorded = json.loads((path / _MARKER).read_text()).get("source")
+    except (OSError, ValueError, AttributeError):
+        recorded = None
+    if recorded and str(recorded).endswith(".gguf") and Path(recorded).is_file():
+        return Path(recorded)
+    return fetch_preset_gguf(preset) if preset is not None else None
 
 
 # ----------------------------------------------------------------------------
@@ -384,7 +412,7 @@ def _has_tokenizer(source: str) -> bool:
 
 
 def load_model_pair(target: str | None = None, draft: str | None = None, dtype="bfloat16",
-                    device="cpu", draft_device=None, drafter: str | None = None):
+                    device="cpu", draft_device=None, drafter: str | None = None, weights: str = "dense"):
     """Load a target, a draft that shares its tokenizer, and that tokenizer.
 
     Args:
@@ -398,6 +426,7 @@ def load_model_pair(target: str | None = None, draft: str | None = None, dtype="
         dtype: compute dtype of both models.
         device: target device or device_map ("auto" / dict spreads it over GPUs).
         draft_device: draft device; defaults to `device`, or "cuda:0" with a device_map.
+        weights: the target's ("dense" or "q4", see `load_model`); a draft model stays dense.
     Returns:
         (target_model, draft_model, tokenizer)
     Raises:
@@ -413,7 +442,7 @@ def load_model_pair(target: str | None = None, draft: str | None = None, dtype="
     if draft_device is None:
         draft_device = "cuda:0" if isinstance(device, dict) or device == "auto" else device
     tokenizer = load_tokenizer(target)
-    target_model = load_model(target, dtype, device, role="target")
+    target_model = load_model(target, dtype, device, role="target", weights=weights)
     if is_feature_head(Path(draft).expanduser()):
         return target_model, load_feature_drafter(draft, target_model, dtype), tokenizer
     draft_model = load_model(draft, dtype, draft_device, role="draft")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from . import kernels, kv_cache
+from . import kernels, kv_cache, quant
 from .cache import cache_dir, cache_writes
 from .kernels import interpolate
 from .lm import CachedLM
@@ -501,7 +501,8 @@ def _model_name(model) -> str:
 def _model_key(model) -> str:
     # the name, plus the shape of what runs: models saved without a name path all read "llama"
     module = model.head if _is_feature_drafter(model) else model
-    return f"{_model_name(model)}:{sum(p.numel() for p in module.parameters())}"
+    weights = ":q4" if quant.attached(module) else ""       # the same model on its 4-bit weights runs otherwise
+    return f"{_model_name(model)}:{sum(p.numel() for p in module.parameters())}{weights}"
 
 
 def host_key(device) -> dict:

@@ -55,8 +55,10 @@ def private_profile_cache(tmp_path_factory):
     mp.undo()
 
 
-def write_tiny_gguf(path, vocab: int = 64, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2):
-    """A random float32 Llama GGUF with a byte-level tokenizer over the characters '!'..'`' (one token each)."""
+def write_tiny_gguf(path, vocab: int = 64, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                    q4: bool = False):
+    """A random Llama GGUF with a byte-level tokenizer over the characters '!'..'`' (one token each):
+    float32 tensors, or with `q4` the decoder layers' linear weights as Q4_1 blocks."""
     import gguf
     import numpy as np
 
@@ -88,7 +90,12 @@ def write_tiny_gguf(path, vocab: int = 64, hidden: int = 32, layers: int = 2, he
                        f"blk.{i}.ffn_gate.weight": (2 * hidden, hidden), f"blk.{i}.ffn_up.weight": (2 * hidden, hidden),
                        f"blk.{i}.ffn_down.weight": (hidden, 2 * hidden)})
     for name, shape in shapes.items():
-        w.add_tensor(name, rng.standard_normal(shape).astype(np.float32) * 0.1)
+        values = rng.standard_normal(shape).astype(np.float32) * 0.1
+        if q4 and name.startswith("blk.") and len(shape) == 2:
+            qtype = gguf.GGMLQuantizationType.Q4_1
+            w.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, values)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -99,6 +106,11 @@ def write_tiny_gguf(path, vocab: int = 64, hidden: int = 32, layers: int = 2, he
 @pytest.fixture(scope="session")
 def gguf_file(tmp_path_factory):
     return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+@pytest.fixture(scope="session")
+def q4_gguf_file(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf-q4") / "tiny-q4_1.gguf", q4=True)
 
 
 @pytest.fixture(scope="session")

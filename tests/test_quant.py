@@ -1,0 +1,159 @@
+"""q4 weights: a Q4_1 GGUF's linear layers on torch's int4 kernel (mcsd.quant)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_llama, write_tiny_gguf
+from mcsd import quant
+from mcsd.config import ConfigError
+from mcsd.decoder import TreeDecoder
+from mcsd.models import gguf_source, load_model
+from mcsd.profile import _model_key
+
+pytestmark = pytest.mark.skipif(not quant.kernel_available(), reason="this torch has no CPU int4 kernel")
+
+PROMPT = torch.tensor([3, 17, 42, 5, 9, 11])
+
+
+@pytest.fixture(autouse=True)
+def private_q4_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MCSD_CACHE", str(tmp_path / "cache"))
+
+
+def _q4_model(path):
+    return load_model(str(path), dtype="bfloat16", weights="q4")
+
+
+def _layer(model, name="model.layers.1.mlp.down_proj"):
+    return dict(model.named_modules())[name]
+
+
+def test_every_q4_1_linear_layer_runs_on_its_codes(q4_gguf_file):
+    model = _q4_model(q4_gguf_file)
+    assert quant.attached(model) == 2 * 7                       # q, k, v, o, gate, up, down in each layer
+    found, _ = quant.codes(q4_gguf_file, 4, 2)
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
+                 "model.layers.1.mlp.down_proj"):
+        q, d, m = found[name]
+        weight = quant.dequantize(q, d, m)                         # float32, transformers' row order
+        x = torch.randn(3, weight.shape[1]).bfloat16()
+        with torch.inference_mode():
+            out = _layer(model, name)(x)
+        exact = x.float() @ weight.t()
+        assert out.dtype == torch.bfloat16 and out.shape == exact.shape
+        assert torch.allclose(out.float(), exact, atol=0.03, rtol=0.02), name
+        dense = x.float() @ _layer(model, name).weight.float().t()  # bfloat16 weights: another rounding
+        assert not torch.equal(out.float(), dense)
+
+
+def test_q_and_k_rows_come_back_in_transformers_order(q4_gguf_file):
+    model = _q4_model(q4_gguf_file)
+    found, _ = quant.codes(q4_gguf_file, 4, 2)
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.k_proj"):
+        assert torch.equal(quant.dequantize(*found[name]).bfloat16(), _layer(model, name).weight)
+
+
+@pytest.mark.parametrize("policy,tree", [("static", "2,2,1"), ("static", "3,1"), ("learned", None)])
+def test_decoding_on_q4_weights_is_exact_wrt_plain_q4_decoding(q4_gguf_file, policy, tree):
+    model = _q4_model(q4_gguf_file)
+    draft = tiny_llama(1, layers=1).to(torch.bfloat16)
+    with torch.inference_mode():
+        reference = model.generate(PROMPT[None], max_new_tokens=30, do_sample=False, min_new_tokens=30,
+                                   pad_token_id=0)[0, PROMPT.numel():].tolist()
+    dec = TreeDecoder(model, draft, tree=tree, policy=policy, calibrate=True)
+    assert quant.attached(model) == 14                            # calibration and packing left them on q4
+    calls = []
+    real = torch.ops.aten._weight_int4pack_mm_for_cpu
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(quant.torch.ops.aten, "_weight_int4pack_mm_for_cpu",
+                   lambda *a: calls.append(a[0].shape[0]) or real(*a), raising=False)
+        out = dec.generate(PROMPT, max_new_tokens=30)
+        plain = dec.generate_baseline(PROMPT, max_new_tokens=30)
+    assert calls and max(calls) > 1                               # trees were verified on the int4 kernel
+    assert plain.tokens == reference and out.tokens == reference
+
+
+def test_a_model_that_is_not_the_files_is_refused(q4_gguf_file, gguf_file):
+    other = load_model(str(gguf_file), dtype="bfloat16")          # another GGUF's weights, same shapes
+    with pytest.raises(quant.Q4Error, match="does not dequantise to the model's"):
+        quant.attach(other, q4_gguf_file)
+    assert quant.attached(other) == 0                             # all or nothing
+    model = _q4_model(q4_gguf_file)                               # the codes are now cached: rows are sampled
+    quant.detach(model)
+    with torch.no_grad():
+        _layer(model).weight[0, 0] += 1
+    with pytest.raises(quant.Q4Error, match="mlp.down_proj"):
+        quant.attach(model, q4_gguf_file)
+
+
+def test_q4_needs_bfloat16_the_cpu_and_a_gguf(q4_gguf_file, gguf_file, model_dirs):
+    with pytest.raises(quant.Q4Error, match="compute in bfloat16"):
+        load_model(str(q4_gguf_file), dtype="float32", weights="q4")
+    with pytest.raises(quant.Q4Error, match="no Q4_1 linear weights"):
+        load_model(str(gguf_file), dtype="bfloat16", weights="q4")     # a float32 GGUF has no codes
+    with pytest.raises(ConfigError, match="neither one, nor a preset"):
+        load_model(str(model_dirs / "target"), dtype="bfloat16", weights="q4")
+    with pytest.raises(ConfigError, match="unknown weights"):
+        load_model(str(q4_gguf_file), weights="q8")
+    assert gguf_source(str(q4_gguf_file)) == q4_gguf_file
+    assert gguf_source(str(model_dirs / "target")) is None
+
+
+def test_codes_are_cached_and_a_damaged_cache_is_rebuilt(q4_gguf_file):
+    first, cached = quant.codes(q4_gguf_file, 4, 2)
+    assert not cached
+    again, cached = quant.codes(q4_gguf_file, 4, 2)
+    assert cached and first.keys() == again.keys()
+    assert all(torch.equal(a, b) for k in first for a, b in zip(first[k], again[k]))
+    quant._cache_file(q4_gguf_file.resolve()).write_bytes(b"not a safetensors file")
+    rebuilt, cached = quant.codes(q4_gguf_file, 4, 2)
+    assert not cached and all(torch.equal(a, b) for k in first for a, b in zip(first[k], rebuilt[k]))
+
+
+def test_calibrated_costs_of_q4_weights_are_kept_apart(q4_gguf_file):
+    model = _q4_model(q4_gguf_file)
+    key = _model_key(model)
+    quant.detach(model)
+    assert key == _model_key(model) + ":q4"
+
+
+def test_a_copied_model_runs_dense_until_attached(q4_gguf_file):
+    import copy
+    model = _q4_model(q4_gguf_file)
+    twin = copy.deepcopy(model)
+    assert quant.attached(twin) == 0
+    with torch.inference_mode():
+        assert twin(PROMPT[None]).logits.shape == model(PROMPT[None]).logits.shape
+
+
+def test_the_unpermutation_undoes_llama_cpps_rotary_permutation():
+    heads, rows, cols = 4, 32, 8
+    w = torch.randn(rows, cols)
+    head = rows // heads
+    # llama.cpp's conversion: within each head, interleave the two rotary halves
+    permuted = w.view(heads, 2, head // 2, cols).transpose(1, 2).reshape(rows, cols)
+    assert torch.equal(permuted[quant._unpermute_rows(rows, heads)], w)
+
+
+def test_a_larger_model_with_more_heads_attaches(tmp_path):
+    path = write_tiny_gguf(tmp_path / "wide.gguf", hidden=64, heads=8, kv_heads=4, q4=True)
+    model = _q4_model(path)
+    assert quant.attached(model) == 14
+    found, _ = quant.codes(path, 8, 4)
+    assert torch.equal(quant.dequantize(*found["model.layers.0.self_attn.k_proj"]).bfloat16(),
+                       _layer(model, "model.layers.0.self_attn.k_proj").weight)
+
+
+def test_a_rows_result_does_not_depend_on_the_block_size():
+    """Each row of an int4 product comes out the same whether it runs alone or in a block (checked on
+    this machine's kernel), so q4 linear layers add no dependence on the tree's size."""
+    torch.manual_seed(0)
+    q = torch.randint(0, 16, (64, 96), dtype=torch.uint8)
+    d, m = (torch.rand(64, 3) * 0.01).half(), (-torch.rand(64, 3) * 0.08).half()
+    layer = quant.Q4Linear(q, d, m)
+    x = torch.randn(16, 96).bfloat16()
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(16)])
+    for rows in (2, 3, 8, 16):
+        assert torch.equal(layer(x[:rows]), alone[:rows])
