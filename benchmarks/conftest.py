@@ -27,6 +27,8 @@ def pytest_addoption(parser):
                      "choice; Hugging Face assisted generation keeps the preset's draft model)")
     g.addoption("--bench-dtype", default="bfloat16",
                 help="float32, bfloat16, float16, or auto (what --dtype auto picks for this pair on this machine)")
+    g.addoption("--bench-weights", default="dense", choices=("dense", "q4"),
+                help="the target's weights: dense, or q4 (its Q4_1 GGUF's codes on torch's int4 kernel; bfloat16)")
     g.addoption("--bench-device", default="cpu")
     g.addoption("--bench-threads", type=int, default=None, help="torch threads (default: torch's choice)")
     g.addoption("--bench-interleave", action="store_true",
@@ -57,10 +59,12 @@ class Bench:
         self.interleave = opt("--bench-interleave")
         self.interleaved: dict | None = None         # method -> question_id -> Run, once computed
         self.max_new_tokens = 16 if self.smoke else opt("--bench-max-new-tokens")
-        self.dtype, self.device = opt("--bench-dtype"), opt("--bench-device")
+        self.dtype, self.device, self.weights = opt("--bench-dtype"), opt("--bench-device"), opt("--bench-weights")
+        if self.weights == "q4":
+            self.dtype = "bfloat16"                    # what q4 computes in, whatever --bench-dtype says
         self.target, self.draft, self.tokenizer = load_model_pair(
             opt("--bench-target"), opt("--bench-draft"), dtype="float32" if self.dtype == "auto" else self.dtype,
-            device=self.device, drafter=opt("--bench-drafter"))
+            device=self.device, drafter=opt("--bench-drafter"), weights=self.weights)
         self.dtype_reason = None
         if self.dtype == "auto":                       # as mcsd-generate --dtype auto decides it
             from mcsd.models import cast_pair
@@ -96,7 +100,8 @@ class Bench:
         self.environment = {
             "machine": platform.machine(), "processor": platform.processor() or platform.machine(),
             "cpu_count": __import__("os").cpu_count(), "threads": torch.get_num_threads(),
-            "dtype": self.dtype, "dtype_reason": self.dtype_reason, "device": self.device, "torch": torch.__version__,
+            "dtype": self.dtype, "dtype_reason": self.dtype_reason, "weights": self.weights, "device": self.device,
+            "torch": torch.__version__,
             "host": __import__("mcsd.profile", fromlist=["machine_info"]).machine_info(str(self.device)),
             "transformers": __import__("transformers").__version__,
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,

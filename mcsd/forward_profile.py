@@ -43,7 +43,7 @@ CLASSES = ("matmul", "attention", "elementwise", "copy", "other", "python")
 ATTENTION_SCOPE = "mcsd::attention"         # record_function name of mcsd's own attention paths
 
 _MATMUL_ROOTS = {"aten::linear", "aten::matmul", "aten::mm", "aten::addmm",
-                 "mkldnn::_linear_pointwise", "aten::mkldnn_linear"}
+                 "mkldnn::_linear_pointwise", "aten::mkldnn_linear", "aten::_weight_int4pack_mm_for_cpu"}
 # Batched products and softmax occur only in attention in a Llama-style forward (linear layers fold
 # their batch into one `mm`); mcsd's grouped-query attention is made of them.
 _ATTENTION_ROOTS = {"aten::scaled_dot_product_attention", ATTENTION_SCOPE, "aten::bmm", "aten::baddbmm",

@@ -3,6 +3,7 @@
     python tools/profile_forward.py --threads 1                  # the embedded target, bfloat16
     python tools/profile_forward.py --dtype float32 --sizes 1,9 --path packed --json out.json
     python tools/profile_forward.py --stand-in smollm2-135m      # random weights, same shapes
+    python tools/profile_forward.py --weights q4                 # the GGUF's 4-bit codes on the int4 kernel
 
 Runs a 1-token step and verifies of 2-64 rows over a `--cache-len` cache under
 torch.profiler and prints one line per block size (see `mcsd.forward_profile`).
@@ -26,6 +27,8 @@ def main(argv=None) -> int:
     ap.add_argument("--path", choices=("aten", "onednn", "packed"), default=None,
                     help="matmul path (default: torch's own choice; see mcsd.kernels)")
     ap.add_argument("--attention", default="auto", help="auto, sdpa, gqa or eager (default auto: what the engine runs)")
+    ap.add_argument("--weights", choices=("dense", "q4"), default="dense",
+                    help="q4: the target's Q4_1 GGUF codes on torch's int4 kernel (bfloat16; mcsd.quant)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--top", action="store_true", help="also list the operations with the most self time")
     ap.add_argument("--json", type=Path, help="also write the breakdown here")
@@ -47,7 +50,7 @@ def main(argv=None) -> int:
     else:
         from mcsd.models import load_model
         from mcsd.presets import DEFAULT_PRESET
-        model = load_model(args.target or DEFAULT_PRESET, args.dtype, "cpu")
+        model = load_model(args.target or DEFAULT_PRESET, args.dtype, "cpu", weights=args.weights)
     from mcsd.attention import set_backend
     from mcsd.config import ConfigError
     try:
@@ -55,7 +58,8 @@ def main(argv=None) -> int:
     except ConfigError as exc:
         ap.error(str(exc))
     results = breakdown(model, sizes, cache_len=args.cache_len, repeats=args.repeats, path=args.path)
-    print(f"{model.config._name_or_path} {args.dtype}, {torch.get_num_threads()} thread(s), "
+    print(f"{model.config._name_or_path} {args.dtype}{' on q4 weights' if args.weights == 'q4' else ''}, "
+          f"{torch.get_num_threads()} thread(s), "
           f"cache {args.cache_len}, matmul path {args.path or 'default'}, attention "
           f"{model.config._attn_implementation}; ms per forward (share of wall)")
     print(format_table(results))
@@ -63,7 +67,8 @@ def main(argv=None) -> int:
         for r in results:
             print(f"\n{r.rows} rows: " + "; ".join(f"{name} {ms:.2f} ms x{calls:g}" for name, ms, calls in r.top))
     if args.json:
-        meta = {"model": model.config._name_or_path, "dtype": args.dtype, "threads": torch.get_num_threads(),
+        meta = {"model": model.config._name_or_path, "dtype": args.dtype, "weights": args.weights,
+                "threads": torch.get_num_threads(),
                 "path": args.path, "attention": model.config._attn_implementation, "host": machine_info("cpu")}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(to_json(results, meta))
