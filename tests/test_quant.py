@@ -157,3 +157,14 @@ def test_a_rows_result_does_not_depend_on_the_block_size():
     alone = torch.cat([layer(x[i:i + 1]) for i in range(16)])
     for rows in (2, 3, 8, 16):
         assert torch.equal(layer(x[:rows]), alone[:rows])
+
+
+def test_the_command_line_runs_a_q4_target_and_says_so(q4_gguf_file, capsys):
+    import json
+
+    from mcsd.cli import main
+    assert main(["--target", str(q4_gguf_file), "--drafter", "context", "--weights", "q4", "--prompt", "ABCABC",
+                 "--max-new-tokens", "4", "--json", "--no-calibrate"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["settings"]["weights"] == "q4" and out["settings"]["dtype"] == "bfloat16"
+    assert "q4" in out["settings"]["dtype_reason"] and len(out["tokens"]) == 4
