@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels, profile
+from . import kernels, profile, quant
 from .lm import CachedLM
 from .policies import POLICIES
 
@@ -67,16 +67,21 @@ class Calibration:
 
     def choose_kernels(self, target_alone: bool) -> None:
         """Set each forward's matmul path from the profile, where the paths differ for this dtype."""
+        self.kernels_note = self._q4_note()
         if kernels.packable(self.target.dtype, self.target.device):
             # the target alone needs only its paths: from any cached profile of it, never measured
             alone = target_alone and not self.calibrate
             self.use_kernels(profile.load_target_costs(self.target.model) if alone else self.profile())
 
+    def _q4_note(self) -> str | None:
+        n = quant.attached(self.target.model)
+        return f"target: {n} linear layers on q4 weights (torch's int4 kernel) at every block size" if n else None
+
     def use_kernels(self, prof) -> None:
         """Run each forward on the matmul path the profile measured faster for its size."""
         if prof is None:
             return
-        notes = []
+        notes = [note for note in (self._q4_note(),) if note]
         runners = [("target", "verify", self.target, self.target.model)]
         if self.drafter is not None and hasattr(self.drafter, "kernels"):
             runners.append(("draft", "draft", self.drafter, profile.drafter_module(self.drafter)))
@@ -84,7 +89,7 @@ class Calibration:
             runner.kernels = table = prof.kernel_table(role)
             if table is None:
                 continue
-            notes.append(f"{label}: {table.describe()}")
+            notes.append(f"{label}{' (the rest)' if label == 'target' and len(notes) else ''}: {table.describe()}")
             if table.uses_packed and module is not None:       # prepacked weights are made once, here
                 kernels.pack(module)
         self.kernels_note = "; ".join(notes) or None

@@ -168,3 +168,4 @@ def test_the_command_line_runs_a_q4_target_and_says_so(q4_gguf_file, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["settings"]["weights"] == "q4" and out["settings"]["dtype"] == "bfloat16"
     assert "q4" in out["settings"]["dtype_reason"] and len(out["tokens"]) == 4
+    assert out["settings"]["matmul_kernels"].startswith("target: 14 linear layers on q4 weights")
