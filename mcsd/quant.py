@@ -113,7 +113,7 @@ class Q4Linear:
             .to(torch.bfloat16)                                                 # (K/32, N, 2)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
+        rows = x.reshape(-1, self.in_features).contiguous()
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scale_zero)
         return out.view(*x.shape[:-1], self.out_features)
 
