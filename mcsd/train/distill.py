@@ -645,8 +645,9 @@ def main(argv=None):
                            "commands": settings[run].get("commands", [])}
                      for run in args.runs},
             "response_tokens": n_train_tokens,
-            "prompts": "Spec-Bench first turns with question_id % 5 != 0, and prompts the target wrote "
-                       "itself from those (self-instruct); no held-out prompt was used",
+            "prompts": "those of the runs under data: Spec-Bench first turns with question_id % 5 != 0, prompts "
+                       "the target wrote from those (self-instruct) or from its chat template alone (Magpie, "
+                       "runs read from the token store); no held-out Spec-Bench prompt was used",
             "labels": "target top-8 next-token probabilities (soft cross-entropy, renormalised)"
                       + (f" + {args.hard_weight} x hard cross-entropy" if args.hard_weight else "")
                       + (f" + {args.hidden_weight} x relative squared error of the final hidden state against "
