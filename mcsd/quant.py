@@ -134,7 +134,7 @@ def read_codes(gguf_path: str | Path, num_heads: int, num_kv_heads: int) -> dict
 
     q / k projections come back in transformers' row order (llama.cpp permutes
     their rows for its rotary layout). Tensors of other types are left out.
-    Parsing a GGUF's metadata (its vocabulary) takes seconds; `codes` caches this.
+    Parsing a GGUF's metadata (its vocabulary) takes seconds; `codes` caches this and says so once.
     """
     try:
         import gguf
@@ -184,7 +184,9 @@ def codes(gguf_path: str | Path, num_heads: int, num_kv_heads: int) -> tuple[dic
                     for name, (q, d, m) in got.items()}, True
         except (SafetensorError, OSError, KeyError, RuntimeError):
             pass                                                   # unreadable: rebuilt below
-    out = read_codes(gguf_path, num_heads, num_kv_heads)
+    from .progress import stage
+    with stage(f"reading the 4-bit codes of {gguf_path.name} for q4 weights (once; cached in {cached.parent})"):
+        out = read_codes(gguf_path, num_heads, num_kv_heads)
     flat = {}
     for name, (q, d, m) in out.items():
         flat[f"{name}.q"] = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()

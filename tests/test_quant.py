@@ -101,11 +101,13 @@ def test_q4_needs_bfloat16_the_cpu_and_a_gguf(q4_gguf_file, gguf_file, model_dir
     assert gguf_source(str(model_dirs / "target")) is None
 
 
-def test_codes_are_cached_and_a_damaged_cache_is_rebuilt(q4_gguf_file):
+def test_codes_are_cached_and_a_damaged_cache_is_rebuilt(q4_gguf_file, capsys):
     first, cached = quant.codes(q4_gguf_file, 4, 2)
     assert not cached
+    assert "mcsd: reading the 4-bit codes of tiny-q4_1.gguf" in capsys.readouterr().err   # the one-time work says so
     again, cached = quant.codes(q4_gguf_file, 4, 2)
     assert cached and first.keys() == again.keys()
+    assert capsys.readouterr().err == ""                                               # and later loads say nothing
     assert all(torch.equal(a, b) for k in first for a, b in zip(first[k], again[k]))
     quant._cache_file(q4_gguf_file.resolve()).write_bytes(b"not a safetensors file")
     rebuilt, cached = quant.codes(q4_gguf_file, 4, 2)
