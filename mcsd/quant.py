@@ -223,7 +223,8 @@ def attach(model: torch.nn.Module, gguf_path: str | Path) -> int:
     if weight.dtype != torch.bfloat16:
         raise Q4Error(f"q4 weights compute in bfloat16; the model is {str(weight.dtype).removeprefix('torch.')}")
     if not kernel_available():
-        raise Q4Error(f"torch {torch.__version__} has no CPU int4 weight-only kernel (torch >= 2.5 has)")
+        raise Q4Error(f"torch {torch.__version__} has no usable CPU int4 weight-only kernel "
+                      f"(aten::_weight_int4pack_mm_for_cpu); q4 weights need a torch that has it")
     cfg = model.config
     found, from_cache = codes(gguf_path, cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None)
                               or cfg.num_attention_heads)
