@@ -42,6 +42,8 @@ import types
 import torch
 import torch.nn.functional as F
 
+from . import quant
+
 _suspensions = 0                  # > 0 while some caller runs forwards on several threads
 _lock = threading.Lock()
 _local = threading.local()        # .packed: linear layers on this thread use their prepacked weights
@@ -141,7 +143,7 @@ def pack(module: torch.nn.Module) -> int:
     done = 0
     for layer in module.modules():
         if type(layer) is not torch.nn.Linear or not packable(layer.weight.dtype, layer.weight.device) \
-                or "_mcsd_q4" in layer.__dict__:                # runs on its 4-bit weights (mcsd.quant)
+                or quant.attached(layer):                       # runs on its 4-bit weights
             continue
         packed = layer.__dict__.get("_mcsd_packed")
         if packed is not None and packed.fresh(layer):

@@ -244,9 +244,8 @@ def attach(model: torch.nn.Module, gguf_path: str | Path) -> int:
             raise Q4Error(f"{gguf_path}: the weight for {path} does not dequantise to the model's; "
                           f"the model was not loaded from this file")
         made[path] = Q4Linear(q, d, m)
-    for path, q4 in made.items():                     # all or nothing
+    for path, q4 in made.items():                     # all or nothing (`kernels.pack` leaves these layers alone)
         layer = layers[path]
-        layer.__dict__.pop("_mcsd_packed", None)      # a prepacked dense copy would go unused
         layer.__dict__[_ATTR] = q4
         layer.__dict__["forward"] = types.MethodType(_q4_forward, layer)
     return len(made)
