@@ -11,6 +11,8 @@ import platform
 import pytest
 import torch
 
+from mcsd.config import WEIGHTS
+
 
 def pytest_addoption(parser):
     g = parser.getgroup("mcsd benchmarks")
@@ -27,7 +29,7 @@ def pytest_addoption(parser):
                      "choice; Hugging Face assisted generation keeps the preset's draft model)")
     g.addoption("--bench-dtype", default="bfloat16",
                 help="float32, bfloat16, float16, or auto (what --dtype auto picks for this pair on this machine)")
-    g.addoption("--bench-weights", default="dense", choices=("dense", "q4"),
+    g.addoption("--bench-weights", default="dense", choices=WEIGHTS,
                 help="the target's weights: dense, or q4 (its Q4_1 GGUF's codes on torch's int4 kernel; bfloat16)")
     g.addoption("--bench-device", default="cpu")
     g.addoption("--bench-threads", type=int, default=None, help="torch threads (default: torch's choice)")

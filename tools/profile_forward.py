@@ -16,6 +16,7 @@ from pathlib import Path
 
 
 def main(argv=None) -> int:
+    from mcsd.config import WEIGHTS
     from mcsd.profile import STAND_INS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", help="target source (default: the embedded preset)")
@@ -27,7 +28,7 @@ def main(argv=None) -> int:
     ap.add_argument("--path", choices=("aten", "onednn", "packed"), default=None,
                     help="matmul path (default: torch's own choice; see mcsd.kernels)")
     ap.add_argument("--attention", default="auto", help="auto, sdpa, gqa or eager (default auto: what the engine runs)")
-    ap.add_argument("--weights", choices=("dense", "q4"), default="dense",
+    ap.add_argument("--weights", choices=WEIGHTS, default="dense",
                     help="q4: the target's Q4_1 GGUF codes on torch's int4 kernel (bfloat16; mcsd.quant)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--top", action="store_true", help="also list the operations with the most self time")
