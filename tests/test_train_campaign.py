@@ -9,7 +9,7 @@ import torch
 
 from conftest import tiny_llama, word_tokenizer
 from mcsd.train import campaign
-from mcsd.train.generation import sample_batch, top_p_filter
+from mcsd.train.generation import sample_batch, sample_nucleus, top_p_filter
 from mcsd.train.magpie import NearDuplicates, diversity, keep_prompt, normalise, prefix_ids
 from mcsd.train.shards import Record, ShardStore, read_shard, write_shard
 
@@ -94,6 +94,27 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert kept.tolist() == [[True, True, False, False]]
     assert top_p_filter(logits, 0.81).isfinite().tolist() == [[True, True, True, False]]
     assert top_p_filter(logits, 1.0) is logits
+
+
+@pytest.mark.parametrize("candidates", [(3,), (2, 8), (1024,)])   # (3,): the flat row sorts every token
+def test_nucleus_sampling_draws_the_top_p_distribution(candidates):
+    from scipy.stats import chisquare
+    g = torch.Generator().manual_seed(3)
+    sharp = torch.randn(1, 40, generator=g) * 3.0            # nucleus of a few tokens
+    flat = torch.randn(1, 40, generator=g) * 0.3             # nucleus of most of the vocabulary
+    n = 6000
+    logits = torch.cat([sharp.expand(n, -1), flat.expand(n, -1)])
+    drawn = sample_nucleus(logits, 0.8, 0.9, torch.Generator().manual_seed(1), candidates=candidates)
+    for row, block in ((sharp, drawn[:n]), (flat, drawn[n:])):
+        kept = top_p_filter(row / 0.8, 0.9)
+        target = kept.softmax(-1)[0]                             # the nucleus, renormalised
+        assert kept[0, block].isfinite().all()                   # nothing outside the nucleus
+        counts = torch.bincount(block, minlength=40).double()
+        support = target > 0
+        expected = target[support].double() / target[support].double().sum() * n
+        assert chisquare(counts[support], expected).pvalue > 1e-3
+    again = sample_nucleus(logits, 0.8, 0.9, torch.Generator().manual_seed(1), candidates=candidates)
+    assert torch.equal(drawn, again)
 
 
 @pytest.mark.parametrize("max_new", [1, 12])
