@@ -20,6 +20,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from mcsd.kv_cache import cache_keyword
+
 
 class GrowingLayer(DynamicLayer):
     """A cache layer over a preallocated (B, H, capacity, D) buffer, written in place.
@@ -172,10 +174,11 @@ def sample_batch(
     full_mask = torch.ones((B, P + max_new_tokens), dtype=torch.long, device=device)
     full_mask[:, :P] = attention_mask
     cache = growing_cache(model.config.num_hidden_layers, P + max_new_tokens)
+    cache_kw = cache_keyword(model.model)
 
     def forward(ids, positions, length):
         out = model.model(input_ids=ids, attention_mask=full_mask[:, :length], position_ids=positions,
-                          past_key_values=cache, use_cache=True)
+                          use_cache=True, **{cache_kw: cache})
         hidden = out.last_hidden_state[:, -1]                                   # (b, H)
         return hidden, model.lm_head(hidden).float()                           # (b, H), (b, V)
 

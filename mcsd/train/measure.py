@@ -67,9 +67,9 @@ def measure_cost(target, draft, context: list[int], runs: int = 30, warmup: int 
     token = ids[:, -1:]  # (1, 1)
     steps = {}
     for role, model in (("target", target), ("draft", draft)):
-        cache = DynamicCache()
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
-        steps[role] = (lambda m=model, c=cache: m(input_ids=token, past_key_values=c, use_cache=True),
+        cache, kw = DynamicCache(), kv_cache.cache_keyword(model)
+        model(input_ids=ids, use_cache=True, **{kw: cache})
+        steps[role] = (lambda m=model, c=cache, k=kw: m(input_ids=token, use_cache=True, **{k: c}),
                        lambda c=cache: c.crop(-1))
     return interleaved_cost(steps, runs, warmup, len(context))
 
