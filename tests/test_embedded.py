@@ -74,3 +74,23 @@ def test_shipped_feature_head_is_exact_with_the_learned_policy(pair):
         out = dec.generate(ids, max_new_tokens=24)
         assert out.tokens == dec.generate_baseline(ids, max_new_tokens=24).tokens
         assert out.stats.draft_forwards > 0
+
+
+def test_shipped_cards_name_no_machine_local_path():
+    """Cards and profiles in the repository are read on other machines: no absolute path of the
+    machine that wrote them (its repository root, its home folder) may survive in them."""
+    import re
+    from pathlib import Path
+
+    from mcsd.train import portable
+
+    repo = Path(__file__).resolve().parents[1]
+    files = [p for folder in ("models", "benchmarks/profiles") for p in (repo / folder).rglob("*.json")]
+    assert files
+    for path in files:
+        text = path.read_text()
+        assert str(repo) + "/" not in text and str(Path.home()) + "/" not in text, path
+        # a clone elsewhere: any absolute path into a repository folder
+        assert not re.search(r"(?<![\w.~])/[\w./-]*/(models|data|benchmarks|tools|mcsd)/", text), path
+    card = {"init": f"the weights of {repo}/models/x", "cmd": [f"--ckpt {Path.home()}/.cache/c"], "n": 3}
+    assert portable(card) == {"init": "the weights of models/x", "cmd": ["--ckpt ~/.cache/c"], "n": 3}

@@ -7,6 +7,22 @@ pays nothing for it.
 """
 
 
+def portable(value):
+    """A card's value with machine-local paths made portable: the repository's root becomes a
+    relative path and the home folder `~`, in every string of nested dicts and lists (a card is
+    read on other machines, and must not name this one's folders)."""
+    from pathlib import Path
+
+    if isinstance(value, dict):
+        return {k: portable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [portable(v) for v in value]
+    if not isinstance(value, str):
+        return value
+    root = str(Path(__file__).resolve().parents[2])
+    return value.replace(root + "/", "").replace(root, ".").replace(str(Path.home()), "~")
+
+
 def library_main(doc: str, runs_it: str, argv: list[str] | None = None) -> int:
     """The command line of a library module with no stage of its own: `--help` (or no argument) prints
     its docstring and what runs it.

@@ -28,6 +28,7 @@ import numpy as np
 
 from mcsd.models import models_dir
 from mcsd.policies.learned import FEATURE_NAMES, AcceptanceModel, export_sklearn
+from mcsd.train import portable
 from mcsd.train.length_data import path_labels
 
 PARENT = FEATURE_NAMES.index("parent_pred")
@@ -192,7 +193,7 @@ def main(argv=None) -> int:
             shlex.quote(a) for a in (argv or sys.argv[1:]))).replace(str(Path.home()), "~"),
         "seconds": round(time.time() - t0, 1),
     }
-    (out / "acceptance-card.json").write_text(json.dumps(card, indent=1))
+    (out / "acceptance-card.json").write_text(json.dumps(portable(card), indent=1))
     print(f"wrote {out / 'acceptance.json'} ({best}), {out / 'acceptance-card.json'}, "
           f"{out / 'acceptance-calibration.png'}")
     return 0

@@ -30,6 +30,7 @@ import numpy as np
 
 from mcsd.models import models_dir
 from mcsd.policies.disco import DISCO_FEATURES, FORMAT, FORMAT_VERSION, DiscoClassifier
+from mcsd.train import portable
 from mcsd.train.decision_models import load_traces, trace_command
 from mcsd.train.length_data import (COL, ChainCosts, auc_or_none, chains, drafted_from_decisions, path_labels,
                                     simulate, static_table)
@@ -133,7 +134,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     DiscoClassifier(spec, "export")                                   # what is written must load
     (out / "disco.json").write_text(json.dumps(spec, indent=1))
-    (out / "disco-card.json").write_text(json.dumps(card, indent=1))
+    (out / "disco-card.json").write_text(json.dumps(portable(card), indent=1))
     print(f"DISCO: held-out AUC {card['metrics_heldout']['auc']}, threshold {threshold}; simulated held-out "
           f"tau {held_sim['tau']:.2f}, {held_sim['tokens_per_s']:.1f} tok/s vs best static k={best_k} "
           f"{statics[best_k]['tokens_per_s']:.1f} tok/s -> {out}")

@@ -79,6 +79,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from mcsd.train import portable
 from mcsd.train import data as td
 
 REPO = Path(__file__).resolve().parents[2]
@@ -381,7 +382,7 @@ def export_draft(draft, out_dir: Path, tokenizer, card_update: dict, basis: torc
     card_path = out_dir / "card.json"
     card = json.loads(card_path.read_text()) if card_path.exists() else {}
     card.update(card_update)
-    card_path.write_text(json.dumps(card, indent=2) + "\n")
+    card_path.write_text(json.dumps(portable(card), indent=2) + "\n")
 
 
 def select_layers(state: dict, keep: list[int], n_layers: int) -> dict:

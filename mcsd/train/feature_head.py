@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from mcsd.feature_draft import FeatureHead, FeatureHeadConfig
 from mcsd.models import cache_dir, load_model
+from mcsd.train import portable
 from mcsd.train import data as target_data
 
 
@@ -441,6 +442,6 @@ def main(argv=None) -> int:
     if init_card is not None:
         card["continued_from"] = {k: init_card.get(k) for k in ("data", "training", "heldout_agreement", "command",
                                                                 "continued_from") if k in init_card}
-    head.save(args.out, card=card)
+    head.save(args.out, card=portable(card))
     print(f"wrote {args.out}")
     return 0

@@ -29,6 +29,7 @@ import torch
 
 from mcsd import kv_cache
 
+from mcsd.train import portable
 from mcsd.train import data as td
 from mcsd.train import distill as dd
 from mcsd.train import engine
@@ -118,7 +119,7 @@ def write_figures(model_dir: Path, args, indent: int, **figures):
     card.setdefault("figures", {}).update(figures)
     card.setdefault("reproduce", {})["measure"] = "python tools/measure_draft.py " + " ".join(
         sys.argv[1:] if args.argv is None else args.argv)
-    card_path.write_text(json.dumps(card, indent=indent) + "\n")
+    card_path.write_text(json.dumps(portable(card), indent=indent) + "\n")
     print(f"updated {card_path}")
 
 

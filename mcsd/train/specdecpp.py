@@ -31,6 +31,7 @@ import torch
 
 from mcsd.models import models_dir
 from mcsd.policies.specdecpp import AcceptanceHead, SpecDecHead
+from mcsd.train import portable
 from mcsd.train.decision_models import load_traces, trace_command
 from mcsd.train.length_data import (ChainCosts, auc_or_none, chains, drafted_from_decisions, path_labels, simulate,
                                     static_table)
@@ -157,7 +158,7 @@ def main(argv=None) -> int:
     out = args.out or models_dir() / "decision-models"
     head.save(out, h_best, drafter, meta={"trained_on": card["data"]["fit"]["command"]})
     SpecDecHead.load(out / "specdecpp.json")                          # what is written must load
-    (out / "specdecpp-card.json").write_text(json.dumps(card, indent=1))
+    (out / "specdecpp-card.json").write_text(json.dumps(portable(card), indent=1))
     print(f"SpecDec++: held-out AUC {card['metrics_heldout']['auc_greedy_label']} (greedy labels), h {h_best}; "
           f"simulated held-out tau {held_sim['tau']:.2f}, {held_sim['tokens_per_s']:.1f} tok/s vs best static "
           f"k={best_k} {statics[best_k]['tokens_per_s']:.1f} tok/s; {train_s:.0f} s training -> {out}")
