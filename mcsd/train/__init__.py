@@ -19,8 +19,10 @@ def portable(value):
         return [portable(v) for v in value]
     if not isinstance(value, str):
         return value
-    root = str(Path(__file__).resolve().parents[2])
-    return value.replace(root + "/", "").replace(root, ".").replace(str(Path.home()), "~")
+    root, home = str(Path(__file__).resolve().parents[2]), str(Path.home())
+    if value in (root, home):
+        return "." if value == root else "~"
+    return value.replace(root + "/", "").replace(home + "/", "~/")
 
 
 def library_main(doc: str, runs_it: str, argv: list[str] | None = None) -> int:
