@@ -190,7 +190,7 @@ def main(argv=None) -> int:
                         "traces": d["settings"], "command": trace_command(d["settings"], folder)}
                  for name, d, folder in (("fit", fit, args.fit), ("heldout", held, args.heldout))},
         "command": ("python tools/train_decision_models.py " + " ".join(
-            shlex.quote(a) for a in (argv or sys.argv[1:]))).replace(str(Path.home()), "~"),
+            shlex.quote(a) for a in (argv or sys.argv[1:]))),
         "seconds": round(time.time() - t0, 1),
     }
     (out / "acceptance-card.json").write_text(json.dumps(portable(card), indent=1))

@@ -127,7 +127,7 @@ def main(argv=None) -> int:
                  "heldout": {"rows": int(valid_held.sum()), "rounds": int(len(ok_held)),
                              "questions": int(len(np.unique(held["question_id"]))),
                              "command": trace_command(held["settings"], args.heldout)}},
-        "command": "python tools/train_disco.py " + " ".join(argv if argv is not None else sys.argv[1:]).replace(str(Path.home()), "~"),
+        "command": "python tools/train_disco.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     spec["meta"] = {"trained_on": card["data"]["fit"]["command"], "drafter": fit["settings"].get("drafter")}
     out = args.out or models_dir() / "decision-models"

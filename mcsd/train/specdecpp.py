@@ -153,7 +153,7 @@ def main(argv=None) -> int:
                          "command": trace_command(fit["settings"], args.fit)},
                  "heldout": {"rows": int(hv.sum()), "questions": int(len(np.unique(held["question_id"]))),
                              "command": trace_command(held["settings"], args.heldout)}},
-        "command": "python tools/train_specdecpp.py " + " ".join(argv if argv is not None else sys.argv[1:]).replace(str(Path.home()), "~"),
+        "command": "python tools/train_specdecpp.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     out = args.out or models_dir() / "decision-models"
     head.save(out, h_best, drafter, meta={"trained_on": card["data"]["fit"]["command"]})
