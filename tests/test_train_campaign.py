@@ -180,6 +180,20 @@ def test_answer_stage_writes_shards_and_resumes(tmp_path):
     assert json.loads((tmp_path / "manifest.json").read_text())["runs"]["run"]["n_tokens"] == entry["n_tokens"]
 
 
+def test_prompts_another_run_answered_are_left_out(tmp_path):
+    model = tiny_llama(seed=1)
+    tok = word_tokenizer()
+    chat_ids = lambda tokenizer, text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    prompts = [{"id": f"mp-{i}", "category": "qa", "text": f"w{10 + i:02d} w{20 + i:02d}"} for i in range(4)]
+    store = ShardStore(tmp_path)
+    settings = {"source": "magpie", "temperature": 0.0, "max_new_tokens": 4, "samples": 1}
+    campaign.answer(model, tok, store, "first", prompts[:2], settings, chat_ids, batch_size=2, shard_seconds=0.0,
+                    log=lambda *_: None)
+    entry = campaign.answer(model, tok, store, "second", prompts, settings, chat_ids, batch_size=2, shard_seconds=0.0,
+                            skip=store.done_keys("first"), log=lambda *_: None)
+    assert sorted(r.key for r in store.records(["second"])) == ["mp-2/0", "mp-3/0"] and entry["n_sequences"] == 2
+
+
 def test_a_store_run_becomes_a_teacher_labelled_run(tmp_path, target):
     from mcsd.train import data as td
     from mcsd.train import engine

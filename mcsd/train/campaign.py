@@ -159,13 +159,16 @@ def write_prompts(model, tokenizer, store: ShardStore, count: int, source: str =
 
 def answer(model, tokenizer, store: ShardStore, run: str, prompts: list[dict], settings: dict,
            chat_ids, batch_size: int = 64, token_budget: int = 16384, shard_seconds: float = 300.0,
-           command: str | None = None, limit: int | None = None, log=print) -> dict:
+           command: str | None = None, limit: int | None = None, skip: set[str] = frozenset(),
+           log=print) -> dict:
     """Target responses to `prompts` ({id, category, text} dicts), stored as token shards of `run`.
 
     `settings` holds temperature, top_p, samples and max_new_tokens (and
     anything else that defines the run: resuming with other settings is
     refused). Shards are written at least every `shard_seconds`, so a
-    killed job loses little.
+    killed job loses little. Prompts whose key is in `skip` (answered by
+    another run, e.g. the same greedy answers in another dtype) are left out:
+    a second copy of nearly the same answer adds tokens, not information.
 
     Returns:
         The run's manifest entry.
@@ -179,11 +182,11 @@ def answer(model, tokenizer, store: ShardStore, run: str, prompts: list[dict], s
             continue
         for s in range(settings.get("samples", 1)):
             key = f"{p['id']}/{s}"
-            if key not in done:
+            if key not in done and key not in skip:
                 jobs.append((key, p["category"], ids))
     if limit is not None:
         jobs = jobs[: max(0, limit - len(done))]
-    log(f"[answer {run}] {len(done)} done, {len(jobs)} pending")
+    log(f"[answer {run}] {len(done)} done, {len(jobs)} pending" + (f", {len(skip)} answered elsewhere" if skip else ""))
     ends = eos_ids(tokenizer)
     batches = length_batches([len(j[2]) for j in jobs], batch_size, token_budget)
     # stable but mixed order, so a stopped run holds short and long prompts alike

@@ -213,11 +213,13 @@ def run_campaign(args):
                 "dtype": str(model.dtype).removeprefix("torch.")}
     have = len(store.read_prompts("magpie"))
     while True:
-        goal = min(args.prompts, max(have, len(store.done_keys(args.run))) + args.step)
+        skip = set().union(*(store.done_keys(run) for run in args.skip_answered_by))
+        goal = min(args.prompts, max(have, len(store.done_keys(args.run) | skip)) + args.step)
         campaign.write_prompts(model, tokenizer, store, goal, batch_size=args.batch_size)
         have = len(store.read_prompts("magpie"))
         campaign.answer(model, tokenizer, store, args.run, store.read_prompts("magpie"), settings, chat_ids,
-                        batch_size=args.batch_size, shard_seconds=args.shard_seconds, command=args.command)
+                        batch_size=args.batch_size, shard_seconds=args.shard_seconds, command=args.command,
+                        skip=skip)
         print(store.status(), flush=True)
         if have >= args.prompts:
             break
@@ -702,6 +704,9 @@ def main(argv=None):
     cp.add_argument("--max-new-tokens", type=int, default=256)
     cp.add_argument("--batch-size", type=int, default=64)
     cp.add_argument("--shard-seconds", type=float, default=600.0)
+    cp.add_argument("--skip-answered-by", action="append", default=[], metavar="RUN",
+                    help="leave out prompts this run already answered (repeatable), e.g. the same greedy "
+                         "answers in another dtype")
 
     fs = sub.add_parser("from-store", help="a store run as a response run, for the teacher stage to label")
     fs.add_argument("--run", required=True, help="the store's run")
