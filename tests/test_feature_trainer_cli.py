@@ -123,3 +123,16 @@ def test_v1_head_widened_to_v2_goes_on_from_where_it_was(setup):
         tfd.main(common + ["--init", str(v1), "--feature-layers", "1,2", "--out", str(tmp_path / "x")])
     with pytest.raises(SystemExit, match="reads target layers \\[1, -1\\], not \\[1, 2\\]"):
         tfd.main(common + ["--init", str(trained), "--feature-layers", "1,2", "--out", str(tmp_path / "y")])
+
+
+def test_bfloat16_autocast_trains_and_says_so_on_the_card(setup):
+    tmp_path, common, _ = setup
+    out = tmp_path / "bf16-head"
+    start = tmp_path / "start"
+    assert tfd.main(common + ["--max-updates", "0", "--time-budget-min", "0", "--out", str(start)]) == 0
+    assert tfd.main(common + ["--init", str(start), "--bf16", "--out", str(out)]) == 0
+    card = json.loads((out / "card.json").read_text())
+    assert card["training"]["autocast"] == "bfloat16" and card["training"]["updates"] == 3
+    head = FeatureHead.load(out)
+    assert head.reduce.weight.dtype == torch.float32                      # master weights stay float32
+    assert not torch.equal(head.reduce.weight, FeatureHead.load(start).reduce.weight)
