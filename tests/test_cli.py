@@ -44,7 +44,7 @@ def test_stream_and_stats(model_dirs, capsys):
     captured = capsys.readouterr()
     assert len(captured.out.split()) == 10
     assert "tokens/s" in captured.err and "acceptance by depth" in captured.err
-    assert "attention: grouped-query products for 2-32 float32 rows" in captured.err
+    assert "attention: torch SDPA over the cache as it is, query heads grouped" in captured.err
 
 
 def test_prompt_from_file_and_stdin(model_dirs, tmp_path, capsys, monkeypatch):
