@@ -110,17 +110,19 @@ class _Packed:
         self.weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), PACK_ROWS)
         self.bias = None if layer.bias is None else layer.bias.detach()
         self._made_from = (layer.weight, layer.bias)         # kept alive, so their ids stay theirs
-        self._stamp = self._stamp_of(layer)
+        self._stamp = self._stamp_of(layer.weight, layer.bias)
 
     @staticmethod
-    def _stamp_of(layer: torch.nn.Linear) -> tuple:
-        return tuple((id(t), t.data_ptr(), t._version) if t is not None else None
-                     for t in (layer.weight, layer.bias))
+    def _stamp_of(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+        return (weight.data_ptr(), weight._version,
+                None if bias is None else (bias.data_ptr(), bias._version))
 
     def fresh(self, layer: torch.nn.Linear) -> bool:
         """The layer's weight (and bias) are still the tensors this copy was made from, unchanged
-        (the same objects, storage and version counter)."""
-        return self._stamp_of(layer) == self._stamp
+        (the same objects, storage and version counter). Runs on every product: kept cheap."""
+        weight, bias = layer.weight, layer.bias
+        return (weight is self._made_from[0] and bias is self._made_from[1]
+                and self._stamp_of(weight, bias) == self._stamp)
 
     def __deepcopy__(self, memo):
         # A deep copy of a packed model has weights of its own, which this was not made from (and
