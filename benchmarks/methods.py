@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from mcsd import TreeDecoder, kernels
+from mcsd.kv_cache import cache_keyword
 from mcsd.policies import POLICIES
 
 CHAIN_KS = (1, 2, 3, 4, 6)
@@ -100,6 +101,7 @@ def _hf_static(bench, ids, compiled: bool) -> Run:
     decoding step is built once; building it is warm-up, outside the timing."""
     from transformers import StaticCache
     from transformers.generation import CompileConfig
+    cache_kw = cache_keyword(bench.target)                  # `cache` where transformers renamed `past_key_values`
     length = -(-(max(p.numel() for _, p in bench.prompts) + bench.max_new_tokens) // 256) * 256
     settings = {"disable_compile": True}
     if compiled:
@@ -107,9 +109,9 @@ def _hf_static(bench, ids, compiled: bool) -> Run:
         cfg._compile_all_devices = True                  # transformers compiles on accelerators only by default
         settings = {"compile_config": cfg}
         if not bench.decoders.get("hf_compiled_built"):
-            _hf(bench, ids, past_key_values=StaticCache(config=bench.target.config, max_cache_len=length), **settings)
+            _hf(bench, ids, **{cache_kw: StaticCache(config=bench.target.config, max_cache_len=length)}, **settings)
             bench.decoders["hf_compiled_built"] = True
-    return _hf(bench, ids, past_key_values=StaticCache(config=bench.target.config, max_cache_len=length), **settings)
+    return _hf(bench, ids, **{cache_kw: StaticCache(config=bench.target.config, max_cache_len=length)}, **settings)
 
 
 def _mcsd(bench, ids, tree: str | None, policy: str = "static", baseline: bool = False,
