@@ -101,17 +101,20 @@ def _hf_static(bench, ids, compiled: bool) -> Run:
     decoding step is built once; building it is warm-up, outside the timing."""
     from transformers import StaticCache
     from transformers.generation import CompileConfig
-    cache_kw = cache_keyword(bench.target)                  # `cache` where transformers renamed `past_key_values`
     length = -(-(max(p.numel() for _, p in bench.prompts) + bench.max_new_tokens) // 256) * 256
+
+    def fresh_cache() -> dict:                   # by the keyword the model takes (`cache` in newer transformers)
+        return {cache_keyword(bench.target): StaticCache(config=bench.target.config, max_cache_len=length)}
+
     settings = {"disable_compile": True}
     if compiled:
         cfg = CompileConfig(mode="default" if bench.target.device.type == "cpu" else "reduce-overhead")
         cfg._compile_all_devices = True                  # transformers compiles on accelerators only by default
         settings = {"compile_config": cfg}
         if not bench.decoders.get("hf_compiled_built"):
-            _hf(bench, ids, **{cache_kw: StaticCache(config=bench.target.config, max_cache_len=length)}, **settings)
+            _hf(bench, ids, **fresh_cache(), **settings)
             bench.decoders["hf_compiled_built"] = True
-    return _hf(bench, ids, **{cache_kw: StaticCache(config=bench.target.config, max_cache_len=length)}, **settings)
+    return _hf(bench, ids, **fresh_cache(), **settings)
 
 
 def _mcsd(bench, ids, tree: str | None, policy: str = "static", baseline: bool = False,
