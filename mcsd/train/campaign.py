@@ -117,7 +117,7 @@ def write_prompts(model, tokenizer, store: ShardStore, count: int, source: str =
         while len(kept) < count:
             t0 = time.time()
             slots = [names[(rounds * batch_size + j) % len(names)] for j in range(batch_size)]
-            generator = torch.Generator().manual_seed(seed_for(source, rounds))
+            generator = torch.Generator(device=model.device).manual_seed(seed_for(source, rounds))
             outs = sample_batch(model, [prefixes[s] for s in slots], max_new_tokens, temperature, top_p,
                                 ends, tokenizer.pad_token_id or 0, generator)
             new = []
@@ -198,7 +198,7 @@ def answer(model, tokenizer, store: ShardStore, run: str, prompts: list[dict], s
         for batch in batches:
             t_batch = time.time()
             first = jobs[batch[0]][0]
-            generator = torch.Generator().manual_seed(seed_for(run, first))
+            generator = torch.Generator(device=model.device).manual_seed(seed_for(run, first))
             outs = sample_batch(model, [jobs[i][2] for i in batch], settings["max_new_tokens"],
                                 settings.get("temperature", 0.0), settings.get("top_p", 1.0), ends,
                                 tokenizer.pad_token_id or 0, generator)
