@@ -218,8 +218,8 @@ def run_campaign(args):
         campaign.write_prompts(model, tokenizer, store, goal, batch_size=args.batch_size)
         have = len(store.read_prompts("magpie"))
         campaign.answer(model, tokenizer, store, args.run, store.read_prompts("magpie"), settings, chat_ids,
-                        batch_size=args.batch_size, shard_seconds=args.shard_seconds, command=args.command,
-                        skip=skip)
+                        batch_size=args.batch_size, token_budget=args.token_budget,
+                        shard_seconds=args.shard_seconds, command=args.command, skip=skip)
         print(store.status(), flush=True)
         if have >= args.prompts:
             break
@@ -703,6 +703,8 @@ def main(argv=None):
     cp.add_argument("--top-p", type=float, default=1.0)
     cp.add_argument("--max-new-tokens", type=int, default=256)
     cp.add_argument("--batch-size", type=int, default=64)
+    cp.add_argument("--token-budget", type=int, default=16384,
+                    help="padded prompt tokens per answering batch (raise it on a GPU, where rows are cheap)")
     cp.add_argument("--shard-seconds", type=float, default=600.0)
     cp.add_argument("--skip-answered-by", action="append", default=[], metavar="RUN",
                     help="leave out prompts this run already answered (repeatable), e.g. the same greedy "
