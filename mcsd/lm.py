@@ -73,7 +73,7 @@ class CachedLM:
         keep = {"logits_to_keep": 1} if last_logits and self._keeps_logits else {}
         with kernels.running(self.kernels, tokens.numel()):
             out = self.model(input_ids=tokens.to(self.device)[None], position_ids=positions.to(self.device)[None],
-                             attention_mask=mask, use_cache=True, output_hidden_states=hidden,
+                             attention_mask=mask, use_cache=True, output_hidden_states=bool(hidden),
                              **{self._cache_kw: self.cache}, **keep)
         logits = out.logits[0].to(self.device)          # a device_map may end on another GPU
         if not hidden:

@@ -207,3 +207,18 @@ def test_a_packed_model_deep_copies_and_the_copy_runs_on_its_own_weights():
         kernels.pack(clone)
         with kernels.using("packed"):
             assert torch.allclose(clone(ids).logits, b, atol=1e-5)
+
+
+def test_hidden_states_are_asked_for_with_a_plain_flag():
+    """`output_hidden_states` goes to the model as True/False: some transformers releases read
+    only `is True`, and a tuple of layer indices there silently returned no hidden states."""
+    model = tiny_llama(0).eval()
+    seen = []
+    model.register_forward_pre_hook(lambda mod, args, kwargs: seen.append(kwargs.get("output_hidden_states")),
+                                    with_kwargs=True)
+    lm = CachedLM(model)
+    logits, states = lm.extend(PROMPT, hidden=(1, -1))
+    assert seen == [True]
+    assert states.shape == (PROMPT.numel(), 2 * model.config.hidden_size)
+    lm.extend(torch.tensor([7]))
+    assert seen == [True, False]
