@@ -275,6 +275,9 @@ def _check_args(args) -> None:
     _check_sources(args)
     if args.lossy_target_roots < 0:
         raise UsageError(f"--lossy-target-roots must be >= 0, got {args.lossy_target_roots}")
+    if args.lossy_target_roots and args.temperature != 0:
+        # the decoder says so too, but only once the models are loaded and this machine's costs measured
+        raise UsageError("lossy_target_roots is defined for greedy decoding only (temperature 0)")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
     if args.weights == "q4" and args.dtype not in ("auto", "bfloat16", "bf16"):
