@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from .config import (ATTENTION_BACKENDS, DTYPE_NAMES, MAX_TREE_DEPTH, MAX_TREE_NODES, WEIGHTS, ConfigError,
-                     DecodeConfig, ProcessingConfig, SamplingConfig)
+                     DecodeConfig, ProcessingConfig, SamplingConfig, check_lossy_roots)
 from .errors import ModelLoadError
 from .presets import DEFAULT_PRESET, DRAFTERS, PRESETS, describe_presets, parse_drafter_spec
 
@@ -275,9 +275,6 @@ def _check_args(args) -> None:
     _check_sources(args)
     if args.lossy_target_roots < 0:
         raise UsageError(f"--lossy-target-roots must be >= 0, got {args.lossy_target_roots}")
-    if args.lossy_target_roots and args.temperature != 0:
-        # the decoder says so too, but only once the models are loaded and this machine's costs measured
-        raise UsageError("lossy_target_roots is defined for greedy decoding only (temperature 0)")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
     if args.weights == "q4" and args.dtype not in ("auto", "bfloat16", "bf16"):
@@ -319,10 +316,13 @@ def _check_args(args) -> None:
         if not png.parent.is_dir():
             raise UsageError(f"cannot write --show-tree {args.show_tree}: no directory {png.parent}")
     from .tree import parse_tree_spec
-    DecodeConfig(max_new_tokens=args.max_new_tokens, seed=args.seed, stop_strings=tuple(args.stop),
-                 sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.min_p or 0.0,
-                                         1.0 if args.typical_p is None else args.typical_p),
-                 processing=ProcessingConfig(**{k: v for k, v in _processing(args).items() if v is not None}))
+    decode = DecodeConfig(max_new_tokens=args.max_new_tokens, seed=args.seed, stop_strings=tuple(args.stop),
+                          sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.min_p or 0.0,
+                                                  1.0 if args.typical_p is None else args.typical_p),
+                          processing=ProcessingConfig(**{k: v for k, v in _processing(args).items()
+                                                         if v is not None}))
+    if not args.baseline:
+        check_lossy_roots(args.lossy_target_roots, decode.sampling)
     parse_tree_spec(args.tree)
     if (args.lossy_target_roots or args.policy == "pearl") and not args.baseline \
             and (any(v is not None for v in _processing(args).values()) or args.logprobs):

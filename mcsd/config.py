@@ -30,6 +30,13 @@ def check_context_window(context_window: int | None, prompt_len: int, max_new_to
                           f"target's context window of {context_window} tokens")
 
 
+def check_lossy_roots(width: int, sampling: "SamplingConfig") -> None:
+    """A ConfigError when lossy target roots (width > 0) are asked for with sampling: the variant is
+    defined for greedy decoding only."""
+    if width and not sampling.greedy:
+        raise ConfigError("lossy_target_roots is defined for greedy decoding only (temperature 0)")
+
+
 def _number(name: str, value) -> float:
     """A real number (not a bool, not a string); ConfigError otherwise."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):

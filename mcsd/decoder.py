@@ -25,7 +25,7 @@ import torch
 
 from . import kernels, pearl, processors, prompts
 from .calibration import Calibration
-from .config import ConfigError, DecodeConfig, check_context_window
+from .config import ConfigError, DecodeConfig, check_context_window, check_lossy_roots
 from .context import ContextDrafter
 from .draft import GrownTree
 from .lm import CachedLM
@@ -187,11 +187,10 @@ class TreeDecoder:
         check_context_window(self.context_window, prompt_ids.numel(), cfg.max_new_tokens)
         if baseline:
             return (yield from self._decode(prompt_ids, cfg, Proposer(self._baseline_policy, None, None)))
+        check_lossy_roots(self.lossy_roots, cfg.sampling)
         # between generations, never within one: measure again where the last one found the costs stale
         self.calibration.refresh(getattr(self.policy, "costs", None) or self.context_costs)
         proposer = Proposer(self.policy, self.drafter, self.context, self.lossy_roots, self.context_costs)
-        if proposer.lossy and not cfg.sampling.greedy:
-            raise ConfigError("lossy_target_roots is defined for greedy decoding only (temperature 0)")
         if proposer.lossy:
             _exact_loop_only(cfg, "lossy_target_roots")
         return (yield from self._decode(prompt_ids, cfg, proposer, on_round))

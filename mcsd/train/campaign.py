@@ -36,6 +36,11 @@ def seed_for(*parts) -> int:
     return int(hashlib.sha256("/".join(map(str, parts)).encode()).hexdigest()[:15], 16)
 
 
+def seeded_generator(device, *parts) -> torch.Generator:
+    """A generator on `device` (where the sampling happens) seeded from `parts` (`seed_for`)."""
+    return torch.Generator(device=device).manual_seed(seed_for(*parts))
+
+
 def eos_ids(tokenizer) -> tuple[int, ...]:
     """The ids that end an assistant's (or user's) turn: EOS and the chat template's end-of-turn."""
     ids = {tokenizer.eos_token_id}
@@ -117,7 +122,7 @@ def write_prompts(model, tokenizer, store: ShardStore, count: int, source: str =
         while len(kept) < count:
             t0 = time.time()
             slots = [names[(rounds * batch_size + j) % len(names)] for j in range(batch_size)]
-            generator = torch.Generator(device=model.device).manual_seed(seed_for(source, rounds))
+            generator = seeded_generator(model.device, source, rounds)
             outs = sample_batch(model, [prefixes[s] for s in slots], max_new_tokens, temperature, top_p,
                                 ends, tokenizer.pad_token_id or 0, generator)
             new = []
@@ -198,7 +203,7 @@ def answer(model, tokenizer, store: ShardStore, run: str, prompts: list[dict], s
         for batch in batches:
             t_batch = time.time()
             first = jobs[batch[0]][0]
-            generator = torch.Generator(device=model.device).manual_seed(seed_for(run, first))
+            generator = seeded_generator(model.device, run, first)
             outs = sample_batch(model, [jobs[i][2] for i in batch], settings["max_new_tokens"],
                                 settings.get("temperature", 0.0), settings.get("top_p", 1.0), ends,
                                 tokenizer.pad_token_id or 0, generator)

@@ -72,9 +72,9 @@ from tqdm import tqdm
 
 from mcsd.data import chat_ids
 from mcsd.train import campaign
-from mcsd.train.campaign import length_batches, seed_for
+from mcsd.train.campaign import length_batches, seed_for, seeded_generator
 from mcsd.train.data import (DEFAULT_TARGET, default_data_dir, iter_records, load_prompts, load_spec_bench,
-                             load_target, manifest_update, pick_device, pick_dtype, read_manifest, save_shard,
+                             load_target, manifest_update, pick_dtype, read_manifest, save_shard,
                              start_run)
 from mcsd.train.generation import sample_batch
 from mcsd.train.shards import ShardStore
@@ -144,7 +144,7 @@ def run_generate(args):
     for batch in length_batches(lengths, args.batch_size, args.token_budget):
         t_batch = time.time()
         keys = [jobs[i][0] for i in batch]
-        generator = torch.Generator(device=pick_device()).manual_seed(seed_for(args.run, keys[0]))
+        generator = seeded_generator(model.device, args.run, keys[0])
         outs = generate_batch(
             model, [jobs[i][2] for i in batch], args.max_new_tokens, args.temperature,
             eos_ids, tokenizer.pad_token_id, TOPK, generator, args.store_hidden,
@@ -337,7 +337,7 @@ def run_selfinstruct(args):
             category = categories[(n_rounds * args.batch_size + j) % len(categories)]
             examples = rng.sample(by_category[category], k=min(3, len(by_category[category])))
             metas.append((category, chat_ids(tokenizer, selfinstruct_meta_prompt(examples))))
-        generator = torch.Generator(device=pick_device()).manual_seed(seed_for("selfinstruct-gen", n_rounds))
+        generator = seeded_generator(model.device, "selfinstruct-gen", n_rounds)
         outs = generate_batch(
             model, [m for _, m in metas], args.max_new_tokens, args.temperature,
             eos_ids, tokenizer.pad_token_id, TOPK, generator, args.store_hidden,
@@ -609,6 +609,14 @@ def _layer_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated layer indices such as 2,15,27, got {text!r}")
 
 
+def answering_options(parser, shard_seconds: float) -> None:
+    """The answering stages' batching: rows, padded prompt tokens and shard cadence."""
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--token-budget", type=int, default=16384,
+                        help="padded prompt tokens per answering batch (raise it on a GPU, where rows are cheap)")
+    parser.add_argument("--shard-seconds", type=float, default=shard_seconds, help="write a shard at least this often")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=DEFAULT_TARGET, help="target: preset name, directory, .gguf or hub id")
@@ -691,9 +699,7 @@ def main(argv=None):
     a.add_argument("--samples", type=int, default=1, help="responses per prompt")
     a.add_argument("--max-new-tokens", type=int, default=256)
     a.add_argument("--limit", type=int, default=None, help="stop when the run holds this many responses")
-    a.add_argument("--batch-size", type=int, default=64)
-    a.add_argument("--token-budget", type=int, default=16384, help="padded prompt tokens per batch")
-    a.add_argument("--shard-seconds", type=float, default=300.0, help="write a shard at least this often")
+    answering_options(a, shard_seconds=300.0)
 
     cp = sub.add_parser("campaign", help="alternate magpie and answer until --prompts prompts are answered")
     cp.add_argument("--prompts", type=int, default=30000)
@@ -702,10 +708,7 @@ def main(argv=None):
     cp.add_argument("--temperature", type=float, default=0.0, help="of the answers (0 = greedy)")
     cp.add_argument("--top-p", type=float, default=1.0)
     cp.add_argument("--max-new-tokens", type=int, default=256)
-    cp.add_argument("--batch-size", type=int, default=64)
-    cp.add_argument("--token-budget", type=int, default=16384,
-                    help="padded prompt tokens per answering batch (raise it on a GPU, where rows are cheap)")
-    cp.add_argument("--shard-seconds", type=float, default=600.0)
+    answering_options(cp, shard_seconds=600.0)
     cp.add_argument("--skip-answered-by", action="append", default=[], metavar="RUN",
                     help="leave out prompts this run already answered (repeatable), e.g. the same greedy "
                          "answers in another dtype")
