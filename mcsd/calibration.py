@@ -74,8 +74,9 @@ class Calibration:
             self.use_kernels(profile.load_target_costs(self.target.model) if alone else self.profile())
 
     def _q4_note(self) -> str | None:
-        n = quant.attached(self.target.model)
-        return f"target: {n} linear layers on q4 weights (torch's int4 kernel) at every block size" if n else None
+        n, joined = quant.attached(self.target.model), quant.joined(self.target.model)
+        return (f"target: {n} linear layers on q4 weights (torch's int4 kernel) at every block size"
+                + (", q / k / v as one product" if joined else "")) if n else None
 
     def use_kernels(self, prof) -> None:
         """Run each forward on the matmul path the profile measured faster for its size."""
@@ -92,6 +93,8 @@ class Calibration:
             notes.append(f"{label}{' (the rest)' if label == 'target' and len(notes) else ''}: {table.describe()}")
             if table.uses_packed and module is not None:       # prepacked weights are made once, here
                 kernels.pack(module)
+                if kernels.joined(module):
+                    notes[-1] += " (q / k / v as one product)"
         self.kernels_note = "; ".join(notes) or None
 
     def refresh(self, costs: profile.Costs | None) -> None:

@@ -125,7 +125,7 @@ class _Runner:
 
 
 def breakdown(model, sizes=(1, 2, 4, 8, 16, 32, 64), cache_len: int = 300, repeats: int = 5,
-              path: str | None = None) -> list[Breakdown]:
+              path: str | None = None, join: bool = True) -> list[Breakdown]:
     """Profile target forwards of each block size and split their time by operation class.
 
     Args:
@@ -137,6 +137,7 @@ def breakdown(model, sizes=(1, 2, 4, 8, 16, 32, 64), cache_len: int = 300, repea
         path: matmul path to run on ("aten", "onednn", "packed"; see `mcsd.kernels`), or None
             for torch's own choice. "packed" prepacks the model's linear weights for the
             duration (dropped again unless they were there before).
+        join: on prepacked weights, q / k / v run as one product (`mcsd.fused`), as the engine runs them.
     Returns:
         one `Breakdown` per size, in the order given.
     """
@@ -145,7 +146,7 @@ def breakdown(model, sizes=(1, 2, 4, 8, 16, 32, 64), cache_len: int = 300, repea
     runner = _Runner(model, cache_len)
     made_packed = path == "packed" and not kernels.is_packed(model)
     if made_packed:
-        kernels.pack(model)
+        kernels.pack(model, join=join)
     scope = kernels.using(path) if path is not None else contextlib.nullcontext()
     walls: dict[int, list[float]] = {n: [] for n in sizes}
     try:

@@ -42,7 +42,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from . import quant
+from . import fused, quant
 
 _suspensions = 0                  # > 0 while some caller runs forwards on several threads
 _lock = threading.Lock()
@@ -104,13 +104,20 @@ def packable(dtype: torch.dtype, device) -> bool:
 
 
 class _Packed:
-    """A linear layer's weight in oneDNN's blocked layout, and what it was made from."""
+    """A prepacked weight in oneDNN's blocked layout for one linear layer, or for sibling layers that
+    read one input (`mcsd.fused`: their weights concatenated, one product, each takes its slice)."""
 
-    def __init__(self, layer: torch.nn.Linear):
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), PACK_ROWS)
-        self.bias = None if layer.bias is None else layer.bias.detach()
-        self._made_from = (layer.weight, layer.bias)         # kept alive, so their ids stay theirs
-        self._stamp = self._stamp_of(layer.weight, layer.bias)
+    def __init__(self, layers: list[torch.nn.Linear]):
+        weight = torch.cat([layer.weight.detach() for layer in layers]) if len(layers) > 1 \
+            else layers[0].weight.detach()
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+        biases = [layer.bias for layer in layers]
+        self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        self._made_from = [(layer.weight, layer.bias) for layer in layers]   # kept alive: their ids stay theirs
+        self._stamps = [self._stamp_of(w, b) for w, b in self._made_from]
+        self.layers = layers if len(layers) > 1 else None
+        self.product = fused.Product([layer.out_features for layer in layers], self._joined) \
+            if len(layers) > 1 else None
 
     @staticmethod
     def _stamp_of(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
@@ -118,11 +125,17 @@ class _Packed:
                 None if bias is None else (bias.data_ptr(), bias._version))
 
     def fresh(self, layer: torch.nn.Linear) -> bool:
-        """The layer's weight (and bias) are still the tensors this copy was made from, unchanged
-        (the same objects, storage and version counter). Runs on every product: kept cheap."""
-        weight, bias = layer.weight, layer.bias
-        return (weight is self._made_from[0] and bias is self._made_from[1]
-                and self._stamp_of(weight, bias) == self._stamp)
+        """The layer's weight (and bias), and its siblings' where joined, are still the tensors this
+        copy was made from, unchanged (the same objects, storage and version counter). Runs on every
+        product: kept cheap."""
+        for sibling, (weight, bias), stamp in zip(self.layers or (layer,), self._made_from, self._stamps):
+            if sibling.weight is not weight or sibling.bias is not bias \
+                    or self._stamp_of(weight, bias) != stamp:
+                return False
+        return True
+
+    def _joined(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
     def __deepcopy__(self, memo):
         # A deep copy of a packed model has weights of its own, which this was not made from (and
@@ -132,28 +145,39 @@ class _Packed:
 
 def _packed_forward(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     packed = layer.__dict__.get("_mcsd_packed")
-    if packed is not None and getattr(_local, "packed", False) and x.dtype == packed.weight.dtype \
-            and packed.fresh(layer):
-        return torch.ops.mkldnn._linear_pointwise(x, packed.weight, packed.bias, "none", [], "")
+    if packed is not None and getattr(_local, "packed", False) and x.dtype == packed.weight.dtype:
+        if packed.product is None:
+            if packed.fresh(layer):
+                return torch.ops.mkldnn._linear_pointwise(x, packed.weight, packed.bias, "none", [], "")
+        elif packed.product.holds(x) or packed.fresh(layer):        # checked once per joined product
+            return packed.product.part(x, layer.__dict__["_mcsd_sibling"])
     return F.linear(x, layer.weight, layer.bias)
 
 
-def pack(module: torch.nn.Module) -> int:
+def pack(module: torch.nn.Module, join: bool = True) -> int:
     """Give every packable linear layer of `module` a prepacked copy of its weight, used only
-    inside a block that runs on the packed path. Repacks a layer whose weight changed;
+    inside a block that runs on the packed path; with `join`, sibling layers that read one input
+    share one copy and one product (`mcsd.fused`). Repacks a layer whose weight changed;
     returns the number of layers packed now."""
+    def eligible(layer) -> bool:
+        return type(layer) is torch.nn.Linear and packable(layer.weight.dtype, layer.weight.device) \
+            and not quant.attached(layer)                       # runs on its 4-bit weights
+    groups = [g for g in fused.sibling_groups(module) if all(map(eligible, g))] if join else []
+    joined = {id(layer) for group in groups for layer in group}
+    groups += [[layer] for layer in module.modules() if eligible(layer) and id(layer) not in joined]
     done = 0
-    for layer in module.modules():
-        if type(layer) is not torch.nn.Linear or not packable(layer.weight.dtype, layer.weight.device) \
-                or quant.attached(layer):                       # runs on its 4-bit weights
-            continue
-        packed = layer.__dict__.get("_mcsd_packed")
-        if packed is not None and packed.fresh(layer):
+    for group in groups:
+        current = [layer.__dict__.get("_mcsd_packed") for layer in group]
+        if current[0] is not None and all(c is current[0] for c in current) \
+                and (current[0].layers or group) == group and current[0].fresh(group[0]):
             continue
         with torch.no_grad():
-            layer.__dict__["_mcsd_packed"] = _Packed(layer)
-        layer.__dict__["forward"] = types.MethodType(_packed_forward, layer)
-        done += 1
+            packed = _Packed(group)
+        for i, layer in enumerate(group):
+            layer.__dict__["_mcsd_packed"] = packed
+            layer.__dict__["_mcsd_sibling"] = i
+            layer.__dict__["forward"] = types.MethodType(_packed_forward, layer)
+        done += len(group)
     return done
 
 
@@ -162,7 +186,14 @@ def unpack(module: torch.nn.Module) -> None:
     for layer in module.modules():
         if "_mcsd_packed" in layer.__dict__:
             del layer.__dict__["_mcsd_packed"]
+            layer.__dict__.pop("_mcsd_sibling", None)
             layer.__dict__.pop("forward", None)
+
+
+def joined(module: torch.nn.Module) -> int:
+    """How many of `module`'s linear layers share a prepacked product with their siblings."""
+    return sum(1 for layer in module.modules()
+               if getattr(layer.__dict__.get("_mcsd_packed"), "product", None) is not None)
 
 
 def is_packed(module: torch.nn.Module) -> bool:

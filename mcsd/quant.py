@@ -36,11 +36,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import fused
 from .errors import ModelLoadError
 
 GROUP = 32                              # weights per Q4_1 block (along the input dimension)
 _BLOCK_BYTES = 20                       # float16 d, float16 m, 16 bytes of 4-bit codes
 _ATTR = "_mcsd_q4"
+_JOINED = "_mcsd_q4_joined"       # (fused.Product, index) where siblings share one product
 Codes = tuple            # (q (N, K) uint8 in 0..15, d (N, K / 32) float16, m (N, K / 32) float16)
 # GGUF tensor names of a llama-family block -> transformers module path inside decoder layer i
 _LLAMA_NAMES = {
@@ -124,6 +126,9 @@ class Q4Linear:
 def _q4_forward(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     q4 = layer.__dict__.get(_ATTR)
     if q4 is not None and x.dtype == torch.bfloat16 and not x.requires_grad:
+        joined = layer.__dict__.get(_JOINED)
+        if joined is not None:                                     # siblings share one product
+            return joined[0].part(x, joined[1])
         out = q4(x)
         return out if layer.bias is None else out + layer.bias
     return F.linear(x, layer.weight, layer.bias)
@@ -201,7 +206,7 @@ def codes(gguf_path: str | Path, num_heads: int, num_kv_heads: int) -> tuple[dic
 CHECK_ROWS = 16          # rows per layer compared with the model's weights when the codes come from the cache
 
 
-def attach(model: torch.nn.Module, gguf_path: str | Path) -> int:
+def attach(model: torch.nn.Module, gguf_path: str | Path, join: bool = True) -> int:
     """Run `model`'s linear layers on the Q4_1 codes of the GGUF it was loaded from.
 
     Every weight is compared with the codes' dequantisation when they are read
@@ -211,6 +216,8 @@ def attach(model: torch.nn.Module, gguf_path: str | Path) -> int:
     Args:
         model: a transformers llama-family causal LM on the CPU, in bfloat16.
         gguf_path: the GGUF file its weights came from.
+        join: sibling layers that read one input (q / k / v, gate / up) run as one int4 product
+            (`mcsd.fused`).
     Returns:
         the number of layers attached.
     Raises:
@@ -248,7 +255,24 @@ def attach(model: torch.nn.Module, gguf_path: str | Path) -> int:
         layer = layers[path]
         layer.__dict__[_ATTR] = q4
         layer.__dict__["forward"] = types.MethodType(_q4_forward, layer)
+    if join:
+        by_layer = {id(layers[path]): found[path] for path in made}
+        for group in fused.sibling_groups(model):
+            if all(id(layer) in by_layer for layer in group):
+                _join(group, [by_layer[id(layer)] for layer in group])
     return len(made)
+
+
+def _join(group: list[torch.nn.Linear], group_codes: list[Codes]) -> None:
+    """Sibling layers on one int4 product: their codes concatenated along the output dimension."""
+    q, d, m = (torch.cat(parts) for parts in zip(*group_codes))
+    whole = Q4Linear(q, d, m)
+    bias = None if group[0].bias is None else torch.cat([layer.bias.detach() for layer in group])
+    product = fused.Product([layer.out_features for layer in group],
+                            lambda x: whole(x) if bias is None else whole(x) + bias)
+    for i, layer in enumerate(group):
+        layer.__dict__[_ATTR] = whole                  # in place of its own codes (the marker `attached` counts)
+        layer.__dict__[_JOINED] = (product, i)
 
 
 def detach(model: torch.nn.Module) -> None:
@@ -256,9 +280,15 @@ def detach(model: torch.nn.Module) -> None:
     for layer in model.modules():
         if _ATTR in layer.__dict__:
             del layer.__dict__[_ATTR]
+            layer.__dict__.pop(_JOINED, None)
             layer.__dict__.pop("forward", None)
 
 
 def attached(model: torch.nn.Module) -> int:
     """How many of `model`'s layers run on q4 weights."""
     return sum(1 for layer in model.modules() if layer.__dict__.get(_ATTR) is not None)
+
+
+def joined(model: torch.nn.Module) -> int:
+    """How many of `model`'s q4 layers share one int4 product with their siblings (`mcsd.fused`)."""
+    return sum(1 for layer in model.modules() if layer.__dict__.get(_JOINED) is not None)

@@ -48,6 +48,24 @@ def test_every_q4_1_linear_layer_runs_on_its_codes(q4_gguf_file):
         assert not torch.equal(out.float(), dense)
 
 
+def test_q_k_v_run_as_one_int4_product_with_the_separate_results(q4_gguf_file):
+    joined = _q4_model(q4_gguf_file)
+    assert quant.joined(joined) == 2 * 3                        # q, k, v in each of the 2 layers
+    separate = load_model(str(q4_gguf_file), dtype="bfloat16")
+    assert quant.attach(separate, q4_gguf_file, join=False) == 14 and quant.joined(separate) == 0
+    calls = []
+    real = torch.ops.aten._weight_int4pack_mm_for_cpu
+    logits = {}
+    with pytest.MonkeyPatch.context() as mp, torch.inference_mode():
+        for name, model in (("joined", joined), ("separate", separate)):
+            mp.setattr(quant.torch.ops.aten, "_weight_int4pack_mm_for_cpu",
+                       lambda *a, name=name: calls.append(name) or real(*a), raising=False)
+            logits[name] = model(PROMPT[None]).logits
+    assert calls.count("separate") == 14 and calls.count("joined") == 10
+    assert torch.allclose(logits["joined"].float(), logits["separate"].float(), atol=1e-2, rtol=1e-2)
+    assert torch.equal(logits["joined"].argmax(-1), logits["separate"].argmax(-1))
+
+
 def test_q_and_k_rows_come_back_in_transformers_order(q4_gguf_file):
     model = _q4_model(q4_gguf_file)
     found, _ = quant.codes(q4_gguf_file, 4, 2)

@@ -4,6 +4,7 @@
     python tools/profile_forward.py --dtype float32 --sizes 1,9 --path packed --json out.json
     python tools/profile_forward.py --stand-in smollm2-135m      # random weights, same shapes
     python tools/profile_forward.py --weights q4                 # the GGUF's 4-bit codes on the int4 kernel
+    python tools/profile_forward.py --path packed --separate-projections   # q / k / v as three products
 
 Runs a 1-token step and verifies of 2-64 rows over a `--cache-len` cache under
 torch.profiler and prints one line per block size (see `mcsd.forward_profile`).
@@ -30,6 +31,8 @@ def main(argv=None) -> int:
     ap.add_argument("--attention", default="auto", help="auto, sdpa, gqa or eager (default auto: what the engine runs)")
     ap.add_argument("--weights", choices=WEIGHTS, default="dense",
                     help="q4: the target's Q4_1 GGUF codes on torch's int4 kernel (bfloat16; mcsd.quant)")
+    ap.add_argument("--separate-projections", action="store_true",
+                    help="on prepacked weights, run q / k / v as three products, not one (mcsd.fused): the 'before'")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--top", action="store_true", help="also list the operations with the most self time")
     ap.add_argument("--json", type=Path, help="also write the breakdown here")
@@ -38,6 +41,8 @@ def main(argv=None) -> int:
         sizes = tuple(int(n) for n in args.sizes.split(","))
     except ValueError:
         ap.error(f"--sizes must be comma-separated integers, got {args.sizes!r}")
+    if args.separate_projections and (args.weights == "q4" or args.path != "packed"):
+        ap.error("--separate-projections compares prepacked dense weights: use it with --path packed")
     if min(sizes) < 1 or args.cache_len < 1 or args.repeats < 1:
         ap.error("--sizes, --cache-len and --repeats must be positive")
 
@@ -58,10 +63,12 @@ def main(argv=None) -> int:
         set_backend(model, args.attention)
     except ConfigError as exc:
         ap.error(str(exc))
-    results = breakdown(model, sizes, cache_len=args.cache_len, repeats=args.repeats, path=args.path)
+    results = breakdown(model, sizes, cache_len=args.cache_len, repeats=args.repeats, path=args.path,
+                        join=not args.separate_projections)
     print(f"{model.config._name_or_path} {args.dtype}{' on q4 weights' if args.weights == 'q4' else ''}, "
           f"{torch.get_num_threads()} thread(s), "
-          f"cache {args.cache_len}, matmul path {args.path or 'default'}, attention "
+          f"cache {args.cache_len}, matmul path {args.path or 'default'}"
+          f"{', q / k / v separate' if args.separate_projections else ''}, attention "
           f"{model.config._attn_implementation}; ms per forward (share of wall)")
     print(format_table(results))
     if args.top:
@@ -70,7 +77,8 @@ def main(argv=None) -> int:
     if args.json:
         meta = {"model": model.config._name_or_path, "dtype": args.dtype, "weights": args.weights,
                 "threads": torch.get_num_threads(),
-                "path": args.path, "attention": model.config._attn_implementation, "host": machine_info("cpu")}
+                "path": args.path, "joined_projections": not args.separate_projections,
+                "attention": model.config._attn_implementation, "host": machine_info("cpu")}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(to_json(results, meta))
     return 0
