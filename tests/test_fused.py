@@ -129,3 +129,17 @@ def test_a_cached_forward_keeps_nothing_after_it_returns():
     products = {id(layer.__dict__["_mcsd_packed"].product): layer.__dict__["_mcsd_packed"].product
                 for layer in model.modules() if getattr(layer.__dict__.get("_mcsd_packed"), "product", None)}
     assert products and all(getattr(p._kept, "x", None) is None for p in products.values())
+
+
+@needs_fp32_packing
+def test_siblings_with_biases_join_with_their_biases():
+    torch.manual_seed(0)
+    block = torch.nn.Module()
+    block.q_proj, block.k_proj, block.v_proj = (torch.nn.Linear(16, n, bias=True) for n in (16, 8, 8))
+    x = torch.randn(2, 3, 16)
+    separate = [block.q_proj(x), block.k_proj(x), block.v_proj(x)]
+    assert kernels.pack(block) == 3 and kernels.joined(block) == 3
+    with torch.no_grad(), kernels.using("packed"):
+        joined = [block.q_proj(x), block.k_proj(x), block.v_proj(x)]
+    for a, b in zip(joined, separate):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5)
