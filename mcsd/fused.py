@@ -69,11 +69,15 @@ class Product:
     Args:
         sizes: each sibling's output width, in the order of the concatenated weight.
         compute: x (..., K) -> (..., sum(sizes)), the joined product.
+        valid: called before each new product; False (the joined weight no longer matches the
+            siblings' own) makes `part` return None, so the caller computes its own.
     """
 
-    def __init__(self, sizes: list[int], compute: Callable[[torch.Tensor], torch.Tensor]):
+    def __init__(self, sizes: list[int], compute: Callable[[torch.Tensor], torch.Tensor],
+                 valid: Callable[[], bool] | None = None):
         self.sizes = list(sizes)
         self.compute = compute
+        self.valid = valid
         self._kept = threading.local()          # .x, .version, .parts, .left
 
     def __deepcopy__(self, memo):
@@ -84,11 +88,13 @@ class Product:
         kept = self._kept
         return getattr(kept, "x", None) is x and kept.version == _version(x)
 
-    def part(self, x: torch.Tensor, index: int) -> torch.Tensor:
+    def part(self, x: torch.Tensor, index: int) -> torch.Tensor | None:
         """Sibling `index`'s output for input `x` (..., K): (..., sizes[index]), a view of the joined
-        product, computed on the first call for this input."""
+        product, computed on the first call for this input; None where `valid` says no."""
         kept = self._kept
         if not self.holds(x):
+            if self.valid is not None and not self.valid():
+                return None
             kept.x, kept.version = x, _version(x)
             kept.parts = self.compute(x).split(self.sizes, dim=-1)
             kept.left = len(self.sizes)

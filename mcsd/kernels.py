@@ -113,10 +113,10 @@ class _Packed:
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
         biases = [layer.bias for layer in layers]
         self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        self.layers = list(layers)
         self._made_from = [(layer.weight, layer.bias) for layer in layers]   # kept alive: their ids stay theirs
         self._stamps = [self._stamp_of(w, b) for w, b in self._made_from]
-        self.layers = layers if len(layers) > 1 else None
-        self.product = fused.Product([layer.out_features for layer in layers], self._joined) \
+        self.product = fused.Product([layer.out_features for layer in layers], self._mm, self.fresh) \
             if len(layers) > 1 else None
 
     @staticmethod
@@ -124,17 +124,15 @@ class _Packed:
         return (weight.data_ptr(), weight._version,
                 None if bias is None else (bias.data_ptr(), bias._version))
 
-    def fresh(self, layer: torch.nn.Linear) -> bool:
-        """The layer's weight (and bias), and its siblings' where joined, are still the tensors this
-        copy was made from, unchanged (the same objects, storage and version counter). Runs on every
-        product: kept cheap."""
-        for sibling, (weight, bias), stamp in zip(self.layers or (layer,), self._made_from, self._stamps):
-            if sibling.weight is not weight or sibling.bias is not bias \
-                    or self._stamp_of(weight, bias) != stamp:
+    def fresh(self) -> bool:
+        """Its layers' weights (and biases) are still the tensors this copy was made from, unchanged
+        (the same objects, storage and version counter). Runs on every product: kept cheap."""
+        for layer, (weight, bias), stamp in zip(self.layers, self._made_from, self._stamps):
+            if layer.weight is not weight or layer.bias is not bias or self._stamp_of(weight, bias) != stamp:
                 return False
         return True
 
-    def _joined(self, x: torch.Tensor) -> torch.Tensor:
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
     def __deepcopy__(self, memo):
@@ -146,11 +144,12 @@ class _Packed:
 def _packed_forward(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     packed = layer.__dict__.get("_mcsd_packed")
     if packed is not None and getattr(_local, "packed", False) and x.dtype == packed.weight.dtype:
-        if packed.product is None:
-            if packed.fresh(layer):
-                return torch.ops.mkldnn._linear_pointwise(x, packed.weight, packed.bias, "none", [], "")
-        elif packed.product.holds(x) or packed.fresh(layer):        # checked once per joined product
-            return packed.product.part(x, layer.__dict__["_mcsd_sibling"])
+        if packed.product is not None:                     # freshness checked once per joined product
+            out = packed.product.part(x, layer.__dict__["_mcsd_sibling"])
+            if out is not None:
+                return out
+        elif packed.fresh():
+            return packed._mm(x)
     return F.linear(x, layer.weight, layer.bias)
 
 
@@ -169,7 +168,7 @@ def pack(module: torch.nn.Module, join: bool = True) -> int:
     for group in groups:
         current = [layer.__dict__.get("_mcsd_packed") for layer in group]
         if current[0] is not None and all(c is current[0] for c in current) \
-                and (current[0].layers or group) == group and current[0].fresh(group[0]):
+                and current[0].layers == group and current[0].fresh():
             continue
         with torch.no_grad():
             packed = _Packed(group)
@@ -198,7 +197,7 @@ def joined(module: torch.nn.Module) -> int:
 
 def is_packed(module: torch.nn.Module) -> bool:
     """Some linear layer of `module` has a prepacked copy of its current weight."""
-    return any(layer.__dict__.get("_mcsd_packed") is not None and layer._mcsd_packed.fresh(layer)
+    return any(layer.__dict__.get("_mcsd_packed") is not None and layer._mcsd_packed.fresh()
                for layer in module.modules() if isinstance(layer, torch.nn.Linear))
 
 

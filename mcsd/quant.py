@@ -216,7 +216,7 @@ def attach(model: torch.nn.Module, gguf_path: str | Path, join: bool = True) -> 
     Args:
         model: a transformers llama-family causal LM on the CPU, in bfloat16.
         gguf_path: the GGUF file its weights came from.
-        join: sibling layers that read one input (q / k / v, gate / up) run as one int4 product
+        join: sibling layers that read one input (q / k / v) run as one int4 product
             (`mcsd.fused`).
     Returns:
         the number of layers attached.
@@ -238,7 +238,7 @@ def attach(model: torch.nn.Module, gguf_path: str | Path, join: bool = True) -> 
     if not found:
         raise Q4Error(f"{gguf_path} holds no Q4_1 linear weights of a llama-family model")
     layers = dict(model.named_modules())
-    made = {}
+    checked = {}                                      # id(layer) -> (layer, its codes)
     for path, (q, d, m) in found.items():
         layer = layers.get(path)
         if not isinstance(layer, torch.nn.Linear):
@@ -250,17 +250,17 @@ def attach(model: torch.nn.Module, gguf_path: str | Path, join: bool = True) -> 
         if not torch.equal(dequantize(q[rows], d[rows], m[rows]).to(layer.weight.dtype), layer.weight.detach()[rows]):
             raise Q4Error(f"{gguf_path}: the weight for {path} does not dequantise to the model's; "
                           f"the model was not loaded from this file")
-        made[path] = Q4Linear(q, d, m)
-    for path, q4 in made.items():                     # all or nothing (`kernels.pack` leaves these layers alone)
-        layer = layers[path]
-        layer.__dict__[_ATTR] = q4
+        checked[id(layer)] = (layer, (q, d, m))
+    # all or nothing: every layer was checked before any is attached (`kernels.pack` leaves these alone)
+    groups = [g for g in fused.sibling_groups(model) if all(id(layer) in checked for layer in g)] if join else []
+    joined = {id(layer) for group in groups for layer in group}
+    for group in groups:
+        _join(group, [checked[id(layer)][1] for layer in group])
+    for key, (layer, (q, d, m)) in checked.items():
+        if key not in joined:
+            layer.__dict__[_ATTR] = Q4Linear(q, d, m)
         layer.__dict__["forward"] = types.MethodType(_q4_forward, layer)
-    if join:
-        by_layer = {id(layers[path]): found[path] for path in made}
-        for group in fused.sibling_groups(model):
-            if all(id(layer) in by_layer for layer in group):
-                _join(group, [by_layer[id(layer)] for layer in group])
-    return len(made)
+    return len(checked)
 
 
 def _join(group: list[torch.nn.Linear], group_codes: list[Codes]) -> None:
@@ -271,7 +271,7 @@ def _join(group: list[torch.nn.Linear], group_codes: list[Codes]) -> None:
     product = fused.Product([layer.out_features for layer in group],
                             lambda x: whole(x) if bias is None else whole(x) + bias)
     for i, layer in enumerate(group):
-        layer.__dict__[_ATTR] = whole                  # in place of its own codes (the marker `attached` counts)
+        layer.__dict__[_ATTR] = whole                  # the marker `attached` counts; the product reads it
         layer.__dict__[_JOINED] = (product, i)
 
 

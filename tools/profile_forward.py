@@ -42,7 +42,8 @@ def main(argv=None) -> int:
     except ValueError:
         ap.error(f"--sizes must be comma-separated integers, got {args.sizes!r}")
     if args.separate_projections and (args.weights == "q4" or args.path != "packed"):
-        ap.error("--separate-projections compares prepacked dense weights: use it with --path packed")
+        ap.error("--separate-projections compares prepacked dense weights: use it with --path packed "
+                 "and dense --weights")
     if min(sizes) < 1 or args.cache_len < 1 or args.repeats < 1:
         ap.error("--sizes, --cache-len and --repeats must be positive")
 
