@@ -136,3 +136,90 @@ def test_bfloat16_autocast_trains_and_says_so_on_the_card(setup):
     head = FeatureHead.load(out)
     assert head.reduce.weight.dtype == torch.float32                      # master weights stay float32
     assert not torch.equal(head.reduce.weight, FeatureHead.load(start).reduce.weight)
+
+
+def _store_run_in_shards(data_dir: Path, target, run: str, n_prompts: int, seed: int, per_shard: int):
+    """Like _store_run, a few records per shard."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 64, (4,), generator=g).tolist() for _ in range(n_prompts)]
+    outs = engine.generate_batch(target, prompts, max_new_tokens=20, eos_ids=(1,), pad_id=0, topk=4,
+                                 store_hidden=True)
+    td.start_run(data_dir, "runs", run, {"split": "fit", "store_hidden": True})
+    records = [{"key": f"{run}-{i}/0", "prompt_id": f"{run}-{i}", "category": "qa",
+                "prompt": torch.tensor(p, dtype=torch.int32), **o} for i, (p, o) in enumerate(zip(prompts, outs))]
+    for s in range(0, len(records), per_shard):
+        part = records[s:s + per_shard]
+        td.save_shard(data_dir, "runs", run, part,
+                      {"n_sequences": len(part), "n_tokens": sum(len(r["response"]) for r in part)})
+    return sum(len(r["response"]) for r in records)
+
+
+def _same_examples(a: list[dict], b: list[dict]):
+    assert sorted(e["key"] for e in a) == sorted(e["key"] for e in b)
+    by_key = {e["key"]: e for e in b}
+    for e in a:
+        f = by_key[e["key"]]
+        assert e.keys() == f.keys()
+        assert all(torch.equal(e[k], f[k]) for k in e if isinstance(e[k], torch.Tensor))
+
+
+def test_sharded_examples_cover_every_record_once_per_epoch(setup):
+    tmp_path, common, _ = setup
+    data = Path(common[common.index("--data-dir") + 1])
+    n = _store_run_in_shards(data, tiny_llama(0), "many", 12, seed=3, per_shard=2)
+    stream = td.ShardedExamples(data, ["many", "fit"], with_hidden=True)
+    whole = td.load_examples(data, ["many", "fit"], with_hidden=True)
+    assert stream.responses == len(whole) == 22
+    assert stream.positions == sum(len(e["response"]) for e in whole) and stream.positions > n
+    assert len(stream.units) == 7
+    orders = []
+    for epoch in (0, 1):
+        chunks = stream.chunks(stream.positions // 3, epoch=epoch)
+        assert 3 <= len(chunks) <= 4 and sorted(u for c in chunks for u in c) == sorted(stream.units)
+        _same_examples([e for c in chunks for e in stream.load(c)], whole)
+        orders.append([u for c in chunks for u in c])
+    assert orders[0] != orders[1]                                     # a new order every epoch
+    assert stream.chunks(stream.positions // 3, epoch=1) == stream.chunks(stream.positions // 3, epoch=1)
+
+
+def test_teacher_labels_are_read_shard_by_shard_and_hold_the_final_state_once(setup):
+    tmp_path, common, _ = setup
+    data = Path(common[common.index("--data-dir") + 1])
+    from conftest import word_tokenizer
+    word_tokenizer().save_pretrained(tmp_path / "target")
+    engine.main(["--target", str(tmp_path / "target"), "--data-dir", str(data), "--threads", "1",
+                 "teacher", "fit", "--store-layers", "1,-1"])
+    stream = td.ShardedExamples(data, ["fit"], with_hidden=True)
+    assert all(section == "teacher" for section, _ in stream.units)
+    streamed = stream.load(stream.units)
+    _same_examples(streamed, td.load_examples(data, ["fit"], with_hidden=True))
+    for e in streamed:
+        assert e["hidden"].untyped_storage().data_ptr() == e["layers"].untyped_storage().data_ptr()
+        assert torch.equal(e["hidden"], e["layers"][:, 32:])
+
+
+def test_streamed_training_reads_each_chunk_in_turn(setup, monkeypatch):
+    tmp_path, common, n_fit = setup
+    loads = []
+    original = td.ShardedExamples.load
+
+    def spy(self, units):
+        loads.append(list(units))
+        return original(self, units)
+
+    monkeypatch.setattr(td.ShardedExamples, "load", spy)
+    data = Path(common[common.index("--data-dir") + 1])
+    _store_run_in_shards(data, tiny_llama(0), "many", 12, seed=3, per_shard=2)
+    args = common.copy()
+    args[args.index("--runs") + 1:args.index("--runs") + 2] = ["fit", "many"]
+    args[args.index("--max-updates") + 1] = "12"
+    out = tmp_path / "streamed"
+    assert tfd.main(args + ["--resident-positions", "60", "--batch", "4", "--out", str(out)]) == 0
+    card = json.loads((out / "card.json").read_text())
+    stream = td.ShardedExamples(data, ["fit", "many"], with_hidden=True)
+    assert card["data"]["positions"] == stream.positions and card["data"]["responses"] == 22
+    assert card["training"]["updates"] == 12
+    first_epoch = stream.chunks(60, epoch=0)
+    assert len(loads) > len(first_epoch)                      # went past one epoch
+    assert loads[:len(first_epoch)] == first_epoch            # the first chunk was read once, not twice
+    assert loads[len(first_epoch)] == stream.chunks(60, epoch=1)[0]

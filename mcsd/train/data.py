@@ -16,6 +16,7 @@ import contextlib
 import fcntl
 import json
 import os
+import random
 import sys
 from pathlib import Path
 
@@ -142,6 +143,31 @@ def iter_records(data_dir: Path, run: str):
         yield from torch.load(Path(data_dir) / rel, weights_only=True)
 
 
+def _labelled(record: dict, label: dict, with_hidden) -> dict | None:
+    """A record merged with its teacher labels, or None while it has none
+    (or, with with_hidden=True, no hidden states)."""
+    r = {**record, **label}
+    if not with_hidden:
+        r.pop("hidden", None)  # 1 KB a position that only the feature trainer reads
+        r.pop("layers", None)
+    if "topk_ids" not in r or (with_hidden is True and "hidden" not in r):
+        return None
+    if "layers" in r and "hidden" in r:
+        # A teacher pass storing the final state among its layers writes it twice; keep one copy (a view).
+        width = r["hidden"].shape[1]
+        for j in range(r["layers"].shape[1] // width):
+            part = r["layers"][:, j * width:(j + 1) * width]
+            if torch.equal(part, r["hidden"]):
+                r["hidden"] = part
+                break
+    return r
+
+
+def _check_with_hidden(with_hidden):
+    if with_hidden not in (False, True, "optional"):
+        raise ValueError(f"with_hidden must be False, True or 'optional', not {with_hidden!r}")
+
+
 def load_examples(data_dir: Path, runs: list[str], with_hidden: bool | str = False) -> list[dict]:
     """All records of `runs`, with the teacher's labels where the teacher
     stage ran and the generation-time labels otherwise.
@@ -153,11 +179,10 @@ def load_examples(data_dir: Path, runs: list[str], with_hidden: bool | str = Fal
     Records with no labels yet (a prompttext run before its teacher pass)
     are skipped. Returns dicts: key, prompt_id, category, prompt (P,) int32,
     response (R,) int32, topk_ids (R, k) int32, topk_probs (R, k) float16
-    [, hidden (R, H) float16].
+    [, hidden (R, H) float16, layers (R, L*H) float16 where the teacher stored
+    several layers; hidden is then a view of the copy inside layers].
     """
-    if with_hidden not in (False, True, "optional"):
-        raise ValueError(f"with_hidden must be False, True or 'optional', not {with_hidden!r}")
-    required = with_hidden is True
+    _check_with_hidden(with_hidden)
     data_dir = Path(data_dir)
     manifest = read_manifest(data_dir)
     examples = []
@@ -169,17 +194,80 @@ def load_examples(data_dir: Path, runs: list[str], with_hidden: bool | str = Fal
                     labels[t["key"]] = t
         unlabelled, n_before = 0, len(examples)
         for r in iter_records(data_dir, run):
-            r = {**r, **labels.get(r["key"], {})}
-            if not with_hidden:
-                r.pop("hidden", None)  # 1 KB a position that only the feature trainer reads
-                r.pop("layers", None)
-            if "topk_ids" not in r or (required and "hidden" not in r):
+            r = _labelled(r, labels.get(r["key"], {}), with_hidden)
+            if r is None:
                 unlabelled += 1  # e.g. a prompttext run whose teacher pass is not finished
                 continue
             examples.append(r)
-        if required and len(examples) == n_before:
+        if with_hidden is True and len(examples) == n_before:
             raise ValueError(f"run {run!r} has no hidden states: generate it with --store-hidden "
                              f"or run `teacher {run} --store-hidden`")
         if unlabelled:
             print(f"[load_examples] {run}: skipped {unlabelled} records without teacher labels")
     return examples
+
+
+class ShardedExamples:
+    """The labelled records of `runs`, read a few shards at a time: for data
+    larger than memory (the feature trainer's `--resident-positions`).
+
+    A unit is one teacher shard (its records' labels) or, for a run without a
+    teacher pass, one response shard (labels stored at generation). The
+    response token ids of every run are held (small); labels and hidden
+    states are read per unit when `load` asks for it. `positions` counts the
+    response positions of the labelled records, `responses` the records,
+    `by_prompt` both per prompt id.
+    """
+
+    def __init__(self, data_dir: Path, runs: list[str], with_hidden: bool | str = False):
+        _check_with_hidden(with_hidden)
+        self.data_dir, self.with_hidden = Path(data_dir), with_hidden
+        manifest = read_manifest(self.data_dir)
+        self.records: dict[str, dict] = {}
+        self.units: list[tuple[str, str]] = []          # (section, shard path)
+        self.by_prompt: dict = {}                       # prompt id -> [responses, positions]
+        for run in runs:
+            if run not in manifest["runs"]:
+                raise ValueError(f"no run {run!r} in {self.data_dir}")
+            teacher = manifest["teacher"].get(run)
+            if teacher is None:
+                self.units.extend(("runs", rel) for rel in manifest["runs"][run]["shards"])
+                labelled = None
+            else:
+                self.units.extend(("teacher", rel) for rel in teacher["shards"])
+                labelled = set(teacher["done"])
+            for r in iter_records(self.data_dir, run):
+                if labelled is None:
+                    usable = _labelled(r, {}, with_hidden) is not None
+                else:
+                    self.records[r["key"]] = {k: v for k, v in r.items() if k not in ("hidden", "layers")}
+                    usable = r["key"] in labelled
+                if usable:
+                    counts = self.by_prompt.setdefault(r["prompt_id"], [0, 0])
+                    counts[0] += 1
+                    counts[1] += len(r["response"])
+        if not self.units:
+            raise ValueError(f"runs {runs} hold no shards")
+        self.responses = sum(n for n, _ in self.by_prompt.values())
+        self.positions = sum(n for _, n in self.by_prompt.values())
+
+    def load(self, units: list[tuple[str, str]]) -> list[dict]:
+        """The labelled examples of these units, in their order."""
+        out = []
+        for section, rel in units:
+            for t in torch.load(self.data_dir / rel, weights_only=True):
+                if section == "teacher":
+                    r = _labelled(self.records[t["key"]], t, self.with_hidden) if t["key"] in self.records else None
+                else:
+                    r = _labelled(t, {}, self.with_hidden)
+                if r is not None:
+                    out.append(r)
+        return out
+
+    def chunks(self, resident_positions: int, epoch: int, seed: int = 0) -> list[list[tuple[str, str]]]:
+        """Every unit once, in an order drawn from (seed, epoch), cut into
+        chunks of about `resident_positions` positions each."""
+        order = list(self.units)
+        random.Random(f"{seed}/{epoch}").shuffle(order)
+        per = max(1, round(len(order) * resident_positions / max(self.positions, 1)))
+        return [order[i:i + per] for i in range(0, len(order), per)]

@@ -25,6 +25,9 @@ predicts response[t]):
 The sub-vocabulary is the `--sub-vocab` most frequent tokens among the
 fitting responses and their top-k labels; label mass outside it is dropped.
 Checkpoints go to the mcsd cache every few minutes and a killed run resumes.
+Data larger than memory is read a chunk at a time (`--resident-positions`):
+each epoch visits the runs' label shards in a new random order, and a
+killed run resumes at the chunk it was in.
 The final head (safetensors + JSON config + card) goes to --out.
 """
 
@@ -300,6 +303,12 @@ def main(argv=None) -> int:
     ap.add_argument("--curve-from", type=Path, nargs="*", default=[],
                     help="heads trained with --subset: their data size and held-out agreement go on this "
                          "head's card as the learning curve against data size")
+    ap.add_argument("--resident-positions", type=int, default=0,
+                    help="hold about this many training positions in memory at a time (0 = all): every epoch "
+                         "reads the runs' label shards in a new random order, a chunk of this size at a time, "
+                         "and shuffles windows within the chunk (a new head's sub-vocabulary is ranked on the "
+                         "first chunk); for data larger than memory, about 3.5 KB a position for a head "
+                         "reading three target layers")
     ap.add_argument("--time-budget-min", type=float, default=30.0)
     ap.add_argument("--max-updates", type=int, default=0, help="stop after this many updates (0 = time only)")
     ap.add_argument("--threads", type=int, default=2)
@@ -317,10 +326,16 @@ def main(argv=None) -> int:
     target = load_model(args.target or "smollm2-135m", dtype="float32", device=device)
     embed = target.get_input_embeddings()
     data_dir = args.data_dir or target_data.default_data_dir(args.target or target_data.DEFAULT_TARGET)
-    train = target_data.load_examples(data_dir, args.runs, with_hidden=True)
+    stream = None
+    if args.resident_positions > 0:
+        stream = target_data.ShardedExamples(data_dir, args.runs, with_hidden=True)
+        train = stream.load(stream.chunks(args.resident_positions, epoch=0, seed=args.seed)[0])
+    else:
+        train = target_data.load_examples(data_dir, args.runs, with_hidden=True)
     held = target_data.load_examples(data_dir, [args.heldout_run], with_hidden=True) if args.heldout_run else []
+    keep = None
     if args.subset < 1.0:
-        prompt_ids = sorted({e["prompt_id"] for e in train})
+        prompt_ids = sorted(stream.by_prompt if stream else {e["prompt_id"] for e in train})
         keep = set(random.Random(args.seed).sample(prompt_ids, round(args.subset * len(prompt_ids))))
         train = [e for e in train if e["prompt_id"] in keep]
     if not train:
@@ -342,14 +357,21 @@ def main(argv=None) -> int:
             stored = (manifest["teacher"].get(run) or {}).get("settings", {}).get("store_layers")
             if stored is not None and tuple(stored) != feature_layers:
                 sys.exit(f"run {run!r} stores target layers {stored}, not {list(feature_layers)}")
-    for split in (train, held):
-        for ex in split:
+
+    def prepare(examples: list[dict], subset: bool = True) -> list[dict]:
+        """The examples (of the chosen subset), with the stored inputs this head reads."""
+        if subset and keep is not None:
+            examples = [e for e in examples if e["prompt_id"] in keep]
+        for ex in examples:
             if not feature_layers:
                 ex.pop("layers", None)                    # v1 reads the final state only
             elif "layers" not in ex or ex["layers"].shape[1] != width:
                 sys.exit(f"--feature-layers {args.feature_layers or list(feature_layers)} needs the runs' stored "
                          f"target layers ({width} values a position); run tools/target_data.py teacher RUN "
                          f"--store-layers {','.join(map(str, feature_layers))}")
+        return examples
+
+    train, held = prepare(train), prepare(held, subset=False)
     vocab = target.get_output_embeddings().weight.shape[0]
     init_card = None
     if saved is not None:
@@ -383,23 +405,40 @@ def main(argv=None) -> int:
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
 
     ckpt = cache_dir() / "train" / f"{args.out.name}.pt"
-    run_key = {"config": cfg.__dict__, "runs": args.runs, "init": str(args.init), "subset": args.subset}
-    update, seen = 0, 0
+    run_key = {"config": cfg.__dict__, "runs": args.runs, "init": str(args.init), "subset": args.subset,
+               "resident_positions": args.resident_positions}
+    update, seen, epoch, chunk = 0, 0, 0, 0
     if ckpt.is_file():
         state = torch.load(ckpt, weights_only=True)
         if all(state.get(k) == v for k, v in run_key.items()):
             head.load_state_dict(state["head"])
             opt.load_state_dict(state["opt"])
             update, seen = state["update"], state["seen"]
-            print(f"resumed at update {update}")
-    items = windows(train, args.window)
-    positions = sum(len(e["response"]) for e in train)
-    print(f"{len(train)} responses, {positions} positions, sub-vocabulary {len(sub)}, {len(items)} windows")
+            epoch, chunk = state.get("epoch", 0), state.get("chunk", 0)
+            print(f"resumed at update {update}" + (f" (epoch {epoch}, chunk {chunk})" if stream else ""))
+    if stream is None:
+        responses, positions = len(train), sum(len(e["response"]) for e in train)
+    else:
+        counts = [c for pid, c in stream.by_prompt.items() if keep is None or pid in keep]
+        responses, positions = sum(n for n, _ in counts), sum(n for _, n in counts)
+    print(f"{responses} responses, {positions} positions, sub-vocabulary {len(sub)}"
+          + (f", read about {args.resident_positions} positions at a time" if stream else ""))
     budget = args.time_budget_min * 60
     last_ckpt = time.time()
     curve = []
     head.train()
+    plan = [None]                                    # without a stream: one chunk, everything, in memory
+    items, in_memory = windows(train, args.window), (0, 0)
     while True:
+        if stream is not None:
+            plan = stream.chunks(args.resident_positions, epoch, args.seed)
+        if chunk >= len(plan):
+            epoch, chunk = epoch + 1, 0
+            continue
+        if stream is not None and (epoch, chunk) != in_memory:
+            train = items = None                     # free the last chunk before reading the next
+            train = prepare(stream.load(plan[chunk]))
+            items, in_memory = windows(train, args.window), (epoch, chunk)
         random.shuffle(items)
         for b in range(0, len(items), args.batch):
             elapsed = time.time() - t_start
@@ -423,11 +462,12 @@ def main(argv=None) -> int:
             if time.time() - last_ckpt > 300:
                 ckpt.parent.mkdir(parents=True, exist_ok=True)
                 torch.save({**run_key, "head": head.state_dict(), "opt": opt.state_dict(),
-                            "update": update, "seen": seen}, ckpt)
+                            "update": update, "seen": seen, "epoch": epoch, "chunk": chunk}, ckpt)
                 last_ckpt = time.time()
             if held and update % 500 == 0:
                 curve.append({"positions_seen": seen, "agreement": agreement(head, embed, held, args.window, device)})
         else:
+            chunk += 1
             continue
         break
 
@@ -436,7 +476,7 @@ def main(argv=None) -> int:
         print(f"held-out step {m['step']}: top-1 {m['top1']:.3f}, top-4 {m['top4']:.3f} ({m['positions']} positions)")
     card = {"architecture": {"kind": "target-feature draft head", **cfg.__dict__},
             "parameters": sum(p.numel() for p in head.parameters() if p.requires_grad),
-            "data": {"runs": run_provenance(data_dir, args.runs), "subset": args.subset, "responses": len(train),
+            "data": {"runs": run_provenance(data_dir, args.runs), "subset": args.subset, "responses": responses,
                      "positions": positions},
             "training": {"updates": update, "positions_seen": seen, "seconds": round(time.time() - t_start),
                          "steps_unrolled": args.steps_unrolled, "autocast": "bfloat16" if args.bf16 else None},
