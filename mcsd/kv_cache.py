@@ -112,13 +112,20 @@ def commit(cache, prefix_len: int, keep: torch.Tensor) -> None:
             accepted path's node indices); they land at prefix_len .. prefix_len+k-1.
     """
     k = keep.numel()
+    if keep.tolist() == list(range(k)):
+        # The block's first k entries, already in place (a plain step, a chain accepted so far).
+        truncate(cache, prefix_len + k)
+        return
+    src: dict = {}                                         # device -> positions to gather
     for layer in _layers(cache):
         if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
             continue
-        src = keep.to(layer.keys.device) + prefix_len
+        device = layer.keys.device
+        if device not in src:
+            src[device] = keep.to(device) + prefix_len
         # Gather first (a copy), then write: safe even where ranges overlap.
-        layer.keys[:, :, prefix_len:prefix_len + k] = layer.keys.index_select(-2, src)
-        layer.values[:, :, prefix_len:prefix_len + k] = layer.values.index_select(-2, src)
+        layer.keys[:, :, prefix_len:prefix_len + k] = layer.keys.index_select(-2, src[device])
+        layer.values[:, :, prefix_len:prefix_len + k] = layer.values.index_select(-2, src[device])
         layer.keys = layer.keys[:, :, :prefix_len + k]
         layer.values = layer.values[:, :, :prefix_len + k]
 
@@ -126,7 +133,7 @@ def commit(cache, prefix_len: int, keep: torch.Tensor) -> None:
 def truncate(cache, length: int) -> None:
     """Drop every position from `length` on."""
     for layer in _layers(cache):
-        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0 or layer.keys.shape[-2] <= length:
             continue
         layer.keys = layer.keys[:, :, :length]
         layer.values = layer.values[:, :, :length]

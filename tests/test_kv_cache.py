@@ -36,6 +36,35 @@ def test_commit_of_root_only_and_truncate():
     assert kv_cache.cache_length(cache) == 2
 
 
+def test_a_path_already_in_place_is_kept_without_copying():
+    """A plain step or a chain accepted from its first nodes: the entries are where they belong,
+    so commit only cuts the rest (no gather, no write)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    for keep, held in (([0, 1], [0, 1, 2, 3, 4, 5]), ([0], [0, 1, 2, 3, 4]), ([], [0, 1, 2, 3])):
+        cache = _filled_cache()
+        with Ops() as ops:
+            kv_cache.commit(cache, prefix_len=4, keep=torch.tensor(keep, dtype=torch.long))
+        assert not {"index_select", "copy_", "index_put_"} & set(ops.names)
+        for layer in range(2):
+            assert cache.layers[layer].keys[0, 0, :, 0].tolist() == [100 * layer + t for t in held]
+            assert cache.layers[layer].values[0, 1, :, 2].tolist() == [-(100 * layer + t) for t in held]
+    cache = _filled_cache()
+    with Ops() as ops:
+        kv_cache.commit(cache, prefix_len=4, keep=torch.tensor([1]))      # one that is not: moved
+    assert "index_select" in ops.names
+    assert cache.layers[1].keys[0, 0, :, 0].tolist() == [100, 101, 102, 103, 105]
+
+
 def test_committed_cache_gives_the_same_logits_as_a_fresh_prefix(target):
     """After a tree forward and a commit, the next step's logits equal those of a plain run."""
     lm = CachedLM(target)
