@@ -212,7 +212,8 @@ class ShardedExamples:
     larger than memory (the feature trainer's `--resident-positions`).
 
     A unit is one teacher shard (its records' labels) or, for a run without a
-    teacher pass, one response shard (labels stored at generation). The
+    teacher pass, one response shard (labels stored at generation); a run
+    with a teacher pass contributes the records that pass labelled. The
     response token ids of every run are held (small); labels and hidden
     states are read per unit when `load` asks for it. `positions` counts the
     response positions of the labelled records, `responses` the records,

@@ -179,7 +179,7 @@ def make_sequence(example: dict, max_len: int) -> dict:
         "topk_ids": example["topk_ids"][:R].long(),
         "topk_probs": example["topk_probs"][:R].float(),
         "next_ids": response[:R],
-        "hidden": example["hidden"][:R] if "hidden" in example else None,
+        "hidden": example["hidden"][:R].clone() if "hidden" in example else None,  # not a view of all layers
     }
 
 
@@ -467,8 +467,10 @@ def main(argv=None):
         if manifest["runs"][run]["settings"].get("split") in ("heldout", "all"):
             sys.exit(f"run {run!r} contains held-out prompts; train on the fitting split only")
     need_hidden = args.hidden_weight > 0 or (args.embed_basis == "hidden" and not args.init)
-    examples = td.load_examples(data_dir, args.runs, with_hidden="optional" if need_hidden else False)
-    train = [make_sequence(e, args.max_len) for e in examples]
+    # shard by shard: a teacher pass that stored several layers holds ~3.5 KB a position, of which
+    # a sequence keeps the final state only
+    stream = td.ShardedExamples(data_dir, args.runs, with_hidden="optional" if need_hidden else False)
+    train = [make_sequence(e, args.max_len) for unit in stream.units for e in stream.load([unit])]
     n_train_tokens = sum(len(s["next_ids"]) for s in train)
     n_hidden_tokens = sum(len(s["hidden"]) for s in train if s["hidden"] is not None)
     if need_hidden and n_hidden_tokens == 0:
