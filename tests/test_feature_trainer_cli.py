@@ -190,12 +190,40 @@ def test_teacher_labels_are_read_shard_by_shard_and_hold_the_final_state_once(se
     engine.main(["--target", str(tmp_path / "target"), "--data-dir", str(data), "--threads", "1",
                  "teacher", "fit", "--store-layers", "1,-1"])
     stream = td.ShardedExamples(data, ["fit"], with_hidden=True)
-    assert all(section == "teacher" for section, _ in stream.units)
+    assert all(section == "teacher" for section, _, _ in stream.units)
     streamed = stream.load(stream.units)
     _same_examples(streamed, td.load_examples(data, ["fit"], with_hidden=True))
     for e in streamed:
         assert e["hidden"].untyped_storage().data_ptr() == e["layers"].untyped_storage().data_ptr()
         assert torch.equal(e["hidden"], e["layers"][:, 32:])
+
+
+def test_runs_sharing_keys_keep_their_own_labels(setup):
+    """Two runs may answer the same prompt under the same key; each record is labelled by its own run's
+    teacher pass."""
+    tmp_path, common, _ = setup
+    data = Path(common[common.index("--data-dir") + 1])
+    target = tiny_llama(0)                                      # the fixture stored run "fit", keys fit-0/0 ...
+    from conftest import word_tokenizer
+    word_tokenizer().save_pretrained(tmp_path / "target")
+    # a second run with the same keys and other (longer) responses
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 64, (6,), generator=g).tolist() for _ in range(10)]
+    outs = engine.generate_batch(target, prompts, max_new_tokens=30, eos_ids=(), pad_id=0, topk=4)
+    td.start_run(data, "runs", "again", {"split": "fit"})
+    td.save_shard(data, "runs", "again", [{"key": f"fit-{i}/0", "prompt_id": f"fit-{i}", "category": "qa",
+                                           "prompt": torch.tensor(p, dtype=torch.int32), **o}
+                                          for i, (p, o) in enumerate(zip(prompts, outs))], {"n_sequences": 10})
+    for run in ("fit", "again"):
+        engine.main(["--target", str(tmp_path / "target"), "--data-dir", str(data), "--threads", "1",
+                     "teacher", run, "--store-layers", "1,-1"])
+    stream = td.ShardedExamples(data, ["fit", "again"], with_hidden=True)
+    streamed = stream.load(stream.units)
+    assert len(streamed) == 20
+    for e in streamed:
+        assert len(e["response"]) == len(e["topk_ids"]) == len(e["hidden"]) == len(e["layers"])
+    assert sorted(len(e["response"]) for e in streamed) == sorted(
+        len(e["response"]) for e in td.load_examples(data, ["fit", "again"], with_hidden=True))
 
 
 def test_streamed_training_reads_each_chunk_in_turn(setup, monkeypatch):

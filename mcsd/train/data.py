@@ -224,24 +224,24 @@ class ShardedExamples:
         _check_with_hidden(with_hidden)
         self.data_dir, self.with_hidden = Path(data_dir), with_hidden
         manifest = read_manifest(self.data_dir)
-        self.records: dict[str, dict] = {}
-        self.units: list[tuple[str, str]] = []          # (section, shard path)
+        self.records: dict[tuple[str, str], dict] = {}  # (run, key) -> record: runs may share keys
+        self.units: list[tuple[str, str, str]] = []     # (section, run, shard path)
         self.by_prompt: dict = {}                       # prompt id -> [responses, positions]
         for run in runs:
             if run not in manifest["runs"]:
                 raise ValueError(f"no run {run!r} in {self.data_dir}")
             teacher = manifest["teacher"].get(run)
             if teacher is None:
-                self.units.extend(("runs", rel) for rel in manifest["runs"][run]["shards"])
+                self.units.extend(("runs", run, rel) for rel in manifest["runs"][run]["shards"])
                 labelled = None
             else:
-                self.units.extend(("teacher", rel) for rel in teacher["shards"])
+                self.units.extend(("teacher", run, rel) for rel in teacher["shards"])
                 labelled = set(teacher["done"])
             for r in iter_records(self.data_dir, run):
                 if labelled is None:
                     usable = _labelled(r, {}, with_hidden) is not None
                 else:
-                    self.records[r["key"]] = {k: v for k, v in r.items() if k not in ("hidden", "layers")}
+                    self.records[run, r["key"]] = {k: v for k, v in r.items() if k not in ("hidden", "layers")}
                     usable = r["key"] in labelled
                 if usable:
                     counts = self.by_prompt.setdefault(r["prompt_id"], [0, 0])
@@ -252,20 +252,21 @@ class ShardedExamples:
         self.responses = sum(n for n, _ in self.by_prompt.values())
         self.positions = sum(n for _, n in self.by_prompt.values())
 
-    def load(self, units: list[tuple[str, str]]) -> list[dict]:
+    def load(self, units: list[tuple[str, str, str]]) -> list[dict]:
         """The labelled examples of these units, in their order."""
         out = []
-        for section, rel in units:
+        for section, run, rel in units:
             for t in torch.load(self.data_dir / rel, weights_only=True):
                 if section == "teacher":
-                    r = _labelled(self.records[t["key"]], t, self.with_hidden) if t["key"] in self.records else None
+                    record = self.records.get((run, t["key"]))
+                    r = _labelled(record, t, self.with_hidden) if record is not None else None
                 else:
                     r = _labelled(t, {}, self.with_hidden)
                 if r is not None:
                     out.append(r)
         return out
 
-    def chunks(self, resident_positions: int, epoch: int, seed: int = 0) -> list[list[tuple[str, str]]]:
+    def chunks(self, resident_positions: int, epoch: int, seed: int = 0) -> list[list[tuple[str, str, str]]]:
         """Every unit once, in an order drawn from (seed, epoch), cut into
         chunks of about `resident_positions` positions each."""
         order = list(self.units)
