@@ -338,7 +338,8 @@ def main(argv=None) -> int:
         prompt_ids = sorted(stream.by_prompt if stream else {e["prompt_id"] for e in train})
         keep = set(random.Random(args.seed).sample(prompt_ids, round(args.subset * len(prompt_ids))))
         train = [e for e in train if e["prompt_id"] in keep]
-    if not train:
+    have = bool(train) if stream is None else any(keep is None or pid in keep for pid in stream.by_prompt)
+    if not have:                                         # (a streamed first chunk may hold none of the subset)
         sys.exit("no training examples with hidden states; run tools/target_data.py teacher RUN --store-hidden first")
     feature_layers = tuple(int(x) for x in args.feature_layers.split(",") if x.strip())
     saved = FeatureHead.load(args.init) if args.init is not None else None
