@@ -143,3 +143,27 @@ def test_depth_report_compares_both_sides_per_group(target):
         assert result[side]["all"][0]["reached"] > result[side]["all"][2]["reached"] > 0
     assert result["decoding"]["outputs_equal_to_stored"] == "6/6"        # exact: the target's own greedy text
     assert depth_report.differs(0.5, 4000, 0.6, 4000) and not depth_report.differs(0.5, 40, 0.6, 40)
+
+
+def test_teacher_forced_measures_read_float32_features_with_a_bfloat16_head(target):
+    """A depth report in bfloat16 loads the head in bfloat16 while the stored features are float32:
+    the chains read them in the head's dtype, and agree with the float32 head's nearly everywhere."""
+    torch.manual_seed(0)
+    data = _examples(target, n=3, length=30)
+    cfg = FeatureHeadConfig(target_hidden=32, layers=1, heads=4, kv_heads=2, vocab_size=target.config.vocab_size,
+                            sub_vocab=48)
+    head = FeatureHead(cfg)
+    _fit(head, target, data, updates=30)
+    embed = target.get_input_embeddings()
+    full = [tfd.chain_lengths(head, embed, ex) for ex in data]
+    half = FeatureHead(cfg)
+    half.load_state_dict(head.state_dict())
+    half.attach_lm_head(target.get_output_embeddings().weight)
+    half = half.to(torch.bfloat16)
+    embed16 = torch.nn.Embedding.from_pretrained(embed.weight.detach().to(torch.bfloat16))
+    low = [tfd.chain_lengths(half, embed16, ex) for ex in data]
+    assert all(a.shape == b.shape for a, b in zip(full, low))
+    same = sum(int((a == b).sum()) for a, b in zip(full, low)) / sum(a.numel() for a in full)
+    assert same > 0.8
+    counted = [tfd.agreement(h, e, data, 64, "cpu")[0]["positions"] for h, e in ((half, embed16), (head, embed))]
+    assert counted[0] == counted[1] > 0

@@ -181,7 +181,9 @@ def unrolled_loss(head, embed, hid, inp, tok, ids, probs, valid, pos, steps: int
 
 def _chain_steps(head, embed, hid, inp, tok, ids, valid, pos, steps):
     """Per unrolled step j = 1..steps (`unroll`), for the chain drafted from every entry of one
-    window: (top-1 right (1, span), target token in the top 4 (1, span), entry counted (1, span))."""
+    window: (top-1 right (1, span), target token in the top 4 (1, span), entry counted (1, span)).
+    The stored features are read in the head's own dtype (a bfloat16 head, as a bfloat16 target loads it)."""
+    inp = inp.to(next(head.parameters()).dtype)
     for j, span, pred in unroll(head, embed, inp, tok, pos, steps):
         m = valid[:, 1 + j:1 + j + span] & valid[:, j:j + span]
         want = ids[:, 1 + j:1 + j + span, 0]
