@@ -150,7 +150,7 @@ def _labelled(record: dict, label: dict, with_hidden) -> dict | None:
     if not with_hidden:
         r.pop("hidden", None)  # 1 KB a position that only the feature trainer reads
         r.pop("layers", None)
-    if "topk_ids" not in r or (with_hidden is True and "hidden" not in r):
+    if not _usable(r, with_hidden):
         return None
     if "layers" in r and "hidden" in r:
         # A teacher pass storing the final state among its layers writes it twice; keep one copy (a view).
@@ -161,6 +161,11 @@ def _labelled(record: dict, label: dict, with_hidden) -> dict | None:
                 r["hidden"] = part
                 break
     return r
+
+
+def _usable(record: dict, with_hidden) -> bool:
+    """The record has labels (and, with with_hidden=True, hidden states)."""
+    return "topk_ids" in record and (with_hidden is not True or "hidden" in record)
 
 
 def _check_with_hidden(with_hidden):
@@ -239,7 +244,7 @@ class ShardedExamples:
                 labelled = set(teacher["done"])
             for r in iter_records(self.data_dir, run):
                 if labelled is None:
-                    usable = _labelled(r, {}, with_hidden) is not None
+                    usable = _usable(r, with_hidden)
                 else:
                     self.records[run, r["key"]] = {k: v for k, v in r.items() if k not in ("hidden", "layers")}
                     usable = r["key"] in labelled

@@ -339,9 +339,8 @@ def main(argv=None) -> int:
     if args.subset < 1.0:
         prompt_ids = sorted(stream.by_prompt if stream else {e["prompt_id"] for e in train})
         keep = set(random.Random(args.seed).sample(prompt_ids, round(args.subset * len(prompt_ids))))
-        train = [e for e in train if e["prompt_id"] in keep]
-    have = bool(train) if stream is None else any(keep is None or pid in keep for pid in stream.by_prompt)
-    if not have:                                         # (a streamed first chunk may hold none of the subset)
+    prompts = stream.by_prompt if stream else {e["prompt_id"] for e in train}
+    if not any(keep is None or pid in keep for pid in prompts):   # (not just the first streamed chunk)
         sys.exit("no training examples with hidden states; run tools/target_data.py teacher RUN --store-hidden first")
     feature_layers = tuple(int(x) for x in args.feature_layers.split(",") if x.strip())
     saved = FeatureHead.load(args.init) if args.init is not None else None
@@ -430,11 +429,13 @@ def main(argv=None) -> int:
     last_ckpt = time.time()
     curve = []
     head.train()
-    plan = [None]                                    # without a stream: one chunk, everything, in memory
+    plan, planned = [None], epoch                    # without a stream: one chunk, everything, in memory
+    if stream is not None:
+        plan = stream.chunks(args.resident_positions, epoch, args.seed)
     items, in_memory = windows(train, args.window), (0, 0)
     while True:
-        if stream is not None:
-            plan = stream.chunks(args.resident_positions, epoch, args.seed)
+        if stream is not None and planned != epoch:
+            plan, planned = stream.chunks(args.resident_positions, epoch, args.seed), epoch
         if chunk >= len(plan):
             epoch, chunk = epoch + 1, 0
             continue
