@@ -1,10 +1,12 @@
 """Where a target forward's time goes, and what the faster forward paths change.
 
-Two reports, neither asserted:
+Three reports, none asserted:
 - the breakdown per operation class (matmul, attention, elementwise, copy,
   other ATen, Python) of a 1-token step and of verifies of 2-64 rows over a
   300-token cache (`mcsd.forward_profile.breakdown`), in
-  `benchmark.extra_info["breakdown"]`;
+  `benchmark.extra_info["breakdown"]`, with the memory floor (the weights'
+  bytes over this machine's read rate, `mcsd.forward_profile.memory_floor`)
+  in `extra_info["memory_floor"]`;
 - the same block sizes timed interleaved in one process on today's and the
   previous forward paths (`mcsd.forward_profile.compare`): SDPA with a
   concatenating cache against grouped-query attention with the in-place
@@ -19,12 +21,14 @@ Two reports, neither asserted:
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 import pytest
 import torch
 
-from mcsd.forward_profile import Variant, breakdown, compare, compiled_step, format_comparison, format_table
+from mcsd.forward_profile import (Variant, breakdown, compare, compiled_step, format_comparison, format_table,
+                                  memory_floor)
 from mcsd.kernels import packable
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -38,8 +42,10 @@ def test_forward_breakdown(benchmark, bench):
         result["rows"] = breakdown(bench.target, sizes, cache_len=300, repeats=2 if bench.smoke else 5)
 
     benchmark.pedantic(run, rounds=1, iterations=1)
-    print("\n" + format_table(result["rows"]))
+    floor = memory_floor(bench.target, mb=64 if bench.smoke else 256)
+    print("\n" + format_table(result["rows"], floor))
     benchmark.extra_info.update({
+        "memory_floor": dataclasses.asdict(floor),
         "breakdown": [{"rows": r.rows, "wall_ms": r.wall_ms, "profiled_ms": r.profiled_ms, "ms": r.ms, "ops": r.ops,
                        "top": r.top} for r in result["rows"]],
         "cache_len": 300, "attention": bench.target.config._attn_implementation, "environment": bench.environment,

@@ -18,6 +18,13 @@ classes:
 - python: the profiled forward's wall time minus all ATen self time (the
   modeling code, cache bookkeeping, dispatch).
 
+`memory_floor` says how near that roofline a forward is: the bytes of
+weights every forward reads whatever its rows (the dense or 4-bit linear
+weights and the norms; the input embedding only by the row) over the rate
+this machine reads memory at (a sum over a tensor far past its caches).
+No forward of a few rows can beat it on this machine without reading fewer
+bytes.
+
 Limitations: the profiler adds a few microseconds to every operation, part
 of it inside the operations' self time and part outside, so a profiled
 forward is slower than an unprofiled one (`wall_ms` is the unprofiled
@@ -77,6 +84,83 @@ class Breakdown:
     ms: dict[str, float]
     ops: int
     top: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class MemoryFloor:
+    """The least time a forward can take here for reading its weights once.
+
+    Attributes:
+        weight_mb: MB (1e6 bytes) of weights one forward reads (`weight_bytes`).
+        read_gb_s: GB/s this machine read memory at with torch's threads (`read_bandwidth`).
+        ms: weight_mb / read_gb_s, in ms.
+    """
+
+    weight_mb: float
+    read_gb_s: float
+    ms: float
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one forward of `model` reads, whatever its rows.
+
+    Every linear layer's weight in the form its forward reads (the 4-bit codes, scales and zero
+    points where `mcsd.quant` attached them, else the dense weight: prepacking changes its layout,
+    not its size), every other parameter (norms), each tensor once (a tied LM head is the
+    embedding); the input embedding itself is left out unless the LM head reads it, since a
+    forward gathers only its rows.
+    """
+    from . import quant
+
+    seen: set = set()
+    total = 0
+
+    def count(key, nbytes: int) -> None:
+        nonlocal total
+        if key not in seen:
+            seen.add(key)
+            total += nbytes
+
+    linear_params = set()
+    for layer in model.modules():
+        if isinstance(layer, torch.nn.Linear):
+            linear_params.update(id(p) for p in layer.parameters(recurse=False))
+            q4 = quant.read_bytes(layer)
+            if q4 is not None:
+                count(("q4", q4[0]), q4[1])
+                if layer.bias is not None:
+                    count(layer.bias.data_ptr(), layer.bias.nbytes)
+                continue
+            for p in layer.parameters(recurse=False):
+                count(p.data_ptr(), p.nbytes)
+    embedding = model.get_input_embeddings()
+    gathered = {id(p) for p in embedding.parameters()} if embedding is not None else set()
+    for p in model.parameters():
+        if id(p) not in linear_params and id(p) not in gathered:
+            count(p.data_ptr(), p.nbytes)
+    return total
+
+
+def read_bandwidth(mb: int = 256, repeats: int = 5) -> float:
+    """GB/s (1e9 bytes) this machine reads memory at with torch's current threads: the fastest of
+    `repeats` sums over `mb` MB of bfloat16 (after one untimed sum), far past any cache."""
+    if mb < 1 or repeats < 1:
+        raise ValueError("mb and repeats must be positive")
+    x = torch.ones(mb * 1_000_000 // 2, dtype=torch.bfloat16)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.nbytes / best / 1e9
+
+
+def memory_floor(model: torch.nn.Module, mb: int = 256, repeats: int = 5) -> MemoryFloor:
+    """`model`'s weight bytes over this machine's measured read rate: the floor of any forward."""
+    nbytes = weight_bytes(model)
+    gb_s = read_bandwidth(mb, repeats)
+    return MemoryFloor(weight_mb=nbytes / 1e6, read_gb_s=gb_s, ms=nbytes / (gb_s * 1e9) * 1e3)
 
 
 def _classify(evt) -> str:
@@ -192,14 +276,23 @@ def _summarise(prof, rows: int, cache_len: int, wall_ms: float, profiled_ms: flo
     return Breakdown(rows=rows, cache_len=cache_len, wall_ms=wall_ms, profiled_ms=profiled_ms, ms=ms, ops=round(ops / repeats), top=top)
 
 
-def format_table(results: list[Breakdown]) -> str:
+def format_table(results: list[Breakdown], floor: MemoryFloor | None = None) -> str:
     """A text table: one line per block size: wall times, ms per class (share of the profiled
-    forward), ATen operations."""
+    forward), ATen operations; with `floor`, a first line stating it and each wall time's
+    multiple of it."""
     head = f"{'rows':>5} {'wall ms':>8} {'profiled':>8} " + " ".join(f"{c:>11}" for c in CLASSES) + f" {'ATen ops':>9}"
+    if floor is not None:
+        head += f" {'x floor':>8}"
     lines = [head, "-" * len(head)]
+    if floor is not None:
+        lines.insert(0, f"memory floor: {floor.weight_mb:.1f} MB of weights a forward at {floor.read_gb_s:.1f} GB/s "
+                        f"read here = {floor.ms:.2f} ms")
     for r in results:
         cells = " ".join(f"{r.ms[c]:>6.2f} {100 * r.ms[c] / r.profiled_ms:>3.0f}%" for c in CLASSES)
-        lines.append(f"{r.rows:>5} {r.wall_ms:>8.2f} {r.profiled_ms:>8.2f} {cells} {r.ops:>9}")
+        line = f"{r.rows:>5} {r.wall_ms:>8.2f} {r.profiled_ms:>8.2f} {cells} {r.ops:>9}"
+        if floor is not None:
+            line += f" {r.wall_ms / floor.ms:>8.2f}"
+        lines.append(line)
     return "\n".join(lines)
 
 

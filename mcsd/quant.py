@@ -284,6 +284,15 @@ def detach(model: torch.nn.Module) -> None:
             layer.__dict__.pop("forward", None)
 
 
+def read_bytes(layer: torch.nn.Module) -> tuple[int, int] | None:
+    """(identity, bytes) of the 4-bit weight a layer's forward reads (codes, scales and zero
+    points), or None where no q4 weight is attached; joined siblings share one identity."""
+    q4 = layer.__dict__.get(_ATTR)
+    if q4 is None:
+        return None
+    return id(q4), q4.packed.nbytes + q4.scale_zero.nbytes
+
+
 def attached(model: torch.nn.Module) -> int:
     """How many of `model`'s layers run on q4 weights."""
     return sum(1 for layer in model.modules() if layer.__dict__.get(_ATTR) is not None)

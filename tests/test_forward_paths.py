@@ -222,3 +222,34 @@ def test_hidden_states_are_asked_for_with_a_plain_flag():
     assert states.shape == (PROMPT.numel(), 2 * model.config.hidden_size)
     lm.extend(torch.tensor([7]))
     assert seen == [True, False]
+
+
+def _dense_bytes(model, skip_input_embedding: bool) -> int:
+    embed = model.get_input_embeddings().weight
+    params = {p.data_ptr(): p for p in model.parameters()}              # a tied LM head once
+    return sum(p.nbytes for ptr, p in params.items() if not (skip_input_embedding and p is embed))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_memory_floor_counts_each_weight_a_forward_reads_once(tied):
+    from mcsd import kernels
+    from mcsd.forward_profile import format_table, memory_floor, weight_bytes
+    model = tiny_llama(0, layers=2)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    # untied: the input embedding is only gathered by the row; tied: it is the LM head, read whole
+    expected = _dense_bytes(model, skip_input_embedding=not tied)
+    assert weight_bytes(model) == expected
+    if kernels.packable(model.dtype, model.device):
+        kernels.pack(model)                                            # joined q / k / v: the same bytes
+        assert weight_bytes(model) == expected
+        kernels.unpack(model)
+    floor = memory_floor(model, mb=8, repeats=2)
+    assert floor.weight_mb == pytest.approx(expected / 1e6)
+    assert 0.1 < floor.read_gb_s < 10_000
+    assert floor.ms == pytest.approx(floor.weight_mb / floor.read_gb_s)
+    from mcsd.forward_profile import Breakdown
+    row = Breakdown(rows=1, cache_len=10, wall_ms=3 * floor.ms, profiled_ms=1.0, ms=dict.fromkeys(
+        ("matmul", "attention", "elementwise", "copy", "other", "python"), 0.1), ops=10)
+    text = format_table([row], floor)
+    assert text.startswith("memory floor: ") and text.splitlines()[-1].split()[-1] == "3.00"

@@ -189,3 +189,25 @@ def test_the_command_line_runs_a_q4_target_and_says_so(q4_gguf_file, capsys):
     assert out["settings"]["weights"] == "q4" and out["settings"]["dtype"] == "bfloat16"
     assert "q4" in out["settings"]["dtype_reason"] and len(out["tokens"]) == 4
     assert out["settings"]["matmul_kernels"].startswith("target: 14 linear layers on q4 weights")
+
+
+def test_the_memory_floor_of_a_q4_model_counts_its_codes_not_its_dense_weights(q4_gguf_file):
+    from mcsd.forward_profile import weight_bytes
+    model = _q4_model(q4_gguf_file)
+    q4 = {}
+    dense_linear = 0
+    for layer in model.modules():
+        if isinstance(layer, torch.nn.Linear):
+            read = quant.read_bytes(layer)
+            if read is None:
+                dense_linear += layer.weight.nbytes
+            else:
+                q4[read[0]] = read[1]
+    assert q4 and dense_linear                                   # the LM head stays dense
+    down = _layer(model)
+    k, n = down.in_features, down.out_features
+    assert quant.read_bytes(down)[1] == n * k // 2 + (k // quant.GROUP) * n * 2 * 2   # 4-bit codes, bf16 scale + zero
+    norms = sum(p.nbytes for name, p in model.named_parameters() if "norm" in name)
+    assert weight_bytes(model) == sum(q4.values()) + dense_linear + norms
+    assert weight_bytes(model) < sum(layer.weight.nbytes for layer in model.modules()
+                                     if isinstance(layer, torch.nn.Linear))

@@ -42,6 +42,11 @@ def forward_markdown(infos: list[dict]) -> list[str]:
             for r in info["breakdown"]:
                 lines.append(f"| {r['rows']} | {r['wall_ms']:.1f} | " + " | ".join(f"{r['ms'][c]:.1f}" for c in classes)
                              + f" | {r['ops']} |")
+            floor, first = info.get("memory_floor"), info["breakdown"][0]
+            if floor:
+                lines += ["", f"Memory floor: {floor['weight_mb']:.1f} MB of weights a forward, read at "
+                              f"{floor['read_gb_s']:.1f} GB/s here: {floor['ms']:.2f} ms; the {first['rows']}-row forward is "
+                              f"{first['wall_ms'] / floor['ms']:.2f}x that."]
         if "compare_ms" in info:
             names = list(info["compare_ms"])
             sizes = list(info["compare_ms"][names[0]])

@@ -13,6 +13,7 @@ torch.profiler and prints one line per block size (see `mcsd.forward_profile`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 
@@ -48,7 +49,7 @@ def main(argv=None) -> int:
         ap.error("--sizes, --cache-len and --repeats must be positive")
 
     import torch
-    from mcsd.forward_profile import breakdown, format_table, to_json
+    from mcsd.forward_profile import breakdown, format_table, memory_floor, to_json
     from mcsd.profile import machine_info, stand_in
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -66,12 +67,13 @@ def main(argv=None) -> int:
         ap.error(str(exc))
     results = breakdown(model, sizes, cache_len=args.cache_len, repeats=args.repeats, path=args.path,
                         join=not args.separate_projections)
+    floor = memory_floor(model)
     print(f"{model.config._name_or_path} {args.dtype}{' on q4 weights' if args.weights == 'q4' else ''}, "
           f"{torch.get_num_threads()} thread(s), "
           f"cache {args.cache_len}, matmul path {args.path or 'default'}"
           f"{', q / k / v separate' if args.separate_projections else ''}, attention "
           f"{model.config._attn_implementation}; ms per forward (share of wall)")
-    print(format_table(results))
+    print(format_table(results, floor))
     if args.top:
         for r in results:
             print(f"\n{r.rows} rows: " + "; ".join(f"{name} {ms:.2f} ms x{calls:g}" for name, ms, calls in r.top))
@@ -79,7 +81,8 @@ def main(argv=None) -> int:
         meta = {"model": model.config._name_or_path, "dtype": args.dtype, "weights": args.weights,
                 "threads": torch.get_num_threads(),
                 "path": args.path, "joined_projections": not args.separate_projections,
-                "attention": model.config._attn_implementation, "host": machine_info("cpu")}
+                "attention": model.config._attn_implementation, "host": machine_info("cpu"),
+                "memory_floor": dataclasses.asdict(floor)}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(to_json(results, meta))
     return 0
