@@ -141,25 +141,30 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def read_bandwidth(mb: int = 256, repeats: int = 5) -> float:
-    """GB/s (1e9 bytes) this machine reads memory at with torch's current threads: the fastest of
-    `repeats` sums over `mb` MB of bfloat16 (after one untimed sum), far past any cache."""
+def read_bandwidth(mb: int = 256, repeats: int = 5, device: str | torch.device = "cpu") -> float:
+    """GB/s (1e9 bytes) `device`'s memory is read at (on a CPU with torch's current threads): the
+    fastest of `repeats` sums over `mb` MB of bfloat16 (after one untimed sum), far past any cache."""
     if mb < 1 or repeats < 1:
         raise ValueError("mb and repeats must be positive")
-    x = torch.ones(mb * 1_000_000 // 2, dtype=torch.bfloat16)
+    device = torch.device(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    x = torch.ones(mb * 1_000_000 // 2, dtype=torch.bfloat16, device=device)
     x.sum()
     best = float("inf")
     for _ in range(repeats):
+        sync()
         t0 = time.perf_counter()
         x.sum()
+        sync()
         best = min(best, time.perf_counter() - t0)
     return x.nbytes / best / 1e9
 
 
 def memory_floor(model: torch.nn.Module, mb: int = 256, repeats: int = 5) -> MemoryFloor:
-    """`model`'s weight bytes over this machine's measured read rate: the floor of any forward."""
+    """`model`'s weight bytes over the measured read rate of the memory its weights are in: the
+    floor of any forward."""
     nbytes = weight_bytes(model)
-    gb_s = read_bandwidth(mb, repeats)
+    gb_s = read_bandwidth(mb, repeats, next(model.parameters()).device)
     return MemoryFloor(weight_mb=nbytes / 1e6, read_gb_s=gb_s, ms=nbytes / (gb_s * 1e9) * 1e3)
 
 
