@@ -112,33 +112,21 @@ def weight_bytes(model: torch.nn.Module) -> int:
     """
     from . import quant
 
-    seen: set = set()
-    total = 0
-
-    def count(key, nbytes: int) -> None:
-        nonlocal total
-        if key not in seen:
-            seen.add(key)
-            total += nbytes
-
-    linear_params = set()
+    embedding = model.get_input_embeddings()
+    unread = {id(p) for p in embedding.parameters()} if embedding is not None else set()   # gathered by the row
+    reads: dict = {}                                    # one entry per tensor (or joined q4 product) read
     for layer in model.modules():
         if isinstance(layer, torch.nn.Linear):
-            linear_params.update(id(p) for p in layer.parameters(recurse=False))
             q4 = quant.read_bytes(layer)
             if q4 is not None:
-                count(("q4", q4[0]), q4[1])
-                if layer.bias is not None:
-                    count(layer.bias.data_ptr(), layer.bias.nbytes)
-                continue
-            for p in layer.parameters(recurse=False):
-                count(p.data_ptr(), p.nbytes)
-    embedding = model.get_input_embeddings()
-    gathered = {id(p) for p in embedding.parameters()} if embedding is not None else set()
+                reads[("q4", q4[0])] = q4[1]
+                unread.add(id(layer.weight))            # it runs on its codes, not its dense weight
+            else:
+                unread.discard(id(layer.weight))        # a tied LM head reads the whole embedding
     for p in model.parameters():
-        if id(p) not in linear_params and id(p) not in gathered:
-            count(p.data_ptr(), p.nbytes)
-    return total
+        if id(p) not in unread:
+            reads[p.data_ptr()] = p.nbytes
+    return sum(reads.values())
 
 
 def read_bandwidth(mb: int = 256, repeats: int = 5, device: str | torch.device = "cpu") -> float:

@@ -429,9 +429,7 @@ def main(argv=None) -> int:
     last_ckpt = time.time()
     curve = []
     head.train()
-    plan, planned = [None], epoch                    # without a stream: one chunk, everything, in memory
-    if stream is not None:
-        plan = stream.chunks(args.resident_positions, epoch, args.seed)
+    plan, planned = [None], None                     # without a stream: one chunk, everything, in memory
     items, in_memory = windows(train, args.window), (0, 0)
     while True:
         if stream is not None and planned != epoch:
