@@ -180,6 +180,34 @@ def test_answer_stage_writes_shards_and_resumes(tmp_path):
     assert json.loads((tmp_path / "manifest.json").read_text())["runs"]["run"]["n_tokens"] == entry["n_tokens"]
 
 
+def test_an_interrupted_answer_stage_keeps_what_it_finished(tmp_path, monkeypatch):
+    model = tiny_llama(seed=1)
+    tok = word_tokenizer()
+    chat_ids = lambda tokenizer, text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    prompts = [{"id": f"mp-{i}", "category": "qa", "text": f"w{10 + i:02d} w{20 + i:02d}"} for i in range(6)]
+    store = ShardStore(tmp_path)
+    settings = {"source": "magpie", "temperature": 0.0, "max_new_tokens": 4, "samples": 1}
+    calls = []
+
+    def stopping_after_two(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return sample_batch(*args, **kwargs)
+
+    monkeypatch.setattr(campaign, "sample_batch", stopping_after_two)
+    with pytest.raises(KeyboardInterrupt):                 # no shard is due before the stop
+        campaign.answer(model, tok, store, "run", prompts, settings, chat_ids, batch_size=2,
+                        shard_seconds=1e9, log=lambda *_: None)
+    entry = store.manifest()["runs"]["run"]
+    assert entry["n_sequences"] == 4 and len(entry["shards"]) == 1
+    monkeypatch.setattr(campaign, "sample_batch", sample_batch)
+    entry = campaign.answer(model, tok, store, "run", prompts, settings, chat_ids, batch_size=2,
+                            shard_seconds=1e9, log=lambda *_: None)
+    assert sorted(r.key for r in store.records(["run"])) == [f"mp-{i}/0" for i in range(6)]
+    assert entry["n_sequences"] == 6
+
+
 def test_prompts_another_run_answered_are_left_out(tmp_path):
     model = tiny_llama(seed=1)
     tok = word_tokenizer()

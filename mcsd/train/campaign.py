@@ -171,7 +171,8 @@ def answer(model, tokenizer, store: ShardStore, run: str, prompts: list[dict], s
     `settings` holds temperature, top_p, samples and max_new_tokens (and
     anything else that defines the run: resuming with other settings is
     refused). Shards are written at least every `shard_seconds`, so a
-    killed job loses little. Prompts whose key is in `skip` (answered by
+    killed job loses little, and one stopped by an interrupt (SIGINT) first
+    stores the answers it finished. Prompts whose key is in `skip` (answered by
     another run, e.g. the same greedy answers in another dtype) are left out:
     a second copy of nearly the same answer adds tokens, not information.
 
@@ -200,23 +201,32 @@ def answer(model, tokenizer, store: ShardStore, run: str, prompts: list[dict], s
     pending, t_shard, t_work = [], time.time(), 0.0
     n_tok, t0 = 0, time.time()
     with fast_kernels(model):
-        for batch in batches:
-            t_batch = time.time()
-            first = jobs[batch[0]][0]
-            generator = seeded_generator(model.device, run, first)
-            outs = sample_batch(model, [jobs[i][2] for i in batch], settings["max_new_tokens"],
-                                settings.get("temperature", 0.0), settings.get("top_p", 1.0), ends,
-                                tokenizer.pad_token_id or 0, generator)
-            for i, out in zip(batch, outs):
-                key, category, ids = jobs[i]
-                pending.append(Record(key, category, ids, out["response"].tolist(), out["finished"]))
-                n_tok += len(out["response"])
-            t_work += time.time() - t_batch
-            bar.update(len(batch))
-            bar.set_postfix(tok=n_tok, tok_s=f"{n_tok / (time.time() - t0):.0f}")
-            if time.time() - t_shard >= shard_seconds:
+        try:
+            for batch in batches:
+                t_batch = time.time()
+                first = jobs[batch[0]][0]
+                generator = seeded_generator(model.device, run, first)
+                outs = sample_batch(model, [jobs[i][2] for i in batch], settings["max_new_tokens"],
+                                    settings.get("temperature", 0.0), settings.get("top_p", 1.0), ends,
+                                    tokenizer.pad_token_id or 0, generator)
+                for i, out in zip(batch, outs):
+                    key, category, ids = jobs[i]
+                    pending.append(Record(key, category, ids, out["response"].tolist(), out["finished"]))
+                    n_tok += len(out["response"])
+                t_work += time.time() - t_batch
+                bar.update(len(batch))
+                bar.set_postfix(tok=n_tok, tok_s=f"{n_tok / (time.time() - t0):.0f}")
+                if time.time() - t_shard >= shard_seconds:
+                    records, pending = pending, []         # handed over first: a stop inside the write
+                    store.add_shard(run, records, t_work)  # cannot store them twice
+                    t_shard, t_work = time.time(), 0.0
+        except KeyboardInterrupt:
+            # a stopped job (Ctrl-C, or `timeout -s INT` around it) keeps the answers it finished
+            # since the last shard; only the batch in flight is lost
+            if pending:
                 store.add_shard(run, pending, t_work)
-                pending, t_shard, t_work = [], time.time(), 0.0
+                log(f"[answer {run}] stopped: {len(pending)} finished answers kept in a last shard")
+            raise
         if pending:
             store.add_shard(run, pending, t_work)
     bar.close()
