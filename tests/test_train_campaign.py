@@ -180,13 +180,17 @@ def test_answer_stage_writes_shards_and_resumes(tmp_path):
     assert json.loads((tmp_path / "manifest.json").read_text())["runs"]["run"]["n_tokens"] == entry["n_tokens"]
 
 
-def test_an_interrupted_answer_stage_keeps_what_it_finished(tmp_path, monkeypatch):
-    model = tiny_llama(seed=1)
-    tok = word_tokenizer()
+def _two_word_prompts(n: int):
+    """A tiny model and tokenizer, `n` two-word prompts and greedy 4-token answering settings."""
     chat_ids = lambda tokenizer, text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    prompts = [{"id": f"mp-{i}", "category": "qa", "text": f"w{10 + i:02d} w{20 + i:02d}"} for i in range(6)]
-    store = ShardStore(tmp_path)
+    prompts = [{"id": f"mp-{i}", "category": "qa", "text": f"w{10 + i:02d} w{20 + i:02d}"} for i in range(n)]
     settings = {"source": "magpie", "temperature": 0.0, "max_new_tokens": 4, "samples": 1}
+    return tiny_llama(seed=1), word_tokenizer(), chat_ids, prompts, settings
+
+
+def test_an_interrupted_answer_stage_keeps_what_it_finished(tmp_path, monkeypatch):
+    model, tok, chat_ids, prompts, settings = _two_word_prompts(6)
+    store = ShardStore(tmp_path)
     calls = []
 
     def stopping_after_two(*args, **kwargs):
@@ -209,12 +213,8 @@ def test_an_interrupted_answer_stage_keeps_what_it_finished(tmp_path, monkeypatc
 
 
 def test_prompts_another_run_answered_are_left_out(tmp_path):
-    model = tiny_llama(seed=1)
-    tok = word_tokenizer()
-    chat_ids = lambda tokenizer, text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    prompts = [{"id": f"mp-{i}", "category": "qa", "text": f"w{10 + i:02d} w{20 + i:02d}"} for i in range(4)]
+    model, tok, chat_ids, prompts, settings = _two_word_prompts(4)
     store = ShardStore(tmp_path)
-    settings = {"source": "magpie", "temperature": 0.0, "max_new_tokens": 4, "samples": 1}
     campaign.answer(model, tok, store, "first", prompts[:2], settings, chat_ids, batch_size=2, shard_seconds=0.0,
                     log=lambda *_: None)
     entry = campaign.answer(model, tok, store, "second", prompts, settings, chat_ids, batch_size=2, shard_seconds=0.0,
