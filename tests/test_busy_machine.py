@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mcsd import TreeDecoder, profile
+from mcsd.attention import set_backend
 from mcsd.profile import (Costs, DeviceProfile, load_cached, load_or_measure, measure, profile_path,
                           robust_timings)
 
@@ -133,6 +134,8 @@ def test_a_profile_cached_from_a_busy_run_is_replaced_after_contrary_evidence(ta
     monkeypatch.setattr(profile, "quiet_now", lambda threads_used=None: True)
     latency, _ = fake_latency()                                # what measuring finds: 10 + rows ms
     monkeypatch.setattr(profile._ModelTimer, "latency", lambda self, n: latency("any", n, "onednn"))
+    for model in (target, random_draft):                       # the attention the decoder runs: part of the key
+        set_backend(model, "auto")
     load_or_measure(target, random_draft, quiet=True, **QUICK)
     poisoned(target, random_draft)                             # as if measured while the machine was busy
     use_clock(monkeypatch, FakeClock(0, step_ms=11.0, jitter=0.2))   # rounds take what the machine takes
