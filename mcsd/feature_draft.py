@@ -130,7 +130,10 @@ class FeatureHead(nn.Module):
 
     def scores(self, predicted: torch.Tensor) -> torch.Tensor:
         """(..., H) predicted features -> (..., V) logits, -inf outside the sub-vocabulary."""
-        sub = self.sub_scores(predicted)                                               # (..., K)
+        return self.full_scores(self.sub_scores(predicted))
+
+    def full_scores(self, sub: torch.Tensor) -> torch.Tensor:
+        """(..., K) logits over the sub-vocabulary -> (..., V), -inf outside it."""
         if self.vocab_ids.numel() == self.cfg.vocab_size:
             return sub
         full = sub.new_full(sub.shape[:-1] + (self.cfg.vocab_size,), float("-inf"))
@@ -235,6 +238,12 @@ class FeatureDrafter:
         self.embed = target.get_input_embeddings()
         if head.lm_rows is None:
             head.attach_lm_head(target.get_output_embeddings().weight)
+        # the head's LM rows as a linear layer of their own (sharing the rows, frozen), so the matmul
+        # path a forward runs on (`mcsd.kernels`, prepacked weights included) covers its scores too
+        self.lm_rows = nn.Linear(head.cfg.target_hidden, head.lm_rows.shape[0], bias=False,
+                                 device=head.lm_rows.device, dtype=head.lm_rows.dtype)
+        self.lm_rows.weight = nn.Parameter(head.lm_rows, requires_grad=False)
+        self.module = nn.ModuleList([head, self.lm_rows])      # every linear layer its forwards run
         self.device = self.embed.weight.device
         self.dtype = self.embed.weight.dtype
         self.forwards = 0
@@ -289,7 +298,13 @@ class FeatureDrafter:
 
     def _scores(self, pred: torch.Tensor) -> torch.Tensor:
         with kernels.running(self.kernels, pred.shape[0] if pred.dim() > 1 else 1):
+            return self.scores(pred)
+
+    def scores(self, pred: torch.Tensor) -> torch.Tensor:
+        """(..., H) predicted features -> (..., V) draft logits (the head's `scores`, on `lm_rows`)."""
+        if pred.dtype != self.lm_rows.weight.dtype:
             return self.head.scores(pred)
+        return self.head.full_scores(self.lm_rows(pred))
 
     @torch.inference_mode()
     def begin_round(self, sequence: torch.Tensor) -> torch.Tensor:

@@ -195,7 +195,7 @@ class _HeadTimer:
     @torch.inference_mode()
     def latency(self, n: int) -> float:
         d = self.drafter
-        elapsed = _ms(d.device, lambda: d.head.scores(self._run(n, start=self.prefix_len)))
+        elapsed = _ms(d.device, lambda: d.scores(self._run(n, start=self.prefix_len)))
         kv_cache.truncate(d.cache, self.prefix_len)
         return elapsed
 
@@ -459,7 +459,7 @@ def drafter_module(draft) -> torch.nn.Module | None:
     """The module whose linear layers a drafter's forwards run through (a feature drafter's head,
     a draft model itself), or None."""
     if _is_feature_drafter(draft):
-        return draft.head
+        return draft.module                                  # the head and its LM rows
     return draft if isinstance(draft, torch.nn.Module) else getattr(draft, "model", None)
 
 
@@ -500,7 +500,7 @@ def _model_name(model) -> str:
 
 def _model_key(model) -> str:
     # the name, plus the shape of what runs: models saved without a name path all read "llama"
-    module = model.head if _is_feature_drafter(model) else model
+    module = model.module if _is_feature_drafter(model) else model          # a head: with its LM rows
     weights = ":q4" if quant.attached(module) else ""       # the same model on its 4-bit weights runs otherwise
     return f"{_model_name(model)}:{sum(p.numel() for p in module.parameters())}{weights}"
 
