@@ -456,10 +456,10 @@ def _prune(plan: list[tuple], pilot: dict[tuple, float]) -> list[tuple]:
 
 
 def drafter_module(draft) -> torch.nn.Module | None:
-    """The module whose linear layers a drafter's forwards run through (a feature drafter's head,
-    a draft model itself), or None."""
+    """The module whose linear layers a drafter's forwards run through (a feature drafter's head
+    with its LM rows, a draft model itself), or None."""
     if _is_feature_drafter(draft):
-        return draft.module                                  # the head and its LM rows
+        return draft.module
     return draft if isinstance(draft, torch.nn.Module) else getattr(draft, "model", None)
 
 
