@@ -38,6 +38,14 @@ def collect_fit_and_heldout(model_dirs, tmp_path, target, options: list[str]):
     return noisy, common
 
 
+def test_the_cheaper_model_ships_unless_the_dearer_one_predicts_better():
+    results = {"logistic": {"brier": 0.1553, "call_ms": 0.013}, "gbt": {"brier": 0.1551, "call_ms": 0.301}}
+    assert train_decision_models.choose(results, 0.01) == "logistic"          # 0.13% better: not worth 20x
+    assert train_decision_models.choose(results, 0.0) == "gbt"                # the lowest Brier, whatever it costs
+    results["gbt"]["brier"] = 0.140
+    assert train_decision_models.choose(results, 0.01) == "gbt"               # 10% better: worth its cost
+
+
 def test_collect_train_and_use(model_dirs, tmp_path, target):
     noisy, common = collect_fit_and_heldout(model_dirs, tmp_path, target, ["--tree", "3,2,1", "--shard-size", "2"])
     manifest = json.loads((tmp_path / "fit" / "manifest.json").read_text())

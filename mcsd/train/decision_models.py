@@ -7,7 +7,9 @@ tree ensemble on the fitting traces, in two stages: stage one without the
 `parent_pred` feature, whose predictions, multiplied along each path, then
 fill `parent_pred` for stage two (the policy feeds its own predictions there
 at run time). Reports AUC and Brier score on the held-out traces, draws a
-calibration plot, and writes the model with the lower held-out Brier score as
+calibration plot, and writes the cheapest model to call whose held-out Brier
+score is within `--brier-tolerance` of the lowest (the policy calls it once per
+drafted level, so a dearer model must predict measurably better) as
 plain JSON parameters (`acceptance.json`, loaded without running code) with
 `acceptance-card.json` and `acceptance-calibration.png` beside it: under
 models/decision-models (the generic model) by default, or in a drafter's own
@@ -148,6 +150,14 @@ def calibration_plot(curves: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def choose(results: dict[str, dict], tolerance: float) -> str:
+    """The model to ship: the cheapest per call among those whose held-out Brier score is within
+    `tolerance` (relative) of the lowest."""
+    lowest = min(m["brier"] for m in results.values())
+    near = [n for n, m in results.items() if m["brier"] <= lowest * (1 + tolerance)]
+    return min(near, key=lambda n: (results[n]["call_ms"], results[n]["brier"]))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fit", type=Path, required=True, help="trace folder of the fitting split")
@@ -156,7 +166,12 @@ def main(argv=None) -> int:
                     help="greedy acceptance (the sampling label min(1, p/q) is recorded for later use)")
     ap.add_argument("--out", type=Path, default=None,
                     help="default: models/decision-models; a drafter's folder to ship the model with that drafter")
+    ap.add_argument("--brier-tolerance", type=float, default=0.01,
+                    help="ship the cheapest model whose held-out Brier score is within this fraction of the "
+                         "lowest (default 0.01; 0 ships the lowest)")
     args = ap.parse_args(argv)
+    if args.brier_tolerance < 0:
+        sys.exit(f"--brier-tolerance must be >= 0, got {args.brier_tolerance}")
     import sklearn
 
     t0 = time.time()
@@ -175,7 +190,7 @@ def main(argv=None) -> int:
         print(f"{name:9s} held-out AUC {metrics['auc']:.3f}  Brier {metrics['brier']:.4f}  "
               f"(base rate {metrics['base_rate']:.3f}, {metrics['rows']} nodes), {metrics['call_ms']:.3f} ms a call")
     calibration_plot(curves, out / "acceptance-calibration.png")
-    best = min(results, key=lambda n: results[n]["brier"])
+    best = choose(results, args.brier_tolerance)
     importance = feature_importance(*fitted[best], held, args.label)
     print("held-out AUC lost without each feature:", importance)
     spec = export_sklearn(fitted[best][1], meta={"label": args.label, "metrics": results[best]})
@@ -183,7 +198,8 @@ def main(argv=None) -> int:
     (out / "acceptance.json").write_text(json.dumps(spec))
     card = {
         "what": "P(draft node accepted | parent accepted), for the learned tree policy",
-        "chosen": best, "features": list(FEATURE_NAMES), "label": args.label,
+        "chosen": best, "brier_tolerance": args.brier_tolerance, "features": list(FEATURE_NAMES),
+        "label": args.label,
         "permutation_importance_auc": importance,
         "sklearn": sklearn.__version__, "metrics_heldout": results,
         "data": {name: {"nodes": int(len(d["label_greedy"])), "questions": int(np.unique(d["question_id"]).size),
