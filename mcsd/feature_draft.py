@@ -240,8 +240,7 @@ class FeatureDrafter:
             head.attach_lm_head(target.get_output_embeddings().weight)
         # the head's LM rows as a linear layer of their own (sharing the rows, frozen), so the matmul
         # path a forward runs on (`mcsd.kernels`, prepacked weights included) covers its scores too
-        self.lm_rows = nn.Linear(head.cfg.target_hidden, head.lm_rows.shape[0], bias=False,
-                                 device=head.lm_rows.device, dtype=head.lm_rows.dtype)
+        self.lm_rows = nn.Linear(head.cfg.target_hidden, head.lm_rows.shape[0], bias=False, device="meta")
         self.lm_rows.weight = nn.Parameter(head.lm_rows, requires_grad=False)
         self.module = nn.ModuleList([head, self.lm_rows])      # every linear layer its forwards run
         self.device = self.embed.weight.device
@@ -302,8 +301,9 @@ class FeatureDrafter:
 
     def scores(self, pred: torch.Tensor) -> torch.Tensor:
         """(..., H) predicted features -> (..., V) draft logits (the head's `scores`, on `lm_rows`)."""
-        if pred.dtype != self.lm_rows.weight.dtype:
-            return self.head.scores(pred)
+        rows = self.lm_rows.weight
+        if pred.dtype != rows.dtype or self.head.lm_rows is None or rows.data_ptr() != self.head.lm_rows.data_ptr():
+            return self.head.scores(pred)          # another dtype, or rows attached to the head since
         return self.head.full_scores(self.lm_rows(pred))
 
     @torch.inference_mode()

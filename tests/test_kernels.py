@@ -182,6 +182,9 @@ def test_a_feature_drafters_scores_run_on_its_path_too(target):
         assert torch.equal(drafter.scores(pred), head.scores(pred))
     assert drafter.lm_rows.weight.data_ptr() == head.lm_rows.data_ptr() and not drafter.lm_rows.weight.requires_grad
     assert not any(k.startswith("lm_rows") for k in head.state_dict())          # never saved with the head
+    head.attach_lm_head(2 * target.get_output_embeddings().weight.detach())       # rows attached since
+    with torch.inference_mode():
+        assert torch.equal(drafter.scores(pred), head.scores(pred))              # the head's new rows score
     if not kernels.packable(torch.bfloat16, "cpu"):
         return
     target16 = tiny_llama(0).to(torch.bfloat16)
