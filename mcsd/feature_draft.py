@@ -97,11 +97,25 @@ class FeatureHead(nn.Module):
         self.body.embed_tokens.requires_grad_(False)
         self.expand = nn.Linear(w, cfg.target_hidden, bias=False) if w != cfg.target_hidden else nn.Identity()
         self.register_buffer("vocab_ids", torch.arange(cfg.sub_vocab or cfg.vocab_size), persistent=True)
-        self.lm_rows: torch.Tensor | None = None          # (K, H) target LM head rows for vocab_ids
+        self._set_lm(None)
+
+    def _set_lm(self, lm: nn.Linear | None) -> None:
+        # kept out of the registered modules: never saved, trained or converted with the head
+        self.__dict__["lm"] = lm
+
+    @property
+    def lm_rows(self) -> torch.Tensor | None:
+        """(K, H) the target's LM head rows for `vocab_ids`, or None before `attach_lm_head`."""
+        return None if self.lm is None else self.lm.weight
 
     def attach_lm_head(self, lm_head_weight: torch.Tensor) -> None:
-        """Borrow the target's LM head rows for this head's sub-vocabulary (frozen, not saved)."""
-        self.lm_rows = lm_head_weight.detach().index_select(0, self.vocab_ids.to(lm_head_weight.device))
+        """Borrow the target's LM head rows for this head's sub-vocabulary (frozen, not saved), as a
+        linear layer `lm` of their own, so the matmul path a forward runs on (`mcsd.kernels`,
+        prepacked weights included) covers the scores too."""
+        rows = lm_head_weight.detach().index_select(0, self.vocab_ids.to(lm_head_weight.device))
+        lm = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
+        lm.weight = nn.Parameter(rows, requires_grad=False)
+        self._set_lm(lm)
 
     def forward(self, features, token_embeds, position_ids, attention_mask=None, past_key_values=None):
         """Predict next features.
@@ -126,6 +140,8 @@ class FeatureHead(nn.Module):
 
     def sub_scores(self, predicted: torch.Tensor) -> torch.Tensor:
         """(..., H) predicted features -> (..., K) logits over the sub-vocabulary `vocab_ids`."""
+        if predicted.dtype == self.lm_rows.dtype:
+            return self.lm(predicted)
         return predicted @ self.lm_rows.T.to(predicted.dtype)
 
     def scores(self, predicted: torch.Tensor) -> torch.Tensor:
@@ -161,7 +177,7 @@ class FeatureHead(nn.Module):
         with torch.no_grad():
             wide.fuse.weight.zero_()
             wide.fuse.weight[:, k * H:(k + 1) * H] = torch.eye(H, dtype=wide.fuse.weight.dtype)
-        wide.lm_rows = self.lm_rows
+        wide._set_lm(self.lm)
         return wide
 
     # ---------------------------------------------------------------- files
@@ -238,11 +254,6 @@ class FeatureDrafter:
         self.embed = target.get_input_embeddings()
         if head.lm_rows is None:
             head.attach_lm_head(target.get_output_embeddings().weight)
-        # the head's LM rows as a linear layer of their own (sharing the rows, frozen), so the matmul
-        # path a forward runs on (`mcsd.kernels`, prepacked weights included) covers its scores too
-        self.lm_rows = nn.Linear(head.cfg.target_hidden, head.lm_rows.shape[0], bias=False, device="meta")
-        self.lm_rows.weight = nn.Parameter(head.lm_rows, requires_grad=False)
-        self.module = nn.ModuleList([head, self.lm_rows])      # every linear layer its forwards run
         self.device = self.embed.weight.device
         self.dtype = self.embed.weight.dtype
         self.forwards = 0
@@ -297,14 +308,12 @@ class FeatureDrafter:
 
     def _scores(self, pred: torch.Tensor) -> torch.Tensor:
         with kernels.running(self.kernels, pred.shape[0] if pred.dim() > 1 else 1):
-            return self.scores(pred)
+            return self.head.scores(pred)
 
-    def scores(self, pred: torch.Tensor) -> torch.Tensor:
-        """(..., H) predicted features -> (..., V) draft logits (the head's `scores`, on `lm_rows`)."""
-        rows = self.lm_rows.weight
-        if pred.dtype != rows.dtype or self.head.lm_rows is None or rows.data_ptr() != self.head.lm_rows.data_ptr():
-            return self.head.scores(pred)          # another dtype, or rows attached to the head since
-        return self.head.full_scores(self.lm_rows(pred))
+    @property
+    def module(self) -> nn.Module:
+        """Every linear layer this drafter's forwards run: the head's and its LM rows'."""
+        return nn.ModuleList([self.head, self.head.lm])
 
     @torch.inference_mode()
     def begin_round(self, sequence: torch.Tensor) -> torch.Tensor:

@@ -172,30 +172,30 @@ def test_feature_drafter_forwards_follow_the_table(target):
 
 
 def test_a_feature_drafters_scores_run_on_its_path_too(target):
-    """The head's LM rows are a linear layer of the drafter's: the same scores as the head's own
-    (float32, bit for bit), and on the prepacked path a packed product like every other layer."""
+    """The head's LM rows are a linear layer of its own, among the drafter's: the same scores as the plain
+    product (float32, bit for bit), and on the prepacked path a packed product like every other layer."""
     from test_feature_draft import random_head
     head = random_head(target, sub_vocab=40)
     drafter = FeatureDrafter(head, target)
     pred = torch.randn(3, target.config.hidden_size)
     with torch.inference_mode():
-        assert torch.equal(drafter.scores(pred), head.scores(pred))
-    assert drafter.lm_rows.weight.data_ptr() == head.lm_rows.data_ptr() and not drafter.lm_rows.weight.requires_grad
-    assert not any(k.startswith("lm_rows") for k in head.state_dict())          # never saved with the head
+        assert torch.equal(drafter._scores(pred), head.full_scores(pred @ head.lm_rows.T))
+    assert drafter.module[1].weight.data_ptr() == head.lm_rows.data_ptr() and not drafter.module[1].weight.requires_grad
+    assert not any(k.startswith("lm") for k in head.state_dict())          # never saved with the head
     head.attach_lm_head(2 * target.get_output_embeddings().weight.detach())       # rows attached since
     with torch.inference_mode():
-        assert torch.equal(drafter.scores(pred), head.scores(pred))              # the head's new rows score
+        assert torch.equal(drafter._scores(pred), head.full_scores(pred @ head.lm_rows.T))   # the new rows score
     if not kernels.packable(torch.bfloat16, "cpu"):
         return
     target16 = tiny_llama(0).to(torch.bfloat16)
     half = FeatureDrafter(random_head(target16, sub_vocab=40).to(torch.bfloat16), target16)
     kernels.pack(half.module)
-    assert kernels.is_packed(half.lm_rows)
+    assert kernels.is_packed(half.head.lm)
     pred = pred.to(torch.bfloat16)
     with torch.inference_mode():
-        plain = half.scores(pred)
+        plain = half.head.scores(pred)
         with kernels.using("packed"):
-            packed = half.scores(pred)
+            packed = half.head.scores(pred)
     rows = packed.isfinite()
     assert torch.equal(rows, plain.isfinite()) and int(rows.sum()) == 3 * 40
     assert torch.allclose(packed[rows].float(), plain[rows].float(), atol=0.05, rtol=0.05)
