@@ -15,6 +15,7 @@ from mcsd.profile import _model_key
 pytestmark = pytest.mark.skipif(not quant.kernel_available(), reason="this torch has no CPU int4 kernel")
 
 PROMPT = torch.tensor([3, 17, 42, 5, 9, 11])
+LONG_PROMPT = (torch.arange(quant.PREFILL_ROWS + 8) * 7 + 3) % 61      # a prompt past PREFILL_ROWS
 
 
 @pytest.fixture(autouse=True)
@@ -73,13 +74,16 @@ def test_q_and_k_rows_come_back_in_transformers_order(q4_gguf_file):
         assert torch.equal(quant.dequantize(*found[name]).bfloat16(), _layer(model, name).weight)
 
 
-@pytest.mark.parametrize("policy,tree", [("static", "2,2,1"), ("static", "3,1"), ("learned", None)])
-def test_decoding_on_q4_weights_is_exact_wrt_plain_q4_decoding(q4_gguf_file, policy, tree):
+# a long prompt starts on the dense weights; static trees are always verified on the codes after it
+@pytest.mark.parametrize("policy,tree,prompt", [("static", "2,2,1", PROMPT), ("static", "3,1", PROMPT),
+                                                ("learned", None, PROMPT), ("static", "2,2,1", LONG_PROMPT),
+                                                ("static", "3,1", LONG_PROMPT)])
+def test_decoding_on_q4_weights_is_exact_wrt_plain_q4_decoding(q4_gguf_file, policy, tree, prompt):
     model = _q4_model(q4_gguf_file)
     draft = tiny_llama(1, layers=1).to(torch.bfloat16)
     with torch.inference_mode():
-        reference = model.generate(PROMPT[None], max_new_tokens=30, do_sample=False, min_new_tokens=30,
-                                   pad_token_id=0)[0, PROMPT.numel():].tolist()
+        reference = model.generate(prompt[None], max_new_tokens=30, do_sample=False, min_new_tokens=30,
+                                   pad_token_id=0)[0, prompt.numel():].tolist()
     dec = TreeDecoder(model, draft, tree=tree, policy=policy, calibrate=True)
     assert quant.attached(model) == 14                            # calibration and packing left them on q4
     calls = []
@@ -87,10 +91,62 @@ def test_decoding_on_q4_weights_is_exact_wrt_plain_q4_decoding(q4_gguf_file, pol
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(quant.torch.ops.aten, "_weight_int4pack_mm_for_cpu",
                    lambda *a: calls.append(a[0].shape[0]) or real(*a), raising=False)
-        out = dec.generate(PROMPT, max_new_tokens=30)
-        plain = dec.generate_baseline(PROMPT, max_new_tokens=30)
+        out = dec.generate(prompt, max_new_tokens=30)
+        plain = dec.generate_baseline(prompt, max_new_tokens=30)
     assert calls and max(calls) > 1                               # trees were verified on the int4 kernel
     assert plain.tokens == reference and out.tokens == reference
+
+
+def _int4_rows(model, *forwards) -> list[list[int]]:
+    """The rows of every int4 product in each of `forwards` (callables), in order."""
+    real = torch.ops.aten._weight_int4pack_mm_for_cpu
+    seen: list[list[int]] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(quant.torch.ops.aten, "_weight_int4pack_mm_for_cpu",
+                   lambda *a: seen[-1].append(a[0].shape[0]) or real(*a), raising=False)
+        for fn in forwards:
+            seen.append([])
+            fn()
+    return seen
+
+
+def test_a_long_prompt_starts_on_the_dense_weights_and_every_later_forward_on_the_codes(q4_gguf_file):
+    from transformers import DynamicCache
+
+    from mcsd.kernels import switchable
+    from mcsd.kv_cache import cache_keyword
+    model, dense = _q4_model(q4_gguf_file), load_model(str(q4_gguf_file), dtype="bfloat16")
+    cache, out = {cache_keyword(model): DynamicCache(config=model.config)}, {}
+    with torch.inference_mode():
+        def start():
+            out["q4"] = model(LONG_PROMPT[None], use_cache=True, **cache).logits
+        rows = _int4_rows(model, start,
+                          lambda: model(LONG_PROMPT[None, :2], use_cache=True, **cache),
+                          lambda: model(PROMPT[None]),                           # short: a sequence on the codes
+                          lambda: model(LONG_PROMPT[None, :quant.PREFILL_ROWS - 1]))
+        reference = dense(LONG_PROMPT[None]).logits
+    if switchable(torch.bfloat16, "cpu"):                       # oneDNN runs bfloat16 natively here
+        assert rows[0] == [] and torch.equal(out["q4"], reference)
+    else:
+        assert len(rows[0]) == 10 and not torch.equal(out["q4"], reference)
+    assert len(rows[1]) == len(rows[2]) == len(rows[3]) == 10   # 2 layers x (q/k/v joined, o, gate, up, down)
+    assert not quant._local.dense                               # nothing left switched on after the forwards
+
+
+def test_without_native_bfloat16_a_long_prompt_stays_on_the_codes(q4_gguf_file, monkeypatch):
+    import mcsd.kernels
+    monkeypatch.setattr(mcsd.kernels, "switchable", lambda dtype, device: False)
+    model = _q4_model(q4_gguf_file)
+    with torch.inference_mode():
+        rows = _int4_rows(model, lambda: model(LONG_PROMPT[None]))
+    assert rows[0] == [LONG_PROMPT.numel()] * 10
+
+
+def test_a_detached_model_loses_the_prefill_switch(q4_gguf_file):
+    model = _q4_model(q4_gguf_file)
+    assert model._forward_pre_hooks and model._forward_hooks
+    quant.detach(model)
+    assert not model._forward_pre_hooks and not model._forward_hooks and quant.attached(model) == 0
 
 
 def test_a_model_that_is_not_the_files_is_refused(q4_gguf_file, gguf_file):
