@@ -42,7 +42,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from . import fused, quant
+from . import fused
 
 _suspensions = 0                  # > 0 while some caller runs forwards on several threads
 _lock = threading.Lock()
@@ -159,8 +159,9 @@ def pack(module: torch.nn.Module, join: bool = True) -> int:
     share one copy and one product (`mcsd.fused`). Repacks a layer whose weight changed;
     returns the number of layers packed now."""
     def eligible(layer) -> bool:
+        own = layer.__dict__.get("forward")                     # another path's (q4 weights) is left alone
         return type(layer) is torch.nn.Linear and packable(layer.weight.dtype, layer.weight.device) \
-            and not quant.attached(layer)                       # runs on its 4-bit weights
+            and (own is None or getattr(own, "__func__", None) is _packed_forward)
     groups = [g for g in fused.sibling_groups(module) if all(map(eligible, g))] if join else []
     joined = {id(layer) for group in groups for layer in group}
     groups += [[layer] for layer in module.modules() if eligible(layer) and id(layer) not in joined]
