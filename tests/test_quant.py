@@ -131,6 +131,9 @@ def test_a_long_prompt_starts_on_the_dense_weights_and_every_later_forward_on_th
         assert len(rows[0]) == 10 and not torch.equal(out["q4"], reference)
     assert len(rows[1]) == len(rows[2]) == len(rows[3]) == 10   # 2 layers x (q/k/v joined, o, gate, up, down)
     assert not quant._local.dense                               # nothing left switched on after the forwards
+    with pytest.raises(IndexError), torch.inference_mode():   # a forward that fails inside switches it off too
+        model(torch.full((1, quant.PREFILL_ROWS), 10 ** 6))
+    assert not quant._local.dense and not quant._local.stack
 
 
 def test_without_native_bfloat16_a_long_prompt_stays_on_the_codes(q4_gguf_file, monkeypatch):
