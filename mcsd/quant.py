@@ -49,7 +49,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import fused
+from . import fused, kernels
 from .errors import ModelLoadError
 
 GROUP = 32                              # weights per Q4_1 block (along the input dimension)
@@ -280,11 +280,10 @@ def attach(model: torch.nn.Module, gguf_path: str | Path, join: bool = True) -> 
     return len(checked)
 
 
-def starts_dense(model: torch.nn.Module, rows: int, cached: int) -> bool:
-    """A forward of `rows` rows after `cached` cached positions reads `model`'s dense weights: it
+def starts_dense(rows: int, cached: int) -> bool:
+    """A forward of `rows` rows after `cached` cached positions reads a q4 model's dense weights: it
     starts a sequence with at least `PREFILL_ROWS` rows, on a CPU where oneDNN runs bfloat16."""
-    from .kernels import switchable
-    return cached == 0 and rows >= PREFILL_ROWS and switchable(torch.bfloat16, "cpu")
+    return cached == 0 and rows >= PREFILL_ROWS and kernels.switchable(torch.bfloat16, "cpu")
 
 
 def _cached_positions(kwargs: dict) -> int:
@@ -298,7 +297,7 @@ def _before_forward(model, args, kwargs):
     rows = ids.shape[-1] if ids is not None else embeds.shape[-2] if embeds is not None else 0
     stack = _local.__dict__.setdefault("stack", [])
     stack.append(getattr(_local, "dense", False))                  # a forward inside another keeps its own
-    _local.dense = starts_dense(model, rows, _cached_positions(kwargs))
+    _local.dense = starts_dense(rows, _cached_positions(kwargs))
 
 
 def _after_forward(model, args, kwargs, output):
