@@ -529,6 +529,10 @@ def run(args) -> int:
     if args.lossy_target_roots:
         print("mcsd-generate: warning: --lossy-target-roots changed the output distribution (not lossless)",
               file=sys.stderr)
+    if out.finish_reason == "eos" and len(out.tokens) <= 1 and not args.chat \
+            and getattr(tokenizer, "chat_template", None):
+        print("mcsd-generate: note: the target ended the text at its first token; its tokenizer has a chat "
+              "template, and a chat model answers a prompt given as a chat turn: add --chat", file=sys.stderr)
     if args.stats:
         print(_stats_summary(out.stats, args.baseline), file=sys.stderr)
         print(f"dtype: {dtype_reason or args.dtype + ' (as asked)'}", file=sys.stderr)

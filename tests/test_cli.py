@@ -287,3 +287,26 @@ def test_a_prompt_past_the_context_window_fails_before_anything_is_measured(mode
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "exceeds the target's context window of 256" in err
     assert not list(tmp_path.rglob("*.json"))                             # no profile was measured
+
+
+def test_a_text_ended_at_once_without_chat_says_to_add_it(model_dirs, tmp_path, capsys):
+    """A chat model given a bare prompt often ends at once: the empty output comes with a note."""
+    import shutil
+
+    from transformers import AutoTokenizer, GenerationConfig
+    common = ["--prompt", "w03 w17", "--max-new-tokens", "6", "--baseline", "--dtype", "float32"]
+    assert main(["--target", str(model_dirs / "target"), "--json"] + common) == 0
+    first = json.loads(capsys.readouterr().out)["tokens"][0]
+    target = tmp_path / "target"
+    shutil.copytree(model_dirs / "target", target)
+    gen = GenerationConfig.from_pretrained(target)
+    gen.eos_token_id = first                                     # the target's first token now ends its text
+    gen.save_pretrained(target)
+    assert main(["--target", str(target)] + common) == 0
+    captured = capsys.readouterr()
+    assert len(captured.out.split()) <= 1 and "note" not in captured.err   # no chat template: nothing to suggest
+    tok = AutoTokenizer.from_pretrained(target)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    tok.save_pretrained(target)
+    assert main(["--target", str(target)] + common) == 0
+    assert "add --chat" in capsys.readouterr().err
