@@ -143,13 +143,16 @@ def test_prefill_projects_only_the_last_row(target):
     """The prefill asks the model for the last row's logits alone, with context drafting too
     (it recycles the last prompt token's predictions only); output unchanged."""
     rows = []
+    # uncalibrated: a profile measured here (none cached yet when this test runs alone) would feed
+    # forwards of its own through the hook
+    plain = TreeDecoder(target, None, attention="sdpa", calibrate=False)
+    tree = TreeDecoder(target, [target, "context"], tree="2,1", policy="static", attention="sdpa", calibrate=False)
     hook = target.register_forward_hook(lambda m, args, out: rows.append(out.logits.shape[1]))
     try:
-        ref = TreeDecoder(target, None, attention="sdpa").generate_baseline(PROMPT, max_new_tokens=12)
+        ref = plain.generate_baseline(PROMPT, max_new_tokens=12)
         assert rows[0] == 1
         rows.clear()
-        out = TreeDecoder(target, [target, "context"], tree="2,1", policy="static",
-                          attention="sdpa").generate(PROMPT, max_new_tokens=12)
+        out = tree.generate(PROMPT, max_new_tokens=12)
         assert rows[0] == 1 and out.tokens == ref.tokens
     finally:
         hook.remove()
