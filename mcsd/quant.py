@@ -49,7 +49,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import fused, kernels
+from . import fused, kernels, kv_cache
 from .errors import ModelLoadError
 
 GROUP = 32                              # weights per Q4_1 block (along the input dimension)
@@ -59,7 +59,20 @@ _JOINED = "_mcsd_q4_joined"       # (fused.Product, index) where siblings share 
 Codes = tuple            # (q (N, K) uint8 in 0..15, d (N, K / 32) float16, m (N, K / 32) float16)
 PREFILL_ROWS = 32        # a forward over an empty cache with this many rows reads the dense weights
 _HOOKS = "_mcsd_q4_prefill_hooks"
-_local = threading.local()        # .dense: this thread's current forward reads the dense weights
+
+
+class _Forwards(threading.local):
+    """Per thread, whether each q4 forward now running (innermost last) reads the dense weights."""
+
+    def __init__(self):
+        self.stack: list[bool] = []
+
+    @property
+    def dense(self) -> bool:
+        return bool(self.stack) and self.stack[-1]
+
+
+_local = _Forwards()
 # GGUF tensor names of a llama-family block -> transformers module path inside decoder layer i
 _LLAMA_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -141,7 +154,7 @@ class Q4Linear:
 
 def _q4_forward(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     q4 = layer.__dict__.get(_ATTR)
-    if q4 is not None and x.dtype == torch.bfloat16 and not x.requires_grad and not getattr(_local, "dense", False):
+    if q4 is not None and x.dtype == torch.bfloat16 and not x.requires_grad and not _local.dense:
         joined = layer.__dict__.get(_JOINED)
         if joined is not None:                                     # siblings share one product
             return joined[0].part(x, joined[1])
@@ -286,23 +299,17 @@ def starts_dense(rows: int, cached: int) -> bool:
     return cached == 0 and rows >= PREFILL_ROWS and kernels.switchable(torch.bfloat16, "cpu")
 
 
-def _cached_positions(kwargs: dict) -> int:
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    return int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
-
-
 def _before_forward(model, args, kwargs):
     ids = kwargs.get("input_ids", args[0] if args else None)
     embeds = kwargs.get("inputs_embeds")
     rows = ids.shape[-1] if ids is not None else embeds.shape[-2] if embeds is not None else 0
-    stack = _local.__dict__.setdefault("stack", [])
-    stack.append(getattr(_local, "dense", False))                  # a forward inside another keeps its own
-    _local.dense = starts_dense(rows, _cached_positions(kwargs))
+    cached = kv_cache.cache_length(kwargs.get("cache", kwargs.get("past_key_values")))
+    _local.stack.append(starts_dense(rows, cached))             # a forward inside another keeps its own
 
 
 def _after_forward(model, args, kwargs, output):
-    stack = _local.__dict__.get("stack")
-    _local.dense = stack.pop() if stack else False
+    if _local.stack:
+        _local.stack.pop()
 
 
 def _install_prefill(model: torch.nn.Module) -> None:

@@ -74,30 +74,7 @@ def test_q_and_k_rows_come_back_in_transformers_order(q4_gguf_file):
         assert torch.equal(quant.dequantize(*found[name]).bfloat16(), _layer(model, name).weight)
 
 
-# a long prompt starts on the dense weights; static trees are always verified on the codes after it
-@pytest.mark.parametrize("policy,tree,prompt", [("static", "2,2,1", PROMPT), ("static", "3,1", PROMPT),
-                                                ("learned", None, PROMPT), ("static", "2,2,1", LONG_PROMPT),
-                                                ("static", "3,1", LONG_PROMPT)])
-def test_decoding_on_q4_weights_is_exact_wrt_plain_q4_decoding(q4_gguf_file, policy, tree, prompt):
-    model = _q4_model(q4_gguf_file)
-    draft = tiny_llama(1, layers=1).to(torch.bfloat16)
-    with torch.inference_mode():
-        reference = model.generate(prompt[None], max_new_tokens=30, do_sample=False, min_new_tokens=30,
-                                   pad_token_id=0)[0, prompt.numel():].tolist()
-    dec = TreeDecoder(model, draft, tree=tree, policy=policy, calibrate=True)
-    assert quant.attached(model) == 14                            # calibration and packing left them on q4
-    calls = []
-    real = torch.ops.aten._weight_int4pack_mm_for_cpu
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(quant.torch.ops.aten, "_weight_int4pack_mm_for_cpu",
-                   lambda *a: calls.append(a[0].shape[0]) or real(*a), raising=False)
-        out = dec.generate(prompt, max_new_tokens=30)
-        plain = dec.generate_baseline(prompt, max_new_tokens=30)
-    assert calls and max(calls) > 1                               # trees were verified on the int4 kernel
-    assert plain.tokens == reference and out.tokens == reference
-
-
-def _int4_rows(model, *forwards) -> list[list[int]]:
+def _int4_rows(*forwards) -> list[list[int]]:
     """The rows of every int4 product in each of `forwards` (callables), in order."""
     real = torch.ops.aten._weight_int4pack_mm_for_cpu
     seen: list[list[int]] = []
@@ -110,6 +87,26 @@ def _int4_rows(model, *forwards) -> list[list[int]]:
     return seen
 
 
+# a long prompt starts on the dense weights; static trees are always verified on the codes after it
+@pytest.mark.parametrize("policy,tree,prompt", [("static", "2,2,1", PROMPT), ("static", "3,1", PROMPT),
+                                                ("learned", None, PROMPT), ("static", "2,2,1", LONG_PROMPT),
+                                                ("static", "3,1", LONG_PROMPT)])
+def test_decoding_on_q4_weights_is_exact_wrt_plain_q4_decoding(q4_gguf_file, policy, tree, prompt):
+    model = _q4_model(q4_gguf_file)
+    draft = tiny_llama(1, layers=1).to(torch.bfloat16)
+    with torch.inference_mode():
+        reference = model.generate(prompt[None], max_new_tokens=30, do_sample=False, min_new_tokens=30,
+                                   pad_token_id=0)[0, prompt.numel():].tolist()
+    dec = TreeDecoder(model, draft, tree=tree, policy=policy, calibrate=True)
+    assert quant.attached(model) == 14                            # calibration and packing left them on q4
+    runs = {}
+    calls = sum(_int4_rows(lambda: runs.update(out=dec.generate(prompt, max_new_tokens=30)),
+                           lambda: runs.update(plain=dec.generate_baseline(prompt, max_new_tokens=30))), [])
+    out, plain = runs["out"], runs["plain"]
+    assert calls and max(calls) > 1                               # trees were verified on the int4 kernel
+    assert plain.tokens == reference and out.tokens == reference
+
+
 def test_a_long_prompt_starts_on_the_dense_weights_and_every_later_forward_on_the_codes(q4_gguf_file):
     from transformers import DynamicCache
 
@@ -120,7 +117,7 @@ def test_a_long_prompt_starts_on_the_dense_weights_and_every_later_forward_on_th
     with torch.inference_mode():
         def start():
             out["q4"] = model(LONG_PROMPT[None], use_cache=True, **cache).logits
-        rows = _int4_rows(model, start,
+        rows = _int4_rows(start,
                           lambda: model(LONG_PROMPT[None, :2], use_cache=True, **cache),
                           lambda: model(PROMPT[None]),                           # short: a sequence on the codes
                           lambda: model(LONG_PROMPT[None, :quant.PREFILL_ROWS - 1]))
@@ -141,7 +138,7 @@ def test_without_native_bfloat16_a_long_prompt_stays_on_the_codes(q4_gguf_file, 
     monkeypatch.setattr(mcsd.kernels, "switchable", lambda dtype, device: False)
     model = _q4_model(q4_gguf_file)
     with torch.inference_mode():
-        rows = _int4_rows(model, lambda: model(LONG_PROMPT[None]))
+        rows = _int4_rows(lambda: model(LONG_PROMPT[None]))
     assert rows[0] == [LONG_PROMPT.numel()] * 10
 
 
