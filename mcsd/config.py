@@ -20,6 +20,7 @@ class ConfigError(ValueError):
 DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
                "float16": "float16", "fp16": "float16"}          # accepted name -> torch dtype name
 ATTENTION_BACKENDS = ("auto", "sdpa", "gqa", "xformers", "eager")
+SAMPLING_METHODS = ("gumbel", "rejection")   # mcsd.sampling's two ways to draw
 WEIGHTS = ("dense", "q4")                 # how a target's linear layers run (mcsd.models.load_model)
 
 
@@ -68,6 +69,8 @@ class SamplingConfig:
     top_p: float = 1.0        # keep the smallest set of tokens whose mass reaches top_p; 1.0 disables
     min_p: float = 0.0        # drop tokens below min_p x the top token's probability; 0 disables
     typical_p: float = 1.0    # locally typical sampling: keep the most typical tokens up to this mass; 1.0 disables
+    method: str = "gumbel"    # how tokens are drawn: "gumbel" (noise keyed by seed and position; a seed
+                              # repeats whatever the drafts) or "rejection" (multi-candidate rejection sampling)
 
     def __post_init__(self):
         temperature, top_p = _number("temperature", self.temperature), _number("top_p", self.top_p)
@@ -86,6 +89,8 @@ class SamplingConfig:
         object.__setattr__(self, "temperature", temperature)
         object.__setattr__(self, "top_k", _integer("top_k", self.top_k, 0))
         object.__setattr__(self, "top_p", top_p)
+        if self.method not in SAMPLING_METHODS:
+            raise ConfigError(f"sampling method must be one of {', '.join(SAMPLING_METHODS)}, got {self.method!r}")
 
     @property
     def greedy(self) -> bool:

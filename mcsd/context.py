@@ -329,9 +329,13 @@ class ContextDrafter:
             self._store = store.index(self.config.min_ngram, self.config.max_ngram)
 
     def reset(self, prompt: torch.Tensor) -> None:
-        """A new generation: index the prompt. Measured acceptance and recycled predictions carry over
-        (they describe the target and the text kind, not one sequence)."""
+        """A new generation: index the prompt, and forget measured acceptance and recycled predictions,
+        so that what is proposed for a request (and, in bfloat16, how its verifies round) never depends
+        on the requests before it. The store, read-only, stays."""
         self.history = NGramIndex(self.config.min_ngram, self.config.max_ngram)
+        self.rates = {}
+        if self._next is not None:
+            self._next.fill_(-1)
         self.history.extend(prompt.tolist())
         self.proposed_nodes = self.accepted_nodes = 0
 

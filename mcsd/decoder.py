@@ -34,7 +34,7 @@ from .pearl import PearlMode
 from .policies import TreePolicy, make_policy
 from .propose import Proposer
 from .resolve import resolve
-from .sampling import choose, logits_to_probs, make_generator
+from .sampling import PositionNoise, choose, logits_to_probs, make_generator
 from .tree import DraftTree
 from .verify import Acceptance, accept_greedy, accept_sampling
 
@@ -211,11 +211,15 @@ class TreeDecoder:
             with kernels.suspend():                             # the matmul flag is shared by both threads
                 return (yield from pearl.decode(self, prompt_ids, cfg, policy, drafter))
         stats, gen = GenerationStats(), make_generator(cfg.seed, self.target.device)
+        noise = None                 # Gumbel noise by (seed, position): a seed's text whatever the trees
+        if not cfg.sampling.greedy and cfg.sampling.method == "gumbel":
+            vocab = self.target.model.get_input_embeddings().weight.shape[0]
+            noise = PositionNoise(cfg.seed, vocab, self.target.device)
         emitted = Emission(cfg, eos_ids(cfg, self.target.model, self.tokenizer), self.tokenizer)
         proc = processors.build(cfg.processing, prompt_ids.numel(), emitted.eos)   # None: raw logits decide
         t_start = time.perf_counter()
         # 0. prefill: the target reads the prompt and chooses the first token itself
-        sequence, new, new_lp = self._prefill(prompt_ids, cfg, proposer, gen, proc)
+        sequence, new, new_lp = self._prefill(prompt_ids, cfg, proposer, gen, proc, noise)
         stats.target_forwards += 1
         stats.prefill_s = time.perf_counter() - t_start
         yield emitted.add(new, new_lp)
@@ -223,11 +227,13 @@ class TreeDecoder:
         while emitted.finish is None:
             # 1-2. propose: the drafter's tree under the root, context branches merged in
             t0 = time.perf_counter()
-            proposal = proposer.propose(sequence, cfg.max_new_tokens - len(emitted.tokens), cfg.sampling, gen, proc)
+            proposal = proposer.propose(sequence, cfg.max_new_tokens - len(emitted.tokens), cfg.sampling, gen, proc,
+                                        noise)
             t1 = time.perf_counter()
             # 3-4. verify every node in one target forward, then accept (the target's cache keeps the path)
             acc, path_hidden, last, new_lp = self._verify(proposal.grown, sequence, cfg, gen, policy,
-                                                          proposer.hidden, proposer.lossy > 0, proposer.context, proc)
+                                                          proposer.hidden, proposer.lossy > 0, proposer.context, proc,
+                                                          noise)
             t2 = time.perf_counter()
             # 5. commit the path to the drafter's cache; the proposers observe how the round went
             proposer.observe(proposal, acc, path_hidden, last, (t1 - t0) * 1000, (t2 - t1) * 1000)
@@ -246,7 +252,8 @@ class TreeDecoder:
         stats.wall_s = time.perf_counter() - t_start
         return emitted.output(stats)
 
-    def _prefill(self, prompt_ids: torch.Tensor, cfg: DecodeConfig, proposer: Proposer, gen, proc):
+    def _prefill(self, prompt_ids: torch.Tensor, cfg: DecodeConfig, proposer: Proposer, gen, proc,
+                 noise: PositionNoise | None = None):
         """The target reads the prompt (T,) and, unless the round's roots are its top-W (lossy), chooses
         the first token. Only the last row is projected onto the vocabulary: the prompt's other rows
         would give context drafting recycled predictions for prompt tokens, but the projection costs
@@ -267,16 +274,19 @@ class TreeDecoder:
         if proposer.lossy:              # the target's top-W are the next round's candidate roots; nothing emitted
             return prompt_ids, [], None
         scores = logits[-1] if proc is None else proc.at_prefix(prompt_ids, logits[-1])
-        root, new_lp = choose(scores, cfg.sampling, gen, cfg.return_logprobs)
+        root, new_lp = choose(scores, cfg.sampling, gen, cfg.return_logprobs, noise, prompt_ids.numel())
         return torch.cat([prompt_ids, root.reshape(1)]), [int(root)], new_lp
 
     def _verify(self, grown: GrownTree, sequence: torch.Tensor, cfg: DecodeConfig, gen, policy: TreePolicy,
                 hidden: bool | tuple[int, ...] = False, skip_root: bool = False,
-                context: ContextDrafter | None = None, proc: processors.NodeScores | None = None):
+                context: ContextDrafter | None = None, proc: processors.NodeScores | None = None,
+                noise: PositionNoise | None = None):
         """One target forward over the tree's nodes, the acceptance rule, and the target cache commit.
 
         `sequence` (T,) is the committed sequence ending with the root; `proc`
-        processes each node's logits with that node's own prefix.
+        processes each node's logits with that node's own prefix. Sampling with
+        `noise`: the target's draw after each node is the Gumbel-max token at the
+        next position, and a node is accepted exactly as under greedy matching.
 
         With skip_root (the lossy multi-root variant) the root is the last
         committed token, already in the cache, and its children are the
@@ -306,6 +316,10 @@ class TreeDecoder:
                 argmax = torch.cat([argmax.new_full((1,), -1), argmax])
             acc = accept_greedy(tree.tokens, tree.parents, tree.depth, anc, argmax,
                                 given=(tree.depth == 1) if skip_root else None)
+        elif noise is not None:                  # the target's own seeded draw after each node, matched
+            p_target = logits_to_probs(logits, sampling)
+            draws = noise.draw(p_target, tree.depth + sequence.numel())             # node at depth d draws T + d
+            acc = accept_greedy(tree.tokens, tree.parents, tree.depth, anc, draws)
         else:
             p_target = logits_to_probs(logits, sampling)
             q_draft = grown.q_draft.to(p_target.device) if grown.q_draft is not None else None

@@ -152,7 +152,7 @@ def _draft_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor
 @torch.inference_mode()
 def grow_tree(drafter: Drafter, policy: TreePolicy, sequence: torch.Tensor, depth_limit: int,
               sampling: SamplingConfig, generator: torch.Generator | None,
-              root_children: torch.Tensor | None = None, scores=None) -> GrownTree:
+              root_children: torch.Tensor | None = None, scores=None, noise=None) -> GrownTree:
     """Grow one round's tree under the root `sequence[-1]`.
 
     Args:
@@ -168,6 +168,10 @@ def grow_tree(drafter: Drafter, policy: TreePolicy, sequence: torch.Tensor, dept
         scores: optional `mcsd.processors.NodeScores`: the logits processors,
             applied to the draft's logits at each expanded node with its own
             prefix, as verification applies them to the target's.
+        noise: optional `mcsd.sampling.PositionNoise` (sampling): children are the
+            top keys log q + g at their position, g the noise the target draws
+            with there, so the first child is the target's draw whenever q and p
+            rank it first under that noise. (Without it, draws without replacement.)
     Returns:
         GrownTree. One draft forward per level actually expanded.
     """
@@ -205,6 +209,10 @@ def grow_tree(drafter: Drafter, policy: TreePolicy, sequence: torch.Tensor, dept
         if sampling.greedy:
             top = torch.topk(probs, k, dim=-1)
             cand, valid = top.indices, torch.ones_like(top.indices, dtype=torch.bool)
+        elif noise is not None:                                            # ranked by the target's noise
+            keys = noise.keys(probs, tree.depth[frontier] + sequence.numel())   # (F, V); children sit at T + d
+            top = torch.topk(keys, k, dim=-1)
+            cand, valid = top.indices, torch.isfinite(top.values)
         else:
             cand, valid = sample_without_replacement(probs, k, generator)  # (F, k) in draw order
         rank = torch.arange(k, device=device).expand_as(cand)
@@ -214,7 +222,7 @@ def grow_tree(drafter: Drafter, policy: TreePolicy, sequence: torch.Tensor, dept
         parents = frontier[:, None].expand_as(cand)[keep]                  # (M,)
         tokens, ranks = cand[keep], rank[keep]
         q_token = probs.gather(1, cand)[keep]
-        if sampling.greedy is False:
+        if sampling.greedy is False and noise is None:                     # rejection sampling reads q
             q_rows.append((frontier, probs))
         start = tree.size
         tree.append_level(tokens, parents, tree.logp[parents] + q_token.log(),

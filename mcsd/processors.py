@@ -56,7 +56,7 @@ PROCESSING_OPTIONS = ("repetition_penalty", "no_repeat_ngram_size", "bad_words_i
 # Everything `request` takes besides the decoder's own arguments.
 OPTIONS = SAMPLING_OPTIONS + PROCESSING_OPTIONS + (
     "max_new_tokens", "max_length", "eos_token_id", "stop_strings", "output_scores", "return_logprobs",
-    "logits_processor", "generation_config")
+    "logits_processor", "generation_config", "sampling_method")
 # GenerationConfig fields that carry no decoding choice for one sequence here (ids of special
 # tokens a batch would pad with, output format switches, bookkeeping): read and left alone.
 INERT_FIELDS = ("transformers_version", "_from_model_config", "pad_token_id", "bos_token_id",
@@ -128,7 +128,7 @@ def request(model, prompt_len: int, *, max_new_tokens=UNSET, temperature=UNSET, 
             raise ConfigError(f"do_sample=True needs temperature > 0, got {settings['temperature']}")
     sampling = SamplingConfig(settings.get("temperature", 0.0), settings.get("top_k", 0),
                               settings.get("top_p", 1.0), settings.get("min_p", 0.0),
-                              settings.get("typical_p", 1.0))
+                              settings.get("typical_p", 1.0), settings.get("sampling_method", "gumbel"))
     processing = ProcessingConfig(
         repetition_penalty=settings.get("repetition_penalty", 1.0),
         no_repeat_ngram_size=settings.get("no_repeat_ngram_size", 0),

@@ -89,14 +89,16 @@ class Proposer:
             self.roots = logits[-1].topk(self.lossy).indices
 
     def propose(self, sequence: torch.Tensor, remaining: int, sampling: SamplingConfig, gen,
-                scores=None) -> Proposal:
+                scores=None, noise=None) -> Proposal:
         """The tree beneath the root `sequence[-1]` ((T,) committed tokens) for a round that may emit
-        `remaining` more tokens; `scores` (`mcsd.processors.NodeScores`) processes drafted logits."""
+        `remaining` more tokens; `scores` (`mcsd.processors.NodeScores`) processes drafted logits;
+        `noise` (`mcsd.sampling.PositionNoise`) ranks sampled candidates by the target's own noise."""
         policy, drafter = self.policy, self.drafter
         depth = min(policy.begin_round(), remaining - (0 if self.lossy else 1)) if drafter is not None else 0
         if self.lossy:
             depth = max(depth, 1)                           # the candidate roots are this round's level 1
-        grown = (grow_tree(drafter, policy, sequence, depth, sampling, gen, root_children=self.roots, scores=scores)
+        grown = (grow_tree(drafter, policy, sequence, depth, sampling, gen, root_children=self.roots, scores=scores,
+                           noise=noise)
                  if depth > 0 else GrownTree(DraftTree.root_only(policy.topology, sequence[-1]), None))
         drafted, graft = grown.tree, None
         if self.context is not None:                        # free branches from the context, merged in

@@ -1,12 +1,29 @@
-"""From logits to the distributions the engine samples from.
+"""From logits to the distributions the engine samples from, and the randomness it draws with.
 
 The same `logits_to_probs` processes the target's and the draft's logits, so
 temperature, top-k and top-p shape p_target and q_draft identically. That is
-what keeps rejection sampling exact: the output follows the *processed* target
+what keeps sampling exact: the output follows the *processed* target
 distribution, the same one plain sampling with these settings would use.
+
+Two ways to draw (`SamplingConfig.method`):
+- "gumbel" (the default): the token at sequence position t is
+  argmax_x(log p_t(x) + g_t(x)), where g_t is standard Gumbel noise that
+  depends only on the seed and t (`PositionNoise`). That is an exact draw from
+  p_t (the Gumbel-max trick), and the noise at t is independent of everything
+  that decided p_t, so a sequence follows the target's distribution. A drafted
+  token is accepted exactly when it equals that draw, so the output is the
+  target's own seeded sampling whatever was drafted: the same seed gives the
+  same text from any drafter, policy or tree, and from plain decoding. The
+  draft ranks its candidates by the same noise (log q + g), which makes its
+  first guess the target's draw whenever the two distributions agree enough.
+- "rejection": multi-candidate rejection sampling (`mcsd.verify.accept_sampling`),
+  drawing from one private generator in round order; exact too, but a seed
+  repeats only while the trees do.
 """
 
 from __future__ import annotations
+
+import secrets
 
 import torch
 
@@ -68,14 +85,16 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
 
 
 def choose(scores: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None,
-           logprob: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+           logprob: bool = False, noise: "PositionNoise | None" = None,
+           position: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """scores (V,) -> (the chosen token (): the argmax when greedy, else drawn from the processed
-    distribution; with `logprob` its (1,) float32 log-probability under that distribution, else None)."""
+    distribution, by `noise` at sequence `position` where given, else from `generator`; with
+    `logprob` its (1,) float32 log-probability under that distribution, else None)."""
     if cfg.greedy:
         token, dist = scores.argmax(-1), None
     else:
         dist = logits_to_probs(scores, cfg)
-        token = sample(dist, generator)
+        token = noise.draw(dist[None], torch.tensor([position]))[0] if noise is not None else sample(dist, generator)
     if not logprob:
         return token, None
     logp = scores.float().log_softmax(-1) if dist is None else dist.log()
@@ -112,3 +131,57 @@ def make_generator(seed: int | None, device) -> torch.Generator:
     else:
         gen.manual_seed(int(seed))
     return gen
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(seed: int, position: int) -> int:
+    """A 63-bit generator seed from (seed, position): splitmix64's finaliser over both, so that
+    neighbouring seeds and positions give unrelated streams."""
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+class PositionNoise:
+    """Gumbel noise per sequence position, a function of (seed, position) alone.
+
+    `draw(probs, positions)` is argmax(log probs + g_position) per row: an exact
+    draw from each row's distribution, and the same draw for the same seed,
+    position and distribution whoever asks (the target verifying a tree, the
+    plain loop, another process). Noise is made on the CPU with a generator
+    seeded per position (so it never depends on the device or on what was
+    drawn before) and kept for the positions still in play.
+
+    Args:
+        seed: 64-bit seed; None draws one from the operating system.
+        vocab: the vocabulary size (the noise's width).
+        device: where the noise is used.
+    """
+
+    def __init__(self, seed: int | None, vocab: int, device):
+        self.seed = secrets.randbits(63) if seed is None else int(seed) & _MASK64
+        self.vocab, self.device = int(vocab), torch.device(device)
+        self._held: dict[int, torch.Tensor] = {}
+
+    def gumbel(self, positions: torch.Tensor) -> torch.Tensor:
+        """(M,) long positions -> (M, V) float32 standard Gumbel noise (one host read of the positions)."""
+        wanted = positions.tolist()
+        for pos in set(wanted) - self._held.keys():
+            gen = torch.Generator().manual_seed(_mix(self.seed, pos))
+            u = torch.rand(self.vocab, generator=gen).clamp_(min=1e-20, max=1.0 - 1e-7)
+            self._held[pos] = (-torch.log(-torch.log(u))).to(self.device)
+        if len(self._held) > 4 * max(len(set(wanted)), 16):      # drop positions behind the ones asked for
+            low = min(wanted)
+            self._held = {p: g for p, g in self._held.items() if p >= low}
+        return torch.stack([self._held[p] for p in wanted])
+
+    def keys(self, probs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """(M, V) probabilities -> (M, V) Gumbel keys log p + g; -inf where p == 0."""
+        return probs.float().log() + self.gumbel(positions)
+
+    def draw(self, probs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """(M, V) probabilities at (M,) positions -> (M,) long tokens."""
+        return self.keys(probs, positions).argmax(-1)

@@ -257,7 +257,6 @@ class LearnedPolicy(TreePolicy):
             raise ConfigError(f"online_costs must be true or false, got {online_costs!r}")
         self.costs.online = online_costs
         self.predict_s = 0.0          # feature building + prediction time, for the overhead report
-        self.forget()
         self.reset()
 
     def bind_drafter(self, drafter) -> None:
@@ -266,9 +265,11 @@ class LearnedPolicy(TreePolicy):
             self.model, self.model_source = AcceptanceModel.load(own), str(own)
 
     def reset(self) -> None:
-        """A new generation: per-sequence state starts over; the draft gate carries on."""
+        """A new generation: everything starts over, the draft gate included, so that a request's
+        trees (and so, in bfloat16, its rounding) never depend on the requests before it."""
         self.recent = 0.5
         self.predict_s = 0.0
+        self.forget()
 
     def forget(self) -> None:
         """Forget what drafting has been worth (the next round drafts)."""

@@ -1,0 +1,130 @@
+"""A seed gives one text: from the same decoder called again, a fresh decoder, another process,
+any drafter and policy, and plain decoding; a request's trees never depend on the requests before it."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import assert_follows_target, perturbed, tiny_llama
+from mcsd import TreeDecoder
+from mcsd.config import ConfigError, SamplingConfig
+from mcsd.context import ContextDrafter
+from mcsd.sampling import PositionNoise
+
+PROMPT = torch.tensor([5, 9, 2, 7, 5, 9, 2])
+SETTINGS = dict(max_new_tokens=30, temperature=0.7, top_p=0.9, seed=123, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def sharp():
+    """A target with peaked distributions and a draft close to it, so drafts are often accepted."""
+    target = tiny_llama(4, sharpness=4.0)
+    return target, perturbed(target, 0.2, seed=5)
+
+
+def _decoders(target, draft):
+    return {
+        "model": lambda: TreeDecoder(target, draft, tree="3,2,1", policy="static", attention="sdpa", calibrate=False),
+        "context": lambda: TreeDecoder(target, ContextDrafter(), attention="sdpa", calibrate=False),
+        "model+context": lambda: TreeDecoder(target, [draft, ContextDrafter()], tree="2,2,1", policy="static",
+                                             attention="sdpa", calibrate=False),
+        "learned+context": lambda: TreeDecoder(target, [draft, ContextDrafter()], policy="learned",
+                                               attention="sdpa", calibrate=False),
+    }
+
+
+@pytest.mark.parametrize("which", ["model", "context", "model+context", "learned+context"])
+def test_a_seed_repeats_within_a_process_and_equals_plain_sampling(sharp, which):
+    target, draft = sharp
+    make = _decoders(target, draft)[which]
+    dec = make()
+    texts = [dec.generate(PROMPT, **SETTINGS).tokens for _ in range(3)]
+    dec.generate(torch.tensor([3, 1, 4, 1, 5]), **{**SETTINGS, "seed": 7})      # another request between
+    texts.append(dec.generate(PROMPT, **SETTINGS).tokens)
+    texts.append(make().generate(PROMPT, **SETTINGS).tokens)                     # a fresh decoder
+    plain = dec.generate_baseline(PROMPT, **SETTINGS).tokens                     # the target alone
+    assert all(t == plain for t in texts), texts
+    other = dec.generate(PROMPT, **{**SETTINGS, "seed": 124}).tokens
+    assert other != plain                                                        # the seed does decide
+
+
+def test_a_seed_repeats_in_another_process(sharp):
+    target, draft = sharp
+    here = _decoders(target, draft)["model+context"]().generate(PROMPT, **SETTINGS).tokens
+    script = (
+        "import json, sys, torch\n"
+        "sys.path.insert(0, sys.argv[1])\n"
+        "from conftest import perturbed, tiny_llama\n"
+        "from mcsd import TreeDecoder\n"
+        "from mcsd.context import ContextDrafter\n"
+        "t = tiny_llama(4, sharpness=4.0)\n"
+        "d = TreeDecoder(t, [perturbed(t, 0.2, seed=5), ContextDrafter()], tree='2,2,1', policy='static',"
+        " attention='sdpa', calibrate=False)\n"
+        f"print(json.dumps(d.generate(torch.tensor({PROMPT.tolist()}), **{SETTINGS!r}).tokens))\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent)], capture_output=True,
+                         text=True, env=env, timeout=300, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == here
+
+
+def test_a_request_after_others_drafts_the_same_trees_as_a_fresh_decoder(sharp):
+    """Context rates, recycled predictions and the learned policy's gate start afresh per request, so
+    the trees, and under bfloat16 their rounding, are those of a fresh decoder (greedy, bfloat16)."""
+    target, draft = sharp
+    t16, d16 = (m.to(torch.bfloat16) for m in (target, draft))
+    try:
+        def run(dec):
+            trees = []
+            out = dec.generate(PROMPT, max_new_tokens=40, ignore_eos=True,
+                               on_round=lambda tree, acc: trees.append(tree.tokens.tolist()))
+            return out.tokens, trees
+
+        make = _decoders(t16, d16)["learned+context"]
+        used = make()
+        for prompt in ([1, 2, 3, 1, 2, 3, 1, 2], [9, 8, 7, 6], PROMPT.tolist()[::-1]):
+            used.generate(torch.tensor(prompt), max_new_tokens=40, ignore_eos=True)
+        assert run(used) == run(make())
+    finally:
+        for m in (target, draft):
+            m.to(torch.float32)
+
+
+@pytest.mark.parametrize("method", ["gumbel", "rejection"])
+@pytest.mark.parametrize("sampling", [SamplingConfig(1.0), SamplingConfig(0.8, top_p=0.9)], ids=["t1", "t0.8-p0.9"])
+def test_both_methods_follow_the_target_distribution(method, sampling):
+    """Chi-square of the first two tokens over many seeds against exact enumeration, per method."""
+    target = tiny_llama(10, vocab=8, layers=1, sharpness=6.0, hidden=16)
+    dec = TreeDecoder(target, [perturbed(target, 0.5, seed=3), ContextDrafter()], tree="3,2", policy="static",
+                      attention="sdpa", calibrate=False)
+    original = dec.generate
+
+    def generate(prompt, **kw):
+        return original(prompt, sampling_method=method, **kw)
+
+    dec.generate = generate
+    accepted = assert_follows_target(dec, target, sampling, n=1200)
+    assert 0 < accepted < 1200
+
+
+def test_position_noise_depends_on_seed_and_position_alone():
+    a, b = PositionNoise(11, 50, "cpu"), PositionNoise(11, 50, "cpu")
+    first = a.gumbel(torch.tensor([7, 3, 7]))
+    assert torch.equal(first[0], first[2])
+    assert torch.equal(b.gumbel(torch.tensor([3])), first[1:2])                # another order, the same noise
+    assert not torch.equal(PositionNoise(12, 50, "cpu").gumbel(torch.tensor([7])), first[:1])
+    assert not torch.equal(first[0], first[1])
+    probs = torch.zeros(2, 50)
+    probs[:, [4, 9]] = 0.5
+    assert set(a.draw(probs, torch.tensor([7, 3])).tolist()) <= {4, 9}        # never outside the support
+
+
+def test_an_unknown_sampling_method_is_refused(sharp):
+    target, draft = sharp
+    dec = _decoders(target, draft)["model"]()
+    with pytest.raises(ConfigError, match="sampling method"):
+        dec.generate(PROMPT, max_new_tokens=4, temperature=1.0, sampling_method="coin")
