@@ -50,18 +50,34 @@ def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
         kth = torch.topk(scores, cfg.top_k, dim=-1).values[..., -1:]            # (..., 1)
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if cfg.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
-        cum = sorted_scores.softmax(-1).cumsum(-1)
-        # Drop a token when the mass *before* it already reaches top_p; the top token always stays.
-        drop_sorted = (cum - sorted_scores.softmax(-1)) >= cfg.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        scores = scores.masked_fill(drop, float("-inf"))
+        scores = _top_p(scores, cfg.top_p)
     if cfg.min_p > 0.0:
         probs = scores.softmax(-1)
         scores = scores.masked_fill(probs < cfg.min_p * probs.amax(-1, keepdim=True), float("-inf"))
     if cfg.typical_p < 1.0:
         scores = _typical(scores, cfg.typical_p)
     return scores.softmax(-1)
+
+
+TOP_P_CANDIDATES = (64, 1024)     # candidate set sizes tried before a full sort of the vocabulary
+
+
+def _top_p(scores: torch.Tensor, mass: float) -> torch.Tensor:
+    """Nucleus filtering: drop a token when the probability of the tokens ranked above it already
+    reaches `mass` (the top token always stays). The kept set is found among the top candidates of
+    each row (a partial sort of 64, then 1,024) and only where some row's candidates hold less than
+    `mass` does it sort the whole vocabulary. (..., V) -> (..., V)."""
+    probs = scores.softmax(-1)
+    for k in (*[c for c in TOP_P_CANDIDATES if c < scores.shape[-1]], None):
+        if k is None:
+            top, order = torch.sort(probs, dim=-1, descending=True)
+        else:
+            top, order = torch.topk(probs, k, dim=-1)                               # (..., k) descending
+        before = top.cumsum(-1) - top                                               # mass ranked above each
+        if k is not None and not bool((before[..., -1] + top[..., -1] >= mass).all()):
+            continue                                                                # some row needs more
+        keep = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, before < mass)
+        return scores.masked_fill(~keep, float("-inf"))
 
 
 def _typical(scores: torch.Tensor, mass: float) -> torch.Tensor:
