@@ -34,12 +34,10 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
-        prog="mcsd-generate",
-        description="Generate text with lossless multi-candidate tree speculative decoding. "
-                    f"Without --target/--draft the embedded pair {DEFAULT_PRESET!r} is used.")
-    src = p.add_argument_group("models")
+def add_model_arguments(parser: argparse.ArgumentParser):
+    """The flags that choose the model pair and how the decoder runs it, shared by `mcsd-generate` and
+    `mcsd-serve`. Returns the two argument groups ("models", "decoder")."""
+    src = parser.add_argument_group("models")
     src.add_argument("--target", help="target: preset name, model directory, .gguf file or hub id")
     src.add_argument("--draft", help="draft: model directory, .gguf file or hub id (same tokenizer as the target)")
     default_drafter = PRESETS[DEFAULT_PRESET].default_drafter
@@ -53,8 +51,6 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--context-store", metavar="FILE",
                      help="with a context drafter: also look up continuations in this datastore of earlier "
                           "outputs (built by tools/build_context_store.py; safetensors, never unpickled)")
-    src.add_argument("--list-models", action="store_true", help="list the built-in presets and their drafters, "
-                                                                "and exit")
     src.add_argument("--dtype", default="auto", choices=("auto", *DTYPE_NAMES),
                      help="compute dtype (default auto: the one this pair and method run fastest in on this "
                           "machine, from its calibrated costs)")
@@ -67,6 +63,38 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--threads", type=int, default=None,
                      help="CPU threads for torch (default: the cores free of other processes' work, at least 1; "
                           "OMP_NUM_THREADS, where set, is kept)")
+
+    dec = parser.add_argument_group("decoder")
+    dec.add_argument("--tree", default=None,
+                     help=f"tree spec: k-config such as 4,2,2 (1,1,1,1 is a chain), at most {MAX_TREE_NODES} "
+                          f"draft nodes and {MAX_TREE_DEPTH} levels; 0 = no drafting (plain target steps); with "
+                          f"a dynamic policy, the largest tree it may grow (default: the policy's own)")
+    dec.add_argument("--policy", default="auto",
+                     help="tree policy: static, heuristic, confidence, learned, svip, disco, specdecpp, or the "
+                          "pearl execution mode (default auto: learned when its acceptance model is installed, "
+                          "else static)")
+    dec.add_argument("--policy-option", action="append", default=[], metavar="NAME=VALUE",
+                     help="a policy setting, e.g. h=0.4 (svip, specdecpp), threshold=0.1 (disco), "
+                          "post_verify=false (pearl); repeatable")
+    dec.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None,
+                     help="--calibrate measures this machine's costs (and, in bfloat16 on a CPU with native bf16, "
+                          "which matmul path each block size runs faster on) again; --no-calibrate never measures "
+                          "(cached costs, else generic ones). Default: measure once per machine, pair, dtype and "
+                          "threads")
+    dec.add_argument("--lossy-target-roots", type=int, default=0, metavar="W",
+                     help="LOSSY opt-in (the MCSD paper's variant): W candidate roots from the target's top-W, "
+                          "longest accepted branch kept; output may differ from the target's own; greedy only")
+    return src, dec
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="mcsd-generate",
+        description="Generate text with lossless multi-candidate tree speculative decoding. "
+                    f"Without --target/--draft the embedded pair {DEFAULT_PRESET!r} is used.")
+    src, _ = add_model_arguments(p)
+    src.add_argument("--list-models", action="store_true", help="list the built-in presets and their drafters, "
+                                                                "and exit")
 
     inp = p.add_argument_group("prompt")
     inp.add_argument("--prompt", help="prompt text (default: read --prompt-file, else stdin); UTF-8")
@@ -93,26 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "every tree node with its own prefix")
     gen.add_argument("--no-repeat-ngram-size", type=int, default=None, help="never repeat an n-gram of this size")
     gen.add_argument("--min-new-tokens", type=int, default=None, help="no EOS before this many new tokens")
-    gen.add_argument("--tree", default=None,
-                     help=f"tree spec: k-config such as 4,2,2 (1,1,1,1 is a chain), at most {MAX_TREE_NODES} "
-                          f"draft nodes and {MAX_TREE_DEPTH} levels; 0 = no drafting (plain target steps); with "
-                          f"a dynamic policy, the largest tree it may grow (default: the policy's own)")
-    gen.add_argument("--policy", default="auto",
-                     help="tree policy: static, heuristic, confidence, learned, svip, disco, specdecpp, or the "
-                          "pearl execution mode (default auto: learned when its acceptance model is installed, "
-                          "else static)")
-    gen.add_argument("--policy-option", action="append", default=[], metavar="NAME=VALUE",
-                     help="a policy setting, e.g. h=0.4 (svip, specdecpp), threshold=0.1 (disco), "
-                          "post_verify=false (pearl); repeatable")
     gen.add_argument("--baseline", action="store_true", help="plain target-only decoding, for comparison")
-    gen.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None,
-                     help="--calibrate measures this machine's costs (and, in bfloat16 on a CPU with native bf16, "
-                          "which matmul path each block size runs faster on) again; --no-calibrate never measures "
-                          "(cached costs, else generic ones). Default: measure once per machine, pair, dtype and "
-                          "threads")
-    gen.add_argument("--lossy-target-roots", type=int, default=0, metavar="W",
-                     help="LOSSY opt-in (the MCSD paper's variant): W candidate roots from the target's top-W, "
-                          "longest accepted branch kept; output may differ from the target's own; greedy only")
 
     out = p.add_argument_group("output")
     out.add_argument("--stream", action="store_true", help="print text as it is accepted")
