@@ -9,6 +9,9 @@ Works on transformers' `DynamicCache` (its per-layer `keys` / `values`
 tensors, shape (B, H_kv, T, D)). Sliding-window and quantised caches are not
 supported: they reorder or compress entries and cannot be committed this way.
 
+The engine's own forward keeps a `mcsd.static_cache.StaticCache`, which
+commits and truncates itself: `commit` and `truncate` here hand it over.
+
 `in_place_cache` makes a DynamicCache whose full-attention layers keep their
 entries in a buffer allocated ahead (`InPlaceLayer`): a forward writes its
 block into the buffer instead of concatenating a new (B, H_kv, T, D) tensor
@@ -111,6 +114,9 @@ def commit(cache, prefix_len: int, keep: torch.Tensor) -> None:
         keep: (k,) long ascending offsets *after the prefix* to keep (e.g. the
             accepted path's node indices); they land at prefix_len .. prefix_len+k-1.
     """
+    if hasattr(cache, "commit"):                           # a cache that commits itself (StaticCache)
+        cache.commit(prefix_len, keep)
+        return
     k = keep.numel()
     if keep.tolist() == list(range(k)):
         # The block's first k entries, already in place (a plain step, a chain accepted so far).
@@ -132,6 +138,9 @@ def commit(cache, prefix_len: int, keep: torch.Tensor) -> None:
 
 def truncate(cache, length: int) -> None:
     """Drop every position from `length` on."""
+    if hasattr(cache, "truncate"):                         # a cache that truncates itself (StaticCache)
+        cache.truncate(length)
+        return
     for layer in _layers(cache):
         if getattr(layer, "keys", None) is None or layer.keys.numel() == 0 or layer.keys.shape[-2] <= length:
             continue

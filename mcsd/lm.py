@@ -4,33 +4,72 @@ Target and standalone draft use the same wrapper. A block is either a run of
 ordinary tokens (causal among themselves) or a set of tree nodes (each sees
 its ancestors); either way the model receives an explicit additive 4D mask and
 explicit position ids as forward arguments. Nothing is set on the model.
+
+Two forwards: for a Llama-family model on one device (`mcsd.llama.supports`)
+the engine's own (`mcsd.llama.LeanForward`, over a `StaticCache`), which
+makes only the tensor calls the computation needs; for every other model,
+and where asked, transformers' forward over its DynamicCache. They give the
+same logits (float32: within 1e-4; greedy output token-identical), so the
+choice is one of speed. The attention backend chosen in `mcsd.attention`
+applies to transformers' path; the engine's own forward always attends with
+torch SDPA over the cache with grouped key / value heads, except that a
+model set to "eager" attention (the reference) stays on transformers' path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import threading
 
 import torch
 
-from . import kernels, kv_cache
+from . import kernels, kv_cache, llama, quant
+from .static_cache import StaticCache
 from .tree import additive_mask, causal_allowed
+
+_chosen = threading.local()             # .lean: what CachedLMs that choose for themselves choose (None: auto)
+
+
+@contextlib.contextmanager
+def forward_path(lean: bool | None):
+    """Inside the block (on this thread), every CachedLM made with `lean=None` runs, from its next
+    `reset`, on the engine's own forward where it can (True, the same as None) or on transformers'
+    forward (False); for tests that want transformers' path inside code that makes its own
+    CachedLMs (TreeDecoder)."""
+    before = getattr(_chosen, "lean", None)
+    _chosen.lean = lean
+    try:
+        yield
+    finally:
+        _chosen.lean = before
 
 
 class CachedLM:
     """One sequence's view of a Hugging Face causal LM.
 
+    Args:
+        model: the transformers model (eval mode).
+        in_place: transformers' path keeps its cache's entries in buffers allocated ahead.
+        lean: run on the engine's own forward (True; a ValueError where it cannot), on
+            transformers' (False), or choose at every `reset` (None, the default): the engine's
+            own where `mcsd.llama.supports` the model, its weights sit on one device, its
+            attention is not "eager" and no `forward_path(False)` block is active.
+
     Attributes:
         model: the transformers model (eval mode).
-        cache: its DynamicCache; holds `length` committed positions between rounds. With
-            `in_place` (the default) its layers write into buffers allocated ahead instead of
-            concatenating (`mcsd.kv_cache.InPlaceLayer`).
+        cache: the engine's own forward's `StaticCache`, or transformers' DynamicCache; holds
+            `length` committed positions between rounds. With `in_place` (the default) a
+            DynamicCache's layers write into buffers allocated ahead instead of concatenating
+            (`mcsd.kv_cache.InPlaceLayer`).
         kernels: which CPU matmul path each block size runs on (`mcsd.kernels`;
             None leaves torch's setting alone).
     """
 
-    def __init__(self, model: torch.nn.Module, in_place: bool = True):
+    def __init__(self, model: torch.nn.Module, in_place: bool = True, lean: bool | None = None):
         self.model = model
         self.in_place = in_place
+        self.lean = lean
         self.dtype = model.get_input_embeddings().weight.dtype
         self.device = model.get_input_embeddings().weight.device
         self.cache = None
@@ -38,9 +77,43 @@ class CachedLM:
         # transformers' causal LMs can project only the last rows onto the vocabulary
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._cache_kw = kv_cache.cache_keyword(model)
+        self._own: llama.LeanForward | None = None      # the engine's own forward, once made
+        self._running: llama.LeanForward | None = None  # ... when it runs the forwards since the last reset
+        if lean:
+            self._lean_reason()                         # raises where it cannot run
+
+    def _lean_reason(self) -> str | None:
+        """Why the engine's own forward would not run the model now (None: it would)."""
+        if self.lean is False or (self.lean is None and getattr(_chosen, "lean", None) is False):
+            return "transformers' forward was asked for"
+        reason = llama.unsupported_reason(self.model)
+        if reason is None and len({str(d) for d in (getattr(self.model, "hf_device_map", None) or {}).values()}) > 1:
+            reason = "its weights are spread over several devices"
+        if reason is None and self.model.lm_head.weight.device != self.device:
+            reason = "its LM head sits on another device than its embedding"
+        if reason is None and getattr(self.model.config, "_attn_implementation", None) == "eager" \
+                and self.lean is None:
+            reason = "its attention is transformers' eager reference"
+        if reason is not None and self.lean:
+            raise ValueError(f"the engine's own forward cannot run this model: {reason}")
+        return reason
+
+    @property
+    def path(self) -> str:
+        """Which forward runs the blocks since the last reset: "lean" (the engine's own) or "transformers"."""
+        return "lean" if self._running is not None else "transformers"
 
     def reset(self) -> None:
+        if self._lean_reason() is None:
+            if self._own is None:
+                self._own = llama.LeanForward(self.model)
+            self._running = self._own
+            if not isinstance(self.cache, StaticCache) or self.cache.dtype != self.dtype:
+                self.cache = self._own.new_cache()
+            self.cache.reset()                          # its buffers are kept for the next sequence
+            return
         from transformers import DynamicCache
+        self._running = None
         self.cache = kv_cache.in_place_cache(self.model.config) if self.in_place \
             else DynamicCache(config=self.model.config)
 
@@ -70,6 +143,8 @@ class CachedLM:
         """
         prefix = self.length - (allowed.shape[1] - tokens.numel())
         mask = additive_mask(allowed.to(self.device), prefix, self.dtype)          # (1, 1, Q, prefix+K)
+        if self._running is not None:
+            return self._lean_forward(tokens, positions, mask, hidden, last_logits)
         keep = {"logits_to_keep": 1} if last_logits and self._keeps_logits else {}
         with kernels.running(self.kernels, tokens.numel()):
             out = self.model(input_ids=tokens.to(self.device)[None], position_ids=positions.to(self.device)[None],
@@ -83,6 +158,17 @@ class CachedLM:
             else out.hidden_states[layers[0]][0]
         return logits, states.to(self.device)
 
+    def _lean_forward(self, tokens, positions, mask, hidden, last_logits):
+        n, start = tokens.numel(), self.cache.length
+        self.cache.reserve(start + n)
+        slots = torch.arange(start, start + n, device=self.device)
+        layers = () if not hidden else (-1,) if hidden is True else tuple(hidden)
+        with kernels.running(self.kernels, n), quant.forward_rows(self.model, n, start):
+            logits, states = self._running(tokens.to(self.device)[None], positions.to(self.device)[None], mask,
+                                           self.cache, slots, layers, last_logits)
+        self.cache.length = start + n
+        return logits[0] if not hidden else (logits[0], states[0])
+
     def extend(self, tokens: torch.Tensor, hidden: bool | tuple[int, ...] = False, last_logits: bool = False):
         """Feed ordinary tokens (causal) after everything in the cache; returns their logits (Q, V)
         (or (1, V), the last row's, with last_logits; see `forward`)."""
@@ -95,3 +181,7 @@ class CachedLM:
     def commit(self, prefix_len: int, keep: torch.Tensor) -> None:
         """Keep `prefix_len` positions plus the block entries at offsets `keep` (ascending)."""
         kv_cache.commit(self.cache, prefix_len, keep)
+
+    def truncate(self, length: int) -> None:
+        """Drop every cached position from `length` on."""
+        kv_cache.truncate(self.cache, length)

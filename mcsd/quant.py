@@ -41,6 +41,7 @@ ones through oneDNN (256 rows: 432 ms on q4).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import types
 from pathlib import Path
@@ -305,6 +306,22 @@ def _before_forward(model, args, kwargs):
     rows = ids.shape[-1] if ids is not None else embeds.shape[-2] if embeds is not None else 0
     cached = kv_cache.cache_length(kwargs.get("cache", kwargs.get("past_key_values")))
     _local.stack.append(starts_dense(rows, cached))             # a forward inside another keeps its own
+
+
+@contextlib.contextmanager
+def forward_rows(model: torch.nn.Module, rows: int, cached: int):
+    """What `model`'s q4 hooks do around a call of the model, around a forward that runs its layers
+    without calling it (the engine's own forward, `mcsd.llama`): a forward of `rows` rows after
+    `cached` cached positions reads the dense weights where `starts_dense` says so. Nothing for a
+    model without q4 weights."""
+    if _HOOKS not in model.__dict__:
+        yield
+        return
+    _local.stack.append(starts_dense(rows, cached))
+    try:
+        yield
+    finally:
+        _local.stack.pop()
 
 
 def _after_forward(model, args, kwargs, output):

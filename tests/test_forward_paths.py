@@ -14,7 +14,7 @@ from transformers import DynamicCache
 from conftest import tiny_llama
 from mcsd import TreeDecoder, kv_cache
 from mcsd.attention import _gqa_attention, set_backend
-from mcsd.lm import CachedLM
+from mcsd.lm import CachedLM, forward_path
 
 PROMPT = torch.tensor([3, 17, 42, 5, 9, 11])
 
@@ -63,7 +63,7 @@ def test_gqa_attention_masks_what_it_must():
 
 
 def _lm_logits(model, in_place, steps):
-    lm = CachedLM(model, in_place=in_place)
+    lm = CachedLM(model, in_place=in_place, lean=False)          # transformers' forward and its cache
     lm.reset()
     outs = [lm.extend(PROMPT)]
     for tokens, pos, allowed, keep in steps(lm):
@@ -126,7 +126,8 @@ def test_greedy_output_on_the_fast_paths_equals_plain_greedy(target, random_draf
     draft = copy.deepcopy(model if draft_name == "same" else random_draft)
     dec = TreeDecoder(model, draft, tree=tree, policy=policy, attention=attention)
     assert model.config._attn_implementation == "mcsd_gqa"
-    out = dec.generate(PROMPT, max_new_tokens=60)
+    with forward_path(False):                              # the backend serves transformers' forward
+        out = dec.generate(PROMPT, max_new_tokens=60)
     assert out.tokens == reference
     assert isinstance(dec.target.cache.layers[0], kv_cache.InPlaceLayer)
 

@@ -73,7 +73,7 @@ def test_only_reduced_precision_on_a_cpu_is_switchable():
 def test_cached_lm_runs_each_block_on_its_path(target):
     lm = CachedLM(target)
     lm.kernels = kernels.KernelTable(ONEDNN_MS, ATEN_MS)
-    spy = FlagSpy(target)
+    spy = FlagSpy(target.lm_head)                 # a module both forwards (the engine's, transformers') call
     try:
         lm.reset()
         lm.extend(PROMPT)                              # 6 rows: oneDNN
@@ -115,7 +115,7 @@ def test_decoder_applies_the_measured_paths_and_stays_lossless(target, random_dr
     assert dec.kernels_note is not None and dec.kernels_note.startswith("target: ")
     forced = kernels.KernelTable(ONEDNN_MS, ATEN_MS)            # ATen for 1-3 rows, whatever was measured
     dec.target.kernels = dec.drafter.kernels = forced
-    spy = FlagSpy(target)
+    spy = FlagSpy(target.lm_head)                 # a module both forwards (the engine's, transformers') call
     try:
         out = dec.generate(PROMPT, max_new_tokens=40)
         plain = dec.generate_baseline(PROMPT, max_new_tokens=40)

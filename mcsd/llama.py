@@ -1,0 +1,201 @@
+"""The engine's own forward for the Llama family, over a static KV cache.
+
+Llama, Mistral, Qwen2 and Qwen3 checkpoints (SmolLM is a Llama) share one
+layout: embedding, then per layer an RMS norm, q / k / v projections (Qwen2:
+with biases; Qwen3: each head's q and k RMS-normed), rotary positions,
+attention, an output projection and a residual, another RMS norm and a gated
+MLP and a residual; a final norm and the LM head. `LeanForward` runs exactly
+that on the transformers model's own modules and parameters: nothing is
+copied, converted or re-laid out, and the transformers model stays the
+reference it is tested against (float32 logits within 1e-4, greedy output
+token-identical to `generate`).
+
+Why: transformers' module code (decorators, mask and cache plumbing, output
+records) is about a quarter of a decode step on a CPU. This forward makes
+only the tensor calls the computation needs: a SmolLM2-135M step over a
+300-token cache, measured in docs/design.md ("The engine's own forward").
+
+What it keeps:
+- every linear layer is called as the module it is (`layer.q_proj(x)`, not
+  `F.linear` on its weight), so the paths that replace a layer's forward
+  still run: prepacked oneDNN weights (`mcsd.kernels`), sibling q / k / v
+  products joined (`mcsd.fused`), int4 weights (`mcsd.quant`);
+- the rotary tables come from the model's own `rotary_emb` module (default,
+  linear, llama3 and yarn scaling alike), so they are transformers' numbers;
+- RMS norms read each norm module's weight and epsilon when they run; in
+  float32 `F.rms_norm` rounds as transformers' formula does (checked in the
+  tests), in reduced precision the normalised value is rounded to the model
+  dtype before the weight multiplies it, as transformers does.
+
+Shapes for the GPU work to come: the cache is a `StaticCache` (buffers
+allocated once), positions, the additive mask and the slots a block is
+written at are arguments, and nothing in the forward reads a tensor's value
+on the host (no `.item()`), so a step can be captured as a CUDA graph once
+the caller pads the mask to a fixed width.
+
+Limitations: attention is torch's `scaled_dot_product_attention` with the
+key / value heads grouped (`enable_gqa`) whatever attention implementation
+the transformers model is set to (`mcsd.lm.CachedLM` keeps transformers'
+path for "eager"); one sequence (batch 1); a model whose sliding window can
+be reached, a rope type that depends on the sequence's length (dynamic,
+longrope), or any other architecture is not `supports`ed and runs on
+transformers' forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .static_cache import StaticCache
+
+FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")        # tables that depend on positions alone
+
+
+def _rope_type(config) -> str:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else "?"
+
+
+def unsupported_reason(model) -> str | None:
+    """None if `LeanForward` runs `model` exactly as transformers does, else why not, in words."""
+    config = getattr(model, "config", None)
+    kind = getattr(config, "model_type", None)
+    if kind not in FAMILY:
+        return f"architecture {kind!r} is not one of {', '.join(FAMILY)}"
+    body, head = getattr(model, "model", None), getattr(model, "lm_head", None)
+    if body is None or not isinstance(head, torch.nn.Linear) or not all(
+            hasattr(body, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return f"{type(model).__name__} is not a causal LM with the family's modules"
+    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
+        return "some layers use sliding-window attention"
+    window = getattr(config, "sliding_window", None)
+    if kind == "mistral" and window is not None and window < config.max_position_embeddings:
+        return f"its sliding window ({window}) is shorter than its context ({config.max_position_embeddings})"
+    if _rope_type(config) not in ROPE_TYPES:
+        return f"rope type {_rope_type(config)!r} depends on the sequence length"
+    for layer in body.layers:
+        attn = getattr(layer, "self_attn", None)
+        mlp = getattr(layer, "mlp", None)
+        if attn is None or mlp is None or not all(
+                isinstance(getattr(attn, n, None), torch.nn.Module) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) \
+                or not all(isinstance(getattr(mlp, n, None), torch.nn.Module)
+                           for n in ("gate_proj", "up_proj", "down_proj")):
+            return "a decoder layer does not have the family's attention and MLP modules"
+        if (getattr(attn, "q_norm", None) is None) != (kind != "qwen3"):
+            return "q / k norms where the family has none (or none where it has them)"
+    return None
+
+
+def supports(model) -> bool:
+    """`model` is a Llama-family causal LM (Llama, Mistral, Qwen2, Qwen3, SmolLM) that `LeanForward`
+    runs exactly as transformers does (see `unsupported_reason`)."""
+    return unsupported_reason(model) is None
+
+
+def _rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+    """transformers' Llama RMS norm, with the norm module's own weight and epsilon."""
+    w = norm.weight
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, w.shape, w, norm.variance_epsilon)
+    return w * F.rms_norm(x.float(), w.shape, None, norm.variance_epsilon).to(x.dtype)
+
+
+class LeanForward:
+    """A Llama-family transformers causal LM run by the engine's own forward.
+
+    Holds the model (its modules are read at every call, so a weight swapped or
+    a layer repacked later is what runs) and nothing else of its own but a
+    small sign vector for the rotary embedding.
+
+    Args:
+        model: a transformers causal LM that `supports` accepts, on one device, in eval mode.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"the engine's own forward cannot run this model: {reason}")
+        self.model = model
+        self.body = model.model
+        self.layers = list(self.body.layers)
+        attn = self.layers[0].self_attn
+        cfg = model.config
+        self.head_dim = attn.head_dim
+        self.kv_heads = cfg.num_key_value_heads
+        self.heads = cfg.num_attention_heads
+        self.qk_norm = getattr(attn, "q_norm", None) is not None
+        self.grouped = {"enable_gqa": True} if self.heads != self.kv_heads else {}
+        self._sign: torch.Tensor | None = None           # (D,) -1 on the first half, +1 on the second
+
+    def new_cache(self) -> StaticCache:
+        weight = self.body.embed_tokens.weight
+        return StaticCache(len(self.layers), self.kv_heads, self.head_dim, weight.dtype, weight.device)
+
+    def _rotary(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin (1, Q, 1, D): transformers' rotation of a (1, Q, H, D) tensor t is
+        t * cos + roll(t, D/2) * sin_signed (rotate_half's negation moved onto sin: exact)."""
+        cos, sin = self.body.rotary_emb(x, positions)                           # (1, Q, D) each
+        if self._sign is None or self._sign.dtype != sin.dtype or self._sign.device != sin.device:
+            half = self.head_dim // 2
+            self._sign = torch.cat([-torch.ones(half), torch.ones(self.head_dim - half)]).to(sin.device, sin.dtype)
+        return cos[:, :, None], (sin * self._sign)[:, :, None]
+
+    def _rotate(self, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return t * cos + t.roll(self.head_dim // 2, -1) * sin
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: StaticCache,
+                 slots: torch.Tensor, hidden: tuple[int, ...] = (), last_logits: bool = False):
+        """Run a block: write its keys and values at `slots`, attend over the cache's first K entries.
+
+        Args:
+            tokens: (1, Q) long.
+            positions: (1, Q) long rotary positions.
+            mask: (1, 1, Q, K) additive float mask in the model dtype over cache entries 0..K-1,
+                the block's own included.
+            cache: holds at least `max(slots) + 1` positions of room (`StaticCache.reserve`).
+            slots: (Q,) long cache entries the block's keys and values go to (all < K).
+            hidden: indices into transformers' `hidden_states` to return (0 = embeddings, i = after
+                layer i, -1 or len(layers) = final normed), concatenated; () for none.
+            last_logits: project only the last row onto the vocabulary.
+        Returns:
+            (logits (1, Q, V) or (1, 1, V), states (1, Q, len(hidden) * H) or None).
+        """
+        n_layers = len(self.layers)
+        if any(not -n_layers - 1 <= i <= n_layers for i in hidden):
+            raise IndexError(f"hidden state indices {list(hidden)} outside -{n_layers + 1}..{n_layers}")
+        wanted = {i % (n_layers + 1) for i in hidden}
+        kept: dict[int, torch.Tensor] = {}
+        k_len = mask.shape[-1]
+        h = self.body.embed_tokens(tokens)                                      # (1, Q, C)
+        if 0 in wanted:
+            kept[0] = h
+        cos, sin = self._rotary(h, positions)                                  # (1, Q, 1, D)
+        q_shape = (*tokens.shape, -1, self.head_dim)
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            x = _rms_norm(h, layer.input_layernorm)
+            q = attn.q_proj(x).view(q_shape)                                    # (1, Q, H, D)
+            k = attn.k_proj(x).view(q_shape)                                    # (1, Q, H_kv, D)
+            v = attn.v_proj(x).view(q_shape)
+            if self.qk_norm:
+                q, k = _rms_norm(q, attn.q_norm), _rms_norm(k, attn.k_norm)
+            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            keys, values = cache.layer_keys[i], cache.layer_values[i]          # (1, H_kv, capacity, D)
+            keys.index_copy_(2, slots, k.transpose(1, 2))
+            values.index_copy_(2, slots, v.transpose(1, 2))
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys[:, :, :k_len], values[:, :, :k_len],
+                                                 attn_mask=mask, scale=attn.scaling, **self.grouped)   # (1, H, Q, D)
+            h = h + attn.o_proj(out.transpose(1, 2).reshape(*tokens.shape, -1))
+            x = _rms_norm(h, layer.post_attention_layernorm)
+            h = h + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+            if i + 1 in wanted and i + 1 < n_layers:
+                kept[i + 1] = h
+        h = _rms_norm(h, self.body.norm)
+        kept[n_layers] = h
+        logits = self.model.lm_head(h[:, -1:] if last_logits else h)
+        if not hidden:
+            return logits, None
+        states = [kept[i % (n_layers + 1)] for i in hidden]
+        return logits, torch.cat(states, dim=-1) if len(states) > 1 else states[0]
