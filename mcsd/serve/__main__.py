@@ -1,0 +1,5 @@
+"""`python -m mcsd.serve`: the same as `mcsd-serve`."""
+
+from .cli import entry
+
+entry()

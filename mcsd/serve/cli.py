@@ -1,0 +1,192 @@
+"""`mcsd-serve`: the model pair chosen by `mcsd-generate`'s flags, served over OpenAI's API on uvicorn.
+
+Start-up: the flags are checked before anything loads (one line and exit 2 for a mistake, as
+`mcsd-generate` does), then the worker thread loads the pair, builds the decoder and runs one short
+warm-up generation, and only then does the server listen. SIGTERM (or Ctrl-C) stops it gracefully:
+new requests are refused, those queued and in flight are answered, and it exits with 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import ipaddress
+import logging
+import os
+import signal
+import sys
+
+from ..cli import (DEFAULT_PRESET, UsageError, _build_decoder, _check_args, _check_hub, _drafter_kinds,
+                   _load_models, _Parser, add_model_arguments, parse_policy_options)
+from ..config import ConfigError
+from ..errors import ModelLoadError
+
+log = logging.getLogger("mcsd.serve")
+
+API_KEY_ENV = "MCSD_API_KEY"
+
+# What mcsd-generate's own checks and loaders read besides the model flags: its defaults (requests
+# bring their own settings).
+_GENERATE_DEFAULTS = dict(baseline=False, max_new_tokens=1, prompt=None, prompt_file=None, prompts_file=None,
+                          output=None, show_tree=None, chat=True, system=None, temperature=0.0, top_k=0, top_p=1.0,
+                          seed=None, stop=[], min_p=None, typical_p=None, repetition_penalty=None,
+                          no_repeat_ngram_size=None, min_new_tokens=None, logprobs=False, list_models=False)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="mcsd-serve",
+                description="Serve lossless tree speculative decoding over OpenAI's API (/v1/chat/completions, "
+                            "/v1/completions, /v1/models, /health, /metrics). One model pair per server, chosen "
+                            f"as mcsd-generate chooses it; without --target/--draft the embedded pair "
+                            f"{DEFAULT_PRESET!r}. Requests are decoded one at a time, in arrival order.")
+    add_model_arguments(p)
+    srv = p.add_argument_group("server")
+    srv.add_argument("--host", default="127.0.0.1",
+                     help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 opens it to the "
+                          "network)")
+    srv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    srv.add_argument("--api-key", default=None,
+                     help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV} where set, else "
+                          f"no key)")
+    srv.add_argument("--model-name", default=None,
+                     help="the model id clients send (default: the preset name, else --target as given)")
+    srv.add_argument("--max-queue", type=int, default=64,
+                     help="requests that may wait for the decoder; one more gets a 429 (default 64)")
+    srv.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
+                     help="a request's time limit, queueing included; past it the generation stops and the "
+                          "request gets a 504 (default 600)")
+    srv.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                     help="larger request bodies get a 413 (default 1 MiB)")
+    srv.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    srv.add_argument("--fault-injection", action="store_true",
+                     help="FOR TESTS ONLY: a prompt holding [[mcsd-fault]] raises inside its generation, one "
+                          "holding [[mcsd-slow]] is slowed down. Off by default")
+    p.set_defaults(**_GENERATE_DEFAULTS)
+    return p
+
+
+def _check_server_args(args) -> None:
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be between 0 and 65535, got {args.port}")
+    if args.max_queue < 1:
+        raise UsageError(f"--max-queue must be >= 1, got {args.max_queue}")
+    if not args.request_timeout > 0:
+        raise UsageError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
+    if args.max_body_bytes < 1024:
+        raise UsageError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise UsageError("--api-key is empty")
+
+
+def _model_id(args) -> str:
+    if args.model_name:
+        return args.model_name
+    return args.target if args.target is not None else DEFAULT_PRESET
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _build(args):
+    """On the worker thread: the pair, the decoder, one warm-up generation."""
+    target, draft, tokenizer = _load_models(args)
+    decoder, dtype_reason = _build_decoder(args, target, draft, tokenizer)
+    log.info("decoder: policy %s, tree %s, dtype %s, threads %d (%s), attention %s", args.policy, args.tree,
+             dtype_reason or args.dtype, args.thread_choice.threads, args.thread_choice.reason, decoder.attention)
+    decoder.generate("Hello", max_new_tokens=4)          # first-call set-up, off the first request's clock
+    return decoder
+
+
+def serve(args) -> int:
+    import uvicorn
+
+    from ..threads import snapshot
+    from .app import Settings, create_app
+    from .engine import Engine
+    from .metrics import Metrics
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _check_server_args(args)
+    api_key = args.api_key if args.api_key is not None else (os.environ.get(API_KEY_ENV) or None)
+    args.load_since = snapshot()
+    from .. import pearl  # noqa: F401  (registers the "pearl" execution mode)
+    from ..policies import POLICIES, resolve_policy
+    parse_policy_options(args.policy_option)
+    args.policy = resolve_policy(args.policy, lossy=args.lossy_target_roots > 0,
+                                 drafting=not _drafter_kinds(args)[2])
+    if args.tree is None:
+        args.tree = POLICIES[args.policy].default_tree if args.policy in POLICIES else "4,2,2"
+    _check_args(args)
+    _check_hub(args)
+
+    engine_box = {}
+    metrics = Metrics(lambda: {"queue_depth": engine_box["engine"].queue_depth,
+                               "running": int(engine_box["engine"].busy)})
+    engine = engine_box["engine"] = Engine(lambda: _build(args), args.max_queue, metrics)
+    log.info("loading %s", _model_id(args))
+    engine.start()
+    decoder = engine.decoder
+    settings = Settings(model_ids=(_model_id(args),), tokenizer=copy.deepcopy(decoder.tokenizer),
+                        context_window=decoder.context_window,
+                        vocab_size=decoder.target.model.get_input_embeddings().weight.shape[0],
+                        api_key=api_key, max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout,
+                        fault_injection=args.fault_injection)
+    app = create_app(engine, settings, metrics)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if not engine.draining:
+                log.info("%s: finishing %d request(s) in flight and queued, refusing new ones",
+                         signal.Signals(sig).name, engine.queue_depth + int(engine.busy))
+            engine.drain()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, log_level=args.log_level,
+                            access_log=False, lifespan="off", timeout_graceful_shutdown=None)
+    server = Server(config)
+    # uvicorn raises the signal it stopped for once it is done; a handler that ignores it lets us exit 0
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    if args.fault_injection:
+        log.warning("--fault-injection is on: prompts can fail or slow their generation on purpose (tests only)")
+    if not _is_loopback(args.host):
+        log.warning("listening on %s: reachable from other machines%s", args.host,
+                    "" if api_key else "; no API key is set (--api-key or $" + API_KEY_ENV + ")")
+    log.info("serving %r on http://%s:%d (OpenAI API under /v1; %s)", settings.model_ids[0], args.host, args.port,
+             "API key required" if api_key else "no API key")
+    server.run()
+    engine.stop(timeout=5)
+    if not server.started:                           # could not listen (the port taken, ...)
+        return 1
+    log.info("stopped")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    try:
+        return serve(args)
+    except (UsageError, ConfigError, ModelLoadError) as exc:
+        print(f"mcsd-serve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def entry() -> None:
+    """The `mcsd-serve` command."""
+    from ..progress import no_bars_off_terminal
+    no_bars_off_terminal()
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

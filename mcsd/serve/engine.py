@@ -1,0 +1,200 @@
+"""The engine behind the server: one worker thread owns the decoder and answers jobs one at a time,
+in arrival order, from a bounded queue.
+
+The decoder is built on the worker thread itself (models loaded, costs calibrated there), so that
+whatever torch and mcsd keep per thread (thread count, matmul paths) belongs to the thread that decodes.
+
+A job is a request's generations (its prompts times its `n` choices), run one after another through
+`TreeDecoder.stream`. After every round the worker passes the round's tokens to the job's asyncio
+queue and checks whether the job was cancelled (its client left) or ran past its time limit; either
+closes the generation there, so the decoder is free again within one round. An exception inside a
+generation ends that job with an "error" event; the worker goes on with the next job.
+
+Limitations: one sequence at a time (no batching of several requests into one forward); a job
+with many choices holds the decoder until all are done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from .processors import TokenLogprobs
+
+log = logging.getLogger("mcsd.serve")
+
+
+@dataclass
+class Run:
+    """One generation of a job: prompt ids, `TreeDecoder.stream` keywords, the choice index it answers."""
+
+    prompt_ids: list[int]
+    options: dict
+    index: int = 0
+
+
+class Job:
+    """A request's runs and the channel its events come back on.
+
+    Events (tuples, put on `events` in the event loop's thread):
+        ("tokens", index, new_tokens, logprob rows or None): a round's tokens for choice `index`;
+            rows (from a `TokenLogprobs` in the options) are (log-probability, alternatives) per token.
+        ("done", index, GenerationOutput): that choice finished.
+        ("end",): every run finished.
+        ("error", exception), ("timeout",), ("cancelled",): the job ended there.
+
+    Args:
+        runs: what to generate.
+        loop: the event loop the events are delivered on.
+        arrived: when the request arrived (time.monotonic()); the time limit and TTFT count from it.
+        timeout_s: the job's time limit, queueing included.
+    """
+
+    def __init__(self, runs: list[Run], loop: asyncio.AbstractEventLoop, arrived: float, timeout_s: float):
+        self.runs, self.loop, self.arrived = runs, loop, arrived
+        self.deadline = arrived + timeout_s
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.cancel = threading.Event()
+        self.started: float | None = None            # when the worker took it
+        self.first_token: float | None = None
+        self.checked = 0.0                            # when the HTTP side last asked if the client is there
+
+    def emit(self, *event) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:                          # the loop is closed: nobody is listening any more
+            pass
+
+
+class QueueFull(Exception):
+    """The queue holds `max_queue` jobs already."""
+
+
+class Draining(Exception):
+    """The server is shutting down and takes no new jobs."""
+
+
+class Engine:
+    """The decoder's single worker thread and its bounded FIFO queue.
+
+    Args:
+        build: called once on the worker thread; returns the `TreeDecoder`.
+        max_queue: jobs that may wait (the running one not counted); one more is refused.
+        metrics: a `mcsd.serve.metrics.Metrics` the worker reports generations to, or None.
+    """
+
+    def __init__(self, build: Callable[[], object], max_queue: int, metrics=None):
+        self._build, self.metrics = build, metrics
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._ready = threading.Event()
+        self._build_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._work, name="mcsd-decoder", daemon=True)
+        self.decoder = None
+        self.current: Job | None = None
+        self.draining = False
+
+    # ------------------------------------------------------------------ control (any thread)
+
+    def start(self) -> None:
+        """Start the worker and wait until the decoder is built; re-raises what building raised."""
+        self._thread.start()
+        self._ready.wait()
+        if self._build_error is not None:
+            raise self._build_error
+
+    def submit(self, job: Job) -> None:
+        """Queue a job; QueueFull or Draining when it cannot be taken."""
+        if self.draining:
+            raise Draining()
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            raise QueueFull() from None
+
+    def drain(self) -> None:
+        """Take no new jobs; those queued and running are answered."""
+        self.draining = True
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Answer what is queued, then end the worker."""
+        self.draining = True
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout)
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    @property
+    def busy(self) -> bool:
+        return self.current is not None
+
+    # ------------------------------------------------------------------ the worker thread
+
+    def _work(self) -> None:
+        try:
+            self.decoder = self._build()
+        except BaseException as exc:                  # reported by start() on the caller's thread
+            self._build_error = exc
+            return
+        finally:
+            self._ready.set()
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            if job.cancel.is_set():
+                job.emit("cancelled")
+                continue
+            if time.monotonic() > job.deadline:
+                job.emit("timeout")
+                continue
+            self.current, job.started = job, time.monotonic()
+            try:
+                self._answer(job)
+            except Exception as exc:                  # this request fails alone; the next one is served
+                log.error("generation failed: %s: %s", type(exc).__name__, exc,
+                          exc_info=not _expected(exc))
+                job.emit("error", exc)
+            finally:
+                self.current = None
+
+    def _answer(self, job: Job) -> None:
+        for run in job.runs:
+            recorder = next((p for p in run.options.get("logits_processor", ()) if isinstance(p, TokenLogprobs)),
+                            None)
+            rounds = self.decoder.stream(run.prompt_ids, **run.options)
+            emitted: list[int] = []
+            while True:
+                try:
+                    new = next(rounds)
+                except StopIteration as done:
+                    out = done.value
+                    break
+                if new and job.first_token is None:
+                    job.first_token = time.monotonic()
+                    if self.metrics is not None:
+                        self.metrics.first_token(job.first_token - job.arrived)
+                rows = recorder.take(emitted + new, len(emitted)) if recorder is not None else None
+                emitted += new
+                job.emit("tokens", run.index, new, rows)
+                if job.cancel.is_set() or time.monotonic() > job.deadline:
+                    rounds.close()                    # the generation ends here; the decoder is free
+                    job.emit("cancelled" if job.cancel.is_set() else "timeout")
+                    return
+            if self.metrics is not None:
+                self.metrics.generation(out.stats)
+            job.emit("done", run.index, out)
+        job.emit("end")
+
+
+def _expected(exc: Exception) -> bool:
+    """Errors that are the request's own (a setting the decoder refuses): no traceback in the log."""
+    from ..config import ConfigError
+    return isinstance(exc, ConfigError)

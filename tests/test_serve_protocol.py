@@ -1,0 +1,189 @@
+"""The server's pieces in process: request checking and the field mapping, streamed text, OpenAI's
+penalties as an exact processor, the logprobs recorder, the metrics text, the command line's mistakes."""
+
+import pytest
+import torch
+
+from conftest import perturbed
+from mcsd import TreeDecoder
+from mcsd.serve import protocol
+from mcsd.serve.processors import Penalties, TokenLogprobs
+from mcsd.serve.protocol import APIError
+
+MODEL = ("tiny",)
+
+
+def _chat(**fields):
+    return {"model": "tiny", "messages": [{"role": "user", "content": "w03 w17"}], **fields}
+
+
+def test_defaults_follow_openai():
+    req = protocol.parse("chat", _chat(), MODEL)
+    assert (req.temperature, req.top_p, req.n, req.stream, req.max_tokens) == (1.0, 1.0, 1, False, None)
+    options = protocol.generate_options(req, prompt_len=10, choice=0, context_window=256)
+    assert options["max_new_tokens"] == 246                    # chat: the room left in the context window
+    comp = protocol.parse("completion", {"model": "tiny", "prompt": "w03"}, MODEL)
+    assert protocol.generate_options(comp, 1, 0, 256)["max_new_tokens"] == 16   # completions: OpenAI's 16
+
+
+def test_one_mapping_of_fields_onto_the_decoder():
+    req = protocol.parse("chat", _chat(max_completion_tokens=7, temperature=0, top_p=0.5, seed=11, n=2,
+                                       stop=["w05"], logprobs=True, top_logprobs=3, frequency_penalty=0.5,
+                                       user="someone"), MODEL)
+    options = protocol.generate_options(req, prompt_len=4, choice=1, context_window=256)
+    processors = options.pop("logits_processor")
+    assert options == dict(max_new_tokens=7, temperature=0.0, top_p=0.5, seed=12, stop_strings=("w05",),
+                           return_logprobs=True)
+    assert isinstance(processors[0], Penalties) and isinstance(processors[-1], TokenLogprobs)
+    assert protocol.recorder({"logits_processor": processors}) is processors[-1]
+
+
+def test_messages_are_normalised():
+    req = protocol.parse("chat", {"model": "tiny", "messages": [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "w03 "}, {"type": "text", "text": "w17"}]},
+        {"role": "assistant", "content": "w04", "name": None}]}, MODEL)
+    assert req.prompts == [[{"role": "system", "content": "be brief"}, {"role": "user", "content": "w03 w17"},
+                            {"role": "assistant", "content": "w04"}]]
+
+
+@pytest.mark.parametrize("endpoint, fields, param", [
+    ("chat", {"tools": [{"type": "function"}]}, "tools"),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"logit_bias": {"5": 10}}, "logit_bias"),
+    ("chat", {"frobnicate": 1}, "frobnicate"),
+    ("completion", {"echo": True}, "echo"),
+    ("completion", {"suffix": "w09"}, "suffix"),
+    ("completion", {"best_of": 3}, "best_of"),
+])
+def test_unsupported_fields_are_named(endpoint, fields, param):
+    body = _chat(**fields) if endpoint == "chat" else {"model": "tiny", "prompt": "w03", **fields}
+    with pytest.raises(APIError) as err:
+        protocol.parse(endpoint, body, MODEL)
+    assert err.value.status == 400 and err.value.param == param and param in err.value.message
+
+
+def test_nulls_count_as_absent():
+    req = protocol.parse("chat", _chat(tools=None, temperature=None, stop=None, seed=None), MODEL)
+    assert req.temperature == 1.0 and req.stop == () and req.seed is None
+
+
+def test_context_window_is_checked_with_the_prompt():
+    req = protocol.parse("completion", {"model": "tiny", "prompt": "w03", "max_tokens": 200}, MODEL)
+    with pytest.raises(APIError, match="exceeds the model's context window of 256") as err:
+        protocol.generate_options(req, prompt_len=100, choice=0, context_window=256)
+    assert err.value.param == "max_tokens"
+    with pytest.raises(APIError, match="the prompt is 300 tokens"):
+        protocol.generate_options(req, prompt_len=300, choice=0, context_window=256)
+
+
+def test_text_stream_holds_back_partial_characters_and_stop_strings(tokenizer):
+    class Bytes:                      # each "token" is one byte of UTF-8; decode replaces broken characters
+        def decode(self, ids, skip_special_tokens=True):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    stream = protocol.TextStream(Bytes(), ("END",))
+    word = list("héllo E".encode())
+    assert stream.push(word[:2]) == "h"                       # the first byte of é is held back
+    assert stream.push(word[2:]) == "éllo "                   # "E" may start "END"
+    assert stream.push(list(b"ND tail")) == ""               # the stop string: nothing past it
+    assert stream.finish(protocol.cut_at_stop("héllo END tail", ("END",))) == ""
+    assert stream.sent == "héllo "
+    plain = protocol.TextStream(tokenizer, ())
+    assert plain.push([3, 17]) == "w03 w17" and plain.push([5]) == " w05"
+
+
+@pytest.fixture(scope="module")
+def decoder(target, tokenizer):
+    return TreeDecoder(target, perturbed(target, 0.3), tokenizer=tokenizer, tree="3,2,1", policy="static")
+
+
+def _greedy_with_penalties(model, prompt, n, frequency, presence):
+    """Plain greedy decoding with OpenAI's penalty written out, to EOS (w01): the reference."""
+    ids = prompt.clone()
+    counts = torch.zeros(model.config.vocab_size)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(ids[None]).logits[0, -1]
+            token = int((logits - counts * frequency - (counts > 0).float() * presence).argmax())
+            counts[token] += 1
+            ids = torch.cat([ids, torch.tensor([token])])
+            if token == 1:
+                break
+    return ids[prompt.numel():].tolist()
+
+
+@pytest.mark.parametrize("frequency, presence", [(1.5, 0.0), (0.0, 2.0), (-0.5, 0.7)])
+def test_penalties_are_exact_through_the_tree(decoder, target, frequency, presence):
+    prompt = torch.tensor([3, 17, 42, 5])
+    out = decoder.generate(prompt, max_new_tokens=40, temperature=0.0,
+                           logits_processor=[Penalties(4, frequency, presence)])
+    assert out.tokens == _greedy_with_penalties(target, prompt, 40, frequency, presence)
+    assert out.stats.rounds < len(out.tokens) - 1              # the tree did accept drafts
+
+
+@pytest.mark.parametrize("temperature, top_p", [(0.0, 1.0), (0.8, 0.9)])
+def test_recorded_logprobs_are_the_decoders(decoder, temperature, top_p):
+    from mcsd.config import SamplingConfig
+    sampling = SamplingConfig() if temperature == 0 else SamplingConfig(temperature=temperature, top_p=top_p)
+    recorder = TokenLogprobs(3, sampling, top=4)
+    rounds = decoder.stream(torch.tensor([3, 17, 42]), max_new_tokens=30, temperature=temperature, top_p=top_p,
+                            seed=5, return_logprobs=True, logits_processor=[recorder])
+    emitted, rows = [], []
+    while True:
+        try:
+            new = next(rounds)
+        except StopIteration as done:
+            out = done.value
+            break
+        rows += recorder.take(emitted + new, len(emitted))
+        emitted += new
+    assert emitted == out.tokens and len(rows) == len(out.tokens)
+    assert [lp for lp, _ in rows] == pytest.approx(out.logprobs, abs=1e-5)
+    for (lp, alternatives), token in zip(rows, out.tokens):
+        assert len(alternatives) == 4 and alternatives[0][1] >= lp - 1e-6
+        assert [a for a, _ in alternatives].count(token) <= 1
+        if temperature == 0:
+            assert alternatives[0][0] == token                # greedy: the chosen token is the top one
+
+
+def test_metrics_text_parses():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from mcsd.output import GenerationStats
+    from mcsd.serve.metrics import Metrics
+    metrics = Metrics(lambda: {"queue_depth": 3, "running": 1})
+    metrics.request("chat", 200)
+    metrics.request("chat", 400)
+    stats = GenerationStats(new_tokens=10, target_forwards=4, wall_s=0.5, offered_by_depth=[4, 2],
+                            accepted_by_depth=[3, 1])
+    metrics.generation(stats)
+    metrics.first_token(0.12)
+    families = {f.name: f for f in text_string_to_metric_families(metrics.render())}
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
+    assert samples[("mcsd_requests_total", (("endpoint", "chat"), ("status", "400")))] == 1
+    assert samples[("mcsd_acceptance_by_depth", (("depth", "1"),))] == 0.75
+    assert samples[("mcsd_queue_depth", ())] == 3 and samples[("mcsd_tau", ())] == 2.5
+    assert samples[("mcsd_time_to_first_token_seconds_bucket", (("le", "0.2"),))] == 1
+    assert samples[("mcsd_time_to_first_token_seconds_bucket", (("le", "0.1"),))] == 0
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--max-queue", "0"], "--max-queue must be >= 1"),
+    (["--port", "70000"], "--port must be between 0 and 65535"),
+    (["--request-timeout", "0"], "--request-timeout must be > 0"),
+    (["--tree", "4,x"], "malformed tree spec"),
+    (["--target", "./missing/target", "--draft", "./missing/draft"], "model path does not exist"),
+    (["--threads", "0"], "--threads must be >= 1"),
+])
+def test_server_flag_mistakes_exit_2_in_one_line(capsys, args, fragment):
+    from mcsd.serve.cli import main
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mcsd-serve: error: ") and err.count("\n") == 1 and fragment in err
+
+
+def test_loopback_addresses():
+    from mcsd.serve.cli import _is_loopback
+    assert _is_loopback("127.0.0.1") and _is_loopback("::1") and _is_loopback("localhost")
+    assert not _is_loopback("0.0.0.0") and not _is_loopback("192.168.1.4")
