@@ -127,7 +127,7 @@ def _mcsd(bench, ids, tree: str | None, policy: str = "static", baseline: bool =
     if dec is None:
         chosen = {"model": draft, "context": "context", "model+context": [draft, "context"]}[drafter]
         dec = bench.decoders[key] = TreeDecoder(bench.target, chosen, tokenizer=bench.tokenizer, tree=tree,
-                                                policy=policy)
+                                                policy=policy, threads=None)    # the harness sets them
     gen = dec.generate_baseline if baseline else dec.generate
     out = gen(ids, max_new_tokens=bench.max_new_tokens)
     s = out.stats

@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import socket
 import sys
 from pathlib import Path
 
@@ -23,6 +21,7 @@ from .config import (ATTENTION_BACKENDS, DTYPE_NAMES, MAX_TREE_DEPTH, MAX_TREE_N
                      DecodeConfig, ProcessingConfig, SamplingConfig, check_lossy_roots)
 from .errors import ModelLoadError
 from .presets import DEFAULT_PRESET, DRAFTERS, PRESETS, describe_presets, parse_drafter_spec
+from .sources import is_local_path_syntax
 
 DRAFTER_CHOICES = (*DRAFTERS, "context", *(f"{d}+context" for d in DRAFTERS))
 
@@ -210,6 +209,9 @@ def _auto_dtype(target, draft, args):
     from .profile import choose_dtype
     if args.device != "cpu" and not str(args.device).startswith("cuda"):
         return target, draft, "float32", "float32: --dtype auto measures on one cpu or cuda device only"
+    from .attention import set_backend
+    # the copies measured for each dtype run the attention the decoder will: one profile a dtype
+    set_backend(target, args.attention)
     # --baseline needs no costs: it measures nothing unless asked to (--calibrate)
     calibrate = False if args.baseline and args.calibrate is None else args.calibrate
     choice = choose_dtype(target, draft, drafting=not args.baseline, calibrate=calibrate,
@@ -220,15 +222,10 @@ def _auto_dtype(target, draft, args):
     return target, draft, choice.dtype, choice.reason
 
 
-def _looks_like_path(source: str) -> bool:
-    # "org/name" could be a hub id; "./x", "/x", "~/x", "a/b/c" or "x.gguf" can only be paths.
-    return source.endswith(".gguf") or source.startswith((".", "/", "~")) or source.count("/") > 1
-
-
 def _check_sources(args) -> None:
     """A model given as a path that does not exist is named as such, before anything else about it."""
     for flag, source in (("--target", args.target), ("--draft", args.draft)):
-        if source is not None and source not in PRESETS and _looks_like_path(source) \
+        if source is not None and source not in PRESETS and is_local_path_syntax(source) \
                 and not Path(source).expanduser().exists():
             raise UsageError(f"{flag} {source}: model path does not exist")
 
@@ -236,45 +233,15 @@ def _check_sources(args) -> None:
 def _hub_ids(args) -> list[tuple[str, str]]:
     """(flag, id) for each model source that can only be a Hugging Face Hub id."""
     return [(flag, src) for flag, src in (("--target", args.target), ("--draft", args.draft))
-            if src is not None and src not in PRESETS and not _looks_like_path(src)
+            if src is not None and src not in PRESETS and not is_local_path_syntax(src)
             and not Path(src).expanduser().exists()]
-
-
-def _hub_cache() -> Path:
-    """The local Hugging Face hub cache (huggingface_hub's own rule, without importing it)."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
-    return Path(home).expanduser() / "hub"
-
-
-def hub_reachable(timeout: float = 1.0) -> bool:
-    """Whether the Hugging Face Hub answers a TCP connection within `timeout` seconds."""
-    host = os.environ.get("HF_ENDPOINT", "https://huggingface.co").split("://")[-1].split("/")[0]
-    try:
-        socket.create_connection((host.split(":")[0], 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
 
 
 def _check_hub(args) -> None:
     """Hub ids without a network: load from the local cache in offline mode (no retries), or stop at once
-    with one line when a model is not cached. transformers would otherwise retry for most of a minute."""
-    ids = _hub_ids(args)
-    if not ids or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "TRUE", "YES", "ON"):
-        return
-    if hub_reachable():
-        return
-    missing = [(flag, repo) for flag, repo in ids if not (_hub_cache() / f"models--{repo.replace('/', '--')}").is_dir()]
-    if missing:
-        flag, repo = missing[0]
-        raise UsageError(f"{flag} {repo}: not a local path, not in the Hugging Face cache ({_hub_cache()}), and the "
-                         f"Hub cannot be reached; pass a local directory or .gguf file, or download it first")
-    os.environ["HF_HUB_OFFLINE"] = "1"             # read when huggingface_hub is imported
-    hub = sys.modules.get("huggingface_hub.constants")
-    if hub is not None:                            # already imported (from Python): switch it there too
-        hub.HF_HUB_OFFLINE = True
+    with one line when a model is not cached (`mcsd.sources.prepare_hub`)."""
+    from .sources import prepare_hub
+    prepare_hub(_hub_ids(args))
 
 
 def _check_args(args) -> None:
@@ -292,6 +259,9 @@ def _check_args(args) -> None:
         raise UsageError(f"--weights q4 runs on the CPU (torch's int4 CPU kernel); drop --device {args.device}")
     if (args.target is not None and args.draft is None and args.target not in PRESETS and not args.baseline
             and args.drafter != "context"):
+        _check_hub(args)
+        from .sources import check_source
+        check_source(args.target, "--target")         # what is wrong with the target comes first
         raise UsageError(f"--target {args.target} needs a --draft (or use --baseline, --drafter context, or a "
                          f"preset: {', '.join(PRESETS)})")
     if args.draft is not None and args.target is None:
@@ -299,6 +269,10 @@ def _check_args(args) -> None:
                          f"shares; name that target (a preset works: --target {DEFAULT_PRESET} --draft DIR)")
     if args.output is not None and args.prompts_file is None:
         raise UsageError("--output writes --prompts-file results; for one prompt, redirect stdout")
+    if args.output is not None:
+        _check_writable(args.output, "--output")
+    if args.prompt is not None and args.prompt_file is not None:
+        raise UsageError("--prompt and --prompt-file both give the prompt; pass one of them")
     if args.prompts_file is not None and (args.prompt is not None or args.prompt_file is not None):
         raise UsageError("--prompts-file takes the prompts from the file; drop --prompt / --prompt-file")
     if args.prompts_file is not None and args.show_tree:
@@ -337,6 +311,20 @@ def _check_args(args) -> None:
             and (any(v is not None for v in _processing(args).values()) or args.logprobs):
         raise UsageError("--repetition-penalty, --no-repeat-ngram-size, --min-new-tokens and --logprobs need the "
                          "exact tree loop; not with --lossy-target-roots or --policy pearl")
+
+
+def _check_writable(path: str, flag: str) -> None:
+    """A file the run will write can be written, found before any model loads (one that did not exist
+    is not left behind)."""
+    target = Path(path).expanduser()
+    existed = target.exists()
+    try:
+        with open(target, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        raise UsageError(f"cannot write {flag} {path}: {exc.strerror or exc}") from None
+    if not existed:
+        target.unlink(missing_ok=True)
 
 
 def _processing(args) -> dict:
@@ -396,25 +384,24 @@ def _build_decoder(args, target, draft, tokenizer):
         draft = context if draft is None else [draft, context]
     decoder = TreeDecoder(target, draft, tokenizer=tokenizer, tree=args.tree, policy=args.policy,
                           attention=args.attention, lossy_target_roots=args.lossy_target_roots,
-                          calibrate=args.calibrate, policy_options=parse_policy_options(args.policy_option) or None)
+                          calibrate=args.calibrate, policy_options=parse_policy_options(args.policy_option) or None,
+                          threads=None)             # chosen by _set_threads before the models loaded
     return decoder, dtype_reason
 
 
 def _set_threads(args) -> None:
     """torch's thread count: --threads, else OMP_NUM_THREADS where set, else the free cores
     (`mcsd.threads`, read over the start-up since `args.load_since`); the choice is kept in args."""
-    import os
-
     import torch
 
     from . import threads
-    env = os.environ.get("OMP_NUM_THREADS", "").strip()
     if args.threads is not None:
         args.thread_choice = threads.explicit(args.threads, "--threads")
-    elif env.isdigit() and int(env) > 0:
-        args.thread_choice = threads.explicit(int(env), "OMP_NUM_THREADS")
     else:
-        args.thread_choice = threads.fit_threads(getattr(args, "load_since", None))
+        args.thread_choice = threads.auto(getattr(args, "load_since", None))
+    if args.thread_choice.clamped:
+        print(f"mcsd-generate: note: threads {args.thread_choice.reason}; using {args.thread_choice.threads}",
+              file=sys.stderr)
     torch.set_num_threads(args.thread_choice.threads)
 
 
@@ -521,7 +508,11 @@ def run(args) -> int:
                                    **common)
     except KeyboardInterrupt:                         # keep what was generated: the rest of the text
         text = tokenizer.decode(streamed, skip_special_tokens=True)
-        sys.stdout.write(text[len(printed["text"]):] + "\n")
+        if args.json:                                 # still one JSON object, marked as cut short
+            sys.stdout.write(json.dumps({"text": text, "tokens": streamed, "finish_reason": "interrupted",
+                                         "settings": _settings(args, decoder, dtype_reason)}) + "\n")
+        else:
+            sys.stdout.write(text[len(printed["text"]):] + "\n")
         sys.stdout.flush()
         print(f"mcsd-generate: interrupted after {len(streamed)} tokens", file=sys.stderr)
         return 130
@@ -656,10 +647,29 @@ def _draw_best_round(rounds, path: str, tokenizer) -> None:
     print(f"tree drawn to {written}", file=sys.stderr)
 
 
+# Flags whose value may itself start with "-" (a prompt, a stop string, a malformed tree): argparse
+# would take "--tree -1,2" for two flags and say "expected one argument", not what is wrong.
+FREE_VALUE_FLAGS = ("--prompt", "--system", "--stop", "--tree")
+
+
+def _join_free_values(argv: list[str]) -> list[str]:
+    """"--tree -1,2" -> "--tree=-1,2" for the flags in FREE_VALUE_FLAGS, so the value reaches its check."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in FREE_VALUE_FLAGS and i + 1 < len(argv) and argv[i + 1].startswith("-") \
+                and not argv[i + 1].startswith("--"):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(_join_free_values(list(sys.argv[1:] if argv is None else argv)))
     except SystemExit as exc:                        # argparse already printed the problem (or the help)
         return int(exc.code or 0)
     try:
@@ -667,7 +677,9 @@ def main(argv=None) -> int:
     except (UsageError, ConfigError, ModelLoadError) as exc:
         print(f"mcsd-generate: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:                        # before any text: still one JSON object with --json
+        if args.json:
+            print(json.dumps({"text": "", "tokens": [], "finish_reason": "interrupted"}))
         return 130
 
 

@@ -73,8 +73,14 @@ class TreeDecoder:
             again; False never measures (cached profile, else a generic
             default). Without a drafter nothing is measured (unless True):
             the target's matmul paths come from any cached profile of it.
+        threads: torch's CPU threads, chosen before anything is measured: "auto"
+            (the default, as on the command line: OMP_NUM_THREADS where set,
+            else the cores other processes leave free, read over 0.1 s), a
+            count (at most the cores this process may use), or None to leave
+            torch's setting alone. This sets torch's process-wide thread count.
 
     Attributes:
+        threads: the `mcsd.threads.ThreadChoice` made (its `reason` says why), or None.
         calibration: this machine's costs and matmul paths (`mcsd.calibration`).
         costs_source: where a cost-aware policy's costs came from ("cached",
             "measured", "default"), or None for other policies.
@@ -84,7 +90,8 @@ class TreeDecoder:
 
     def __init__(self, target, draft=None, tokenizer=None, tree=None, policy="auto",
                  attention: str = "auto", policy_options: dict | None = None, lossy_target_roots: int = 0,
-                 calibrate: bool | None = None):
+                 calibrate: bool | None = None, threads: int | str | None = "auto"):
+        self.threads = _choose_threads(threads)
         self.target, self.tokenizer = CachedLM(target), tokenizer
         self.lossy_roots = int(lossy_target_roots)
         parts = resolve(target, draft, tree, policy, attention, self.lossy_roots)
@@ -347,6 +354,21 @@ class TreeDecoder:
                 return done.value
             if streamer is not None and new:
                 streamer(new)
+
+
+def _choose_threads(threads: int | str | None):
+    """TreeDecoder's `threads` argument -> the ThreadChoice applied to torch (None: left alone)."""
+    from . import threads as cpu_threads
+    if threads is None:
+        return None
+    if threads == "auto":
+        choice = cpu_threads.auto()
+    elif isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1:
+        choice = cpu_threads.explicit(threads, "threads=")
+    else:
+        raise ConfigError(f"threads must be 'auto', None or an integer >= 1, got {threads!r}")
+    torch.set_num_threads(choice.threads)
+    return choice
 
 
 def _exact_loop_only(cfg: DecodeConfig, what: str) -> None:

@@ -33,6 +33,7 @@ from .errors import ModelLoadError, TokenizerMismatchError
 from .feature_draft import FeatureDrafter, FeatureHead, is_feature_head
 from .presets import DEFAULT_PRESET, DRAFTERS, PRESETS, Preset
 from .progress import bars_wanted, say, stage, transformers_bars
+from .sources import check_source, is_hub_id, prepare_hub, resolve_source
 
 DTYPES = {alias: getattr(torch, name) for alias, name in DTYPE_NAMES.items()}
 
@@ -238,32 +239,11 @@ def parse_device(device) -> str | dict:
     return text
 
 
-def _is_local_path_syntax(source: str) -> bool:
-    # "org/name" could be a hub id; "./x", "/x", "~/x", "a/b/c" or "x.gguf" can only be paths.
-    return source.endswith(".gguf") or source.startswith((".", "/", "~")) or source.count("/") > 1
-
-
-def resolve_source(source: str) -> tuple[str, dict]:
-    """Map a source string to (path or hub id, extra from_pretrained kwargs)."""
-    path = Path(source).expanduser()
-    if source.endswith(".gguf"):
-        if not path.is_file():
-            raise ModelLoadError(f"GGUF file not found: {source}")
-        return str(path.parent), {"gguf_file": path.name}
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelLoadError(f"{source} is a directory without config.json; not a saved model")
-        return str(path), {}
-    if path.exists():
-        raise ModelLoadError(f"{source} is a file but not a .gguf checkpoint; pass a model directory or a .gguf file")
-    if _is_local_path_syntax(source):
-        raise ModelLoadError(f"model path does not exist: {source}")
-    return source, {}
-
-
 def load_tokenizer(source: str):
     from transformers import AutoTokenizer
     name, kw = resolve_source(_preset_path(source, "target"))
+    if is_hub_id(name):                                # offline: the cache at once, or one clear error
+        prepare_hub([("target", name)])
     try:
         return AutoTokenizer.from_pretrained(name, **kw)
     except Exception as exc:
@@ -298,6 +278,8 @@ def load_model(source: str, dtype="bfloat16", device="cpu", role: str = "target"
     torch_dtype = parse_dtype(dtype)
     device = parse_device(device)
     name, kw = resolve_source(_preset_path(source, role))
+    if is_hub_id(name):                                # offline: the cache at once, or one clear error
+        prepare_hub([(role, name)])
     if isinstance(device, dict) or device == "auto":
         kw["device_map"] = device
     try:
@@ -310,6 +292,8 @@ def load_model(source: str, dtype="bfloat16", device="cpu", role: str = "target"
                     "without network access pass a local path)")
         raise ModelLoadError(f"could not load {role} model from {source!r}{hint}: "
                              f"{exc.__class__.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
+    if "gguf_file" in kw:                              # named by its file, not the folder it sits in
+        model.name_or_path = model.config._name_or_path = str(Path(name) / kw["gguf_file"])
     if "device_map" not in kw:
         model.to(device)
     model.eval()
@@ -435,6 +419,7 @@ def load_model_pair(target: str | None = None, draft: str | None = None, dtype="
     if target is None:
         target = DEFAULT_PRESET
     if draft is None:
+        check_source(target, "target")                 # a target that cannot load is named as such first
         if target not in PRESETS:
             raise ConfigError(f"no draft given for target {target!r}; pass draft=... "
                               f"(presets with a built-in draft: {', '.join(PRESETS)})")

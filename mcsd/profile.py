@@ -24,6 +24,7 @@ import torch
 
 from . import kernels, kv_cache, quant
 from .cache import cache_dir, cache_writes
+from .config import ConfigError
 from .kernels import interpolate
 from .lm import CachedLM
 from .tree import causal_allowed
@@ -499,10 +500,23 @@ def _model_name(model) -> str:
 
 
 def _model_key(model) -> str:
-    # the name, plus the shape of what runs: models saved without a name path all read "llama"
+    """What runs, never where it was loaded from: a profile holds costs, which follow the
+    architecture (the configuration less its path and bookkeeping, every parameter's name and
+    shape) and whether the linear layers run on 4-bit codes, not the weights' values. So a cache
+    copied elsewhere (or mounted read-only at another path) still finds its profiles, and two
+    checkpoints of one architecture share theirs."""
     module = model.module if _is_feature_drafter(model) else model          # a head: with its LM rows
-    weights = ":q4" if quant.attached(module) else ""       # the same model on its 4-bit weights runs otherwise
-    return f"{_model_name(model)}:{sum(p.numel() for p in module.parameters())}{weights}"
+    digest = hashlib.sha1()
+    head = getattr(model, "head", None)
+    for cfg in (getattr(module, "config", None), getattr(head, "cfg", None)):
+        fields = cfg.to_dict() if hasattr(cfg, "to_dict") else asdict(cfg) if cfg is not None else {}
+        fields = {k: v for k, v in fields.items()
+                  if not k.startswith("_") and k not in ("transformers_version", "name_or_path", "dtype",
+                                                          "torch_dtype")}
+        digest.update(json.dumps(fields, sort_keys=True, default=str).encode())
+    digest.update(";".join(f"{name}{tuple(p.shape)}" for name, p in module.named_parameters()).encode())
+    weights = ":q4" if quant.attached(module) else ""
+    return f"{digest.hexdigest()[:16]}:{sum(p.numel() for p in module.parameters())}{weights}"
 
 
 def host_key(device) -> dict:
@@ -650,8 +664,12 @@ def load_or_measure(target, draft=None, measure_if_missing: bool = True, force: 
         n = torch.get_num_threads()
         print(f"mcsd: measuring this machine's costs for {_model_name(target)} ({dtype}, {n} thread"
               f"{'s' if n > 1 else ''}; cached in {path.parent})...", file=sys.stderr, flush=True)
-    with cache_writes(path.parent):                   # a cache that cannot be written fails before measuring
-        path.parent.mkdir(parents=True, exist_ok=True)
+    unwritable = None                                 # a cache that cannot be written: the costs serve this run
+    try:
+        with cache_writes(path.parent):
+            path.parent.mkdir(parents=True, exist_ok=True)
+    except ConfigError as exc:
+        unwritable = str(exc)
     kwargs.setdefault("repeats", CALIBRATION_REPEATS)
     prof = measure(target, draft, **kwargs)
     if flagged is not None:
@@ -662,8 +680,14 @@ def load_or_measure(target, draft=None, measure_if_missing: bool = True, force: 
     if prof.meta.get("provisional") and not quiet:
         print(f"mcsd: the machine was busy while measuring ({prof.meta['provisional']}): these costs serve "
               f"until a quieter start measures again", file=sys.stderr, flush=True)
-    with cache_writes(path.parent):
-        path.write_text(prof.to_json())
+    if unwritable is None:
+        try:
+            with cache_writes(path.parent):
+                path.write_text(prof.to_json())
+        except ConfigError as exc:
+            unwritable = str(exc)
+    if unwritable is not None and not quiet:
+        print(f"mcsd: {unwritable.split(';')[0]}; these costs serve this run only", file=sys.stderr, flush=True)
     return prof
 
 

@@ -23,6 +23,11 @@ def encode(prompt, tokenizer, vocab_size: int, device) -> torch.Tensor:
             raise ConfigError("the prompt is empty")
         if tokenizer is None:
             raise ConfigError("a string prompt needs a tokenizer; pass tokenizer=... or token ids")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:           # a lone surrogate: no UTF-8 text, no tokens
+            raise ConfigError(f"the prompt is not valid Unicode text: a lone surrogate {prompt[exc.start]!r} at "
+                              f"character {exc.start} (decode bytes with errors='replace', or fix the text)") from None
         ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
     else:
         ids = _as_ids(prompt)

@@ -101,7 +101,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
 
 
 def choose(scores: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None,
-           logprob: bool = False, noise: "PositionNoise | None" = None,
+           logprob: bool = False, noise: PositionNoise | None = None,
            position: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """scores (V,) -> (the chosen token (): the argmax when greedy, else drawn from the processed
     distribution, by `noise` at sequence `position` where given, else from `generator`; with

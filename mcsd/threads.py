@@ -37,12 +37,14 @@ class ThreadChoice:
         reason: one line for `--stats`.
         allowed: cores this process may run on.
         busy: cores' worth of CPU time other processes used during the window (None: not read).
+        clamped: a count asked for was above `allowed` and was lowered to it.
     """
 
     threads: int
     reason: str
     allowed: int = 0
     busy: float | None = None
+    clamped: bool = False        # a count asked for was more than the cores allowed
 
 
 def choose_threads(allowed: int, busy: float) -> ThreadChoice:
@@ -155,5 +157,21 @@ def fit_threads(since: Snapshot | None = None, sleep=time.sleep) -> ThreadChoice
 
 
 def explicit(threads: int, how: str) -> ThreadChoice:
-    """A thread count the user chose (`how`: "--threads", "OMP_NUM_THREADS")."""
-    return ThreadChoice(int(threads), f"{int(threads)}: as set by {how}", len(allowed_cpus()), None)
+    """A thread count the user chose (`how`: "--threads", "OMP_NUM_THREADS"), at most the cores this
+    process may run on: more only makes every kernel wait for threads that share a core (2,000
+    threads on 2 cores did not finish a calibration in a quarter of an hour). `clamped` then says so."""
+    allowed = len(allowed_cpus())
+    if int(threads) > allowed:
+        return ThreadChoice(allowed, f"{allowed}: {how} asked for {int(threads)}, more than the {allowed} "
+                                     f"core{'s' if allowed != 1 else ''} this process may use", allowed, None,
+                            clamped=True)
+    return ThreadChoice(int(threads), f"{int(threads)}: as set by {how}", allowed, None)
+
+
+def auto(since: Snapshot | None = None) -> ThreadChoice:
+    """The thread count nobody chose: OMP_NUM_THREADS where set to a positive number, else
+    `fit_threads` (the free cores). What the command line and `TreeDecoder` use alike."""
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return explicit(int(env), "OMP_NUM_THREADS")
+    return fit_threads(since)

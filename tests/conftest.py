@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-# Tiny models are dominated by per-op overhead; extra threads only contend.
+# Tiny models are dominated by per-op overhead; extra threads only contend. (TreeDecoder's
+# default thread choice reads OMP_NUM_THREADS too.)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 VOCAB = 64

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mcsd import cli
+from mcsd import cli, sources
 from mcsd.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,7 +100,7 @@ def test_a_hub_id_without_network_fails_at_once(monkeypatch, tmp_path, capsys):
         attempts.append((address, timeout))
         raise OSError("network unreachable")
 
-    monkeypatch.setattr(cli.socket, "create_connection", refuse)
+    monkeypatch.setattr(sources.socket, "create_connection", refuse)
     monkeypatch.setattr(cli, "_load_models", lambda args: pytest.fail("loaded a model"))
     t0 = time.perf_counter()
     assert main(["--target", "no-such-org/no-such-model", "--baseline", "--prompt", "w03"]) == 2
@@ -113,7 +113,7 @@ def test_a_cached_hub_id_without_network_loads_offline(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     (tmp_path / "models--org--model").mkdir()
-    monkeypatch.setattr(cli.socket, "create_connection", lambda *a, **k: (_ for _ in ()).throw(OSError("down")))
+    monkeypatch.setattr(sources.socket, "create_connection", lambda *a, **k: (_ for _ in ()).throw(OSError("down")))
     args = cli.build_parser().parse_args(["--target", "org/model", "--baseline"])
     constants = sys.modules.get("huggingface_hub.constants")
     was = getattr(constants, "HF_HUB_OFFLINE", None)

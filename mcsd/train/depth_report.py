@@ -100,7 +100,7 @@ def decoding(target, drafter, examples: list[dict], depth: int = 3, max_new_toke
     outputs equal the stored responses (the same target and dtype write the same tokens)."""
     from mcsd import TreeDecoder
 
-    dec = TreeDecoder(target, drafter, tree=",".join(["1"] * depth), policy="static")
+    dec = TreeDecoder(target, drafter, tree=",".join(["1"] * depth), policy="static", threads=None)
     counts: dict[str, list[list[int]]] = {}
     same = 0
     for ex in examples:

@@ -202,7 +202,7 @@ def main(argv=None) -> int:
     target, draft, tok = load_model_pair(args.target, args.draft, dtype=args.dtype, device=args.device,
                                          drafter=args.drafter)
     policy = TracePolicy(TreeTopology.from_spec(args.tree), args.label_temperature, hidden=args.hidden)
-    dec = TreeDecoder(target, draft, tokenizer=tok, policy=policy)
+    dec = TreeDecoder(target, draft, tokenizer=tok, policy=policy, threads=None)
     prompts = load_prompts(args.prompts, split=args.split)
     if args.per_group:
         prompts = stratified(prompts, args.per_group)
