@@ -120,7 +120,7 @@ class Slow:
     """Test-only (`mcsd-serve --fault-injection`): sleeps `seconds` at every call, so that a tiny
     model's generation lasts long enough to be interrupted."""
 
-    def __init__(self, seconds: float = 0.02):
+    def __init__(self, seconds: float = 0.05):
         self.seconds = seconds
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
