@@ -214,3 +214,12 @@ def test_a_profile_that_cannot_be_written_serves_the_run_and_is_said_once(model_
 def test_a_gguf_target_is_named_by_its_file(gguf_file):
     from mcsd.models import load_model
     assert load_model(str(gguf_file), "float32").name_or_path == str(gguf_file)
+
+
+def test_bench_report_names_the_fastest_mcsd_method_whatever_its_family():
+    import runpy
+    report = runpy.run_path(str(Path(__file__).resolve().parents[1] / "tools" / "bench_report.py"))
+    rows = [{"method": "default", "family": "policy", "speedup": 1.5},
+            {"method": "default_context", "family": "context", "speedup": 1.8},
+            {"method": "hf_assisted_n2", "family": "hf_assisted", "speedup": 0.7}]
+    assert report["_best"](rows).startswith("Best mcsd method: default_context at 1.80x")

@@ -109,7 +109,7 @@ def _best(rows: list[dict]) -> str | None:
         cands = [r for r in rows if r["family"] in families and r.get("speedup")]
         return max(cands, key=lambda r: r["speedup"]) if cands else None
     lines = []
-    ours, hf = top(("chain", "tree", "policy")), top(("hf_assisted",))
+    ours, hf = top(("chain", "tree", "policy", "context")), top(("hf_assisted",))   # every mcsd method
     if ours and hf:
         lines.append(f"Best mcsd method: {ours['method']} at {ours['speedup']:.2f}x over baseline; best Hugging "
                      f"Face assisted setting: {hf['method']} at {hf['speedup']:.2f}x; ratio "
