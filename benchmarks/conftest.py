@@ -33,6 +33,9 @@ def pytest_addoption(parser):
                 help="the target's weights: dense, or q4 (its Q4_1 GGUF's codes on torch's int4 kernel; bfloat16)")
     g.addoption("--bench-device", default="cpu")
     g.addoption("--bench-threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    g.addoption("--bench-temperature", type=float, default=0.0,
+                help="sample at this temperature (0, the default, is greedy); each prompt gets a fixed seed")
+    g.addoption("--bench-top-p", type=float, default=1.0, help="nucleus sampling's top-p, with --bench-temperature")
     g.addoption("--bench-interleave", action="store_true",
                 help="run the selected methods prompt by prompt in rotation (one interleaved run) instead of "
                      "one method after another; each test then reports its share of that run")
@@ -49,6 +52,16 @@ def pytest_collection_modifyitems(config, items):
 class Bench:
     """Everything the methods share within one session."""
 
+    @property
+    def sampling(self) -> dict:
+        """The sampling settings every method runs with (empty: greedy)."""
+        return {} if self.temperature == 0 else {"temperature": self.temperature, "top_p": self.top_p}
+
+    @staticmethod
+    def seed_for(ids: torch.Tensor) -> int:
+        """A prompt's fixed seed: a function of its tokens, the same for every method and run."""
+        return (int((ids.long() * (torch.arange(ids.numel()) % 997 + 1)).sum()) * 1_000_003 + ids.numel()) % 2**31
+
     def __init__(self, config):
         from mcsd import load_model_pair
         from mcsd.models import DEFAULT_PRESET, PRESETS, load_model, preset_draft_dir
@@ -61,6 +74,7 @@ class Bench:
         self.interleave = opt("--bench-interleave")
         self.interleaved: dict | None = None         # method -> question_id -> Run, once computed
         self.max_new_tokens = 16 if self.smoke else opt("--bench-max-new-tokens")
+        self.temperature, self.top_p = opt("--bench-temperature"), opt("--bench-top-p")
         self.dtype, self.device, self.weights = opt("--bench-dtype"), opt("--bench-device"), opt("--bench-weights")
         if self.weights == "q4":
             self.dtype = "bfloat16"                    # what q4 computes in, whatever --bench-dtype says
@@ -108,6 +122,7 @@ class Bench:
             "transformers": __import__("transformers").__version__,
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "prompts": len(self.prompts), "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature, "top_p": self.top_p,
             "drafter": "model" if self.draft_is_model else type(self.draft).__name__,
             "hf_assistant": getattr(getattr(self.assistant, "config", None), "_name_or_path", None),
         }

@@ -77,14 +77,16 @@ def _assistant_settings(draft, **settings):
 
 
 def _hf(bench, ids, assistant=False, onednn=True, **settings) -> Run:
-    """Hugging Face `generate`, greedy: `settings` go to the assistant's generation config with
+    """Hugging Face `generate`, greedy or with the bench's sampling: `settings` go to the assistant's generation config with
     `assistant`, else to `generate` itself. `onednn=False` runs the whole call with torch's oneDNN
     matrix products off (ATen's kernels; see `mcsd.kernels`), the best single setting for
     one-token steps in bfloat16 on a CPU with native bf16."""
     target = bench.target
     ids = ids.to(target.device)[None]
-    kwargs = dict(max_new_tokens=bench.max_new_tokens, do_sample=False, attention_mask=torch.ones_like(ids),
-                  pad_token_id=bench.tokenizer.eos_token_id)
+    kwargs = dict(max_new_tokens=bench.max_new_tokens, do_sample=bool(bench.sampling),
+                  attention_mask=torch.ones_like(ids), pad_token_id=bench.tokenizer.eos_token_id, **bench.sampling)
+    if bench.sampling:                                   # transformers samples from torch's global generator
+        torch.manual_seed(bench.seed_for(ids[0]))
     if not assistant:
         kwargs.update(settings)
     ctx = _assistant_settings(bench.assistant, **settings) if assistant else contextlib.nullcontext()
@@ -129,7 +131,8 @@ def _mcsd(bench, ids, tree: str | None, policy: str = "static", baseline: bool =
         dec = bench.decoders[key] = TreeDecoder(bench.target, chosen, tokenizer=bench.tokenizer, tree=tree,
                                                 policy=policy, threads=None)    # the harness sets them
     gen = dec.generate_baseline if baseline else dec.generate
-    out = gen(ids, max_new_tokens=bench.max_new_tokens)
+    sampling = {**bench.sampling, "seed": bench.seed_for(ids)} if bench.sampling else {}
+    out = gen(ids, max_new_tokens=bench.max_new_tokens, **sampling)
     s = out.stats
     return Run(out.tokens, s.wall_s, s.target_forwards, s.draft_s, s.verify_s, s.policy_s, s.accepted_per_round,
                s.accepted_by_depth, s.offered_by_depth, s.context_nodes, s.context_accepted)
@@ -151,7 +154,7 @@ def llama_cpp_unavailable(bench) -> str | None:
 
 
 def _llama_cpp(bench, ids) -> Run:
-    """llama.cpp on the GGUF the target was converted from: greedy (top-1), the bench's prompt ids,
+    """llama.cpp on the GGUF the target was converted from: greedy (top-1) or the bench's sampling, its prompt ids,
     torch's thread count; prompt processing is timed, as the engine's prefill is."""
     llm = bench.decoders.get("llama_cpp")
     if llm is None:
@@ -165,7 +168,11 @@ def _llama_cpp(bench, ids) -> Run:
     tokens = []
     llm.reset()
     t0 = time.perf_counter()
-    for tok in llm.generate(ids.tolist(), top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
+    sampling = bench.sampling
+    if sampling:
+        llm.set_seed(bench.seed_for(ids))
+    for tok in llm.generate(ids.tolist(), top_k=0 if sampling else 1, top_p=sampling.get("top_p", 1.0),
+                            temp=sampling.get("temperature", 0.0), repeat_penalty=1.0, reset=True):
         tokens.append(int(tok))
         if tok in eos or len(tokens) >= bench.max_new_tokens:
             break

@@ -34,7 +34,7 @@ from .pearl import PearlMode
 from .policies import TreePolicy, make_policy
 from .propose import Proposer
 from .resolve import resolve
-from .sampling import PositionNoise, choose, logits_to_probs, make_generator
+from .sampling import PositionNoise, choose, logits_to_probs, make_generator, processed_scores
 from .tree import DraftTree
 from .verify import Acceptance, accept_greedy, accept_sampling
 
@@ -324,8 +324,8 @@ class TreeDecoder:
             acc = accept_greedy(tree.tokens, tree.parents, tree.depth, anc, argmax,
                                 given=(tree.depth == 1) if skip_root else None)
         elif noise is not None:                  # the target's own seeded draw after each node, matched
-            p_target = logits_to_probs(logits, sampling)
-            draws = noise.draw(p_target, tree.depth + sequence.numel())             # node at depth d draws T + d
+            scores = processed_scores(logits, sampling)                              # (N, V), no softmax
+            draws = noise.draw_scores(scores, tree.depth + sequence.numel())         # node at depth d draws T + d
             acc = accept_greedy(tree.tokens, tree.parents, tree.depth, anc, draws)
         else:
             p_target = logits_to_probs(logits, sampling)
@@ -339,7 +339,8 @@ class TreeDecoder:
         emitted_lp = None
         if cfg.return_logprobs:                  # row path[j] is the distribution the j-th emitted token came from
             emitted = torch.cat([tree.tokens[acc.path[1:]], acc.next_token.reshape(1)])
-            dist = logits[kept].float().log_softmax(-1) if p_target is None else p_target[kept].log()
+            dist = (logits[kept].float().log_softmax(-1) if sampling.greedy
+                    else p_target[kept].log() if p_target is not None else scores[kept].log_softmax(-1))
             emitted_lp = dist.gather(1, emitted[:, None]).squeeze(1)
         return acc, (states[kept] if hidden else None), logits[acc.path[-1] - s], emitted_lp
 

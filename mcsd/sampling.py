@@ -39,8 +39,15 @@ def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     Returns:
         (..., V) float32 probabilities, zero outside the kept set.
     """
+    return processed_scores(logits, cfg).softmax(-1)
+
+
+def processed_scores(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """The scores sampling draws from: (..., V) float32 logits scaled by the temperature, -inf outside
+    the kept set (top-k, top-p, min-p, typical-p). Their softmax is `logits_to_probs`; a Gumbel-max
+    draw needs no softmax at all (`PositionNoise.draw_scores`)."""
     if cfg.greedy:
-        raise ValueError("logits_to_probs needs temperature > 0; greedy decoding uses argmax")
+        raise ValueError("sampling needs temperature > 0; greedy decoding uses argmax")
     scores = logits.float()
     # Shifted so the top score is 0 before dividing: a tiny temperature then sends the others to -inf
     # (the greedy limit) instead of overflowing to inf - inf = nan in the softmax. Below 1e-30 (which
@@ -56,7 +63,7 @@ def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
         scores = scores.masked_fill(probs < cfg.min_p * probs.amax(-1, keepdim=True), float("-inf"))
     if cfg.typical_p < 1.0:
         scores = _typical(scores, cfg.typical_p)
-    return scores.softmax(-1)
+    return scores
 
 
 TOP_P_CANDIDATES = (64, 1024)     # candidate set sizes tried before a full sort of the vocabulary
@@ -67,16 +74,17 @@ def _top_p(scores: torch.Tensor, mass: float) -> torch.Tensor:
     reaches `mass` (the top token always stays). The kept set is found among the top candidates of
     each row (a partial sort of 64, then 1,024) and only where some row's candidates hold less than
     `mass` does it sort the whole vocabulary. (..., V) -> (..., V)."""
-    probs = scores.softmax(-1)
+    log_norm = torch.logsumexp(scores, dim=-1, keepdim=True)                       # (..., 1)
     for k in (*[c for c in TOP_P_CANDIDATES if c < scores.shape[-1]], None):
         if k is None:
-            top, order = torch.sort(probs, dim=-1, descending=True)
+            top, order = torch.sort(scores, dim=-1, descending=True)
         else:
-            top, order = torch.topk(probs, k, dim=-1)                               # (..., k) descending
+            top, order = torch.topk(scores, k, dim=-1)                              # (..., k) descending
+        top = (top - log_norm).exp()                                                # their probabilities
         before = top.cumsum(-1) - top                                               # mass ranked above each
         if k is not None and not bool((before[..., -1] + top[..., -1] >= mass).all()):
             continue                                                                # some row needs more
-        keep = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, before < mass)
+        keep = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, order, before < mass)
         return scores.masked_fill(~keep, float("-inf"))
 
 
@@ -164,7 +172,8 @@ def _mix(seed: int, position: int) -> int:
 class PositionNoise:
     """Gumbel noise per sequence position, a function of (seed, position) alone.
 
-    `draw(probs, positions)` is argmax(log probs + g_position) per row: an exact
+    `draw(probs, positions)` is argmax(log probs + g_position) per row (`draw_scores`
+    takes the processed scores themselves, softmax left out): an exact
     draw from each row's distribution, and the same draw for the same seed,
     position and distribution whoever asks (the target verifying a tree, the
     plain loop, another process). Noise is made on the CPU with a generator
@@ -194,10 +203,15 @@ class PositionNoise:
             self._held = {p: g for p, g in self._held.items() if p >= low}
         return torch.stack([self._held[p] for p in wanted])
 
-    def keys(self, probs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """(M, V) probabilities -> (M, V) Gumbel keys log p + g; -inf where p == 0."""
-        return probs.float().log() + self.gumbel(positions)
+    def keys(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """(M, V) log-probabilities, or `processed_scores` (the same up to a constant per row), at (M,)
+        positions -> (M, V) Gumbel keys scores + g; -inf outside the kept set."""
+        return scores.float() + self.gumbel(positions)
+
+    def draw_scores(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """(M, V) `processed_scores` at (M,) positions -> (M,) long tokens: argmax(scores + g)."""
+        return self.keys(scores, positions).argmax(-1)
 
     def draw(self, probs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(M, V) probabilities at (M,) positions -> (M,) long tokens."""
-        return self.keys(probs, positions).argmax(-1)
+        return self.draw_scores(probs.float().log(), positions)
