@@ -407,6 +407,29 @@ def test_sigterm_finishes_the_request_in_flight_and_exits_0(serve_models, tmp_pa
         srv.stop()
 
 
+def test_a_request_past_its_time_limit_gets_a_504(serve_models, tmp_path):
+    srv = ServerProcess(serve_models, tmp_path, "--fault-injection", "--request-timeout", "1.5")
+    try:
+        body = {"model": srv.model, "prompt": f"w03 {SLOW_MARKER} w17", "max_tokens": 200, "temperature": 0}
+        queued = {}
+        running = threading.Thread(target=lambda: queued.update(first=_post(srv, "/v1/completions", body)))
+        running.start()
+        while not srv.health()["busy"]:
+            time.sleep(0.02)
+        second = _post(srv, "/v1/completions", body)         # waits behind the first, past its own limit
+        running.join(60)
+        for r in (queued["first"], second):
+            assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+        with httpx.stream("POST", srv.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            assert r.status_code == 200
+            events = _sse(r)
+        assert events[-2]["error"]["code"] == "timeout" and events[-1] == "[DONE]"
+        assert not srv.health()["busy"]
+        assert _post(srv, "/v1/completions", {**body, "prompt": "w03", "max_tokens": 3}).status_code == 200
+    finally:
+        srv.stop()
+
+
 # ---------------------------------------------------------------------------------------------- bad input
 
 def _bad_requests(model):

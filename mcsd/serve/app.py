@@ -142,8 +142,8 @@ class _API:
             req = protocol.parse(endpoint, await self._read_json(request), self.settings.model_ids)
             job, prompt_tokens = self._job(req, started)
             self.engine.submit(job)
-        except QueueFull:
-            wait = max(1, round(self.engine.queue_depth * 0.5))
+        except QueueFull:               # Retry-After: the queue's expected wait at the mean generation time so far
+            wait = max(1, round((self.engine.queue_depth + 1) * self.metrics.mean_generation_s()))
             return self._error(request, endpoint, APIError(
                 429, f"the server's queue is full ({self.engine.queue_depth} requests waiting); retry later",
                 "rate_limit_error", code="queue_full", headers={"Retry-After": str(wait)}), started)
@@ -298,6 +298,10 @@ class _API:
             except asyncio.TimeoutError:
                 event = None
             now = time.monotonic()
+            if event is None and now > job.deadline + 1.0:   # past its time limit and nothing from the worker
+                # (still queued, or in one long round): it ends here; the worker drops it or stops it
+                job.cancel.set()
+                return ("timeout",)
             if event is None or now - job.checked >= DISCONNECT_POLL_S:
                 job.checked = now
                 if await request.is_disconnected():

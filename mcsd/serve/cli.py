@@ -179,6 +179,8 @@ def main(argv=None) -> int:
     except (UsageError, ConfigError, ModelLoadError) as exc:
         print(f"mcsd-serve: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:                        # Ctrl-C while the models load
+        return 130
 
 
 def entry() -> None:

@@ -29,7 +29,7 @@ class Metrics:
         self._gauges = gauges or (lambda: {})
         self.requests: dict[tuple[str, int], int] = {}
         self.prompt_tokens = self.completion_tokens = self.target_forwards = 0
-        self.generation_s = 0.0
+        self.generation_s, self.generations = 0.0, 0
         self.tokens_per_s = self.tau = 0.0
         self.offered: list[int] = []
         self.accepted: list[int] = []
@@ -50,6 +50,7 @@ class Metrics:
             self.completion_tokens += stats.new_tokens
             self.target_forwards += stats.target_forwards
             self.generation_s += stats.wall_s
+            self.generations += 1
             self.tokens_per_s, self.tau = stats.tokens_per_s, stats.mean_accepted
             for d, (o, a) in enumerate(zip(stats.offered_by_depth, stats.accepted_by_depth)):
                 if d >= len(self.offered):
@@ -57,6 +58,11 @@ class Metrics:
                     self.accepted.append(0)
                 self.offered[d] += o
                 self.accepted[d] += a
+
+    def mean_generation_s(self) -> float:
+        """Seconds a generation has taken on average (1.0 before the first)."""
+        with self._lock:
+            return self.generation_s / self.generations if self.generations else 1.0
 
     def first_token(self, seconds: float) -> None:
         with self._lock:
@@ -79,8 +85,8 @@ class Metrics:
                     label_text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
                     out.append(f"{name}{{{label_text}}} {_number(value)}" if labels else f"{name} {_number(value)}")
 
-            family("mcsd_requests_total", "counter", "Requests answered, by endpoint and HTTP status (499: the "
-                   "client disconnected).",
+            family("mcsd_requests_total", "counter", "Requests answered, by endpoint and status (499: the client "
+                   "disconnected; an error after a stream began counts under the error's status).",
                    [({"endpoint": e, "status": str(s)}, n) for (e, s), n in sorted(self.requests.items())])
             family("mcsd_prompt_tokens_total", "counter", "Prompt tokens read.", [({}, self.prompt_tokens)])
             family("mcsd_completion_tokens_total", "counter", "Tokens generated.", [({}, self.completion_tokens)])
