@@ -184,8 +184,8 @@ def _is_annotation(evt) -> bool:
 class _Runner:
     """A CachedLM with `cache_len` committed positions; runs one block and drops it again."""
 
-    def __init__(self, model, cache_len: int, seed: int = 0, in_place: bool = True):
-        self.lm = CachedLM(model, in_place=in_place)
+    def __init__(self, model, cache_len: int, seed: int = 0, in_place: bool = True, lean: bool | None = None):
+        self.lm = CachedLM(model, in_place=in_place, lean=lean)
         self.gen = torch.Generator().manual_seed(seed)
         self.vocab = model.get_input_embeddings().weight.shape[0]
         self.cache_len = cache_len
@@ -202,7 +202,7 @@ class _Runner:
 
 
 def breakdown(model, sizes=(1, 2, 4, 8, 16, 32, 64), cache_len: int = 300, repeats: int = 5,
-              path: str | None = None, join: bool = True) -> list[Breakdown]:
+              path: str | None = None, join: bool = True, lean: bool | None = None) -> list[Breakdown]:
     """Profile target forwards of each block size and split their time by operation class.
 
     Args:
@@ -215,12 +215,13 @@ def breakdown(model, sizes=(1, 2, 4, 8, 16, 32, 64), cache_len: int = 300, repea
             for torch's own choice. "packed" prepacks the model's linear weights for the
             duration (dropped again unless they were there before).
         join: on prepacked weights, q / k / v run as one product (`mcsd.fused`), as the engine runs them.
+        lean: the engine's own forward (True), transformers' (False), or the one `CachedLM` chooses (None).
     Returns:
         one `Breakdown` per size, in the order given.
     """
     from torch.profiler import ProfilerActivity, profile
 
-    runner = _Runner(model, cache_len)
+    runner = _Runner(model, cache_len, lean=lean)
     made_packed = path == "packed" and not kernels.is_packed(model)
     if made_packed:
         kernels.pack(model, join=join)
@@ -303,12 +304,15 @@ class Variant:
             registers, e.g. "mcsd_gqa").
         in_place: the KV cache writes into preallocated buffers (else concatenates).
         path: matmul path (`mcsd.kernels.using`), or None for torch's own choice.
+        lean: runs on the engine's own forward (`mcsd.llama`; `attention` and `in_place` then do
+            not apply), else on transformers' forward.
     """
 
     name: str
     attention: str = "sdpa"
     in_place: bool = True
     path: str | None = None
+    lean: bool = False
 
 
 def compare(model, variants: list[Variant], sizes=(1, 2, 4, 8, 16, 32, 64), cache_len: int = 300,
@@ -341,7 +345,7 @@ def compare(model, variants: list[Variant], sizes=(1, 2, 4, 8, 16, 32, 64), cach
         for v in variants:
             register(v.attention)
             model.set_attn_implementation(v.attention)
-            runners[v.name] = _Runner(model, cache_len, seed=seed, in_place=v.in_place)
+            runners[v.name] = _Runner(model, cache_len, seed=seed, in_place=v.in_place, lean=v.lean)
         plan = [(v, n) for v in variants for n in sizes]
         gen = torch.Generator().manual_seed(seed)
         times: dict[str, dict[int, list[float]]] = {v.name: {n: [] for n in sizes} for v in variants}

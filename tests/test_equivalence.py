@@ -147,7 +147,8 @@ def test_prefill_projects_only_the_last_row(target):
     # forwards of its own through the hook
     plain = TreeDecoder(target, None, attention="sdpa", calibrate=False)
     tree = TreeDecoder(target, [target, "context"], tree="2,1", policy="static", attention="sdpa", calibrate=False)
-    hook = target.register_forward_hook(lambda m, args, out: rows.append(out.logits.shape[1]))
+    # the LM head: both forwards (the engine's own and transformers') call it with the rows they project
+    hook = target.lm_head.register_forward_hook(lambda m, args, out: rows.append(out.shape[1]))
     try:
         ref = plain.generate_baseline(PROMPT, max_new_tokens=12)
         assert rows[0] == 1
