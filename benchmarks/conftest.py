@@ -84,7 +84,7 @@ class Bench:
         self.dtype_reason = None
         if self.dtype == "auto":                       # as mcsd-generate --dtype auto decides it
             from mcsd.models import cast_pair
-            from mcsd.profile import choose_dtype
+            from mcsd.choice import choose_dtype
             choice = choose_dtype(self.target, self.draft)
             self.dtype, self.dtype_reason = choice.dtype, choice.reason
             self.target, self.draft = cast_pair(self.target, self.draft, self.dtype)

@@ -53,10 +53,12 @@ def add_model_arguments(parser: argparse.ArgumentParser):
     src.add_argument("--dtype", default="auto", choices=("auto", *DTYPE_NAMES),
                      help="compute dtype (default auto: the one this pair and method run fastest in on this "
                           "machine, from its calibrated costs)")
-    src.add_argument("--weights", default="dense", choices=WEIGHTS,
+    src.add_argument("--weights", default="auto", choices=("auto", *WEIGHTS),
                      help="q4: run the target's linear layers on the 4-bit codes of the Q4_1 GGUF it comes from "
                           "(the embedded preset's, or a .gguf target), as llama.cpp does; bfloat16 compute, CPU "
-                          "only, exact with respect to q4 decoding. Default dense: the dequantised weights")
+                          "only, exact with respect to q4 decoding. dense: the dequantised weights. Default auto: "
+                          "with --dtype auto, whichever of the two the calibrated costs say runs faster here (dense "
+                          "for a target that is no GGUF, or with another --dtype)")
     src.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or auto (spread the target over GPUs)")
     src.add_argument("--attention", default="auto", choices=ATTENTION_BACKENDS, help="tree attention backend")
     src.add_argument("--threads", type=int, default=None,
@@ -204,21 +206,25 @@ _COSTS_SOURCES = {"cached": "this machine's calibrated profile (cached)",
 
 
 def _auto_dtype(target, draft, args):
-    """--dtype auto: the dtype this pair and method run fastest in here; the pair converted to it."""
-    from .models import cast_pair
-    from .profile import choose_dtype
+    """--dtype auto (with --weights auto): the dtype and weights this pair and method run fastest in here;
+    the pair converted to them."""
+    from .choice import apply_choice, choose_dtype
+    from .models import gguf_source
     if args.device != "cpu" and not str(args.device).startswith("cuda"):
+        args.weights = "dense"
         return target, draft, "float32", "float32: --dtype auto measures on one cpu or cuda device only"
     from .attention import set_backend
     # the copies measured for each dtype run the attention the decoder will: one profile a dtype
     set_backend(target, args.attention)
     # --baseline needs no costs: it measures nothing unless asked to (--calibrate)
     calibrate = False if args.baseline and args.calibrate is None else args.calibrate
+    gguf = gguf_source(args.target or DEFAULT_PRESET) if args.weights == "auto" else None
     choice = choose_dtype(target, draft, drafting=not args.baseline, calibrate=calibrate,
-                          free_draft=_drafter_kinds(args)[2], borrow=args.baseline)
+                          free_draft=_drafter_kinds(args)[2], borrow=args.baseline, gguf=gguf)
     args.dtype_calibration_s, args.calibration_provisional = choice.calibration_s, choice.provisional
-    if choice.dtype != "float32":
-        target, draft = cast_pair(target, draft, choice.dtype)
+    args.weights = choice.weights
+    if choice.dtype != "float32" or choice.weights != "dense":
+        target, draft = apply_choice(target, draft, choice, gguf)
     return target, draft, choice.dtype, choice.reason
 
 
@@ -351,14 +357,17 @@ def _load_models(args):
     _set_threads(args)
     if args.weights == "q4" and args.dtype == "auto":
         args.dtype, args.dtype_fixed = "bfloat16", "bfloat16: --weights q4 computes in it"
+    if args.weights == "auto" and (args.dtype != "auto" or args.device != "cpu"):
+        args.weights = "dense"                      # auto weighs q4 against the dense dtypes, on the CPU only
     load_dtype = "float32" if args.dtype == "auto" else args.dtype
+    load_weights = "dense" if args.weights == "auto" else args.weights   # auto: decided once calibrated
     model_kind, _, context_only = _drafter_kinds(args)
     if args.baseline or context_only:
         target_src = args.target or DEFAULT_PRESET
         tokenizer = load_tokenizer(target_src)
-        return load_model(target_src, load_dtype, args.device, role="target", weights=args.weights), None, tokenizer
+        return load_model(target_src, load_dtype, args.device, role="target", weights=load_weights), None, tokenizer
     return load_model_pair(args.target, args.draft, dtype=load_dtype, device=args.device, drafter=model_kind,
-                           weights=args.weights)
+                           weights=load_weights)
 
 
 def _check_lengths(args, target, tokenizer, prompts: list[str]) -> None:
@@ -536,6 +545,7 @@ def run(args) -> int:
     if args.stats:
         print(_stats_summary(out.stats, args.baseline), file=sys.stderr)
         print(f"dtype: {dtype_reason or args.dtype + ' (as asked)'}", file=sys.stderr)
+        print(f"weights: {args.weights}", file=sys.stderr)
         print(f"threads: {args.thread_choice.reason}", file=sys.stderr)
         spent = decoder.calibration_s + getattr(args, "dtype_calibration_s", 0.0)
         busy = decoder.calibration_note or ("; provisional: measured on a busy machine"

@@ -210,7 +210,7 @@ def grow_tree(drafter: Drafter, policy: TreePolicy, sequence: torch.Tensor, dept
             top = torch.topk(probs, k, dim=-1)
             cand, valid = top.indices, torch.ones_like(top.indices, dtype=torch.bool)
         elif noise is not None:                                            # ranked by the target's noise
-            keys = noise.keys(probs.log(), tree.depth[frontier] + sequence.numel())   # (F, V); children at T + d
+            keys = noise.keys(probs.log(), tree.depth[frontier] + sequence.numel(), noise.draft_scale)   # at T + d
             top = torch.topk(keys, k, dim=-1)
             cand, valid = top.indices, torch.isfinite(top.values)
         else:

@@ -527,11 +527,15 @@ def host_key(device) -> dict:
                                      "torch")}
 
 
-def profile_path(target, draft, dtype=None) -> Path:
-    """Cache file for this machine, pair, dtype, device, attention backend and thread count."""
+def profile_path(target, draft, dtype=None, weights: str | None = None) -> Path:
+    """Cache file for this machine, pair, dtype, device, attention backend and thread count;
+    `weights="q4"` names the target's profile on its 4-bit codes before they are attached."""
     dev = next(target.parameters()).device
     dtype = dtype or next(target.parameters()).dtype
-    parts = [_model_key(target), _model_key(draft) if draft is not None else "-", str(dtype), str(dev),
+    target_key = _model_key(target)
+    if weights == "q4" and not target_key.endswith(":q4"):
+        target_key += ":q4"
+    parts = [target_key, _model_key(draft) if draft is not None else "-", str(dtype), str(dev),
              str(getattr(target.config, "_attn_implementation", None)), str(torch.get_num_threads()),
              json.dumps(host_key(dev), sort_keys=True)]
     if kernels.switchable(dtype, dev):
@@ -561,7 +565,8 @@ def needs_remeasure(prof: DeviceProfile) -> str | None:
     return prof.meta.get("stale") or prof.meta.get("provisional")
 
 
-def load_cached(target, draft=None, dtype=None, remeasure: bool = True) -> DeviceProfile | None:
+def load_cached(target, draft=None, dtype=None, remeasure: bool = True,
+                weights: str | None = None) -> DeviceProfile | None:
     """The cached profile for this setup, if there is a readable one measured on this machine.
 
     With `remeasure`, a profile flagged for measuring again (`needs_remeasure`)
@@ -570,7 +575,7 @@ def load_cached(target, draft=None, dtype=None, remeasure: bool = True) -> Devic
     measure the noise again.
     """
     dev = next(target.parameters()).device
-    prof = _readable(profile_path(target, draft, dtype), dev)
+    prof = _readable(profile_path(target, draft, dtype, weights), dev)
     if prof is not None and remeasure and needs_remeasure(prof) and quiet_now():
         return None
     return prof
@@ -812,101 +817,3 @@ class Costs:
 # ---------------------------------------------------------------------------- the dtype that wins
 
 # What one drafted token is assumed to be accepted with when dtypes are compared (per depth).
-# Acceptance barely depends on the dtype; the comparison turns on the costs. Measured for the
-# preset's feature head, a static chain at greedy decoding's roots on 96 held-out prompts:
-# 0.48 / 0.57 / 0.62 at depths 1-3 after its fourth Magpie run, 0.52 / 0.63 / 0.68 after the
-# fifth, 0.53 / 0.63 / 0.67 after the sixth, 0.54 / 0.64 / 0.68 after the seventh; in real
-# bfloat16 decoding on 48 of those prompts 0.56 / 0.64 / 0.71 after the seventh, 0.57 / 0.67 /
-# 0.70 after the eighth and 0.57 / 0.66 / 0.71 after the ninth (the shipped head; docs/training.md).
-ASSUMED_ACCEPTANCE = 0.55
-
-
-def expected_rate(costs: Costs, drafting: bool, max_depth: int = 8,
-                  acceptance: float = ASSUMED_ACCEPTANCE, free_draft: bool = False) -> tuple[float, int]:
-    """(tokens per second, chain depth) of the best chain under these costs; depth 0 is plain decoding.
-    `free_draft`: the proposals cost nothing to draft (context drafting), only to verify."""
-    best = (1000.0 / costs.verify_ms(1), 0)
-    if not drafting:
-        return best
-    for k in range(1, max_depth + 1):
-        tokens = sum(acceptance ** i for i in range(k + 1))
-        rate = 1000.0 * tokens / ((0.0 if free_draft else k * costs.draft_ms(1)) + costs.verify_ms(k + 1))
-        best = max(best, (rate, k))
-    return best
-
-
-@dataclass(frozen=True)
-class DtypeChoice:
-    dtype: str
-    reason: str
-    rates: dict                 # dtype -> expected tokens/s of the method on this machine
-    calibration_s: float = 0.0  # time spent measuring for the choice in this run
-    provisional: bool = False   # some profile it rests on was measured on a busy machine
-
-
-def choose_dtype(target, draft, candidates=None, drafting: bool = True, calibrate: bool | None = None,
-                 quiet: bool = False, free_draft: bool = False, borrow: bool = False) -> DtypeChoice:
-    """The dtype in which this pair runs fastest here, from the calibrated cost of each candidate.
-
-    `target` (and `draft`) must be in float32; a candidate other than float32
-    is measured on a converted copy (only when its profile is not cached, or
-    when `calibrate` is True). `free_draft`: proposals come from context
-    (nothing to draft, only verify). Candidates default to float32 and bfloat16 on a
-    CPU with native bf16 (float32 alone on other CPUs), bfloat16 and float16 on CUDA. With `calibrate=False` and a profile
-    missing, a fixed rule decides instead: bfloat16 on CUDA and on CPUs with
-    native bf16 (AVX512-BF16 or AMX, as oneDNN uses it), float32 on other CPUs. `borrow`
-    (with no draft): the target's costs may come from a cached profile of it with any
-    drafter (`load_target_costs`). A cached profile flagged for measuring again is
-    measured again when the machine is quiet (`calibrate` None). The models are not
-    converted here (see `mcsd.models.cast_pair`).
-    """
-    device = next(target.parameters()).device
-    native = device.type == "cuda" or host_key(device)["onednn_bf16"]          # what torch runs bf16 products with
-    if candidates is None:
-        # on a CPU without native bf16, oneDNN emulates its products: never faster enough to
-        # give up float32's exactness for, so not worth the calibration time
-        candidates = ("bfloat16", "float16") if device.type == "cuda" else \
-            ("float32", "bfloat16") if native else ("float32",)
-    def cached(name):
-        dtype = getattr(torch, name)
-        prof = load_cached(target, draft, dtype, remeasure=calibrate is None)
-        if prof is None and draft is None and borrow:
-            prof = load_target_costs(target, dtype)         # the target's costs from a pair's profile
-        return prof
-    profiles = {name: None if calibrate else cached(name) for name in candidates}
-    if calibrate is False and any(p is None for p in profiles.values()):
-        best = "bfloat16" if native else "float32"
-        return DtypeChoice(best, f"{best}: not calibrated; {'native' if native else 'no native'} bfloat16 "
-                                 f"on this {'GPU' if device.type == 'cuda' else 'CPU'}", {})
-    rates, depths, spent, provisional = {}, {}, 0.0, False
-    for name, prof in profiles.items():
-        if prof is None:
-            dtype = getattr(torch, name)
-            t, d = (target, draft) if dtype == next(target.parameters()).dtype else _cast_copy(target, draft, dtype)
-            prof = load_or_measure(t, d, force=True, quiet=quiet)
-            spent += prof.meta.get("calibration_s", 0.0)
-            del t, d
-        provisional = provisional or bool(needs_remeasure(prof))
-        rates[name], depths[name] = expected_rate(Costs.from_profile(prof), drafting and (draft is not None or free_draft),
-                                                  free_draft=free_draft and draft is None)
-    best = max(rates, key=rates.get)
-    others = ", ".join(f"{n} {r:.1f}" for n, r in rates.items() if n != best) or \
-        "bfloat16 not measured: no native bfloat16 on this CPU"
-    what = f"chains of {depths[best]}" if depths[best] else "plain steps"
-    reason = (f"{best}: {rates[best]:.1f} expected tokens/s with {what} on this machine "
-              f"(measured costs; {others}; {ASSUMED_ACCEPTANCE:.0%} acceptance per drafted token assumed)")
-    return DtypeChoice(best, reason, rates, spent, provisional)
-
-
-def _cast_copy(target, draft, dtype):
-    """A converted copy of the pair, for measuring a dtype without touching the originals."""
-    import copy
-
-    from .feature_draft import FeatureDrafter
-    from .models import cast_pair
-    t = copy.deepcopy(target)
-    if isinstance(draft, FeatureDrafter):
-        d = FeatureDrafter(copy.deepcopy(draft.head), t, name=draft.name)
-    else:
-        d = copy.deepcopy(draft)
-    return cast_pair(t, d, dtype)

@@ -9,7 +9,8 @@ import torch
 from conftest import tiny_llama
 from mcsd import TreeDecoder
 from mcsd.policies import LearnedPolicy
-from mcsd.profile import Costs, choose_dtype, expected_rate, load_cached, load_or_measure, profile_path
+from mcsd.choice import choose_dtype, expected_rate
+from mcsd.profile import Costs, load_cached, load_or_measure, profile_path
 
 PROMPT = torch.tensor([3, 17, 42, 5, 9, 11])
 QUICK = dict(sizes=(1, 2, 4), prefix_len=16, repeats=1, draft_sizes=(1, 2))
@@ -106,7 +107,7 @@ def test_choose_dtype_measures_each_candidate(target, random_draft):
 def test_bfloat16_is_measured_only_where_the_cpu_runs_it_natively(monkeypatch, native):
     import mcsd.profile
     real = mcsd.profile.host_key
-    monkeypatch.setattr("mcsd.profile.host_key", lambda device: {**real(device), "onednn_bf16": native})
+    monkeypatch.setattr("mcsd.choice.host_key", lambda device: {**real(device), "onednn_bf16": native})
     t, d = tiny_llama(6), tiny_llama(7, layers=1)
     choice = choose_dtype(t, d, calibrate=True, quiet=True)
     assert set(choice.rates) == ({"float32", "bfloat16"} if native else {"float32"})
@@ -133,3 +134,28 @@ def test_cli_dtype_auto_is_a_choice_of_dtype(model_dirs, capsys):
     assert main(pair + ["--dtype", "auto", "--no-calibrate", "--stats"] + common) == 0
     err = capsys.readouterr().err
     assert "dtype: " in err and "costs: " in err
+
+
+def test_a_gguf_born_target_weighs_its_q4_weights_too(q4_gguf_file):
+    from mcsd import quant
+    from mcsd.choice import DtypeChoice, apply_choice
+    from mcsd.models import load_model
+    if not quant.kernel_available():
+        pytest.skip("no CPU int4 kernel in this torch")
+    t = load_model(str(q4_gguf_file), "float32")
+    choice = choose_dtype(t, None, calibrate=True, quiet=True, free_draft=True, gguf=q4_gguf_file)
+    assert "q4" in choice.rates and "float32" in choice.rates
+    assert (choice.weights == "q4") == (max(choice.rates, key=choice.rates.get) == "q4")
+    assert quant.attached(t) == 0                                       # measured on a copy
+    assert load_cached(t, None, torch.bfloat16, weights="q4") is not None
+    again = choose_dtype(t, None, quiet=True, free_draft=True, gguf=q4_gguf_file)
+    assert again.rates == choice.rates                                  # from the cache, nothing re-measured
+    t, _ = apply_choice(t, None, DtypeChoice("bfloat16", "q4 chosen", {}, weights="q4"), q4_gguf_file)
+    assert quant.attached(t) > 0 and next(t.parameters()).dtype == torch.bfloat16
+
+
+def test_weights_auto_is_dense_with_a_dtype_given(q4_gguf_file, capsys):
+    from mcsd.cli import main
+    assert main(["--target", str(q4_gguf_file), "--drafter", "context", "--dtype", "float32", "--prompt", "ABCABC",
+                 "--max-new-tokens", "4", "--json", "--no-calibrate"]) == 0
+    assert json.loads(capsys.readouterr().out)["settings"]["weights"] == "dense"
