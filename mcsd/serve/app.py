@@ -295,7 +295,7 @@ class _API:
         while True:
             try:
                 event = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
+            except asyncio.TimeoutError:                 # (the builtin TimeoutError from Python 3.11 on)
                 event = None
             now = time.monotonic()
             if event is None and now > job.deadline + 1.0:   # past its time limit and nothing from the worker

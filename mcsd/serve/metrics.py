@@ -26,7 +26,7 @@ class Metrics:
 
     def __init__(self, gauges=None):
         self._lock = threading.Lock()
-        self._gauges = gauges or (lambda: {})
+        self._gauges = gauges or dict
         self.requests: dict[tuple[str, int], int] = {}
         self.prompt_tokens = self.completion_tokens = self.target_forwards = 0
         self.generation_s, self.generations = 0.0, 0

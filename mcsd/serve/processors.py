@@ -89,7 +89,7 @@ class TokenLogprobs:
 
 
 def _finite(value: float) -> float:
-    return value if value > FLOOR else FLOOR
+    return max(FLOOR, value)
 
 
 # Test-only markers (`mcsd-serve --fault-injection`): a prompt holding one fails, or slows, its generation.

@@ -216,9 +216,7 @@ def _completion_prompts(prompt) -> list:
     """A string, a list of strings, a list of token ids or a list of such lists -> a list of prompts."""
     if prompt is None:
         raise bad("missing required field: prompt", param="prompt")
-    if isinstance(prompt, str):
-        prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)):
         prompts = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or (isinstance(p, list) and p and
                                                                            all(_is_int(t) for t in p))
