@@ -363,3 +363,57 @@ def test_transformers_path_on_request():
         dec = TreeDecoder(model, copy.deepcopy(model), tree="2,2", policy="static")
         dec.generate(PROMPT, max_new_tokens=4)
         assert dec.target.path == "transformers" and dec.drafter.lm.path == "transformers"
+
+
+def test_q4_weights_keep_their_prefill_rule(q4_gguf_file, tmp_path, monkeypatch):
+    """On q4 weights (`mcsd.quant`) a long first block reads the dense weights where oneDNN runs bfloat16,
+    every later block the int4 codes, as a call of the model would; the logits are transformers' path's."""
+    from mcsd import quant
+    from mcsd.attention import set_backend
+    from mcsd.models import load_model
+    if not quant.kernel_available():
+        pytest.skip("this torch has no CPU int4 kernel")
+    monkeypatch.setenv("MCSD_CACHE", str(tmp_path / "cache"))
+    model = load_model(str(q4_gguf_file), dtype="bfloat16", weights="q4")
+    set_backend(model, "gqa")
+    long_prompt = (torch.arange(quant.PREFILL_ROWS + 8) * 7 + 3) % 61
+    real = torch.ops.aten._weight_int4pack_mm_for_cpu
+    outs: dict[str, list] = {}
+    for lean in (True, False):
+        lm = CachedLM(model, lean=lean)
+        lm.reset()
+        rows: list[list[int]] = []
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(quant.torch.ops.aten, "_weight_int4pack_mm_for_cpu",
+                       lambda *a: rows[-1].append(a[0].shape[0]) or real(*a), raising=False)
+            rows.append([])
+            first = lm.extend(long_prompt)
+            rows.append([])
+            second = lm.extend(torch.tensor([5, 6]))
+        outs["lean" if lean else "transformers"] = [first, second, rows]
+    lean, ref = outs["lean"], outs["transformers"]
+    assert lean[2] == ref[2] and lean[2][1]                        # the same products on the codes, the second block's
+    if kernels.switchable(torch.bfloat16, "cpu"):
+        assert lean[2][0] == []                                    # the prompt on the dense weights
+    for a, b in zip(lean[:2], ref[:2]):
+        assert torch.allclose(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+    assert not quant._local.stack
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", FAMILIES)
+def test_on_cuda_the_blocks_match_and_greedy_output_equals_generate(name):
+    model = _family(name)
+    draft = perturbed(model, 0.3).to("cuda")
+    model.to("cuda")
+    got, _ = _outputs(CachedLM(model, lean=True))
+    want, _ = _outputs(CachedLM(model, lean=False))
+    for key in want:
+        a, b = (got[key][0], want[key][0]) if isinstance(got[key], tuple) else (got[key], want[key])
+        assert (a - b).abs().max() <= TOL, key
+    prompt = PROMPT[:6].cuda()
+    reference = model.generate(prompt[None], max_new_tokens=30, do_sample=False,
+                               attention_mask=torch.ones_like(prompt)[None])[0, 6:].tolist()
+    dec = TreeDecoder(model, draft, tree="4,2,2", policy="static")
+    assert dec.generate(prompt, max_new_tokens=30).tokens == reference and dec.target.path == "lean"
