@@ -44,6 +44,8 @@ transformers' forward.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -102,12 +104,32 @@ def _rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
     return w * F.rms_norm(x.float(), w.shape, None, norm.variance_epsilon).to(x.dtype)
 
 
+class _Layer(NamedTuple):
+    """One decoder layer's modules, looked up once per sequence (not at every forward)."""
+
+    norm: torch.nn.Module
+    q: torch.nn.Module
+    k: torch.nn.Module
+    v: torch.nn.Module
+    q_norm: torch.nn.Module | None
+    k_norm: torch.nn.Module | None
+    o: torch.nn.Module
+    post_norm: torch.nn.Module
+    gate: torch.nn.Module
+    up: torch.nn.Module
+    down: torch.nn.Module
+    act: torch.nn.Module
+    scaling: float
+
+
 class LeanForward:
     """A Llama-family transformers causal LM run by the engine's own forward.
 
-    Holds the model (its modules are read at every call, so a weight swapped or
-    a layer repacked later is what runs) and nothing else of its own but a
-    small sign vector for the rotary embedding.
+    Holds the model and, per decoder layer, references to its modules (looked
+    up again by `refresh`, which `CachedLM.reset` calls before each sequence, so
+    a module replaced in between is the one that runs); the modules' weights
+    are read when they run, so a weight swapped or a layer repacked is what
+    runs. Its only tensor of its own is a sign vector for the rotary embedding.
 
     Args:
         model: a transformers causal LM that `supports` accepts, on one device, in eval mode.
@@ -118,32 +140,39 @@ class LeanForward:
         if reason is not None:
             raise ValueError(f"the engine's own forward cannot run this model: {reason}")
         self.model = model
-        self.body = model.model
-        self.layers = list(self.body.layers)
-        attn = self.layers[0].self_attn
         cfg = model.config
-        self.head_dim = attn.head_dim
         self.kv_heads = cfg.num_key_value_heads
         self.heads = cfg.num_attention_heads
-        self.qk_norm = getattr(attn, "q_norm", None) is not None
         self.grouped = {"enable_gqa": True} if self.heads != self.kv_heads else {}
         self._sign: torch.Tensor | None = None           # (D,) -1 on the first half, +1 on the second
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Look the model's modules up again."""
+        body = self.body = self.model.model
+        self.layers = []
+        for layer in body.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append(_Layer(layer.input_layernorm, attn.q_proj, attn.k_proj, attn.v_proj,
+                                      getattr(attn, "q_norm", None), getattr(attn, "k_norm", None), attn.o_proj,
+                                      layer.post_attention_layernorm, mlp.gate_proj, mlp.up_proj, mlp.down_proj,
+                                      mlp.act_fn, attn.scaling))
+        self.head_dim = body.layers[0].self_attn.head_dim
+        self.embed, self.norm, self.rotary, self.lm_head = body.embed_tokens, body.norm, body.rotary_emb, \
+            self.model.lm_head
 
     def new_cache(self) -> StaticCache:
-        weight = self.body.embed_tokens.weight
+        weight = self.embed.weight
         return StaticCache(len(self.layers), self.kv_heads, self.head_dim, weight.dtype, weight.device)
 
     def _rotary(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin (1, Q, 1, D): transformers' rotation of a (1, Q, H, D) tensor t is
         t * cos + roll(t, D/2) * sin_signed (rotate_half's negation moved onto sin: exact)."""
-        cos, sin = self.body.rotary_emb(x, positions)                           # (1, Q, D) each
+        cos, sin = self.rotary(x, positions)                                   # (1, Q, D) each
         if self._sign is None or self._sign.dtype != sin.dtype or self._sign.device != sin.device:
             half = self.head_dim // 2
             self._sign = torch.cat([-torch.ones(half), torch.ones(self.head_dim - half)]).to(sin.device, sin.dtype)
         return cos[:, :, None], (sin * self._sign)[:, :, None]
-
-    def _rotate(self, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return t * cos + t.roll(self.head_dim // 2, -1) * sin
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: StaticCache,
                  slots: torch.Tensor, hidden: tuple[int, ...] = (), last_logits: bool = False):
@@ -167,34 +196,34 @@ class LeanForward:
             raise IndexError(f"hidden state indices {list(hidden)} outside -{n_layers + 1}..{n_layers}")
         wanted = {i % (n_layers + 1) for i in hidden}
         kept: dict[int, torch.Tensor] = {}
-        k_len = mask.shape[-1]
-        h = self.body.embed_tokens(tokens)                                      # (1, Q, C)
+        k_len, half = mask.shape[-1], self.head_dim // 2
+        h = self.embed(tokens)                                                  # (1, Q, C)
         if 0 in wanted:
             kept[0] = h
         cos, sin = self._rotary(h, positions)                                  # (1, Q, 1, D)
-        q_shape = (*tokens.shape, -1, self.head_dim)
-        for i, layer in enumerate(self.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            x = _rms_norm(h, layer.input_layernorm)
-            q = attn.q_proj(x).view(q_shape)                                    # (1, Q, H, D)
-            k = attn.k_proj(x).view(q_shape)                                    # (1, Q, H_kv, D)
-            v = attn.v_proj(x).view(q_shape)
-            if self.qk_norm:
-                q, k = _rms_norm(q, attn.q_norm), _rms_norm(k, attn.k_norm)
-            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        heads = (*tokens.shape, -1, self.head_dim)
+        for i, m in enumerate(self.layers):
+            x = _rms_norm(h, m.norm)
+            q = m.q(x).view(heads)                                              # (1, Q, H, D)
+            k = m.k(x).view(heads)                                              # (1, Q, H_kv, D)
+            v = m.v(x).view(heads)
+            if m.q_norm is not None:
+                q, k = _rms_norm(q, m.q_norm), _rms_norm(k, m.k_norm)
+            q = q * cos + q.roll(half, -1) * sin
+            k = k * cos + k.roll(half, -1) * sin
             keys, values = cache.layer_keys[i], cache.layer_values[i]          # (1, H_kv, capacity, D)
             keys.index_copy_(2, slots, k.transpose(1, 2))
             values.index_copy_(2, slots, v.transpose(1, 2))
             out = F.scaled_dot_product_attention(q.transpose(1, 2), keys[:, :, :k_len], values[:, :, :k_len],
-                                                 attn_mask=mask, scale=attn.scaling, **self.grouped)   # (1, H, Q, D)
-            h = h + attn.o_proj(out.transpose(1, 2).reshape(*tokens.shape, -1))
-            x = _rms_norm(h, layer.post_attention_layernorm)
-            h = h + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+                                                 attn_mask=mask, scale=m.scaling, **self.grouped)   # (1, H, Q, D)
+            h = h + m.o(out.transpose(1, 2).reshape(*tokens.shape, -1))        # (1, Q, C)
+            x = _rms_norm(h, m.post_norm)
+            h = h + m.down(m.act(m.gate(x)) * m.up(x))
             if i + 1 in wanted and i + 1 < n_layers:
                 kept[i + 1] = h
-        h = _rms_norm(h, self.body.norm)
+        h = _rms_norm(h, self.norm)
         kept[n_layers] = h
-        logits = self.model.lm_head(h[:, -1:] if last_logits else h)
+        logits = self.lm_head(h[:, -1:] if last_logits else h)
         if not hidden:
             return logits, None
         states = [kept[i % (n_layers + 1)] for i in hidden]

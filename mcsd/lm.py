@@ -107,6 +107,8 @@ class CachedLM:
         if self._lean_reason() is None:
             if self._own is None:
                 self._own = llama.LeanForward(self.model)
+            else:
+                self._own.refresh()
             self._running = self._own
             if not isinstance(self.cache, StaticCache) or self.cache.dtype != self.dtype:
                 self.cache = self._own.new_cache()
