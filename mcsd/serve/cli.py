@@ -97,8 +97,9 @@ def _build(args):
     """On the worker thread: the pair, the decoder, one warm-up generation."""
     target, draft, tokenizer = _load_models(args)
     decoder, dtype_reason = _build_decoder(args, target, draft, tokenizer)
-    log.info("decoder: policy %s, tree %s, dtype %s, threads %d (%s), attention %s", args.policy, args.tree,
-             dtype_reason or args.dtype, args.thread_choice.threads, args.thread_choice.reason, decoder.attention)
+    log.info("decoder: policy %s, tree %s, dtype %s, weights %s, threads %d (%s), attention %s", args.policy,
+             args.tree, dtype_reason or args.dtype, args.weights, args.thread_choice.threads,
+             args.thread_choice.reason, decoder.attention)
     decoder.generate("Hello", max_new_tokens=4)          # first-call set-up, off the first request's clock
     return decoder
 
