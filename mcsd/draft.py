@@ -210,7 +210,9 @@ def grow_tree(drafter: Drafter, policy: TreePolicy, sequence: torch.Tensor, dept
             top = torch.topk(probs, k, dim=-1)
             cand, valid = top.indices, torch.ones_like(top.indices, dtype=torch.bool)
         elif noise is not None:                                            # ranked by the target's noise
-            keys = noise.keys(probs.log(), tree.depth[frontier] + sequence.numel(), noise.draft_scale)   # at T + d
+            # the draft's candidates ranked by the noise the target draws with (measured: more accepted than
+            # with the noise scaled down or left out, docs/results.md)
+            keys = noise.keys(probs.log(), tree.depth[frontier] + sequence.numel())    # (F, V); children at T + d
             top = torch.topk(keys, k, dim=-1)
             cand, valid = top.indices, torch.isfinite(top.values)
         else:

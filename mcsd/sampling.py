@@ -190,8 +190,6 @@ class PositionNoise:
         self.seed = secrets.randbits(63) if seed is None else int(seed) & _MASK64
         self.vocab, self.device = int(vocab), torch.device(device)
         self._held: dict[int, torch.Tensor] = {}
-
-    draft_scale = 1.0          # the noise's weight in the draft's ranking of its candidates
     def gumbel(self, positions: torch.Tensor) -> torch.Tensor:
         """(M,) long positions -> (M, V) float32 standard Gumbel noise (one host read of the positions)."""
         wanted = positions.tolist()
@@ -204,11 +202,10 @@ class PositionNoise:
             self._held = {p: g for p, g in self._held.items() if p >= low}
         return torch.stack([self._held[p] for p in wanted])
 
-    def keys(self, scores: torch.Tensor, positions: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    def keys(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(M, V) log-probabilities, or `processed_scores` (the same up to a constant per row), at (M,)
-        positions -> (M, V) Gumbel keys scores + scale * g; -inf outside the kept set."""
-        g = self.gumbel(positions)
-        return scores.float() + (g if scale == 1.0 else scale * g)
+        positions -> (M, V) Gumbel keys scores + g; -inf outside the kept set."""
+        return scores.float() + self.gumbel(positions)
 
     def draw_scores(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(M, V) `processed_scores` at (M,) positions -> (M,) long tokens: argmax(scores + g)."""

@@ -83,17 +83,6 @@ def test_conversion_fails_before_converting(tmp_path, lock, gguf_file):
         convert_gguf(gguf_file, tmp_path / "locked" / "converted")
 
 
-def test_device_profile_fails_before_measuring(tmp_path, monkeypatch, target):
-    import mcsd.cache
-    import mcsd.profile
-    monkeypatch.setattr(mcsd.profile, "cache_dir", mcsd.cache.cache_dir)     # not the tests' private folder
-    monkeypatch.setenv("MCSD_CACHE", str(tmp_path / "a-file"))
-    (tmp_path / "a-file").write_text("")
-    monkeypatch.setattr(mcsd.profile, "measure", lambda *a, **k: pytest.fail("measured for a bad cache"))
-    with pytest.raises(ConfigError, match=f"a-file/profiles.*{FIX}"):
-        mcsd.profile.load_or_measure(target, None)
-
-
 def test_a_complete_cache_can_be_read_only(tmp_path, lock, monkeypatch, model_dirs):
     from mcsd.models import _write_marker, preset_target_dir
     preset = PRESETS[DEFAULT_PRESET]
