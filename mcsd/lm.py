@@ -110,7 +110,9 @@ class CachedLM:
             else:
                 self._own.refresh()
             self._running = self._own
-            if not isinstance(self.cache, StaticCache) or self.cache.dtype != self.dtype:
+            weight = self._own.embed.weight
+            if not isinstance(self.cache, StaticCache) or (self.cache.dtype, self.cache.device) != \
+                    (weight.dtype, weight.device):
                 self.cache = self._own.new_cache()
             self.cache.reset()                          # its buffers are kept for the next sequence
             return
