@@ -92,8 +92,12 @@ def test_device_profile_times_a_feature_drafter(target, tmp_path, monkeypatch):
     assert set(prof.verify_ms) == {1, 4} and set(prof.draft_ms) == {1, 2}
     assert all(v > 0 for v in [*prof.verify_ms.values(), *prof.draft_ms.values()])
     assert prof.meta["draft"] == "feature-head:tiny-head"
-    other = FeatureDrafter(random_head(target), target, name="other-head")
+    # costs follow the architecture: a head of another shape has a profile of its own, a same-shaped
+    # head of another name shares this one's
+    other = FeatureDrafter(random_head(target, layers=2), target, name="other-head")
+    same = FeatureDrafter(random_head(target, seed=9), target, name="same-shape")
     assert profile_path(target, drafter) != profile_path(target, other) != profile_path(target, None)
+    assert profile_path(target, drafter) == profile_path(target, same)
     uncalibrated = device_costs(target, drafter, calibrate=False)              # nothing cached, no measuring
     assert (uncalibrated.draft, uncalibrated.source) == ({1: 0.1, 8: 0.13, 32: 0.2}, "default")
     load_or_measure(target, drafter, sizes=(1, 4), prefix_len=16, repeats=1, draft_sizes=(1, 2))
@@ -145,7 +149,9 @@ def test_v2_head_reads_the_fused_chosen_layers(target):
     inner = head.forward
     head.forward = lambda feats, emb, pos, mask=None, past_key_values=None: (
         seen.append(feats.clone()) or inner(feats, emb, pos, mask, past_key_values))
-    TreeDecoder(target, drafter, tree="1", policy="static", attention="sdpa").generate(PROMPT, max_new_tokens=3)
+    # uncalibrated: a profile measured here would feed forwards of its own through the head first
+    TreeDecoder(target, drafter, tree="1", policy="static", attention="sdpa", calibrate=False).generate(
+        PROMPT, max_new_tokens=3)
     with torch.no_grad():
         hs = target(PROMPT[None], output_hidden_states=True).hidden_states
         expected = head.fuse(torch.cat([hs[0][0], hs[2][0]], dim=-1))
