@@ -666,6 +666,8 @@ def load_or_measure(target, draft=None, measure_if_missing: bool = True, force: 
         flagged = None
     if not quiet:
         dtype = str(next(target.parameters()).dtype).replace("torch.", "")
+        if quant.attached(target):
+            dtype = f"q4 weights, {dtype} compute"
         n = torch.get_num_threads()
         print(f"mcsd: measuring this machine's costs for {_model_name(target)} ({dtype}, {n} thread"
               f"{'s' if n > 1 else ''}; cached in {path.parent})...", file=sys.stderr, flush=True)
