@@ -61,6 +61,9 @@ def add_model_arguments(parser: argparse.ArgumentParser):
                           "for a target that is no GGUF, or with another --dtype)")
     src.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or auto (spread the target over GPUs)")
     src.add_argument("--attention", default="auto", choices=ATTENTION_BACKENDS, help="tree attention backend")
+    src.add_argument("--cuda-graphs", default="on", choices=("on", "off"),
+                     help="on CUDA, capture the engine's own forward once per block size as a CUDA graph and "
+                          "replay it (default on); off runs the same shapes eagerly, for debugging")
     src.add_argument("--threads", type=int, default=None,
                      help="CPU threads for torch (default: the cores free of other processes' work, at least 1; "
                           "OMP_NUM_THREADS, where set, is kept)")
@@ -394,6 +397,7 @@ def _build_decoder(args, target, draft, tokenizer):
     decoder = TreeDecoder(target, draft, tokenizer=tokenizer, tree=args.tree, policy=args.policy,
                           attention=args.attention, lossy_target_roots=args.lossy_target_roots,
                           calibrate=args.calibrate, policy_options=parse_policy_options(args.policy_option) or None,
+                          cuda_graphs=args.cuda_graphs == "on",
                           threads=None)             # chosen by _set_threads before the models loaded
     return decoder, dtype_reason
 
@@ -556,6 +560,11 @@ def run(args) -> int:
             print(_EXPECTED_NOTE, file=sys.stderr)
         if decoder.kernels_note is not None:
             print(f"matmul kernels: {decoder.kernels_note}", file=sys.stderr)
+        blocks = decoder.target.blocks
+        if blocks is not None and blocks.capture:
+            print(f"cuda graphs: {blocks.captures} captured in {blocks.capture_s:.2f}s", file=sys.stderr)
+        own = "the engine's own (Llama family)" if decoder.target.path == "lean" else "transformers'"
+        print(f"forward: {own}", file=sys.stderr)
         from .attention import describe as describe_attention
         print(f"attention: {describe_attention(decoder.attention)}; KV cache written in place", file=sys.stderr)
         if decoder.costs_source is not None:

@@ -78,6 +78,9 @@ class TreeDecoder:
             else the cores other processes leave free, read over 0.1 s), a
             count (at most the cores this process may use), or None to leave
             torch's setting alone. This sets torch's process-wide thread count.
+        cuda_graphs: on CUDA, the engine's own forward (Llama family) runs every block
+            padded to a bucket of rows and replays each bucket's forward as a CUDA
+            graph captured once (`mcsd.graphs`); False runs the same shapes eagerly.
 
     Attributes:
         threads: the `mcsd.threads.ThreadChoice` made (its `reason` says why), or None.
@@ -90,12 +93,14 @@ class TreeDecoder:
 
     def __init__(self, target, draft=None, tokenizer=None, tree=None, policy="auto",
                  attention: str = "auto", policy_options: dict | None = None, lossy_target_roots: int = 0,
-                 calibrate: bool | None = None, threads: int | str | None = "auto"):
+                 calibrate: bool | None = None, threads: int | str | None = "auto", cuda_graphs: bool = True):
         self.threads = _choose_threads(threads)
-        self.target, self.tokenizer = CachedLM(target), tokenizer
+        self.target, self.tokenizer = CachedLM(target, cuda_graphs=cuda_graphs), tokenizer
         self.lossy_roots = int(lossy_target_roots)
         parts = resolve(target, draft, tree, policy, attention, self.lossy_roots)
         self.drafter, self.context, self.attention = parts.drafter, parts.context, parts.attention
+        if getattr(self.drafter, "lm", None) is not None:
+            self.drafter.lm.cuda_graphs = cuda_graphs
         self.calibration = Calibration(self.target, self.drafter, parts.draft, calibrate)
         self.policy = make_policy(parts.policy, parts.tree, **self.calibration.policy_options(parts.policy,
                                                                                               policy_options))

@@ -24,7 +24,7 @@ import threading
 
 import torch
 
-from . import kernels, kv_cache, llama, quant
+from . import graphs, kernels, kv_cache, llama, quant
 from .static_cache import StaticCache
 from .tree import additive_mask, causal_allowed
 
@@ -55,6 +55,11 @@ class CachedLM:
             transformers' (False), or choose at every `reset` (None, the default): the engine's
             own where `mcsd.llama.supports` the model, its weights sit on one device, its
             attention is not "eager" and no `forward_path(False)` block is active.
+        static_blocks: on the engine's own forward, run every block padded to a bucket over the
+            cache's whole capacity (`mcsd.graphs`): True, False, or None (the default) for on
+            where the model sits on CUDA.
+        cuda_graphs: with static blocks on CUDA, capture each bucket's forward as a CUDA graph
+            once and replay it (default); False runs the same shapes eagerly, for debugging.
 
     Attributes:
         model: the transformers model (eval mode).
@@ -66,10 +71,13 @@ class CachedLM:
             None leaves torch's setting alone).
     """
 
-    def __init__(self, model: torch.nn.Module, in_place: bool = True, lean: bool | None = None):
+    def __init__(self, model: torch.nn.Module, in_place: bool = True, lean: bool | None = None,
+                 static_blocks: bool | None = None, cuda_graphs: bool = True):
         self.model = model
         self.in_place = in_place
         self.lean = lean
+        self.static_blocks, self.cuda_graphs = static_blocks, cuda_graphs
+        self.blocks: graphs.StaticBlocks | None = None  # the engine's own forward in bucketed shapes
         self.dtype = model.get_input_embeddings().weight.dtype
         self.device = model.get_input_embeddings().weight.device
         self.cache = None
@@ -111,6 +119,12 @@ class CachedLM:
                 self._own.refresh()
             self._running = self._own
             weight = self._own.embed.weight
+            padded = self.static_blocks if self.static_blocks is not None else weight.device.type == "cuda"
+            capture = padded and self.cuda_graphs and weight.device.type == "cuda"
+            if not padded:
+                self.blocks = None
+            elif self.blocks is None or self.blocks.lean is not self._own or self.blocks.capture != capture:
+                self.blocks = graphs.StaticBlocks(self._own, capture)
             if not isinstance(self.cache, StaticCache) or (self.cache.dtype, self.cache.device) != \
                     (weight.dtype, weight.device):
                 self.cache = self._own.new_cache()
@@ -168,6 +182,11 @@ class CachedLM:
         slots = torch.arange(start, start + n, device=self.device)
         layers = () if not hidden else (-1,) if hidden is True else tuple(hidden)
         with kernels.running(self.kernels, n), quant.forward_rows(self.model, n, start):
+            if self.blocks is not None:                 # bucketed shapes (CUDA graphs where captured)
+                logits, states = self.blocks(tokens.to(self.device), positions.to(self.device), mask, self.cache,
+                                             start, layers, last_logits)
+                self.cache.length = start + n
+                return logits if not hidden else (logits, states)
             logits, states = self._running(tokens.to(self.device)[None], positions.to(self.device)[None], mask,
                                            self.cache, slots, layers, last_logits)
         self.cache.length = start + n
