@@ -126,7 +126,8 @@ def test_a_cached_hub_id_without_network_loads_offline(monkeypatch, tmp_path):
             constants.HF_HUB_OFFLINE = was
 
 
-def test_ctrl_c_without_stream_prints_the_text_so_far(model_dirs, monkeypatch, capsys):
+def interrupt_after(monkeypatch, tokens: int) -> None:
+    """Make `TreeDecoder.generate` raise KeyboardInterrupt (as Ctrl-C would) once `tokens` are streamed."""
     from mcsd.decoder import TreeDecoder
     real = TreeDecoder.generate
 
@@ -136,11 +137,15 @@ def test_ctrl_c_without_stream_prints_the_text_so_far(model_dirs, monkeypatch, c
         def relay(new):
             streamer(new)
             seen.extend(new)
-            if len(seen) >= 5:
+            if len(seen) >= tokens:
                 raise KeyboardInterrupt
         return real(self, prompt, *args, streamer=relay, **kwargs)
 
     monkeypatch.setattr(TreeDecoder, "generate", interrupted)
+
+
+def test_ctrl_c_without_stream_prints_the_text_so_far(model_dirs, monkeypatch, capsys):
+    interrupt_after(monkeypatch, 5)
     assert main(_pair(model_dirs) + ["--prompt", "w03 w17", "--max-new-tokens", "40"]) == 130
     captured = capsys.readouterr()
     words = captured.out.split()

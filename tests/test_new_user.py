@@ -2,10 +2,7 @@
 at another path, JSON when interrupted, fast and specific errors for bad models, conflicting prompts."""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,17 +13,7 @@ from mcsd import TreeDecoder, cli, sources
 from mcsd.cli import main
 from mcsd.config import ConfigError
 from mcsd.errors import ModelLoadError
-
-
-def _pair(model_dirs):
-    return ["--target", str(model_dirs / "target"), "--draft", str(model_dirs / "draft"), "--dtype", "float32",
-            "--tree", "3,2", "--policy", "static"]
-
-
-def _one_error_line(capsys, fragment):
-    err = capsys.readouterr().err
-    assert err.startswith("mcsd-generate: error: ") and err.count("\n") == 1, err
-    assert fragment in err, err
+from test_cli_options import _one_error_line, _pair, interrupt_after
 
 
 @pytest.fixture
@@ -105,19 +92,7 @@ def test_a_prompt_with_a_lone_surrogate_is_a_config_error(target, tokenizer):
 
 
 def test_json_interrupted_is_still_json(model_dirs, monkeypatch, capsys):
-    real = TreeDecoder.generate
-
-    def interrupted(self, prompt, *args, streamer=None, **kwargs):
-        seen = []
-
-        def relay(new):
-            streamer(new)
-            seen.extend(new)
-            if len(seen) >= 3:
-                raise KeyboardInterrupt
-        return real(self, prompt, *args, streamer=relay, **kwargs)
-
-    monkeypatch.setattr(TreeDecoder, "generate", interrupted)
+    interrupt_after(monkeypatch, 3)
     assert main(_pair(model_dirs) + ["--prompt", "w03 w17", "--max-new-tokens", "40", "--json"]) == 130
     result = json.loads(capsys.readouterr().out)
     assert result["finish_reason"] == "interrupted" and len(result["tokens"]) >= 3
