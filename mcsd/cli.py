@@ -563,6 +563,11 @@ def run(args) -> int:
         blocks = decoder.target.blocks
         if blocks is not None and blocks.capture:
             print(f"cuda graphs: {blocks.captures} captured in {blocks.capture_s:.2f}s", file=sys.stderr)
+        from .forward_profile import resident_bytes
+        from .profile import drafter_module
+        held = resident_bytes(decoder.target.model, drafter_module(decoder.drafter) if decoder.drafter else None)
+        print("weights resident: " + ", ".join(f"{n / 1e6:.0f} MB {form}" for form, n in held.items() if n),
+              file=sys.stderr)
         own = "the engine's own (Llama family)" if decoder.target.path == "lean" else "transformers'"
         print(f"forward: {own}", file=sys.stderr)
         from .attention import describe as describe_attention

@@ -148,6 +148,27 @@ def read_bandwidth(mb: int = 256, repeats: int = 5, device: str | torch.device =
     return x.nbytes / best / 1e9
 
 
+def resident_bytes(*modules) -> dict[str, int]:
+    """Bytes the weights of `modules` hold in memory, each tensor once, by form: "dense" (every
+    parameter), "int4" (the q4 codes, scales and zero points `mcsd.quant` attached) and
+    "prepacked" (oneDNN's reordered copies `mcsd.kernels` made). What `--stats` reports."""
+    from . import quant
+    dense, int4, packed = {}, {}, {}
+    for module in modules:
+        if module is None:
+            continue
+        for p in module.parameters():
+            dense[p.data_ptr()] = p.nbytes
+        for layer in module.modules():
+            q4 = quant.read_bytes(layer)
+            if q4 is not None:
+                int4[q4[0]] = q4[1]
+            copy = layer.__dict__.get("_mcsd_packed")
+            if copy is not None:
+                packed[id(copy)] = copy.weight.numel() * copy.weight.element_size()
+    return {"dense": sum(dense.values()), "int4": sum(int4.values()), "prepacked": sum(packed.values())}
+
+
 def memory_floor(model: torch.nn.Module, mb: int = 256, repeats: int = 5) -> MemoryFloor:
     """`model`'s weight bytes over the measured read rate of the memory its weights are in: the
     floor of any forward."""

@@ -267,3 +267,17 @@ def test_the_memory_floor_of_a_q4_model_counts_its_codes_not_its_dense_weights(q
     assert weight_bytes(model) == sum(q4.values()) + dense_linear + norms
     assert weight_bytes(model) < sum(layer.weight.nbytes for layer in model.modules()
                                      if isinstance(layer, torch.nn.Linear))
+
+
+def test_resident_bytes_count_each_form_of_the_weights_once(q4_gguf_file):
+    from mcsd import kernels
+    from mcsd.forward_profile import resident_bytes
+    model = _q4_model(q4_gguf_file)
+    held = resident_bytes(model, model)                          # the same module twice counts once
+    assert held["dense"] == sum(p.nbytes for p in model.parameters())
+    assert held["int4"] == sum({r[0]: r[1] for r in map(quant.read_bytes, model.modules()) if r}.values()) > 0
+    assert held["prepacked"] == 0
+    dense = tiny_llama(3)
+    if kernels.packable(torch.float32, "cpu"):
+        kernels.pack(dense)
+        assert resident_bytes(dense)["prepacked"] > 0
