@@ -563,6 +563,9 @@ def run(args) -> int:
         blocks = decoder.target.blocks
         if blocks is not None and blocks.capture:
             print(f"cuda graphs: {blocks.captures} captured in {blocks.capture_s:.2f}s", file=sys.stderr)
+        elif blocks is not None and blocks.failure:
+            print(f"cuda graphs: off, capture failed ({blocks.failure}); the same shapes ran eagerly",
+                  file=sys.stderr)
         from .forward_profile import resident_bytes
         from .profile import drafter_module
         held = resident_bytes(decoder.target.model, drafter_module(decoder.drafter) if decoder.drafter else None)

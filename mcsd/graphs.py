@@ -34,6 +34,7 @@ family's does not).
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +73,8 @@ class StaticBlocks:
 
     Attributes:
         captures: graphs captured so far; capture_s: seconds spent capturing them (warm-up included).
+        failure: why capturing was given up (a warning said so once; the same shapes then run
+            eagerly), or None.
     """
 
     def __init__(self, lean: LeanForward, capture: bool):
@@ -79,6 +82,7 @@ class StaticBlocks:
         self._entries: dict[tuple[int, tuple[int, ...]], _Entry] = {}
         self._buffers: int | None = None          # id of the cache buffers the entries were made for
         self.captures, self.capture_s = 0, 0.0
+        self.failure: str | None = None           # why capture was given up, if it was
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: StaticCache,
                  start: int, hidden: tuple[int, ...] = (), last_logits: bool = False):
@@ -116,7 +120,13 @@ class StaticBlocks:
             entry = self._entries[key] = self._new_entry(b, cache)
         self._fill(entry, tokens, positions, mask, start)
         if fresh and self.capture:
-            self._capture(entry, cache, hidden)
+            try:
+                self._capture(entry, cache, hidden)
+            except Exception as exc:             # a forward that cannot be captured still runs, eagerly
+                self.capture, self.failure = False, f"{type(exc).__name__}: {exc}"
+                entry.graph = None
+                warnings.warn(f"mcsd: CUDA graph capture failed ({self.failure}); running the same shapes "
+                              f"eagerly", RuntimeWarning, stacklevel=2)
         if entry.graph is not None:
             entry.graph.replay()
         else:

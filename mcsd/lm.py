@@ -123,7 +123,8 @@ class CachedLM:
             capture = padded and self.cuda_graphs and weight.device.type == "cuda"
             if not padded:
                 self.blocks = None
-            elif self.blocks is None or self.blocks.lean is not self._own or self.blocks.capture != capture:
+            elif self.blocks is None or self.blocks.lean is not self._own or \
+                    (self.blocks.capture != capture and self.blocks.failure is None):   # a failed capture stays off
                 self.blocks = graphs.StaticBlocks(self._own, capture)
             if not isinstance(self.cache, StaticCache) or (self.cache.dtype, self.cache.device) != \
                     (weight.dtype, weight.device):

@@ -64,6 +64,31 @@ def test_greedy_output_on_padded_blocks_equals_generate(policy):
     assert dec.target.blocks is not None and out.tokens == want
 
 
+def test_a_capture_that_fails_falls_back_to_eager_shapes_once(monkeypatch):
+    model = _family("llama")
+    lm = CachedLM(model, lean=True, static_blocks=True)
+    lm.reset()
+    lm.blocks.capture = True                                            # as on CUDA
+    calls = []
+
+    def broken(self, *args):
+        calls.append(1)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(StaticBlocks, "_capture", broken)
+    ref = CachedLM(model, lean=True, static_blocks=False)
+    ref.reset()
+    with pytest.warns(RuntimeWarning, match="capture failed"):
+        got = lm.extend(PROMPT[:6])
+    got2 = lm.extend(torch.tensor([5, 6, 7]))
+    want = ref.extend(PROMPT[:6])
+    assert (got - want).abs().max() <= TOL and (got2 - ref.extend(torch.tensor([5, 6, 7]))).abs().max() <= TOL
+    assert len(calls) == 1 and not lm.blocks.capture and "stream is capturing" in lm.blocks.failure
+    lm.reset()                                                          # the next sequence: no second try
+    lm.extend(PROMPT[:6])
+    assert len(calls) == 1 and lm.blocks.failure is not None
+
+
 @pytest.mark.gpu
 def test_captured_graphs_replay_what_eager_blocks_compute():
     if not torch.cuda.is_available():
