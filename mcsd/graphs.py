@@ -20,7 +20,7 @@ replays fixed shapes at fixed addresses, so here:
 A graph is captured per (bucket, hidden-state selection) on first use and kept
 while the cache keeps its buffers; when `StaticCache.reserve` grows them, every
 graph is captured again (once). Blocks past the largest bucket (long prompts)
-run eagerly at their own shape.
+are the caller's to run at their own shape (`mcsd.lm.CachedLM` does).
 
 Without capture (the CPU, `--cuda-graphs off`), `StaticBlocks` runs the same
 padded shapes eagerly: that is how the CPU tests check that padding and the
@@ -80,13 +80,13 @@ class StaticBlocks:
     def __init__(self, lean: LeanForward, capture: bool):
         self.lean, self.capture = lean, capture
         self._entries: dict[tuple[int, tuple[int, ...]], _Entry] = {}
-        self._buffers: int | None = None          # id of the cache buffers the entries were made for
+        self._buffers: torch.Tensor | None = None  # the cache buffer the entries were made for
         self.captures, self.capture_s = 0, 0.0
         self.failure: str | None = None           # why capture was given up, if it was
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: StaticCache,
                  start: int, hidden: tuple[int, ...] = (), last_logits: bool = False):
-        """One block after `start` cache entries.
+        """One block of at most `BUCKETS[-1]` rows after `start` cache entries.
 
         Args:
             tokens, positions: (Q,) long.
@@ -100,15 +100,12 @@ class StaticBlocks:
         """
         q = tokens.numel()
         b = bucket_of(q)
-        if b is None:                                           # past the buckets: its own shape, eagerly
-            cache.reserve(start + q)
-            slots = torch.arange(start, start + q, device=tokens.device)
-            logits, states = self.lean(tokens[None], positions[None], mask, cache, slots, hidden, last_logits)
-            return logits[0], None if states is None else states[0]
+        if b is None:
+            raise ValueError(f"a block of {q} rows is past the largest bucket ({BUCKETS[-1]}); run it unpadded")
         cache.reserve(start + b)
-        if self._buffers != id(cache.keys):                    # new buffers: every graph is captured again
+        if self._buffers is not cache.keys:                    # new buffers: every graph is captured again
             self._entries.clear()
-            self._buffers = id(cache.keys)
+            self._buffers = cache.keys
             # attention reads every slot with weight 0 past the block, and 0 * nan is nan: the slots
             # never written must hold finite values (later, stale entries do)
             cache.keys[:, :, :, cache.length:].zero_()

@@ -179,19 +179,19 @@ class CachedLM:
 
     def _lean_forward(self, tokens, positions, mask, hidden, last_logits):
         n, start = tokens.numel(), self.cache.length
-        self.cache.reserve(start + n)
-        slots = torch.arange(start, start + n, device=self.device)
         layers = () if not hidden else (-1,) if hidden is True else tuple(hidden)
+        tokens, positions = tokens.to(self.device), positions.to(self.device)
         with kernels.running(self.kernels, n), quant.forward_rows(self.model, n, start):
-            if self.blocks is not None:                 # bucketed shapes (CUDA graphs where captured)
-                logits, states = self.blocks(tokens.to(self.device), positions.to(self.device), mask, self.cache,
-                                             start, layers, last_logits)
-                self.cache.length = start + n
-                return logits if not hidden else (logits, states)
-            logits, states = self._running(tokens.to(self.device)[None], positions.to(self.device)[None], mask,
-                                           self.cache, slots, layers, last_logits)
+            if self.blocks is not None and graphs.bucket_of(n) is not None:   # bucketed (CUDA graphs there)
+                logits, states = self.blocks(tokens, positions, mask, self.cache, start, layers, last_logits)
+            else:                                       # its own shape (a long prompt, or no buckets)
+                self.cache.reserve(start + n)
+                slots = torch.arange(start, start + n, device=self.device)
+                logits, states = self._running(tokens[None], positions[None], mask, self.cache, slots, layers,
+                                               last_logits)
+                logits, states = logits[0], None if states is None else states[0]
         self.cache.length = start + n
-        return logits[0] if not hidden else (logits[0], states[0])
+        return logits if not hidden else (logits, states)
 
     def extend(self, tokens: torch.Tensor, hidden: bool | tuple[int, ...] = False, last_logits: bool = False):
         """Feed ordinary tokens (causal) after everything in the cache; returns their logits (Q, V)
