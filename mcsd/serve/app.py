@@ -249,7 +249,8 @@ class _API:
                     logprobs = None
                     if rows is not None and new:
                         logprobs = protocol.token_logprobs(endpoint, tokenizer, new, rows, offsets[index])
-                        offsets[index] += sum(len(tokenizer.decode([t])) for t in new)
+                        if endpoint == "completion":        # the next round's text offset, from this one's
+                            offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
                     if text or logprobs:
                         yield _sse(protocol.chunk(req, index, text, logprobs))
                 elif kind == "done":

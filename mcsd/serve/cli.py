@@ -126,10 +126,9 @@ def serve(args) -> int:
     _check_args(args)
     _check_hub(args)
 
-    engine_box = {}
-    metrics = Metrics(lambda: {"queue_depth": engine_box["engine"].queue_depth,
-                               "running": int(engine_box["engine"].busy)})
-    engine = engine_box["engine"] = Engine(lambda: _build(args), args.max_queue, metrics)
+    # the gauges read `engine` when /metrics is rendered, by then assigned below
+    metrics = Metrics(lambda: {"queue_depth": engine.queue_depth, "running": int(engine.busy)})
+    engine = Engine(lambda: _build(args), args.max_queue, metrics)
     log.info("loading %s", _model_id(args))
     engine.start()
     decoder = engine.decoder

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .processors import TokenLogprobs
+from .protocol import recorder as logprobs_recorder
 
 log = logging.getLogger("mcsd.serve")
 
@@ -167,8 +167,7 @@ class Engine:
 
     def _answer(self, job: Job) -> None:
         for run in job.runs:
-            recorder = next((p for p in run.options.get("logits_processor", ()) if isinstance(p, TokenLogprobs)),
-                            None)
+            recorder = logprobs_recorder(run.options)
             rounds = self.decoder.stream(run.prompt_ids, **run.options)
             emitted: list[int] = []
             while True:

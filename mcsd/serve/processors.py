@@ -73,18 +73,21 @@ class TokenLogprobs:
     def take(self, completion: list[int], start: int) -> list[tuple[float, list[tuple[int, float]]]]:
         """(log-probability, [(token, log-probability)] of the `top` most likely) for each of
         completion[start:], the tokens emitted since the last call; forgets every row."""
-        out = []
-        for j in range(start, len(completion)):
-            logp = self.rows.get(tuple(completion[:j]))
-            if logp is None:              # not scored with this prefix (cannot happen in the exact loop)
-                out.append((FLOOR, []))
-                continue
-            alternatives = []
-            if self.top:
-                values, ids = torch.topk(logp, self.top)
-                alternatives = [(int(i), _finite(float(v))) for v, i in zip(values, ids)]
-            out.append((_finite(float(logp[completion[j]])), alternatives))
+        found = [self.rows.get(tuple(completion[:j])) for j in range(start, len(completion))]
         self.rows.clear()
+        out: list[tuple[float, list[tuple[int, float]]]] = [(FLOOR, []) for _ in found]
+        kept = [i for i, row in enumerate(found) if row is not None]   # all of them in the exact loop
+        if not kept:
+            return out
+        logp = torch.stack([found[i] for i in kept])                                   # (k, V)
+        chosen = torch.tensor([completion[start + i] for i in kept], device=logp.device)
+        chosen_lp = logp.gather(1, chosen[:, None])[:, 0].tolist()                    # one host copy a round
+        if self.top:
+            values, ids = torch.topk(logp, self.top)                                   # (k, top)
+            values, ids = values.tolist(), ids.tolist()
+        for r, i in enumerate(kept):
+            alternatives = [(a, _finite(v)) for a, v in zip(ids[r], values[r])] if self.top else []
+            out[i] = (_finite(chosen_lp[r]), alternatives)
         return out
 
 

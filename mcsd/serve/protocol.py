@@ -225,7 +225,7 @@ def _completion_prompts(prompt) -> list:
     else:
         raise bad("prompt must be a string, an array of strings, an array of token ids or an array of such "
                   "arrays", param="prompt")
-    if len(prompts) * 1 > MAX_N:
+    if len(prompts) > MAX_N:
         raise bad(f"at most {MAX_N} prompts a request, got {len(prompts)}", param="prompt")
     for p in prompts:
         if isinstance(p, str):
@@ -450,9 +450,10 @@ def token_logprobs(endpoint: str, tokenizer, tokens: list[int], rows: list, offs
         return tokenizer.decode([t])
 
     if endpoint == "chat":
-        return {"content": [{"token": text(t), "logprob": lp, "bytes": list(text(t).encode("utf-8")),
-                             "top_logprobs": [{"token": text(a), "logprob": alp, "bytes": list(text(a).encode("utf-8"))}
-                                              for a, alp in alts]}
+        def entry(t, lp):                           # each token decoded once
+            s = text(t)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in alts]}
                             for t, (lp, alts) in zip(tokens, rows)]}
     strings, offsets = [text(t) for t in tokens], []
     for s in strings:
