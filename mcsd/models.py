@@ -33,7 +33,7 @@ from .errors import ModelLoadError, TokenizerMismatchError
 from .feature_draft import FeatureDrafter, FeatureHead, is_feature_head
 from .presets import DEFAULT_PRESET, DRAFTERS, PRESETS, Preset
 from .progress import bars_wanted, say, stage, transformers_bars
-from .sources import check_source, is_hub_id, prepare_hub, resolve_source
+from .sources import check_source, resolve_source
 
 DTYPES = {alias: getattr(torch, name) for alias, name in DTYPE_NAMES.items()}
 
@@ -241,9 +241,7 @@ def parse_device(device) -> str | dict:
 
 def load_tokenizer(source: str):
     from transformers import AutoTokenizer
-    name, kw = resolve_source(_preset_path(source, "target"))
-    if is_hub_id(name):                                # offline: the cache at once, or one clear error
-        prepare_hub([("target", name)])
+    name, kw = resolve_source(_preset_path(source, "target"), "target")
     try:
         return AutoTokenizer.from_pretrained(name, **kw)
     except Exception as exc:
@@ -277,9 +275,7 @@ def load_model(source: str, dtype="bfloat16", device="cpu", role: str = "target"
 
     torch_dtype = parse_dtype(dtype)
     device = parse_device(device)
-    name, kw = resolve_source(_preset_path(source, role))
-    if is_hub_id(name):                                # offline: the cache at once, or one clear error
-        prepare_hub([(role, name)])
+    name, kw = resolve_source(_preset_path(source, role), role)
     if isinstance(device, dict) or device == "auto":
         kw["device_map"] = device
     try:

@@ -499,12 +499,12 @@ def _model_name(model) -> str:
     return str(getattr(model.config, "_name_or_path", "") or model.config.model_type)
 
 
-def _model_key(model) -> str:
+def _model_key(model, q4: bool = False) -> str:
     """What runs, never where it was loaded from: a profile holds costs, which follow the
     architecture (the configuration less its path and bookkeeping, every parameter's name and
-    shape) and whether the linear layers run on 4-bit codes, not the weights' values. So a cache
-    copied elsewhere (or mounted read-only at another path) still finds its profiles, and two
-    checkpoints of one architecture share theirs."""
+    shape) and whether the linear layers run on 4-bit codes (attached, or `q4`: to be), not the
+    weights' values. So a cache copied elsewhere (or mounted read-only at another path) still
+    finds its profiles, and two checkpoints of one architecture share theirs."""
     module = model.module if _is_feature_drafter(model) else model          # a head: with its LM rows
     digest = hashlib.sha1()
     head = getattr(model, "head", None)
@@ -515,7 +515,7 @@ def _model_key(model) -> str:
                                                           "torch_dtype")}
         digest.update(json.dumps(fields, sort_keys=True, default=str).encode())
     digest.update(";".join(f"{name}{tuple(p.shape)}" for name, p in module.named_parameters()).encode())
-    weights = ":q4" if quant.attached(module) else ""
+    weights = ":q4" if q4 or quant.attached(module) else ""
     return f"{digest.hexdigest()[:16]}:{sum(p.numel() for p in module.parameters())}{weights}"
 
 
@@ -532,10 +532,7 @@ def profile_path(target, draft, dtype=None, weights: str | None = None) -> Path:
     `weights="q4"` names the target's profile on its 4-bit codes before they are attached."""
     dev = next(target.parameters()).device
     dtype = dtype or next(target.parameters()).dtype
-    target_key = _model_key(target)
-    if weights == "q4" and not target_key.endswith(":q4"):
-        target_key += ":q4"
-    parts = [target_key, _model_key(draft) if draft is not None else "-", str(dtype), str(dev),
+    parts = [_model_key(target, q4=weights == "q4"), _model_key(draft) if draft is not None else "-", str(dtype), str(dev),
              str(getattr(target.config, "_attn_implementation", None)), str(torch.get_num_threads()),
              json.dumps(host_key(dev), sort_keys=True)]
     if kernels.switchable(dtype, dev):
@@ -814,8 +811,3 @@ class Costs:
                                   f"(measured {'faster' if mid < 1 else 'slower'})")
                     if self.on_stale is not None:
                         self.on_stale(self.stale)
-
-
-# ---------------------------------------------------------------------------- the dtype that wins
-
-# What one drafted token is assumed to be accepted with when dtypes are compared (per depth).

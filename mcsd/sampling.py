@@ -117,8 +117,10 @@ def choose(scores: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator
     if cfg.greedy:
         token, dist = scores.argmax(-1), None
     else:
-        dist = logits_to_probs(scores, cfg)
-        token = noise.draw(dist[None], torch.tensor([position]))[0] if noise is not None else sample(dist, generator)
+        kept = processed_scores(scores, cfg)
+        dist = kept.softmax(-1)
+        token = noise.draw_scores(kept[None], torch.tensor([position]))[0] if noise is not None \
+            else sample(dist, generator)
     if not logprob:
         return token, None
     logp = scores.float().log_softmax(-1) if dist is None else dist.log()

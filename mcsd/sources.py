@@ -30,9 +30,10 @@ def is_local_path_syntax(source: str) -> bool:
     return source.endswith(".gguf") or source.startswith((".", "/", "~")) or source.count("/") > 1
 
 
-def resolve_source(source: str) -> tuple[str, dict]:
+def resolve_source(source: str, label: str = "model") -> tuple[str, dict]:
     """Map a source string to (path or hub id, extra from_pretrained kwargs); ModelLoadError for a
-    path that cannot be a model."""
+    path that cannot be a model, or for a hub id (named by `label`) that is neither cached nor
+    reachable (`prepare_hub`, which also switches a cached one to offline loading)."""
     path = Path(source).expanduser()
     if source.endswith(".gguf"):
         if not path.is_file():
@@ -46,6 +47,8 @@ def resolve_source(source: str) -> tuple[str, dict]:
         raise ModelLoadError(f"{source} is a file but not a .gguf checkpoint; pass a model directory or a .gguf file")
     if is_local_path_syntax(source):
         raise ModelLoadError(f"model path does not exist: {source}")
+    if source not in PRESETS:
+        prepare_hub([(label, source)])
     return source, {}
 
 
@@ -127,12 +130,10 @@ def check_source(source: str, label: str = "target") -> None:
     if source in PRESETS:
         return
     try:
-        name, _ = resolve_source(source)
+        name, _ = resolve_source(source, label)
     except ModelLoadError as exc:
-        raise ModelLoadError(f"{label}: {exc}") from None
+        raise ModelLoadError(exc if is_hub_id(source) else f"{label}: {exc}") from None
     folder = Path(name)
     if folder.is_dir():
         for weights in sorted(folder.glob("*.safetensors")):
             check_safetensors(weights)
-    elif is_hub_id(source):
-        prepare_hub([(label, source)])
