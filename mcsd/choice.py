@@ -129,10 +129,14 @@ def _label(name: str) -> str:
 def apply_choice(target, draft, choice: DtypeChoice, gguf: Path | None = None):
     """The pair converted to `choice`: cast to its dtype, and the target's linear layers on the GGUF's
     codes for q4. Returns (target, draft)."""
+    return _convert(target, draft, getattr(torch, choice.dtype), choice.weights == Q4, gguf)
+
+
+def _convert(target, draft, dtype: torch.dtype, q4: bool, gguf: Path | None):
     from . import quant
     from .models import cast_pair
-    target, draft = cast_pair(target, draft, choice.dtype)
-    if choice.weights == Q4:
+    target, draft = cast_pair(target, draft, dtype)
+    if q4:
         quant.attach(target, gguf)
     return target, draft
 
@@ -143,14 +147,7 @@ def _candidate_copy(target, draft, name: str, gguf: Path | None):
     if dtype == next(target.parameters()).dtype and name != Q4:
         return target, draft
     from .feature_draft import FeatureDrafter
-    from .models import cast_pair
     t = copy.deepcopy(target)
-    if isinstance(draft, FeatureDrafter):
-        d = FeatureDrafter(copy.deepcopy(draft.head), t, name=draft.name)
-    else:
-        d = copy.deepcopy(draft)
-    t, d = cast_pair(t, d, dtype)
-    if name == Q4:
-        from . import quant
-        quant.attach(t, gguf)
-    return t, d
+    d = FeatureDrafter(copy.deepcopy(draft.head), t, name=draft.name) if isinstance(draft, FeatureDrafter) \
+        else copy.deepcopy(draft)
+    return _convert(t, d, dtype, name == Q4, gguf)

@@ -241,9 +241,9 @@ def _check_sources(args) -> None:
 
 def _hub_ids(args) -> list[tuple[str, str]]:
     """(flag, id) for each model source that can only be a Hugging Face Hub id."""
+    from .sources import is_hub_id
     return [(flag, src) for flag, src in (("--target", args.target), ("--draft", args.draft))
-            if src is not None and src not in PRESETS and not is_local_path_syntax(src)
-            and not Path(src).expanduser().exists()]
+            if src is not None and is_hub_id(src)]
 
 
 def _check_hub(args) -> None:
@@ -268,7 +268,6 @@ def _check_args(args) -> None:
         raise UsageError(f"--weights q4 runs on the CPU (torch's int4 CPU kernel); drop --device {args.device}")
     if (args.target is not None and args.draft is None and args.target not in PRESETS and not args.baseline
             and args.drafter != "context"):
-        _check_hub(args)
         from .sources import check_source
         check_source(args.target, "--target")         # what is wrong with the target comes first
         raise UsageError(f"--target {args.target} needs a --draft (or use --baseline, --drafter context, or a "
