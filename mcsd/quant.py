@@ -50,7 +50,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import fused, kernels, kv_cache
+from . import fused, kernels, kv_cache, native
 from .errors import ModelLoadError
 
 GROUP = 32                              # weights per Q4_1 block (along the input dimension)
@@ -58,6 +58,9 @@ _BLOCK_BYTES = 20                       # float16 d, float16 m, 16 bytes of 4-bi
 _ATTR = "_mcsd_q4"
 _JOINED = "_mcsd_q4_joined"       # (fused.Product, index) where siblings share one product
 Codes = tuple            # (q (N, K) uint8 in 0..15, d (N, K / 32) float16, m (N, K / 32) float16)
+                         # or for a Q8_0 head: (q (N, K) int8, d (N, K / 32) float16, None)
+HEAD = "lm_head"         # the name the LM head's Q8_0 codes go by (the tied token embedding, or `output`)
+_Q8_BLOCK_BYTES = 34     # float16 d, 32 int8 codes
 PREFILL_ROWS = 32        # a forward over an empty cache with this many rows reads the dense weights
 _HOOKS = "_mcsd_q4_prefill_hooks"
 
@@ -86,8 +89,7 @@ class Q4Error(ModelLoadError):
     """Q4 weights cannot be used for this model (file, weights, dtype, device or torch)."""
 
 
-def kernel_available() -> bool:
-    """This torch has the CPU int4 weight-only kernel and it runs here."""
+def _torch_kernel_runs() -> bool:
     try:
         q = torch.zeros(16, 64, dtype=torch.int32)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
@@ -96,6 +98,29 @@ def kernel_available() -> bool:
         return True
     except (AttributeError, RuntimeError):
         return False
+
+
+def kernel_name() -> str | None:
+    """The q4 kernel this process runs: "native" (`mcsd.native`, built from q4_kernel.c), else "torch"
+    (torch's CPU int4 kernel), else None. One kernel for every layer and block size, so that a verify
+    computes each row as a step does."""
+    if native.library() is not None:
+        return "native"
+    return "torch" if _torch_kernel_runs() else None
+
+
+def kernel_available() -> bool:
+    """Some q4 kernel runs here."""
+    return kernel_name() is not None
+
+
+def describe_kernel() -> str:
+    """The q4 kernel in words, for `--stats`."""
+    name = kernel_name()
+    if name == "native":
+        return "mcsd's native Q4_1 kernel (float32 products on the codes, one dequantisation per verify)"
+    why = native.reason()
+    return f"torch's int4 kernel (the native one is not used: {why})" if name else "none"
 
 
 def split_q4_1(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -118,10 +143,23 @@ def split_q4_1(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return torch.from_numpy(q.astype(np.uint8)), torch.from_numpy(d.copy()), torch.from_numpy(m.copy())
 
 
-def dequantize(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """The float32 weight d * q + m, (N, K), as a GGUF loader computes it."""
+def split_q8_0(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 tensor's blocks as codes and scales: q (N, K) int8, d (N, K / 32) float16."""
+    n, row_bytes = raw.shape
+    if row_bytes % _Q8_BLOCK_BYTES:
+        raise ValueError(f"a Q8_0 row has a multiple of {_Q8_BLOCK_BYTES} bytes, not {row_bytes}")
+    blocks = np.ascontiguousarray(raw).reshape(n, row_bytes // _Q8_BLOCK_BYTES, _Q8_BLOCK_BYTES)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    q = blocks[..., 2:].copy().view(np.int8).reshape(n, -1)
+    return torch.from_numpy(q), torch.from_numpy(d.copy())
+
+
+def dequantize(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+    """The float32 weight d * q + m (Q4_1) or d * q (Q8_0, m None), (N, K), as a GGUF loader computes it."""
     n, k = q.shape
-    w = q.view(n, k // GROUP, GROUP).float() * d.float()[..., None] + m.float()[..., None]
+    w = q.view(n, k // GROUP, GROUP).float() * d.float()[..., None]
+    if m is not None:
+        w = w + m.float()[..., None]
     return w.view(n, k)
 
 
@@ -133,11 +171,21 @@ def _unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
 
 
 class Q4Linear:
-    """A linear layer's weight in the int4 kernel's layout (codes packed, bfloat16 scale / zero)."""
+    """A linear layer's weight in the layout of the q4 kernel this process runs (`kernel_name()`):
+    mcsd's native kernel (codes as the GGUF stores them, float32 scale / offset) or torch's int4 kernel
+    (codes packed, bfloat16 scale / zero)."""
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
         n, k = q.shape
         self.out_features, self.in_features = n, k
+        self.native = kernel_name() == "native"
+        if self.native:
+            blocks = q.to(torch.uint8).view(n, k // GROUP, GROUP)
+            self.codes = (blocks[..., :GROUP // 2] | (blocks[..., GROUP // 2:] << 4)).contiguous().view(n, k // 2)
+            self.d, self.m = d.float().contiguous(), m.float().contiguous()
+            self.dtypes = (torch.float32, torch.bfloat16)
+            return
+        self.dtypes = (torch.bfloat16,)
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
         d32, m32 = d.float(), m.float()
         # the kernel computes (q - 8) * scale + zero, so zero = m + 8 d (exact in float32)
@@ -145,17 +193,47 @@ class Q4Linear:
             .to(torch.bfloat16)                                                 # (K/32, N, 2)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).contiguous()
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scale_zero)
+        rows = x.reshape(-1, self.in_features)
+        if self.native:
+            out = native.q4_mm(rows.float().contiguous(), self.codes, self.d, self.m).to(x.dtype)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), self.packed, GROUP, self.scale_zero)
         return out.view(*x.shape[:-1], self.out_features)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the weight as this kernel reads it."""
+        parts = (self.codes, self.d, self.m) if self.native else (self.packed, self.scale_zero)
+        return sum(t.nbytes for t in parts)
 
     def __deepcopy__(self, memo):
         return None      # a copied model has weights of its own: it runs dense until attached
 
 
+class Q8Linear:
+    """A Q8_0 weight (the LM head) on the native kernel: int8 codes and float32 scales."""
+
+    dtypes = (torch.float32, torch.bfloat16)
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor):
+        self.out_features, self.in_features = q.shape
+        self.codes, self.d = q.to(torch.int8).contiguous(), d.float().contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float().contiguous()
+        return native.q8_mm(rows, self.codes, self.d).to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.d.nbytes
+
+    def __deepcopy__(self, memo):
+        return None
+
+
 def _q4_forward(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     q4 = layer.__dict__.get(_ATTR)
-    if q4 is not None and x.dtype == torch.bfloat16 and not x.requires_grad and not _local.dense:
+    if q4 is not None and x.dtype in q4.dtypes and not x.requires_grad and not _local.dense:
         joined = layer.__dict__.get(_JOINED)
         if joined is not None:                                     # siblings share one product
             return joined[0].part(x, joined[1])
@@ -168,7 +246,8 @@ def read_codes(gguf_path: str | Path, num_heads: int, num_kv_heads: int) -> dict
     """The Q4_1 linear weights of a llama-family GGUF, by transformers module path.
 
     q / k projections come back in transformers' row order (llama.cpp permutes
-    their rows for its rotary layout). Tensors of other types are left out.
+    their rows for its rotary layout). A Q8_0 LM head (`output`, else the tied token
+    embedding) comes back as `HEAD`. Tensors of other types are left out.
     Parsing a GGUF's metadata (its vocabulary) takes seconds; `codes` caches this and says so once.
     """
     try:
@@ -177,6 +256,11 @@ def read_codes(gguf_path: str | Path, num_heads: int, num_kv_heads: int) -> dict
     except Exception as exc:
         raise Q4Error(f"could not read {gguf_path} as a GGUF file: {exc.__class__.__name__}: {exc}") from exc
     out = {}
+    heads = {t.name: t for t in reader.tensors if t.name in ("output.weight", "token_embd.weight")}
+    head = heads.get("output.weight", heads.get("token_embd.weight"))
+    if head is not None and head.tensor_type == gguf.GGMLQuantizationType.Q8_0:
+        q, d = split_q8_0(np.asarray(head.data))
+        out[HEAD] = (q, d, None)
     for t in reader.tensors:
         parts = t.name.split(".")
         if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _LLAMA_NAMES or parts[3] != "weight" \
@@ -196,7 +280,8 @@ def read_codes(gguf_path: str | Path, num_heads: int, num_kv_heads: int) -> dict
 def _cache_file(gguf_path: Path) -> Path:
     from .cache import cache_subdir
     st = gguf_path.stat()
-    return cache_subdir("q4") / f"{gguf_path.stem}-{st.st_size}-{st.st_mtime_ns}.safetensors"
+    # "h8": the file also holds a Q8_0 head's codes (`HEAD`), when the GGUF has one
+    return cache_subdir("q4") / f"{gguf_path.stem}-{st.st_size}-{st.st_mtime_ns}-h8.safetensors"
 
 
 def codes(gguf_path: str | Path, num_heads: int, num_kv_heads: int) -> tuple[dict[str, Codes], bool]:
@@ -212,11 +297,14 @@ def codes(gguf_path: str | Path, num_heads: int, num_kv_heads: int) -> tuple[dic
     if cached.is_file():
         try:
             flat = load_file(str(cached))
-            layers = {name.rsplit(".", 1)[0] for name in flat}
+            layers = {name.rsplit(".", 1)[0] for name in flat} - {HEAD}
             got = {name: (flat[f"{name}.q"], flat[f"{name}.d"], flat[f"{name}.m"]) for name in layers}
-            # the cache holds two codes a byte
-            return {name: (torch.stack([q & 15, q >> 4], -1).view(q.shape[0], -1), d, m)
-                    for name, (q, d, m) in got.items()}, True
+            # the cache holds two 4-bit codes a byte
+            out = {name: (torch.stack([q & 15, q >> 4], -1).view(q.shape[0], -1), d, m)
+                   for name, (q, d, m) in got.items()}
+            if f"{HEAD}.q8" in flat:
+                out[HEAD] = (flat[f"{HEAD}.q8"], flat[f"{HEAD}.d"], None)
+            return out, True
         except (SafetensorError, OSError, KeyError, RuntimeError):
             pass                                                   # unreadable: rebuilt below
     from .progress import stage
@@ -224,6 +312,9 @@ def codes(gguf_path: str | Path, num_heads: int, num_kv_heads: int) -> tuple[dic
         out = read_codes(gguf_path, num_heads, num_kv_heads)
     flat = {}
     for name, (q, d, m) in out.items():
+        if m is None:                                              # the Q8_0 head
+            flat[f"{name}.q8"], flat[f"{name}.d"] = q.contiguous(), d.contiguous()
+            continue
         flat[f"{name}.q"] = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
         flat[f"{name}.d"], flat[f"{name}.m"] = d.contiguous(), m.contiguous()
     if flat:
@@ -257,16 +348,21 @@ def attach(model: torch.nn.Module, gguf_path: str | Path, join: bool = True) -> 
     weight = model.get_input_embeddings().weight
     if weight.device.type != "cpu":
         raise Q4Error(f"q4 weights run on the CPU; the model is on {weight.device}")
-    if weight.dtype != torch.bfloat16:
-        raise Q4Error(f"q4 weights compute in bfloat16; the model is {str(weight.dtype).removeprefix('torch.')}")
-    if not kernel_available():
-        raise Q4Error(f"torch {torch.__version__} has no usable CPU int4 weight-only kernel "
-                      f"(aten::_weight_int4pack_mm_for_cpu); q4 weights need a torch that has it")
+    kernel = kernel_name()
+    if kernel is None:
+        raise Q4Error(f"no q4 kernel runs here: the native one is not used ({native.reason()}) and torch "
+                      f"{torch.__version__} has no usable CPU int4 kernel (aten::_weight_int4pack_mm_for_cpu)")
+    dtypes = ("float32", "bfloat16") if kernel == "native" else ("bfloat16",)
+    if str(weight.dtype).removeprefix("torch.") not in dtypes:
+        raise Q4Error(f"q4 weights compute in {' or '.join(dtypes)} here; the model is "
+                      f"{str(weight.dtype).removeprefix('torch.')}")
     cfg = model.config
     found, from_cache = codes(gguf_path, cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None)
                               or cfg.num_attention_heads)
     if not found:
         raise Q4Error(f"{gguf_path} holds no Q4_1 linear weights of a llama-family model")
+    if kernel != "native":
+        found = {name: c for name, c in found.items() if name != HEAD}      # torch has no Q8_0 kernel
     layers = dict(model.named_modules())
     checked = {}                                      # id(layer) -> (layer, its codes)
     for path, (q, d, m) in found.items():
@@ -277,7 +373,8 @@ def attach(model: torch.nn.Module, gguf_path: str | Path, join: bool = True) -> 
             raise Q4Error(f"{gguf_path}: the weight for {path} is {tuple(q.shape)}, the model's "
                           f"{tuple(layer.weight.shape)}")
         rows = torch.linspace(0, q.shape[0] - 1, CHECK_ROWS).long() if from_cache else slice(None)
-        if not torch.equal(dequantize(q[rows], d[rows], m[rows]).to(layer.weight.dtype), layer.weight.detach()[rows]):
+        if not torch.equal(dequantize(q[rows], d[rows], None if m is None else m[rows]).to(layer.weight.dtype),
+                           layer.weight.detach()[rows]):
             raise Q4Error(f"{gguf_path}: the weight for {path} does not dequantise to the model's; "
                           f"the model was not loaded from this file")
         checked[id(layer)] = (layer, (q, d, m))
@@ -288,7 +385,7 @@ def attach(model: torch.nn.Module, gguf_path: str | Path, join: bool = True) -> 
         _join(group, [checked[id(layer)][1] for layer in group])
     for key, (layer, (q, d, m)) in checked.items():
         if key not in joined:
-            layer.__dict__[_ATTR] = Q4Linear(q, d, m)
+            layer.__dict__[_ATTR] = Q4Linear(q, d, m) if m is not None else Q8Linear(q, d)
         layer.__dict__["forward"] = types.MethodType(_q4_forward, layer)
     _install_prefill(model)
     return len(checked)
@@ -297,7 +394,8 @@ def attach(model: torch.nn.Module, gguf_path: str | Path, join: bool = True) -> 
 def starts_dense(rows: int, cached: int) -> bool:
     """A forward of `rows` rows after `cached` cached positions reads a q4 model's dense weights: it
     starts a sequence with at least `PREFILL_ROWS` rows, on a CPU where oneDNN runs bfloat16."""
-    return cached == 0 and rows >= PREFILL_ROWS and kernels.switchable(torch.bfloat16, "cpu")
+    return cached == 0 and rows >= PREFILL_ROWS and kernels.switchable(torch.bfloat16, "cpu") \
+        and kernel_name() == "torch"
 
 
 def _before_forward(model, args, kwargs):
@@ -364,7 +462,7 @@ def read_bytes(layer: torch.nn.Module) -> tuple[int, int] | None:
     q4 = layer.__dict__.get(_ATTR)
     if q4 is None:
         return None
-    return id(q4), q4.packed.nbytes + q4.scale_zero.nbytes
+    return id(q4), q4.nbytes
 
 
 def attached(model: torch.nn.Module) -> int:

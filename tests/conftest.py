@@ -62,7 +62,8 @@ def private_profile_cache(tmp_path_factory):
 def write_tiny_gguf(path, vocab: int = 64, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,
                     q4: bool = False):
     """A random Llama GGUF with a byte-level tokenizer over the characters '!'..'`' (one token each):
-    float32 tensors, or with `q4` the decoder layers' linear weights as Q4_1 blocks."""
+    float32 tensors, or with `q4` the decoder layers' linear weights as Q4_1 blocks and the LM head
+    (`output`) as Q8_0 blocks, as llama.cpp's Q4_1 files hold them."""
     import gguf
     import numpy as np
 
@@ -97,6 +98,9 @@ def write_tiny_gguf(path, vocab: int = 64, hidden: int = 32, layers: int = 2, he
         values = rng.standard_normal(shape).astype(np.float32) * 0.1
         if q4 and name.startswith("blk.") and len(shape) == 2:
             qtype = gguf.GGMLQuantizationType.Q4_1
+            w.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+        elif q4 and name == "output.weight":
+            qtype = gguf.GGMLQuantizationType.Q8_0
             w.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name, values)

@@ -1,4 +1,5 @@
-"""q4 weights: a Q4_1 GGUF's linear layers on torch's int4 kernel (mcsd.quant)."""
+"""q4 weights: a Q4_1 GGUF's linear layers on the native kernel or torch's int4 kernel (mcsd.quant),
+every test on each kernel that runs here."""
 
 from __future__ import annotations
 
@@ -6,21 +7,32 @@ import pytest
 import torch
 
 from conftest import tiny_llama, write_tiny_gguf
-from mcsd import quant
+from mcsd import native, quant
 from mcsd.config import ConfigError
 from mcsd.decoder import TreeDecoder
 from mcsd.models import gguf_source, load_model
 from mcsd.profile import _model_key
 
-pytestmark = pytest.mark.skipif(not quant.kernel_available(), reason="this torch has no CPU int4 kernel")
 
 PROMPT = torch.tensor([3, 17, 42, 5, 9, 11])
 LONG_PROMPT = (torch.arange(quant.PREFILL_ROWS + 8) * 7 + 3) % 61      # a prompt past PREFILL_ROWS
 
 
-@pytest.fixture(autouse=True)
-def private_q4_cache(tmp_path, monkeypatch):
+@pytest.fixture(autouse=True, params=["native", "torch"])
+def kernel(request, tmp_path, monkeypatch):
+    """Each test on each q4 kernel (a private cache: the native library is built into it once per test)."""
     monkeypatch.setenv("MCSD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("MCSD_NATIVE", "1" if request.param == "native" else "0")
+    native.reset()
+    if quant.kernel_name() != request.param:
+        pytest.skip(f"the {request.param} q4 kernel does not run here ({native.reason()})")
+    yield request.param
+    native.reset()
+
+
+def _heads(kernel) -> int:
+    """Q8_0 LM heads attached: the native kernel runs the head on its codes, torch's int4 kernel leaves it dense."""
+    return 1 if kernel == "native" else 0
 
 
 def _q4_model(path):
@@ -31,9 +43,9 @@ def _layer(model, name="model.layers.1.mlp.down_proj"):
     return dict(model.named_modules())[name]
 
 
-def test_every_q4_1_linear_layer_runs_on_its_codes(q4_gguf_file):
+def test_every_q4_1_linear_layer_runs_on_its_codes(q4_gguf_file, kernel):
     model = _q4_model(q4_gguf_file)
-    assert quant.attached(model) == 2 * 7                       # q, k, v, o, gate, up, down in each layer
+    assert quant.attached(model) == 2 * 7 + _heads(kernel)      # q, k, v, o, gate, up, down in each layer
     found, _ = quant.codes(q4_gguf_file, 4, 2)
     for name in ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
                  "model.layers.1.mlp.down_proj"):
@@ -49,20 +61,16 @@ def test_every_q4_1_linear_layer_runs_on_its_codes(q4_gguf_file):
         assert not torch.equal(out.float(), dense)
 
 
-def test_q_k_v_run_as_one_int4_product_with_the_separate_results(q4_gguf_file):
+def test_q_k_v_run_as_one_int4_product_with_the_separate_results(q4_gguf_file, kernel):
     joined = _q4_model(q4_gguf_file)
     assert quant.joined(joined) == 2 * 3                        # q, k, v in each of the 2 layers
     separate = load_model(str(q4_gguf_file), dtype="bfloat16")
-    assert quant.attach(separate, q4_gguf_file, join=False) == 14 and quant.joined(separate) == 0
-    calls = []
-    real = torch.ops.aten._weight_int4pack_mm_for_cpu
+    assert quant.attach(separate, q4_gguf_file, join=False) == 14 + _heads(kernel) and quant.joined(separate) == 0
     logits = {}
-    with pytest.MonkeyPatch.context() as mp, torch.inference_mode():
-        for name, model in (("joined", joined), ("separate", separate)):
-            mp.setattr(quant.torch.ops.aten, "_weight_int4pack_mm_for_cpu",
-                       lambda *a, name=name: calls.append(name) or real(*a), raising=False)
-            logits[name] = model(PROMPT[None]).logits
-    assert calls.count("separate") == 14 and calls.count("joined") == 10
+    with torch.inference_mode():
+        calls = _int4_rows(lambda: logits.update(joined=joined(PROMPT[None]).logits),
+                           lambda: logits.update(separate=separate(PROMPT[None]).logits))
+    assert len(calls[1]) == 14 and len(calls[0]) == 10
     assert torch.allclose(logits["joined"].float(), logits["separate"].float(), atol=1e-2, rtol=1e-2)
     assert torch.equal(logits["joined"].argmax(-1), logits["separate"].argmax(-1))
 
@@ -75,12 +83,13 @@ def test_q_and_k_rows_come_back_in_transformers_order(q4_gguf_file):
 
 
 def _int4_rows(*forwards) -> list[list[int]]:
-    """The rows of every int4 product in each of `forwards` (callables), in order."""
-    real = torch.ops.aten._weight_int4pack_mm_for_cpu
+    """The rows of every Q4_1 product (either kernel) in each of `forwards` (callables), in order."""
+    real, real_native = torch.ops.aten._weight_int4pack_mm_for_cpu, native.q4_mm
     seen: list[list[int]] = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(quant.torch.ops.aten, "_weight_int4pack_mm_for_cpu",
                    lambda *a: seen[-1].append(a[0].shape[0]) or real(*a), raising=False)
+        mp.setattr(quant.native, "q4_mm", lambda *a: seen[-1].append(a[0].shape[0]) or real_native(*a))
         for fn in forwards:
             seen.append([])
             fn()
@@ -91,14 +100,14 @@ def _int4_rows(*forwards) -> list[list[int]]:
 @pytest.mark.parametrize("policy,tree,prompt", [("static", "2,2,1", PROMPT), ("static", "3,1", PROMPT),
                                                 ("learned", None, PROMPT), ("static", "2,2,1", LONG_PROMPT),
                                                 ("static", "3,1", LONG_PROMPT)])
-def test_decoding_on_q4_weights_is_exact_wrt_plain_q4_decoding(q4_gguf_file, policy, tree, prompt):
+def test_decoding_on_q4_weights_is_exact_wrt_plain_q4_decoding(q4_gguf_file, policy, tree, prompt, kernel):
     model = _q4_model(q4_gguf_file)
     draft = tiny_llama(1, layers=1).to(torch.bfloat16)
     with torch.inference_mode():
         reference = model.generate(prompt[None], max_new_tokens=30, do_sample=False, min_new_tokens=30,
                                    pad_token_id=0)[0, prompt.numel():].tolist()
     dec = TreeDecoder(model, draft, tree=tree, policy=policy, calibrate=True)
-    assert quant.attached(model) == 14                            # calibration and packing left them on q4
+    assert quant.attached(model) == 14 + _heads(kernel)          # calibration and packing left them on q4
     runs = {}
     calls = sum(_int4_rows(lambda: runs.update(out=dec.generate(prompt, max_new_tokens=30)),
                            lambda: runs.update(plain=dec.generate_baseline(prompt, max_new_tokens=30))), [])
@@ -122,7 +131,7 @@ def test_a_long_prompt_starts_on_the_dense_weights_and_every_later_forward_on_th
                           lambda: model(PROMPT[None]),                           # short: a sequence on the codes
                           lambda: model(LONG_PROMPT[None, :quant.PREFILL_ROWS - 1]))
         reference = dense(LONG_PROMPT[None]).logits
-    if switchable(torch.bfloat16, "cpu"):                       # oneDNN runs bfloat16 natively here
+    if switchable(torch.bfloat16, "cpu") and quant.kernel_name() == "torch":    # dense prefill: torch's kernel
         assert rows[0] == [] and torch.equal(out["q4"], reference)
     else:
         assert len(rows[0]) == 10 and not torch.equal(out["q4"], reference)
@@ -162,9 +171,14 @@ def test_a_model_that_is_not_the_files_is_refused(q4_gguf_file, gguf_file):
         quant.attach(model, q4_gguf_file)
 
 
-def test_q4_needs_bfloat16_the_cpu_and_a_gguf(q4_gguf_file, gguf_file, model_dirs):
-    with pytest.raises(quant.Q4Error, match="compute in bfloat16"):
-        load_model(str(q4_gguf_file), dtype="float32", weights="q4")
+def test_q4_needs_a_dtype_of_its_kernel_the_cpu_and_a_gguf(q4_gguf_file, gguf_file, model_dirs, kernel):
+    if kernel == "torch":
+        with pytest.raises(quant.Q4Error, match="compute in bfloat16 here"):
+            load_model(str(q4_gguf_file), dtype="float32", weights="q4")
+    else:                                                            # the native kernel computes in float32
+        assert quant.attached(load_model(str(q4_gguf_file), dtype="float32", weights="q4")) == 15
+    with pytest.raises(quant.Q4Error, match="compute in"):
+        load_model(str(q4_gguf_file), dtype="float16", weights="q4")
     with pytest.raises(quant.Q4Error, match="no Q4_1 linear weights"):
         load_model(str(gguf_file), dtype="bfloat16", weights="q4")     # a float32 GGUF has no codes
     with pytest.raises(ConfigError, match="neither one, nor a preset"):
@@ -182,10 +196,12 @@ def test_codes_are_cached_and_a_damaged_cache_is_rebuilt(q4_gguf_file, capsys):
     again, cached = quant.codes(q4_gguf_file, 4, 2)
     assert cached and first.keys() == again.keys()
     assert capsys.readouterr().err == ""                                               # and later loads say nothing
-    assert all(torch.equal(a, b) for k in first for a, b in zip(first[k], again[k]))
+    assert first[quant.HEAD][2] is None                                    # the Q8_0 head has no offsets
+    same = lambda a, b: a is b is None or torch.equal(a, b)                         # noqa: E731
+    assert all(same(a, b) for k in first for a, b in zip(first[k], again[k]))
     quant._cache_file(q4_gguf_file.resolve()).write_bytes(b"not a safetensors file")
     rebuilt, cached = quant.codes(q4_gguf_file, 4, 2)
-    assert not cached and all(torch.equal(a, b) for k in first for a, b in zip(first[k], rebuilt[k]))
+    assert not cached and all(same(a, b) for k in first for a, b in zip(first[k], rebuilt[k]))
 
 
 def test_calibrated_costs_of_q4_weights_are_kept_apart(q4_gguf_file):
@@ -213,10 +229,10 @@ def test_the_unpermutation_undoes_llama_cpps_rotary_permutation():
     assert torch.equal(permuted[quant._unpermute_rows(rows, heads)], w)
 
 
-def test_a_larger_model_with_more_heads_attaches(tmp_path):
+def test_a_larger_model_with_more_heads_attaches(tmp_path, kernel):
     path = write_tiny_gguf(tmp_path / "wide.gguf", hidden=64, heads=8, kv_heads=4, q4=True)
     model = _q4_model(path)
-    assert quant.attached(model) == 14
+    assert quant.attached(model) == 14 + _heads(kernel)
     found, _ = quant.codes(path, 8, 4)
     assert torch.equal(quant.dequantize(*found["model.layers.0.self_attn.k_proj"]).bfloat16(),
                        _layer(model, "model.layers.0.self_attn.k_proj").weight)
@@ -229,13 +245,34 @@ def test_a_rows_result_does_not_depend_on_the_block_size():
     q = torch.randint(0, 16, (64, 96), dtype=torch.uint8)
     d, m = (torch.rand(64, 3) * 0.01).half(), (-torch.rand(64, 3) * 0.08).half()
     layer = quant.Q4Linear(q, d, m)
-    x = torch.randn(16, 96).bfloat16()
-    alone = torch.cat([layer(x[i:i + 1]) for i in range(16)])
-    for rows in (2, 3, 8, 16):
-        assert torch.equal(layer(x[:rows]), alone[:rows])
+    for dtype in layer.dtypes:
+        x = torch.randn(16, 96).to(dtype)
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(16)])
+        for rows in (2, 3, 4, 5, 8, 9, 16):
+            assert torch.equal(layer(x[:rows]), alone[:rows])
+        assert torch.equal(layer(x[3:12]), alone[3:12])                  # the rows beside it do not matter
 
 
-def test_the_command_line_runs_a_q4_target_and_says_so(q4_gguf_file, capsys):
+def test_the_native_kernel_computes_with_the_float32_weights_a_gguf_loader_computes(kernel):
+    if kernel != "native":
+        pytest.skip("the native kernel's own check")
+    torch.manual_seed(1)
+    for n, k in ((64, 96), (7, 32), (130, 256)):                           # short last blocks of output rows
+        q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+        d, m = (torch.rand(n, k // 32) * 0.01).half(), (-torch.rand(n, k // 32) * 0.08).half()
+        x = torch.randn(11, k, dtype=torch.float64)
+        exact = x @ quant.dequantize(q, d, m).double().t()                  # the dense weights, summed exactly
+        out = quant.Q4Linear(q, d, m)(x.float())
+        assert out.dtype == torch.float32 and torch.allclose(out.double(), exact, atol=1e-5, rtol=1e-5)
+        q8 = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+        head = quant.Q8Linear(q8, d)
+        exact = x @ quant.dequantize(q8, d, None).double().t()
+        assert torch.allclose(head(x.float()).double(), exact, atol=1e-5, rtol=1e-5)
+        alone = torch.cat([head(x[i:i + 1].float()) for i in range(11)])
+        assert torch.equal(head(x.float()), alone)
+
+
+def test_the_command_line_runs_a_q4_target_and_says_so(q4_gguf_file, capsys, kernel):
     import json
 
     from mcsd.cli import main
@@ -244,10 +281,10 @@ def test_the_command_line_runs_a_q4_target_and_says_so(q4_gguf_file, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["settings"]["weights"] == "q4" and out["settings"]["dtype"] == "bfloat16"
     assert "q4" in out["settings"]["dtype_reason"] and len(out["tokens"]) == 4
-    assert out["settings"]["matmul_kernels"].startswith("target: 14 linear layers on q4 weights")
+    assert out["settings"]["matmul_kernels"].startswith(f"target: {14 + _heads(kernel)} linear layers on q4 weights")
 
 
-def test_the_memory_floor_of_a_q4_model_counts_its_codes_not_its_dense_weights(q4_gguf_file):
+def test_the_memory_floor_of_a_q4_model_counts_its_codes_not_its_dense_weights(q4_gguf_file, kernel):
     from mcsd.forward_profile import weight_bytes
     model = _q4_model(q4_gguf_file)
     q4 = {}
@@ -259,10 +296,11 @@ def test_the_memory_floor_of_a_q4_model_counts_its_codes_not_its_dense_weights(q
                 dense_linear += layer.weight.nbytes
             else:
                 q4[read[0]] = read[1]
-    assert q4 and dense_linear                                   # the LM head stays dense
+    assert q4 and bool(dense_linear) == (kernel == "torch")      # torch's kernel leaves the LM head dense
     down = _layer(model)
     k, n = down.in_features, down.out_features
-    assert quant.read_bytes(down)[1] == n * k // 2 + (k // quant.GROUP) * n * 2 * 2   # 4-bit codes, bf16 scale + zero
+    scales = 2 * 2 if kernel == "torch" else 2 * 4                # bfloat16 scale + zero, float32 scale + offset
+    assert quant.read_bytes(down)[1] == n * k // 2 + (k // quant.GROUP) * n * scales    # 4-bit codes
     norms = sum(p.nbytes for name, p in model.named_parameters() if "norm" in name)
     assert weight_bytes(model) == sum(q4.values()) + dense_linear + norms
     assert weight_bytes(model) < sum(layer.weight.nbytes for layer in model.modules()

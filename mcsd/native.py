@@ -1,0 +1,152 @@
+"""The engine's native Q4_1 product (`q4_kernel.c`), built once per machine with the C compiler.
+
+torch's CPU int4 kernel dequantises its weights again for every block of a few rows, so a 9-row
+tree verify costs several 1-row steps. `q4_kernel.c` dequantises a block of output rows once and
+reads it with every input row, and it computes each row exactly as it would alone (see the file).
+
+The source ships with the package; the first use compiles it with `$CC` (else `cc`) into the mcsd
+cache, keyed by the source, the flags and the compiler, and loads it with ctypes. It is used only on
+x86-64 Linux CPUs with AVX2 and FMA, and only where it shares torch's OpenMP runtime (a second
+runtime's threads would spin against torch's on the same cores). Anything else (no compiler, another
+CPU, a failed build, `MCSD_NATIVE=0`) leaves the q4 weights on torch's int4 kernel, and `reason()`
+says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("q4_kernel.c")
+FLAGS = ["-O3", "-std=c11", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
+_ABI = 2
+_lock = threading.Lock()
+_state: dict = {}                       # "lib": the loaded library or None, "reason": why not
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _openmp_runtimes() -> set[str]:
+    """The OpenMP runtime files mapped into this process."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return set()
+    names = ("libgomp", "libiomp", "libomp")
+    return {os.path.realpath(line.split()[-1]) for line in maps.splitlines()
+            if any(n in line.rsplit("/", 1)[-1] for n in names)}
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _build(cc: str) -> Path:
+    from .cache import cache_subdir, cache_writes
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
+    folder = cache_subdir("native")
+    lib = folder / f"q4_kernel-{key}.so"
+    if lib.is_file():
+        return lib
+    with cache_writes(folder), tempfile.TemporaryDirectory(dir=folder) as tmp:
+        out = Path(tmp) / lib.name
+        proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True,
+                              timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-400:]}")
+        out.replace(lib)
+    return lib
+
+
+def _load():
+    if os.environ.get("MCSD_NATIVE", "1") == "0":
+        return None, "MCSD_NATIVE=0"
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None, f"built for x86-64 Linux only ({platform.system()} {platform.machine()})"
+    missing = {"avx2", "fma"} - _cpu_flags()
+    if missing:
+        return None, f"this CPU lacks {', '.join(sorted(missing))}"
+    cc = _compiler()
+    if cc is None:
+        return None, "no C compiler (set CC, or install gcc)"
+    before = _openmp_runtimes()
+    try:
+        lib = ctypes.CDLL(str(_build(cc)))
+    except Exception as exc:            # a compiler error, an unwritable cache, a library that will not load
+        return None, f"the native kernel could not be built: {exc}"
+    if len(_openmp_runtimes()) > max(1, len(before)):
+        return None, "the native kernel would start an OpenMP runtime beside torch's"
+    lib.mcsd_q4_abi.restype = ctypes.c_int
+    if lib.mcsd_q4_abi() != _ABI:
+        return None, "the native kernel in the cache is of another version"
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.mcsd_q4_mm.argtypes = [p, i64, i64, p, p, p, i64, p, ctypes.c_int]
+    lib.mcsd_q4_mm.restype = ctypes.c_int
+    lib.mcsd_q8_mm.argtypes = [p, i64, i64, p, p, i64, p, ctypes.c_int]
+    lib.mcsd_q8_mm.restype = ctypes.c_int
+    return lib, "built from mcsd/q4_kernel.c with " + Path(cc).name
+
+
+def library():
+    """The loaded native library, or None (then `reason()` says why). Built on first call."""
+    with _lock:
+        if "lib" not in _state:
+            _state["lib"], _state["reason"] = _load()
+        return _state["lib"]
+
+
+def reason() -> str:
+    """Why the native kernel is or is not in use."""
+    library()
+    return _state["reason"]
+
+
+def reset() -> None:
+    """Forget the loaded state (tests: to look again after changing MCSD_NATIVE)."""
+    with _lock:
+        _state.clear()
+
+
+def _call(name: str, x: torch.Tensor, codes: torch.Tensor, *scales: torch.Tensor) -> torch.Tensor:
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"the native q4 kernel is not available: {reason()}")
+    rows, k = x.shape
+    n = codes.shape[0]
+    out = torch.empty(rows, n, dtype=torch.float32)
+    if getattr(lib, name)(x.data_ptr(), rows, k, codes.data_ptr(), *(t.data_ptr() for t in scales), n,
+                          out.data_ptr(), torch.get_num_threads()) != 0:
+        raise MemoryError("the native q4 kernel could not allocate its dequantisation buffer")
+    return out
+
+
+def q4_mm(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """x (M, K) float32 times the Q4_1 weight (codes (N, K / 2) uint8, d and m (N, K / 32) float32),
+    transposed: (M, N) float32. Every tensor contiguous on the CPU; the caller checks shapes."""
+    return _call("mcsd_q4_mm", x, codes, d, m)
+
+
+def q8_mm(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """x (M, K) float32 times the Q8_0 weight (codes (N, K) int8, d (N, K / 32) float32), transposed."""
+    return _call("mcsd_q8_mm", x, codes, d)

@@ -1,0 +1,109 @@
+"""Build llama-cpp-python from source for the benchmark's `llama_cpp` method, the way a user who
+compares against llama.cpp would: natively (`GGML_NATIVE=ON`), then a smoke run on the preset's GGUF
+in a child process. A native build that crashes there (the AMX kernels did on one Xeon) is replaced
+by one with explicit flags taken from this CPU's /proc/cpuinfo, without AMX.
+
+    python tools/build_llama_cpp.py                       # build, smoke-test, say which build stands
+    python tools/build_llama_cpp.py --check               # only the smoke run of what is installed
+
+The build takes 15-40 minutes on 2 cores; `--jobs` sets its parallelism (one job keeps a core free).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+VERSION = "0.3.36"
+
+# the x86 features ggml can be told to use, by /proc/cpuinfo flag; AMX stays off in the portable build
+_X86_FLAGS = {"avx": "GGML_AVX", "avx2": "GGML_AVX2", "fma": "GGML_FMA", "f16c": "GGML_F16C",
+              "avx512f": "GGML_AVX512", "avx512_vnni": "GGML_AVX512_VNNI", "avx512_bf16": "GGML_AVX512_BF16",
+              "avx512vbmi": "GGML_AVX512_VBMI"}
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def portable_cmake_args(flags: set[str]) -> str:
+    """Explicit ggml flags for the features this CPU reports, AMX off: the build that ran where the
+    native one crashed."""
+    args = ["-DGGML_NATIVE=OFF"]
+    args += [f"-D{opt}={'ON' if flag in flags else 'OFF'}" for flag, opt in _X86_FLAGS.items()]
+    args += ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+    return " ".join(args)
+
+
+def build(cmake_args: str, jobs: int) -> None:
+    env = {**os.environ, "CMAKE_ARGS": cmake_args, "CMAKE_BUILD_PARALLEL_LEVEL": str(jobs)}
+    cmd = [sys.executable, "-m", "pip", "install", "--force-reinstall", "--no-deps", "--no-cache-dir",
+           "--no-binary", "llama-cpp-python", f"llama-cpp-python=={VERSION}"]
+    print(f"building llama-cpp-python {VERSION} with CMAKE_ARGS={cmake_args!r}", flush=True)
+    subprocess.run(cmd, env=env, check=True)
+
+
+_SMOKE = """
+import json, sys, time
+from llama_cpp import Llama, llama_print_system_info
+from mcsd.models import PRESETS, fetch_preset_gguf
+llm = Llama(model_path=str(fetch_preset_gguf(PRESETS[sys.argv[1]])), n_ctx=512, n_threads=int(sys.argv[2]), verbose=False)
+ids = llm.tokenize(b"The capital of France is")
+t0 = time.perf_counter()
+out = []
+for tok in llm.generate(ids, top_k=1, temp=0.0, repeat_penalty=1.0):
+    out.append(int(tok))
+    if len(out) == 32:
+        break
+dt = time.perf_counter() - t0
+print(json.dumps({"tokens": out, "tokens_per_s": round(len(out) / dt, 1),
+                  "system_info": llama_print_system_info().decode()}))
+"""
+
+
+def smoke(preset: str, threads: int) -> dict | None:
+    """Load the preset's GGUF and decode 32 greedy tokens in a child process (a crashing kernel takes
+    the child, not this one). The child's report, or None with the cause printed."""
+    proc = subprocess.run([sys.executable, "-c", _SMOKE, preset, str(threads)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(f"smoke run failed (exit {proc.returncode}): {proc.stderr.strip()[-800:]}", flush=True)
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="smollm2-135m", help="the preset whose GGUF the smoke run decodes")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 1)),
+                    help="parallel compile jobs (default: every core)")
+    ap.add_argument("--check", action="store_true", help="only smoke-test the installed build")
+    args = ap.parse_args(argv)
+
+    if args.check:
+        report = smoke(args.preset, args.threads)
+        print(json.dumps(report, indent=1) if report else "the installed llama-cpp-python does not run")
+        return 0 if report else 1
+    attempts = [("native", "-DGGML_NATIVE=ON"), ("portable", portable_cmake_args(cpu_flags()))]
+    for name, cmake_args in attempts:
+        build(cmake_args, args.jobs)
+        report = smoke(args.preset, args.threads)
+        if report is not None:
+            print(json.dumps({"build": name, "cmake_args": cmake_args, **report}, indent=1))
+            return 0
+        print(f"the {name} build does not run here; trying the next", flush=True)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
