@@ -76,7 +76,7 @@ class Calibration:
     def _q4_note(self) -> str | None:
         n, joined = quant.attached(self.target.model), quant.joined(self.target.model)
         dense = quant.starts_dense(quant.PREFILL_ROWS, cached=0)      # a prompt's first forward, here
-        return (f"target: {n} linear layers on q4 weights (torch's int4 kernel) at every block size"
+        return (f"target: {n} linear layers on q4 weights ({quant.describe_kernel()}) at every block size"
                 + (", q / k / v as one product" if joined else "")
                 + (f", a prompt of {quant.PREFILL_ROWS}+ tokens read on the dense weights" if dense else "")) \
             if n else None

@@ -265,7 +265,7 @@ def _check_args(args) -> None:
     if args.weights == "q4" and args.dtype not in ("auto", "bfloat16", "bf16"):
         raise UsageError(f"--weights q4 computes in bfloat16; drop --dtype {args.dtype} or pass --dtype bfloat16")
     if args.weights == "q4" and args.device != "cpu":
-        raise UsageError(f"--weights q4 runs on the CPU (torch's int4 CPU kernel); drop --device {args.device}")
+        raise UsageError(f"--weights q4 runs on the CPU; drop --device {args.device}")
     if (args.target is not None and args.draft is None and args.target not in PRESETS and not args.baseline
             and args.drafter != "context"):
         from .sources import check_source

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from .config import ConfigError
+
 SOURCE = Path(__file__).with_name("q4_kernel.c")
 FLAGS = ["-O3", "-std=c11", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
 _ABI = 2
@@ -63,7 +65,7 @@ def _compiler() -> str | None:
 
 def _build(cc: str) -> Path:
     from .cache import cache_subdir, cache_writes
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
     folder = cache_subdir("native")
     lib = folder / f"q4_kernel-{key}.so"
@@ -72,7 +74,7 @@ def _build(cc: str) -> Path:
     with cache_writes(folder), tempfile.TemporaryDirectory(dir=folder) as tmp:
         out = Path(tmp) / lib.name
         proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True,
-                              timeout=300)
+                              timeout=300, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-400:]}")
         out.replace(lib)
@@ -93,7 +95,8 @@ def _load():
     before = _openmp_runtimes()
     try:
         lib = ctypes.CDLL(str(_build(cc)))
-    except Exception as exc:            # a compiler error, an unwritable cache, a library that will not load
+    except (OSError, RuntimeError, subprocess.SubprocessError, ConfigError) as exc:
+        # a compiler error, an unwritable cache, a library that will not load
         return None, f"the native kernel could not be built: {exc}"
     if len(_openmp_runtimes()) > max(1, len(before)):
         return None, "the native kernel would start an OpenMP runtime beside torch's"

@@ -1,42 +1,41 @@
-"""Q4 weights: a GGUF Q4_1 target's linear layers run on torch's int4 weight-only kernel.
+"""Q4 weights: a GGUF Q4_1 target's linear layers run on their 4-bit codes.
 
 The embedded target ships as a Q4_1 GGUF: every linear weight is stored as
 blocks of 32 along the input dimension, each block a 4-bit code q in 0..15,
-a scale d and an offset m (both float16), the weight being d * q + m. Loading
-dequantises that into dense float32 (or bfloat16) weights, so a 1-token step
-reads 540 MB (270 MB) of weights where the file holds 76 MB. On a CPU a step of
-a few rows is bound by that traffic, not by arithmetic.
+a scale d and an offset m (both float16), the weight being d * q + m; the token
+embedding, tied to the LM head, is Q8_0 (d * q, q an int8). Loading dequantises
+that into dense float32 (or bfloat16) weights, so a 1-token step reads 540 MB
+(270 MB) of weights where the file holds 76 MB. On a CPU a step of a few rows
+is bound by that traffic, not by arithmetic.
 
-`attach` reads the codes back from the GGUF and gives each linear layer a
-copy in the layout of torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`:
-packed codes, and per block a scale d and a zero point m + 8 d, since the kernel
-computes (q - 8) * scale + zero). The kernel takes bfloat16 activations and
-accumulates in float32. Before it keeps a layer, `attach` checks that the
-codes dequantise to the very weights the model holds (float32: bit for bit;
-bfloat16: after the same rounding), so a wrong or mismatched file is refused.
+`attach` reads the codes back from the GGUF and gives each linear layer a copy
+in the layout of the one q4 kernel this process runs (`kernel_name`), for every
+layer and every block size:
 
-What changes: the scale and zero point are rounded to bfloat16 for the
-kernel, so a q4 forward computes a rounding of the GGUF's model of the same
-size as bfloat16's rounding of its weights, but a different one. Greedy
-output under q4 is therefore exact with respect to q4 decoding (the engine
-runs every block size on it), not to dense bfloat16 or float32 decoding. The
-token embedding (Q8_0, tied to the LM head) stays dense.
+- "native": mcsd's own kernel (`mcsd.native`, `q4_kernel.c`), on x86-64 CPUs
+  with AVX2 and FMA where a C compiler builds it. It multiplies by the very
+  float32 weights a GGUF loader computes, sums each row in float32 in an order
+  that does not depend on the rows beside it, and dequantises a block of
+  output rows once for all rows of a verify. It also runs the LM head on its
+  Q8_0 codes. Activations stay in the model's dtype (bfloat16 or float32).
+- "torch": torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`: packed
+  codes, and per block a scale d and a zero point m + 8 d rounded to bfloat16,
+  since it computes (q - 8) * scale + zero), bfloat16 activations. Its cost
+  grows with every few rows (it dequantises again for each), and the LM head
+  stays dense. A prompt is many rows: a forward that starts a sequence (an
+  empty cache) with at least `PREFILL_ROWS` rows therefore reads the dense
+  weights where oneDNN runs bfloat16 natively (the engine's prefill and
+  `model.generate`'s alike, so decoding stays exact with respect to plain q4
+  decoding of the same prompt). Measured on a 2-core Xeon with AMX,
+  SmolLM2-135M, 2 threads, a forward of 8 / 16 / 32 / 128 rows over an empty
+  cache took 39 / 58 / 75 / 224 ms on q4 weights and 52 / 55 / 66 / 104 ms on
+  the dense ones through oneDNN.
 
-Measured on a 2-core AMD EPYC with AVX2 only, one thread, weights out of
-cache: a 1536 x 576 layer, 1 / 2 / 8 rows, took 173 / 149 / 425 us on int4
-against 541 / 713 / 971 us in float32 and 253 / 399 / 2011 us in bfloat16.
-
-The int4 kernel's cost grows in proportion to the rows, a bfloat16 product on
-a CPU with native bfloat16 barely grows with them. A prompt is many rows: a
-forward that starts a sequence (an empty cache) with at least `PREFILL_ROWS`
-rows therefore reads the dequantised weights the model still holds, where
-oneDNN runs bfloat16 natively. Every caller gets the same: the engine's
-prefill and `model.generate`'s alike, so decoding stays exact with respect to
-plain q4 decoding of the same prompt (every later forward, tree verifies
-included, runs on the codes). Measured on a 2-core Xeon with AMX, SmolLM2-135M,
-2 threads, a forward of 8 / 16 / 32 / 128 rows over an empty cache took
-39 / 58 / 75 / 224 ms on q4 weights and 52 / 55 / 66 / 104 ms on the dense
-ones through oneDNN (256 rows: 432 ms on q4).
+Before it keeps a layer, `attach` checks that the codes dequantise to the very
+weights the model holds (float32: bit for bit; bfloat16: after the same
+rounding), so a wrong or mismatched file is refused. Greedy output under q4 is
+exact with respect to q4 decoding (the engine runs every block size on one
+kernel), not to dense bfloat16 or float32 decoding.
 """
 
 from __future__ import annotations
@@ -118,7 +117,7 @@ def describe_kernel() -> str:
     """The q4 kernel in words, for `--stats`."""
     name = kernel_name()
     if name == "native":
-        return "mcsd's native Q4_1 kernel (float32 products on the codes, one dequantisation per verify)"
+        return "mcsd's native kernel, the LM head on its Q8_0 codes"
     why = native.reason()
     return f"torch's int4 kernel (the native one is not used: {why})" if name else "none"
 

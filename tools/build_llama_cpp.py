@@ -74,7 +74,7 @@ print(json.dumps({"tokens": out, "tokens_per_s": round(len(out) / dt, 1),
 def smoke(preset: str, threads: int) -> dict | None:
     """Load the preset's GGUF and decode 32 greedy tokens in a child process (a crashing kernel takes
     the child, not this one). The child's report, or None with the cause printed."""
-    proc = subprocess.run([sys.executable, "-c", _SMOKE, preset, str(threads)], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", _SMOKE, preset, str(threads)], capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         print(f"smoke run failed (exit {proc.returncode}): {proc.stderr.strip()[-800:]}", flush=True)
         return None
