@@ -30,7 +30,7 @@ def pytest_addoption(parser):
     g.addoption("--bench-dtype", default="bfloat16",
                 help="float32, bfloat16, float16, or auto (what --dtype auto picks for this pair on this machine)")
     g.addoption("--bench-weights", default="dense", choices=WEIGHTS,
-                help="the target's weights: dense, or q4 (its Q4_1 GGUF's codes on torch's int4 kernel; bfloat16)")
+                help="the target's weights: dense, or q4 (its Q4_1 GGUF's codes, in the dtype q4 computes in here)")
     g.addoption("--bench-device", default="cpu")
     g.addoption("--bench-threads", type=int, default=None, help="torch threads (default: torch's choice)")
     g.addoption("--bench-temperature", type=float, default=0.0,
@@ -77,7 +77,8 @@ class Bench:
         self.temperature, self.top_p = opt("--bench-temperature"), opt("--bench-top-p")
         self.dtype, self.device, self.weights = opt("--bench-dtype"), opt("--bench-device"), opt("--bench-weights")
         if self.weights == "q4":
-            self.dtype = "bfloat16"                    # what q4 computes in, whatever --bench-dtype says
+            from mcsd import quant
+            self.dtype = quant.compute_dtype()         # what q4 computes in here, whatever --bench-dtype says
         self.target, self.draft, self.tokenizer = load_model_pair(
             opt("--bench-target"), opt("--bench-draft"), dtype="float32" if self.dtype == "auto" else self.dtype,
             device=self.device, drafter=opt("--bench-drafter"), weights=self.weights)

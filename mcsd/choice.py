@@ -4,8 +4,8 @@ GGUF-born target), whichever the calibrated costs say runs the method fastest.
 Each candidate is priced by `expected_rate` over its cost profile (`mcsd.profile`),
 measured once per machine on a converted copy of the pair and cached: float32,
 bfloat16 where the CPU runs it natively (or bfloat16 and float16 on CUDA), and
-"q4" (bfloat16 compute on the target's Q4_1 codes, `mcsd.quant`) where the
-target comes from a GGUF file and torch has the CPU int4 kernel. Every
+"q4" (the target's Q4_1 codes, `mcsd.quant`, computing in `quant.compute_dtype()`) where the
+target comes from a GGUF file and a q4 kernel runs. Every
 candidate is exact in its own terms: float32 token for token with plain
 float32 decoding, the others with plain decoding in their own arithmetic (see
 README's "Exactness").
@@ -47,7 +47,7 @@ def expected_rate(costs: Costs, drafting: bool, max_depth: int = 8,
 
 @dataclass(frozen=True)
 class DtypeChoice:
-    dtype: str                  # the dtype the pair runs in ("bfloat16" for q4)
+    dtype: str                  # the dtype the pair runs in (`quant.compute_dtype()` for q4)
     reason: str
     rates: dict                 # candidate -> expected tokens/s of the method on this machine
     calibration_s: float = 0.0  # time spent measuring for the choice in this run
@@ -56,7 +56,7 @@ class DtypeChoice:
 
 
 def q4_possible(target, gguf: Path | None) -> bool:
-    """The q4 candidate can run: a GGUF the target came from, the CPU, and torch's int4 CPU kernel."""
+    """The q4 candidate can run: a GGUF the target came from, the CPU, and a q4 kernel."""
     from . import quant
     return gguf is not None and next(target.parameters()).device.type == "cpu" and quant.kernel_available()
 
@@ -92,7 +92,7 @@ def choose_dtype(target, draft, candidates=None, drafting: bool = True, calibrat
             candidates += (Q4,)
 
     def cached(name):
-        dtype = torch.bfloat16 if name == Q4 else getattr(torch, name)
+        dtype = _dtype(name)
         prof = load_cached(target, draft, dtype, remeasure=calibrate is None, weights=Q4 if name == Q4 else None)
         if prof is None and draft is None and borrow and name != Q4:
             prof = load_target_costs(target, dtype)         # the target's costs from a pair's profile
@@ -118,12 +118,18 @@ def choose_dtype(target, draft, candidates=None, drafting: bool = True, calibrat
     what = f"chains of {depths[best]}" if depths[best] else "plain steps"
     reason = (f"{_label(best)}: {rates[best]:.1f} expected tokens/s with {what} on this machine "
               f"(measured costs; {others}; {ASSUMED_ACCEPTANCE:.0%} acceptance per drafted token assumed)")
-    return DtypeChoice("bfloat16" if best == Q4 else best, reason, rates, spent, provisional,
+    return DtypeChoice(str(_dtype(best)).removeprefix("torch."), reason, rates, spent, provisional,
                        Q4 if best == Q4 else "dense")
 
 
+def _dtype(name: str) -> torch.dtype:
+    """The dtype candidate `name` computes in."""
+    from . import quant
+    return getattr(torch, quant.compute_dtype() if name == Q4 else name)
+
+
 def _label(name: str) -> str:
-    return "q4 weights (bfloat16)" if name == Q4 else name
+    return f"q4 weights ({str(_dtype(name)).removeprefix('torch.')})" if name == Q4 else name
 
 
 def apply_choice(target, draft, choice: DtypeChoice, gguf: Path | None = None):
@@ -143,7 +149,7 @@ def _convert(target, draft, dtype: torch.dtype, q4: bool, gguf: Path | None):
 
 def _candidate_copy(target, draft, name: str, gguf: Path | None):
     """The pair as candidate `name` runs it, a copy where it must be converted (the originals untouched)."""
-    dtype = torch.bfloat16 if name == Q4 else getattr(torch, name)
+    dtype = _dtype(name)
     if dtype == next(target.parameters()).dtype and name != Q4:
         return target, draft
     from .feature_draft import FeatureDrafter

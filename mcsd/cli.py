@@ -55,8 +55,8 @@ def add_model_arguments(parser: argparse.ArgumentParser):
                           "machine, from its calibrated costs)")
     src.add_argument("--weights", default="auto", choices=("auto", *WEIGHTS),
                      help="q4: run the target's linear layers on the 4-bit codes of the Q4_1 GGUF it comes from "
-                          "(the embedded preset's, or a .gguf target), as llama.cpp does; bfloat16 compute, CPU "
-                          "only, exact with respect to q4 decoding. dense: the dequantised weights. Default auto: "
+                          "(the embedded preset's, or a .gguf target), as llama.cpp does; CPU only, in float32 or "
+                          "bfloat16 as the kernel and CPU suit (--stats says), exact with respect to q4 decoding. dense: the dequantised weights. Default auto: "
                           "with --dtype auto, whichever of the two the calibrated costs say runs faster here (dense "
                           "for a target that is no GGUF, or with another --dtype)")
     src.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or auto (spread the target over GPUs)")
@@ -262,8 +262,6 @@ def _check_args(args) -> None:
         raise UsageError(f"--lossy-target-roots must be >= 0, got {args.lossy_target_roots}")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
-    if args.weights == "q4" and args.dtype not in ("auto", "bfloat16", "bf16"):
-        raise UsageError(f"--weights q4 computes in bfloat16; drop --dtype {args.dtype} or pass --dtype bfloat16")
     if args.weights == "q4" and args.device != "cpu":
         raise UsageError(f"--weights q4 runs on the CPU; drop --device {args.device}")
     if (args.target is not None and args.draft is None and args.target not in PRESETS and not args.baseline
@@ -357,8 +355,16 @@ def _load_models(args):
     from .models import load_model, load_model_pair, load_tokenizer
 
     _set_threads(args)
-    if args.weights == "q4" and args.dtype == "auto":
-        args.dtype, args.dtype_fixed = "bfloat16", "bfloat16: --weights q4 computes in it"
+    if args.weights == "q4":
+        from . import quant
+        from .models import parse_dtype
+        allowed = quant.dtypes()
+        if args.dtype == "auto":
+            args.dtype = quant.compute_dtype()
+            args.dtype_fixed = f"{args.dtype}: --weights q4 computes in it here ({quant.describe_kernel()})"
+        elif str(parse_dtype(args.dtype)).removeprefix("torch.") not in allowed:
+            raise UsageError(f"--weights q4 computes in {' or '.join(allowed)} here; drop --dtype {args.dtype} "
+                             f"or pass --dtype {allowed[0]}")
     if args.weights == "auto" and (args.dtype != "auto" or args.device != "cpu"):
         args.weights = "dense"                      # auto weighs q4 against the dense dtypes, on the CPU only
     load_dtype = "float32" if args.dtype == "auto" else args.dtype

@@ -515,7 +515,8 @@ def _model_key(model, q4: bool = False) -> str:
                                                           "torch_dtype")}
         digest.update(json.dumps(fields, sort_keys=True, default=str).encode())
     digest.update(";".join(f"{name}{tuple(p.shape)}" for name, p in module.named_parameters()).encode())
-    weights = ":q4" if q4 or quant.attached(module) else ""
+    # the q4 kernel is part of what runs: torch's int4 kernel and the native one cost differently
+    weights = (":q4" + ("-native" if quant.kernel_name() == "native" else "")) if q4 or quant.attached(module) else ""
     return f"{digest.hexdigest()[:16]}:{sum(p.numel() for p in module.parameters())}{weights}"
 
 

@@ -147,7 +147,7 @@ def test_a_gguf_born_target_weighs_its_q4_weights_too(q4_gguf_file):
     assert "q4" in choice.rates and "float32" in choice.rates
     assert (choice.weights == "q4") == (max(choice.rates, key=choice.rates.get) == "q4")
     assert quant.attached(t) == 0                                       # measured on a copy
-    assert load_cached(t, None, torch.bfloat16, weights="q4") is not None
+    assert load_cached(t, None, getattr(torch, quant.compute_dtype()), weights="q4") is not None
     again = choose_dtype(t, None, quiet=True, free_draft=True, gguf=q4_gguf_file)
     assert again.rates == choice.rates                                  # from the cache, nothing re-measured
     t, _ = apply_choice(t, None, DtypeChoice("bfloat16", "q4 chosen", {}, weights="q4"), q4_gguf_file)

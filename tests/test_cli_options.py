@@ -77,7 +77,7 @@ def test_bad_prompts_files(model_dirs, tmp_path, capsys, content, fragment):
     (["--output", "x.jsonl"], "--output writes --prompts-file results"),
     (["--policy", "pearl", "--tree", "1,1", "--repetition-penalty", "1.2"], "need the exact tree loop"),
     (["--repetition-penalty", "0"], "repetition_penalty must be > 0"),
-    (["--weights", "q4"], "--weights q4 computes in bfloat16; drop --dtype float32"),
+    (["--weights", "q4", "--dtype", "float16"], "--weights q4 computes in "),
     (["--target", "TARGET", "--baseline", "--dtype", "bfloat16", "--weights", "q4"], "read from a Q4_1 GGUF file"),
 ])
 def test_cli_defects_exit_2_with_one_line(model_dirs, capsys, args, fragment):

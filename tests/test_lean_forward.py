@@ -366,14 +366,18 @@ def test_transformers_path_on_request():
 
 
 def test_q4_weights_keep_their_prefill_rule(q4_gguf_file, tmp_path, monkeypatch):
-    """On q4 weights (`mcsd.quant`) a long first block reads the dense weights where oneDNN runs bfloat16,
-    every later block the int4 codes, as a call of the model would; the logits are transformers' path's."""
-    from mcsd import quant
+    """On torch's int4 kernel (`mcsd.quant`) a long first block reads the dense weights where oneDNN runs
+    bfloat16, every later block the int4 codes, as a call of the model would; the logits are transformers'
+    path's."""
+    from mcsd import native, quant
     from mcsd.attention import set_backend
     from mcsd.models import load_model
+    monkeypatch.setenv("MCSD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("MCSD_NATIVE", "0")
+    native.reset()
+    monkeypatch.setattr(native, "_state", {})            # forgotten again when the test ends
     if not quant.kernel_available():
         pytest.skip("this torch has no CPU int4 kernel")
-    monkeypatch.setenv("MCSD_CACHE", str(tmp_path / "cache"))
     model = load_model(str(q4_gguf_file), dtype="bfloat16", weights="q4")
     set_backend(model, "gqa")
     long_prompt = (torch.arange(quant.PREFILL_ROWS + 8) * 7 + 3) % 61

@@ -205,11 +205,11 @@ def test_codes_are_cached_and_a_damaged_cache_is_rebuilt(q4_gguf_file, capsys):
     assert not cached and all(same(a, b) for k in first for a, b in zip(first[k], rebuilt[k]))
 
 
-def test_calibrated_costs_of_q4_weights_are_kept_apart(q4_gguf_file):
+def test_calibrated_costs_of_q4_weights_are_kept_apart(q4_gguf_file, kernel):
     model = _q4_model(q4_gguf_file)
     key = _model_key(model)
     quant.detach(model)
-    assert key == _model_key(model) + ":q4"
+    assert key == _model_key(model) + (":q4-native" if kernel == "native" else ":q4")    # each kernel its own
 
 
 def test_a_copied_model_runs_dense_until_attached(q4_gguf_file):
@@ -280,7 +280,7 @@ def test_the_command_line_runs_a_q4_target_and_says_so(q4_gguf_file, capsys, ker
     assert main(["--target", str(q4_gguf_file), "--drafter", "context", "--weights", "q4", "--prompt", "ABCABC",
                  "--max-new-tokens", "4", "--json", "--no-calibrate"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["settings"]["weights"] == "q4" and out["settings"]["dtype"] == "bfloat16"
+    assert out["settings"]["weights"] == "q4" and out["settings"]["dtype"] == quant.compute_dtype()
     assert "q4" in out["settings"]["dtype_reason"] and len(out["tokens"]) == 4
     assert out["settings"]["matmul_kernels"].startswith(f"target: {14 + _heads(kernel)} linear layers on q4 weights")
 
