@@ -30,7 +30,7 @@ from .config import ConfigError
 
 SOURCE = Path(__file__).with_name("q4_kernel.c")
 FLAGS = ["-O3", "-std=c11", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
-_ABI = 2
+_ABI = 3
 _lock = threading.Lock()
 _state: dict = {}                       # "lib": the loaded library or None, "reason": why not
 
