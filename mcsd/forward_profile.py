@@ -158,7 +158,8 @@ def resident_bytes(*modules) -> dict[str, int]:
         if module is None:
             continue
         for p in module.parameters():
-            dense[p.data_ptr()] = p.nbytes
+            if not p.is_meta:                            # a q4 weight let go (`mcsd.quant`) holds nothing
+                dense[p.data_ptr()] = p.nbytes
         for layer in module.modules():
             q4 = quant.read_bytes(layer)
             if q4 is not None:

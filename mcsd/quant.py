@@ -56,6 +56,7 @@ GROUP = 32                              # weights per Q4_1 block (along the inpu
 _BLOCK_BYTES = 20                       # float16 d, float16 m, 16 bytes of 4-bit codes
 _ATTR = "_mcsd_q4"
 _JOINED = "_mcsd_q4_joined"       # (fused.Product, index) where siblings share one product
+_ROWS = "_mcsd_q4_rows"           # (start, stop): the layer's rows in its (maybe joined) Q4Linear
 Codes = tuple            # (q (N, K) uint8 in 0..15, d (N, K / 32) float16, m (N, K / 32) float16)
                          # or for a Q8_0 head: (q (N, K) int8, d (N, K / 32) float16, None)
 HEAD = "lm_head"         # the name the LM head's Q8_0 codes go by (the tied token embedding, or `output`)
@@ -214,6 +215,14 @@ class Q4Linear:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), self.packed, GROUP, self.scale_zero)
         return out.view(*x.shape[:-1], self.out_features)
 
+    def dense(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows start..stop-1 of the weight, dequantised as a GGUF loader does (native layout only)."""
+        if not self.native:
+            raise RuntimeError("torch's int4 layout is not read back; its layers keep their dense weights")
+        blocks = self.codes[start:stop].view(stop - start, self.in_features // GROUP, GROUP // 2)
+        q = torch.cat([blocks & 15, blocks >> 4], dim=-1).view(stop - start, self.in_features)
+        return dequantize(q, self.d[start:stop], self.m[start:stop]).to(dtype)
+
     @property
     def nbytes(self) -> int:
         """Bytes of the weight as this kernel reads it."""
@@ -221,7 +230,17 @@ class Q4Linear:
         return sum(t.nbytes for t in parts)
 
     def __deepcopy__(self, memo):
-        return None      # a copied model has weights of its own: it runs dense until attached
+        # torch's layout: a copied model has dense weights of its own and runs on them until attached.
+        # The native layout is the only copy of the weights (`attach` lets the dense ones go): a copy
+        # shares it, read-only
+        return self if self.native else None
+
+
+class _SharedProduct(fused.Product):
+    """A joined q4 product that a copied model shares (its codes are the weights' only copy)."""
+
+    def __deepcopy__(self, memo):
+        return self
 
 
 class Q8Linear:
@@ -242,7 +261,7 @@ class Q8Linear:
         return self.codes.nbytes + self.d.nbytes
 
     def __deepcopy__(self, memo):
-        return None
+        return self         # shared with a copied model, read-only, as the native Q4_1 layers' codes are
 
 
 def _q4_forward(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -253,7 +272,10 @@ def _q4_forward(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
             return joined[0].part(x, joined[1])
         out = q4(x)
         return out if layer.bias is None else out + layer.bias
-    return F.linear(x, layer.weight, layer.bias)
+    weight = layer.weight
+    if weight.is_meta:          # let go by `attach`: another dtype, or autograd, reads it dequantised
+        weight = q4.dense(*layer.__dict__[_ROWS], x.dtype)
+    return F.linear(x, weight, layer.bias)
 
 
 def read_codes(gguf_path: str | Path, num_heads: int, num_kv_heads: int) -> dict[str, Codes]:
@@ -354,7 +376,8 @@ def attach(model: torch.nn.Module, gguf_path: str | Path, join: bool = True) -> 
         join: sibling layers that read one input (q / k / v) run as one int4 product
             (`mcsd.fused`).
     Returns:
-        the number of layers attached.
+        the number of layers attached. On the native kernel the Q4_1 layers' dense weights are
+        let go (`_let_go`): the codes are then the only copy, for every block size.
     Raises:
         Q4Error: no kernel, wrong dtype or device, an unreadable file, an architecture
             whose tensors are not named as llama's, or weights that are not the file's.
@@ -400,9 +423,20 @@ def attach(model: torch.nn.Module, gguf_path: str | Path, join: bool = True) -> 
     for key, (layer, (q, d, m)) in checked.items():
         if key not in joined:
             layer.__dict__[_ATTR] = Q4Linear(q, d, m) if m is not None else Q8Linear(q, d)
+            layer.__dict__[_ROWS] = (0, q.shape[0])
         layer.__dict__["forward"] = types.MethodType(_q4_forward, layer)
+        if kernel == "native" and m is not None:
+            _let_go(layer)
     _install_prefill(model)
     return len(checked)
+
+
+def _let_go(layer: torch.nn.Linear) -> None:
+    """Drop a layer's dense weight: the native kernel reads its codes at every block size, prompts
+    included, so the weights are held once. A meta tensor keeps the weight's shape and dtype in its
+    place (for code that reads them); `detach` dequantises it back."""
+    w = layer.weight
+    layer.weight = torch.nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
 
 
 def starts_dense(rows: int, cached: int) -> bool:
@@ -452,21 +486,29 @@ def _join(group: list[torch.nn.Linear], group_codes: list[Codes]) -> None:
     q, d, m = (torch.cat(parts) for parts in zip(*group_codes))
     whole = Q4Linear(q, d, m)
     bias = None if group[0].bias is None else torch.cat([layer.bias.detach() for layer in group])
-    product = fused.Product([layer.out_features for layer in group],
-                            lambda x: whole(x) if bias is None else whole(x) + bias)
+    product = (_SharedProduct if whole.native else fused.Product)(
+        [layer.out_features for layer in group], lambda x: whole(x) if bias is None else whole(x) + bias)
+    start = 0
     for i, layer in enumerate(group):
         layer.__dict__[_ATTR] = whole                  # the marker `attached` counts; the product reads it
         layer.__dict__[_JOINED] = (product, i)
+        layer.__dict__[_ROWS] = (start, start + layer.out_features)
+        start += layer.out_features
 
 
 def detach(model: torch.nn.Module) -> None:
-    """Back to the dense weights everywhere."""
+    """Back to the dense weights everywhere (dequantised again where `attach` let them go)."""
     for hook in model.__dict__.pop(_HOOKS, ()):
         hook.remove()
     for layer in model.modules():
         if _ATTR in layer.__dict__:
+            if layer.weight.is_meta:                     # let go by `attach`: dequantised back
+                q4 = layer.__dict__[_ATTR]
+                layer.weight = torch.nn.Parameter(q4.dense(*layer.__dict__[_ROWS], layer.weight.dtype),
+                                                  requires_grad=False)
             del layer.__dict__[_ATTR]
             layer.__dict__.pop(_JOINED, None)
+            layer.__dict__.pop(_ROWS, None)
             layer.__dict__.pop("forward", None)
 
 

@@ -77,7 +77,7 @@ def test_q_k_v_run_as_one_int4_product_with_the_separate_results(q4_gguf_file, k
 
 
 def test_q_and_k_rows_come_back_in_transformers_order(q4_gguf_file):
-    model = _q4_model(q4_gguf_file)
+    model = load_model(str(q4_gguf_file), dtype="bfloat16")                 # dense: transformers' rows
     found, _ = quant.codes(q4_gguf_file, 4, 2)
     for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.k_proj"):
         assert torch.equal(quant.dequantize(*found[name]).bfloat16(), _layer(model, name).weight)
@@ -212,13 +212,40 @@ def test_calibrated_costs_of_q4_weights_are_kept_apart(q4_gguf_file, kernel):
     assert key == _model_key(model) + (":q4-native" if kernel == "native" else ":q4")    # each kernel its own
 
 
-def test_a_copied_model_runs_dense_until_attached(q4_gguf_file):
+def test_a_copied_model_runs_dense_until_attached_or_shares_the_only_codes(q4_gguf_file, kernel):
     import copy
     model = _q4_model(q4_gguf_file)
     twin = copy.deepcopy(model)
-    assert quant.attached(twin) == 0
     with torch.inference_mode():
-        assert twin(PROMPT[None]).logits.shape == model(PROMPT[None]).logits.shape
+        ours, theirs = model(PROMPT[None]).logits, twin(PROMPT[None]).logits
+    if kernel == "torch":                                       # dense weights of its own
+        assert quant.attached(twin) == 0 and theirs.shape == ours.shape
+    else:                                                       # the codes are the only weights: shared
+        assert quant.attached(twin) == quant.attached(model) and torch.equal(theirs, ours)
+
+
+def test_the_native_kernel_holds_the_weights_once(q4_gguf_file, kernel):
+    if kernel != "native":
+        pytest.skip("torch's int4 kernel keeps the dense weights (a long prompt may read them)")
+    from mcsd.forward_profile import resident_bytes
+    dense = load_model(str(q4_gguf_file), dtype="float32")
+    model = load_model(str(q4_gguf_file), dtype="float32", weights="q4")
+    name = "model.layers.0.self_attn.k_proj"                    # a joined sibling: its own rows of the product
+    assert _layer(model, name).weight.is_meta and _layer(model, name).weight.shape == _layer(dense, name).weight.shape
+    assert not model.lm_head.weight.is_meta                     # the tied embedding is still gathered by row
+    held, before = resident_bytes(model), resident_bytes(dense)
+    assert held["dense"] < before["dense"] and held["int4"] > 0
+    x = torch.randn(3, 32)
+    with torch.inference_mode():
+        expected = x @ _layer(dense, name).weight.t()
+        assert torch.allclose(_layer(model, name)(x), expected, atol=1e-5)
+    with torch.enable_grad():                                   # autograd reads the weight dequantised
+        out = _layer(model, name)(x.clone().requires_grad_())
+    assert out.requires_grad and torch.allclose(out.detach(), expected, atol=1e-5)
+    quant.detach(model)                                         # and detach brings the dense weights back
+    for layer_name, layer in dense.named_modules():
+        if isinstance(layer, torch.nn.Linear):
+            assert torch.equal(_layer(model, layer_name).weight, layer.weight), layer_name
 
 
 def test_the_unpermutation_undoes_llama_cpps_rotary_permutation():
@@ -235,6 +262,7 @@ def test_a_larger_model_with_more_heads_attaches(tmp_path, kernel):
     model = _q4_model(path)
     assert quant.attached(model) == 14 + _heads(kernel)
     found, _ = quant.codes(path, 8, 4)
+    quant.detach(model)                                                    # the dense weights, as loaded
     assert torch.equal(quant.dequantize(*found["model.layers.0.self_attn.k_proj"]).bfloat16(),
                        _layer(model, "model.layers.0.self_attn.k_proj").weight)
 
@@ -308,12 +336,12 @@ def test_the_memory_floor_of_a_q4_model_counts_its_codes_not_its_dense_weights(q
                                      if isinstance(layer, torch.nn.Linear))
 
 
-def test_resident_bytes_count_each_form_of_the_weights_once(q4_gguf_file):
+def test_resident_bytes_count_each_form_of_the_weights_once(q4_gguf_file, kernel):
     from mcsd import kernels
     from mcsd.forward_profile import resident_bytes
     model = _q4_model(q4_gguf_file)
     held = resident_bytes(model, model)                          # the same module twice counts once
-    assert held["dense"] == sum(p.nbytes for p in model.parameters())
+    assert held["dense"] == sum(p.nbytes for p in model.parameters() if not p.is_meta)   # let go: nothing held
     assert held["int4"] == sum({r[0]: r[1] for r in map(quant.read_bytes, model.modules()) if r}.values()) > 0
     assert held["prepacked"] == 0
     dense = tiny_llama(3)

@@ -47,7 +47,7 @@ def portable_cmake_args(flags: set[str]) -> str:
 
 def build(cmake_args: str, jobs: int) -> None:
     env = {**os.environ, "CMAKE_ARGS": cmake_args, "CMAKE_BUILD_PARALLEL_LEVEL": str(jobs)}
-    cmd = [sys.executable, "-m", "pip", "install", "--force-reinstall", "--no-deps", "--no-cache-dir",
+    cmd = [sys.executable, "-m", "pip", "install", "--force-reinstall", "--no-cache-dir",
            "--no-binary", "llama-cpp-python", f"llama-cpp-python=={VERSION}"]
     print(f"building llama-cpp-python {VERSION} with CMAKE_ARGS={cmake_args!r}", flush=True)
     subprocess.run(cmd, env=env, check=True)
@@ -71,13 +71,21 @@ print(json.dumps({"tokens": out, "tokens_per_s": round(len(out) / dt, 1),
 """
 
 
+class SmokeFailed(RuntimeError):
+    """The smoke run failed without crashing (an import error, a missing file): another build would not help."""
+
+
 def smoke(preset: str, threads: int) -> dict | None:
     """Load the preset's GGUF and decode 32 greedy tokens in a child process (a crashing kernel takes
-    the child, not this one). The child's report, or None with the cause printed."""
-    proc = subprocess.run([sys.executable, "-c", _SMOKE, preset, str(threads)], capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        print(f"smoke run failed (exit {proc.returncode}): {proc.stderr.strip()[-800:]}", flush=True)
+    the child, not this one). The child's report; None where the child died of a signal (an illegal
+    instruction, a segmentation fault: the build does not run on this CPU)."""
+    proc = subprocess.run([sys.executable, "-c", _SMOKE, preset, str(threads)], capture_output=True, text=True,
+                          check=False)
+    if proc.returncode < 0:
+        print(f"smoke run crashed (signal {-proc.returncode}): {proc.stderr.strip()[-400:]}", flush=True)
         return None
+    if proc.returncode != 0:
+        raise SmokeFailed(f"smoke run failed (exit {proc.returncode}): {proc.stderr.strip()[-800:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -90,18 +98,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="only smoke-test the installed build")
     args = ap.parse_args(argv)
 
-    if args.check:
-        report = smoke(args.preset, args.threads)
-        print(json.dumps(report, indent=1) if report else "the installed llama-cpp-python does not run")
-        return 0 if report else 1
-    attempts = [("native", "-DGGML_NATIVE=ON"), ("portable", portable_cmake_args(cpu_flags()))]
-    for name, cmake_args in attempts:
-        build(cmake_args, args.jobs)
-        report = smoke(args.preset, args.threads)
-        if report is not None:
-            print(json.dumps({"build": name, "cmake_args": cmake_args, **report}, indent=1))
-            return 0
-        print(f"the {name} build does not run here; trying the next", flush=True)
+    try:
+        if args.check:
+            report = smoke(args.preset, args.threads)
+            print(json.dumps(report, indent=1) if report else "the installed llama-cpp-python crashes here")
+            return 0 if report else 1
+        attempts = [("native", "-DGGML_NATIVE=ON"), ("portable", portable_cmake_args(cpu_flags()))]
+        for name, cmake_args in attempts:
+            build(cmake_args, args.jobs)
+            report = smoke(args.preset, args.threads)
+            if report is not None:
+                print(json.dumps({"build": name, "cmake_args": cmake_args, **report}, indent=1))
+                return 0
+            print(f"the {name} build crashes here; trying the next", flush=True)
+    except SmokeFailed as exc:
+        print(exc, file=sys.stderr)
     return 1
 
 
