@@ -77,7 +77,8 @@ class Calibration:
         n, joined = quant.attached(self.target.model), quant.joined(self.target.model)
         dense = quant.starts_dense(quant.PREFILL_ROWS, cached=0)      # a prompt's first forward, here
         return (f"target: {n} linear layers on q4 weights ({quant.describe_kernel()}) at every block size"
-                + (", q / k / v as one product" if joined else "")
+                + ((", q / k / v and gate / up as one product each" if quant.kernel_name() == "native"
+                    else ", q / k / v as one product") if joined else "")
                 + (f", a prompt of {quant.PREFILL_ROWS}+ tokens read on the dense weights" if dense else "")) \
             if n else None
 

@@ -47,11 +47,12 @@ import torch
 SIBLINGS = (("q_proj", "k_proj", "v_proj"),)
 
 
-def sibling_groups(module: torch.nn.Module) -> list[list[torch.nn.Linear]]:
-    """The groups of sibling linear layers inside `module` that can share one product."""
+def sibling_groups(module: torch.nn.Module, siblings=SIBLINGS) -> list[list[torch.nn.Linear]]:
+    """The groups of sibling linear layers inside `module` that can share one product (`siblings`:
+    tuples of layer names that read one input)."""
     groups = []
     for parent in module.modules():
-        for names in SIBLINGS:
+        for names in siblings:
             layers = [getattr(parent, name, None) for name in names]
             if not all(type(layer) is torch.nn.Linear for layer in layers):
                 continue

@@ -131,25 +131,29 @@ def reset() -> None:
         _state.clear()
 
 
-def _call(name: str, x: torch.Tensor, codes: torch.Tensor, *scales: torch.Tensor) -> torch.Tensor:
-    lib = library()
+def _lib():
+    lib = _state.get("lib") or library()          # no lock once loaded: a forward makes ~150 calls
     if lib is None:
         raise RuntimeError(f"the native q4 kernel is not available: {reason()}")
-    rows, k = x.shape
-    n = codes.shape[0]
-    out = torch.empty(rows, n, dtype=torch.float32)
-    if getattr(lib, name)(x.data_ptr(), rows, k, codes.data_ptr(), *(t.data_ptr() for t in scales), n,
-                          out.data_ptr(), torch.get_num_threads()) != 0:
-        raise MemoryError("the native q4 kernel could not allocate its dequantisation buffer")
-    return out
+    return lib
 
 
 def q4_mm(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """x (M, K) float32 times the Q4_1 weight (codes (N, K / 2) uint8, d and m (N, K / 32) float32),
     transposed: (M, N) float32. Every tensor contiguous on the CPU; the caller checks shapes."""
-    return _call("mcsd_q4_mm", x, codes, d, m)
+    rows, k = x.shape
+    out = torch.empty(rows, codes.shape[0], dtype=torch.float32)
+    if _lib().mcsd_q4_mm(x.data_ptr(), rows, k, codes.data_ptr(), d.data_ptr(), m.data_ptr(), codes.shape[0],
+                         out.data_ptr(), torch.get_num_threads()) != 0:
+        raise MemoryError("the native q4 kernel could not allocate its dequantisation buffer")
+    return out
 
 
 def q8_mm(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """x (M, K) float32 times the Q8_0 weight (codes (N, K) int8, d (N, K / 32) float32), transposed."""
-    return _call("mcsd_q8_mm", x, codes, d)
+    rows, k = x.shape
+    out = torch.empty(rows, codes.shape[0], dtype=torch.float32)
+    if _lib().mcsd_q8_mm(x.data_ptr(), rows, k, codes.data_ptr(), d.data_ptr(), codes.shape[0], out.data_ptr(),
+                         torch.get_num_threads()) != 0:
+        raise MemoryError("the native q4 kernel could not allocate its dequantisation buffer")
+    return out

@@ -31,6 +31,12 @@ def kernel(request, tmp_path, monkeypatch):
     native.reset()
 
 
+def _products(kernel) -> int:
+    """Q4_1 products in a forward of the 2-layer model: q / k / v joined, o, gate, up, down per layer
+    (the native kernel joins gate and up too)."""
+    return 2 * (4 if kernel == "native" else 5)
+
+
 def _heads(kernel) -> int:
     """Q8_0 LM heads attached: the native kernel runs the head on its codes, torch's int4 kernel leaves it dense."""
     return 1 if kernel == "native" else 0
@@ -64,14 +70,14 @@ def test_every_q4_1_linear_layer_runs_on_its_codes(q4_gguf_file, kernel):
 
 def test_q_k_v_run_as_one_int4_product_with_the_separate_results(q4_gguf_file, kernel):
     joined = _q4_model(q4_gguf_file)
-    assert quant.joined(joined) == 2 * 3                        # q, k, v in each of the 2 layers
+    assert quant.joined(joined) == 2 * (5 if kernel == "native" else 3)    # q, k, v (gate, up) in each layer
     separate = load_model(str(q4_gguf_file), dtype="bfloat16")
     assert quant.attach(separate, q4_gguf_file, join=False) == 14 + _heads(kernel) and quant.joined(separate) == 0
     logits = {}
     with torch.inference_mode():
         calls = _int4_rows(lambda: logits.update(joined=joined(PROMPT[None]).logits),
                            lambda: logits.update(separate=separate(PROMPT[None]).logits))
-    assert len(calls[1]) == 14 and len(calls[0]) == 10
+    assert len(calls[1]) == 14 and len(calls[0]) == _products(kernel)
     assert torch.allclose(logits["joined"].float(), logits["separate"].float(), atol=1e-2, rtol=1e-2)
     assert torch.equal(logits["joined"].argmax(-1), logits["separate"].argmax(-1))
 
@@ -117,7 +123,7 @@ def test_decoding_on_q4_weights_is_exact_wrt_plain_q4_decoding(q4_gguf_file, pol
     assert plain.tokens == reference and out.tokens == reference
 
 
-def test_a_long_prompt_starts_on_the_dense_weights_and_every_later_forward_on_the_codes(q4_gguf_file):
+def test_a_long_prompt_starts_on_the_dense_weights_and_every_later_forward_on_the_codes(q4_gguf_file, kernel):
     from transformers import DynamicCache
 
     from mcsd.kernels import switchable
@@ -135,21 +141,21 @@ def test_a_long_prompt_starts_on_the_dense_weights_and_every_later_forward_on_th
     if switchable(torch.bfloat16, "cpu") and quant.kernel_name() == "torch":    # dense prefill: torch's kernel
         assert rows[0] == [] and torch.equal(out["q4"], reference)
     else:
-        assert len(rows[0]) == 10 and not torch.equal(out["q4"], reference)
-    assert len(rows[1]) == len(rows[2]) == len(rows[3]) == 10   # 2 layers x (q/k/v joined, o, gate, up, down)
+        assert len(rows[0]) == _products(kernel) and not torch.equal(out["q4"], reference)
+    assert len(rows[1]) == len(rows[2]) == len(rows[3]) == _products(kernel)
     assert not quant._local.dense                               # nothing left switched on after the forwards
     with pytest.raises(IndexError), torch.inference_mode():   # a forward that fails inside switches it off too
         model(torch.full((1, quant.PREFILL_ROWS), 10 ** 6))
     assert not quant._local.dense and not quant._local.stack
 
 
-def test_without_native_bfloat16_a_long_prompt_stays_on_the_codes(q4_gguf_file, monkeypatch):
+def test_without_native_bfloat16_a_long_prompt_stays_on_the_codes(q4_gguf_file, monkeypatch, kernel):
     import mcsd.kernels
     monkeypatch.setattr(mcsd.kernels, "switchable", lambda dtype, device: False)
     model = _q4_model(q4_gguf_file)
     with torch.inference_mode():
         rows = _int4_rows(lambda: model(LONG_PROMPT[None]))
-    assert rows[0] == [LONG_PROMPT.numel()] * 10
+    assert rows[0] == [LONG_PROMPT.numel()] * _products(kernel)
 
 
 def test_a_detached_model_loses_the_prefill_switch(q4_gguf_file):
