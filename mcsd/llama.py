@@ -49,6 +49,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from . import native, quant
 from .static_cache import StaticCache
 
 FAMILY = ("llama", "mistral", "qwen2", "qwen3")
@@ -96,10 +97,13 @@ def supports(model) -> bool:
     return unsupported_reason(model) is None
 
 
-def _rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
-    """transformers' Llama RMS norm, with the norm module's own weight and epsilon."""
+def _rms_norm(x: torch.Tensor, norm: torch.nn.Module, one_call: bool = False) -> torch.Tensor:
+    """transformers' Llama RMS norm, with the norm module's own weight and epsilon; `one_call`: in
+    float32 through the native library's norm (`mcsd.native`: one call, not seven operations)."""
     w = norm.weight
     if x.dtype == torch.float32:
+        if one_call and w.dtype == torch.float32 and not x.requires_grad and x.shape[-1] % 8 == 0:
+            return native.rms_norm(x.contiguous(), w, norm.variance_epsilon)
         return F.rms_norm(x, w.shape, w, norm.variance_epsilon)
     return w * F.rms_norm(x.float(), w.shape, None, norm.variance_epsilon).to(x.dtype)
 
@@ -160,6 +164,8 @@ class LeanForward:
         self.head_dim = body.layers[0].self_attn.head_dim
         self.embed, self.norm, self.rotary, self.lm_head = body.embed_tokens, body.norm, body.rotary_emb, \
             self.model.lm_head
+        # a model on the native q4 kernel has its library loaded before any forward: its norms use it too
+        self.one_call = bool(quant.attached(self.model)) and quant.kernel_name() == "native"
 
     def new_cache(self) -> StaticCache:
         weight = self.embed.weight
@@ -203,12 +209,12 @@ class LeanForward:
         cos, sin = self._rotary(h, positions)                                  # (1, Q, 1, D)
         heads = (*tokens.shape, -1, self.head_dim)
         for i, m in enumerate(self.layers):
-            x = _rms_norm(h, m.norm)
+            x = _rms_norm(h, m.norm, self.one_call)
             q = m.q(x).view(heads)                                              # (1, Q, H, D)
             k = m.k(x).view(heads)                                              # (1, Q, H_kv, D)
             v = m.v(x).view(heads)
             if m.q_norm is not None:
-                q, k = _rms_norm(q, m.q_norm), _rms_norm(k, m.k_norm)
+                q, k = _rms_norm(q, m.q_norm, self.one_call), _rms_norm(k, m.k_norm, self.one_call)
             q = q * cos + q.roll(half, -1) * sin
             k = k * cos + k.roll(half, -1) * sin
             keys, values = cache.layer_keys[i], cache.layer_values[i]          # (1, H_kv, capacity, D)
@@ -217,11 +223,11 @@ class LeanForward:
             out = F.scaled_dot_product_attention(q.transpose(1, 2), keys[:, :, :k_len], values[:, :, :k_len],
                                                  attn_mask=mask, scale=m.scaling, **self.grouped)   # (1, H, Q, D)
             h = h + m.o(out.transpose(1, 2).reshape(*tokens.shape, -1))        # (1, Q, C)
-            x = _rms_norm(h, m.post_norm)
+            x = _rms_norm(h, m.post_norm, self.one_call)
             h = h + m.down(m.act(m.gate(x)) * m.up(x))
             if i + 1 in wanted and i + 1 < n_layers:
                 kept[i + 1] = h
-        h = _rms_norm(h, self.norm)
+        h = _rms_norm(h, self.norm, self.one_call)
         kept[n_layers] = h
         logits = self.lm_head(h[:, -1:] if last_logits else h)
         if not hidden:

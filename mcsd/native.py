@@ -30,7 +30,8 @@ from .config import ConfigError
 
 SOURCE = Path(__file__).with_name("q4_kernel.c")
 FLAGS = ["-O3", "-std=c11", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
-_ABI = 3
+LIBS = ["-lm"]
+_ABI = 4
 _lock = threading.Lock()
 _state: dict = {}                       # "lib": the loaded library or None, "reason": why not
 
@@ -66,14 +67,14 @@ def _compiler() -> str | None:
 def _build(cc: str) -> Path:
     from .cache import cache_subdir, cache_writes
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS + LIBS).encode() + version.encode()).hexdigest()[:16]
     folder = cache_subdir("native")
     lib = folder / f"q4_kernel-{key}.so"
     if lib.is_file():
         return lib
     with cache_writes(folder), tempfile.TemporaryDirectory(dir=folder) as tmp:
         out = Path(tmp) / lib.name
-        proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True,
+        proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out), *LIBS], capture_output=True, text=True,
                               timeout=300, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-400:]}")
@@ -108,6 +109,8 @@ def _load():
     lib.mcsd_q4_mm.restype = ctypes.c_int
     lib.mcsd_q8_mm.argtypes = [p, i64, i64, p, p, i64, p, ctypes.c_int]
     lib.mcsd_q8_mm.restype = ctypes.c_int
+    lib.mcsd_rms_norm.argtypes = [p, i64, i64, p, ctypes.c_float, p]
+    lib.mcsd_rms_norm.restype = None
     return lib, "built from mcsd/q4_kernel.c with " + Path(cc).name
 
 
@@ -156,4 +159,13 @@ def q8_mm(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor
     if _lib().mcsd_q8_mm(x.data_ptr(), rows, k, codes.data_ptr(), d.data_ptr(), codes.shape[0], out.data_ptr(),
                          torch.get_num_threads()) != 0:
         raise MemoryError("the native q4 kernel could not allocate its dequantisation buffer")
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Llama RMS norm of float32 `x` (..., K), K a multiple of 8, with float32 `weight` (K,):
+    one call instead of torch's seven operations. Every tensor contiguous on the CPU."""
+    out = torch.empty_like(x)
+    k = x.shape[-1]
+    _lib().mcsd_rms_norm(x.data_ptr(), x.numel() // k, k, weight.data_ptr(), eps, out.data_ptr())
     return out
