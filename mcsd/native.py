@@ -72,7 +72,9 @@ def _build(cc: str) -> Path:
     lib = folder / f"q4_kernel-{key}.so"
     if lib.is_file():
         return lib
-    with cache_writes(folder), tempfile.TemporaryDirectory(dir=folder) as tmp:
+    from .progress import stage
+    with cache_writes(folder), tempfile.TemporaryDirectory(dir=folder) as tmp, \
+            stage(f"compiling the q4 kernel with {Path(cc).name} (once; cached in {folder})"):
         out = Path(tmp) / lib.name
         proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out), *LIBS], capture_output=True, text=True,
                               timeout=300, check=False)

@@ -66,7 +66,7 @@ for tok in llm.generate(ids, top_k=1, temp=0.0, repeat_penalty=1.0):
     if len(out) == 32:
         break
 dt = time.perf_counter() - t0
-print(json.dumps({"tokens": out, "tokens_per_s": round(len(out) / dt, 1),
+print(json.dumps({"tokens": len(out), "first_ids": out[:8], "tokens_per_s": round(len(out) / dt, 1),
                   "system_info": llama_print_system_info().decode()}))
 """
 
