@@ -56,7 +56,8 @@ def add_model_arguments(parser: argparse.ArgumentParser):
     src.add_argument("--weights", default="auto", choices=("auto", *WEIGHTS),
                      help="q4: run the target's linear layers on the 4-bit codes of the Q4_1 GGUF it comes from "
                           "(the embedded preset's, or a .gguf target), as llama.cpp does; CPU only, in float32 or "
-                          "bfloat16 as the kernel and CPU suit (--stats says), exact with respect to q4 decoding. dense: the dequantised weights. Default auto: "
+                          "bfloat16 as the kernel and CPU suit (--stats says), exact with respect to q4 decoding. "
+                          "dense: the dequantised weights. Default auto: "
                           "with --dtype auto, whichever of the two the calibrated costs say runs faster here (dense "
                           "for a target that is no GGUF, or with another --dtype)")
     src.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or auto (spread the target over GPUs)")

@@ -1,4 +1,5 @@
-"""The engine's native Q4_1 product (`q4_kernel.c`), built once per machine with the C compiler.
+"""The engine's native library (`q4_kernel.c`): the Q4_1 and Q8_0 products of q4 weights and an RMS
+norm, built once per machine with the C compiler.
 
 torch's CPU int4 kernel dequantises its weights again for every block of a few rows, so a 9-row
 tree verify costs several 1-row steps. `q4_kernel.c` dequantises a block of output rows once and
@@ -29,7 +30,7 @@ import torch
 from .config import ConfigError
 
 SOURCE = Path(__file__).with_name("q4_kernel.c")
-FLAGS = ["-O3", "-std=c11", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
+FLAGS = ["-O3", "-std=c11", "-ffp-contract=off", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
 LIBS = ["-lm"]
 _ABI = 4
 _lock = threading.Lock()
@@ -65,13 +66,13 @@ def _compiler() -> str | None:
 
 
 def _build(cc: str) -> Path:
-    from .cache import cache_subdir, cache_writes
+    from .cache import cache_dir, cache_subdir, cache_writes
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS + LIBS).encode() + version.encode()).hexdigest()[:16]
-    folder = cache_subdir("native")
-    lib = folder / f"q4_kernel-{key}.so"
-    if lib.is_file():
+    lib = cache_dir() / "native" / f"q4_kernel-{key}.so"
+    if lib.is_file():                                   # built before: a read-only cache serves it
         return lib
+    folder = cache_subdir("native")                     # checked writable before the build
     from .progress import stage
     with cache_writes(folder), tempfile.TemporaryDirectory(dir=folder) as tmp, \
             stage(f"compiling the q4 kernel with {Path(cc).name} (once; cached in {folder})"):

@@ -372,7 +372,7 @@ def attach(model: torch.nn.Module, gguf_path: str | Path, join: bool = True) -> 
     (enough to tell another model's weights apart).
 
     Args:
-        model: a transformers llama-family causal LM on the CPU, in bfloat16.
+        model: a transformers llama-family causal LM on the CPU, in a dtype of the kernel (`dtypes()`).
         gguf_path: the GGUF file its weights came from.
         join: sibling layers that read one input (q / k / v; on the native kernel the MLP's gate
             and up too) run as one product (`mcsd.fused`).
@@ -397,7 +397,7 @@ def attach(model: torch.nn.Module, gguf_path: str | Path, join: bool = True) -> 
     cfg = model.config
     found, from_cache = codes(gguf_path, cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None)
                               or cfg.num_attention_heads)
-    if not found:
+    if not any(m is not None for _, _, m in found.values()):             # a Q8_0 head alone is not q4
         raise Q4Error(f"{gguf_path} holds no Q4_1 linear weights of a llama-family model")
     if kernel != "native":
         found = {name: c for name, c in found.items() if name != HEAD}      # torch has no Q8_0 kernel
