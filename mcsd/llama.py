@@ -164,8 +164,10 @@ class LeanForward:
         self.head_dim = body.layers[0].self_attn.head_dim
         self.embed, self.norm, self.rotary, self.lm_head = body.embed_tokens, body.norm, body.rotary_emb, \
             self.model.lm_head
-        # a model on the native q4 kernel has its library loaded before any forward: its norms use it too
-        self.one_call = bool(quant.attached(self.model)) and quant.kernel_name() == "native"
+        # a model on the native q4 kernel has its library loaded before any forward: its norms and, in
+        # float32, its attention use it too (one call each, not several operations)
+        self.one_call = bool(quant.attached(self.model)) and quant.kernel_name() == "native" \
+            and self.head_dim % 8 == 0
 
     def new_cache(self) -> StaticCache:
         weight = self.embed.weight
@@ -220,9 +222,14 @@ class LeanForward:
             keys, values = cache.layer_keys[i], cache.layer_values[i]          # (1, H_kv, capacity, D)
             keys.index_copy_(2, slots, k.transpose(1, 2))
             values.index_copy_(2, slots, v.transpose(1, 2))
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys[:, :, :k_len], values[:, :, :k_len],
-                                                 attn_mask=mask, scale=m.scaling, **self.grouped)   # (1, H, Q, D)
-            h = h + m.o(out.transpose(1, 2).reshape(*tokens.shape, -1))        # (1, Q, C)
+            if self.one_call and q.dtype == torch.float32:                     # one call, rows on their own
+                rows = mask[0, 0] if mask.stride(-1) == 1 else mask[0, 0].contiguous()
+                out = native.attention(q[0], keys[0], values[0], k_len, rows, m.scaling)   # (Q, H, D)
+                h = h + m.o(out.view(*tokens.shape, -1))                       # (1, Q, C)
+            else:
+                out = F.scaled_dot_product_attention(q.transpose(1, 2), keys[:, :, :k_len], values[:, :, :k_len],
+                                                     attn_mask=mask, scale=m.scaling, **self.grouped)   # (1, H, Q, D)
+                h = h + m.o(out.transpose(1, 2).reshape(*tokens.shape, -1))    # (1, Q, C)
             x = _rms_norm(h, m.post_norm, self.one_call)
             h = h + m.down(m.act(m.gate(x)) * m.up(x))
             if i + 1 in wanted and i + 1 < n_layers:

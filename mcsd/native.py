@@ -32,7 +32,7 @@ from .config import ConfigError
 SOURCE = Path(__file__).with_name("q4_kernel.c")
 FLAGS = ["-O3", "-std=c11", "-ffp-contract=off", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
 LIBS = ["-lm"]
-_ABI = 4
+_ABI = 6
 _lock = threading.Lock()
 _state: dict = {}                       # "lib": the loaded library or None, "reason": why not
 
@@ -114,6 +114,8 @@ def _load():
     lib.mcsd_q8_mm.restype = ctypes.c_int
     lib.mcsd_rms_norm.argtypes = [p, i64, i64, p, ctypes.c_float, p]
     lib.mcsd_rms_norm.restype = None
+    lib.mcsd_attention.argtypes = [p, p, p, i64, i64, p, i64, i64, i64, i64, i64, ctypes.c_float, p, ctypes.c_int]
+    lib.mcsd_attention.restype = None
     return lib, "built from mcsd/q4_kernel.c with " + Path(cc).name
 
 
@@ -171,4 +173,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(x)
     k = x.shape[-1]
     _lib().mcsd_rms_norm(x.data_ptr(), x.numel() // k, k, weight.data_ptr(), eps, out.data_ptr())
+    return out
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: int, mask: torch.Tensor,
+              scale: float) -> torch.Tensor:
+    """Attention of float32 queries q (Q, H, D) over the first `length` positions of a static cache's
+    key / value buffers (H_kv, capacity, D), heads grouped, with an additive mask (Q, length) whose last
+    dimension is contiguous: (Q, H, D). What torch's SDPA computes, in one call; each row on its own."""
+    rows, heads, dim = q.shape
+    kv_heads, capacity, _ = keys.shape
+    out = torch.empty_like(q)
+    _lib().mcsd_attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), capacity, length, mask.data_ptr(),
+                          mask.stride(0), rows, heads, kv_heads, dim, scale, out.data_ptr(),
+                          torch.get_num_threads())
     return out

@@ -29,7 +29,7 @@
 #define NB 4            /* output rows dequantised together */
 #define RB 3            /* input rows per tile */
 
-int mcsd_q4_abi(void) { return 4; }
+int mcsd_q4_abi(void) { return 6; }
 
 static inline float hsum(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -198,5 +198,80 @@ void mcsd_rms_norm(const float *x, int64_t M, int64_t K, const float *w, float e
         const __m256 s = _mm256_set1_ps(scale);
         for (int64_t k = 0; k < K; k += 8)
             _mm256_storeu_ps(o + k, _mm256_mul_ps(_mm256_loadu_ps(w + k), _mm256_mul_ps(_mm256_loadu_ps(xr + k), s)));
+    }
+}
+
+/* exp of 8 floats: Cephes' polynomial after a range reduction by powers of 2 (relative error about
+   2e-7); arguments below -87 give exactly 0, so a masked (-inf) score weighs nothing. */
+static inline __m256 exp8(__m256 x) {
+    const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.3762626647949f));
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), keep);
+}
+
+/* Attention of Q query rows over the first L cached positions, key / value heads grouped:
+   out[r, h] = softmax_j(q[r, h] . k[h / g, j] * scale + mask[r, j]) v[h / g, j], g = H / Hkv.
+   q and out (Q, H, D); keys and values (Hkv, cap, D) (a static cache's buffers); mask (Q, L) with row
+   stride mask_stride, additive (-inf where a key is not seen). D a multiple of 8. Each (row, head) is
+   computed on its own in a fixed order (scores, their maximum, exponentials and sum, the weighted sum
+   of values, one division), so a row's result does not depend on the rows beside it. */
+void mcsd_attention(const float *q, const float *keys, const float *values, int64_t cap, int64_t L,
+                    const float *mask, int64_t mask_stride, int64_t Q, int64_t H, int64_t Hkv, int64_t D,
+                    float scale, float *out, int threads) {
+    const int64_t group = H / Hkv;
+    #pragma omp parallel num_threads(threads)
+    {
+        float *s = malloc(sizeof(float) * (size_t)(((L + 7) & ~(int64_t)7) + 8));
+        float *acc = aligned_alloc(32, sizeof(float) * (size_t)D);
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < Q * H; t++) {
+            if (!s || !acc) continue;
+            const int64_t r = t / H, h = t % H, kv = h / group;
+            const float *qv = q + (r * H + h) * D, *K = keys + kv * cap * D, *V = values + kv * cap * D;
+            const float *mr = mask + r * mask_stride;
+            float mx = -INFINITY;
+            for (int64_t j = 0; j < L; j++) {
+                __m256 a = _mm256_setzero_ps();
+                for (int64_t d = 0; d < D; d += 8)
+                    a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), _mm256_loadu_ps(K + j * D + d), a);
+                const float v = hsum(a) * scale + mr[j];
+                s[j] = v;
+                mx = v > mx ? v : mx;
+            }
+            /* exponentials 8 at a time (the buffer holds L rounded up to 8; the tail's extra lanes are
+               -inf, so 0), summed in 8 lanes then horizontally */
+            for (int64_t j = L; j < ((L + 7) & ~(int64_t)7); j++) s[j] = -INFINITY;
+            const __m256 mxv = _mm256_set1_ps(mx);
+            __m256 sv = _mm256_setzero_ps();
+            for (int64_t j = 0; j < L; j += 8) {
+                const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mxv));
+                _mm256_storeu_ps(s + j, e);
+                sv = _mm256_add_ps(sv, e);
+            }
+            const float sum = hsum(sv);
+            for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(acc + d, _mm256_setzero_ps());
+            for (int64_t j = 0; j < L; j++) {
+                if (s[j] == 0.0f) continue;
+                const __m256 p = _mm256_set1_ps(s[j]);
+                for (int64_t d = 0; d < D; d += 8)
+                    _mm256_store_ps(acc + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(V + j * D + d), _mm256_load_ps(acc + d)));
+            }
+            float *o = out + (r * H + h) * D;
+            const __m256 inv = _mm256_set1_ps(sum);
+            for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_div_ps(_mm256_load_ps(acc + d), inv));
+        }
+        free(s);
+        free(acc);
     }
 }

@@ -366,3 +366,31 @@ def test_a_native_kernel_that_cannot_be_built_leaves_torchs_with_the_cause(kerne
     assert quant.kernel_name() == ("torch" if quant._torch_kernel_runs() else None)
     if quant.kernel_name() == "torch":
         assert "could not be built" in quant.describe_kernel()
+
+
+def test_the_lean_forward_on_the_native_kernel_agrees_with_transformers_forward(q4_gguf_file, kernel):
+    """On the native kernel the engine's own forward also runs its norms and attention through the native
+    library; in float32 its logits stay within 1e-4 of transformers' forward on the same q4 products, for a
+    prompt, a tree block after it and a step."""
+    from mcsd.lm import CachedLM
+    from mcsd.tree import causal_allowed
+    if kernel != "native":
+        pytest.skip("the native library's own forward")
+    model = load_model(str(q4_gguf_file), dtype="float32", weights="q4")
+    lms = {lean: CachedLM(model, lean=lean) for lean in (True, False)}
+    assert lms[True].reset() is None and lms[True]._running.one_call
+    tree_tokens = torch.tensor([7, 8, 9, 10])
+    allowed = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]],
+                           dtype=causal_allowed(1, "cpu").dtype)      # 0 -> {1, 2 -> 3}: two branches
+    outs = {}
+    with torch.inference_mode():
+        for lean, lm in lms.items():
+            lm.reset()
+            first = lm.extend(PROMPT)
+            n = lm.length
+            block = lm.forward(tree_tokens, torch.tensor([n, n + 1, n + 1, n + 2]), allowed)
+            lm.truncate(n)
+            step = lm.extend(torch.tensor([11]))
+            outs[lean] = (first, block, step)
+    for a, b in zip(outs[True], outs[False]):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
