@@ -29,7 +29,7 @@
 #define NB 4            /* output rows dequantised together */
 #define RB 3            /* input rows per tile */
 
-int mcsd_q4_abi(void) { return 6; }
+int mcsd_q4_abi(void) { return 7; }
 
 static inline float hsum(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -241,7 +241,23 @@ void mcsd_attention(const float *q, const float *keys, const float *values, int6
             const float *qv = q + (r * H + h) * D, *K = keys + kv * cap * D, *V = values + kv * cap * D;
             const float *mr = mask + r * mask_stride;
             float mx = -INFINITY;
-            for (int64_t j = 0; j < L; j++) {
+            int64_t j = 0;
+            for (; j + 4 <= L; j += 4) {            /* four keys at a time, reduced together */
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                for (int64_t d = 0; d < D; d += 8) {
+                    const __m256 x = _mm256_loadu_ps(qv + d);
+                    a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(K + j * D + d), a0);
+                    a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(K + (j + 1) * D + d), a1);
+                    a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(K + (j + 2) * D + d), a2);
+                    a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(K + (j + 3) * D + d), a3);
+                }
+                const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+                const __m128 dots = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+                const __m128 v = _mm_add_ps(_mm_mul_ps(dots, _mm_set1_ps(scale)), _mm_loadu_ps(mr + j));
+                _mm_storeu_ps(s + j, v);
+                for (int i = 0; i < 4; i++) mx = s[j + i] > mx ? s[j + i] : mx;
+            }
+            for (; j < L; j++) {
                 __m256 a = _mm256_setzero_ps();
                 for (int64_t d = 0; d < D; d += 8)
                     a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), _mm256_loadu_ps(K + j * D + d), a);
@@ -260,12 +276,21 @@ void mcsd_attention(const float *q, const float *keys, const float *values, int6
                 sv = _mm256_add_ps(sv, e);
             }
             const float sum = hsum(sv);
-            for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(acc + d, _mm256_setzero_ps());
-            for (int64_t j = 0; j < L; j++) {
-                if (s[j] == 0.0f) continue;
-                const __m256 p = _mm256_set1_ps(s[j]);
-                for (int64_t d = 0; d < D; d += 8)
-                    _mm256_store_ps(acc + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(V + j * D + d), _mm256_load_ps(acc + d)));
+            /* the weighted sum of values, 64 of the head's dimensions at a time in registers */
+            for (int64_t d0 = 0; d0 < D; d0 += 64) {
+                const int w = D - d0 >= 64 ? 8 : (int)(D - d0) / 8;
+                __m256 c[8];
+                for (int i = 0; i < 8; i++) c[i] = _mm256_setzero_ps();
+                for (int64_t jj = 0; jj < L; jj++) {
+                    if (s[jj] == 0.0f) continue;
+                    const __m256 p = _mm256_set1_ps(s[jj]);
+                    const float *vj = V + jj * D + d0;
+                    if (w == 8)
+                        for (int i = 0; i < 8; i++) c[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * i), c[i]);
+                    else
+                        for (int i = 0; i < w; i++) c[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * i), c[i]);
+                }
+                for (int i = 0; i < w; i++) _mm256_store_ps(acc + d0 + 8 * i, c[i]);
             }
             float *o = out + (r * H + h) * D;
             const __m256 inv = _mm256_set1_ps(sum);
