@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from . import kernels, kv_cache, quant
+from . import kernels, kv_cache, native, quant
 from .cache import cache_dir, cache_writes
 from .config import ConfigError
 from .kernels import interpolate
@@ -515,8 +515,10 @@ def _model_key(model, q4: bool = False) -> str:
                                                           "torch_dtype")}
         digest.update(json.dumps(fields, sort_keys=True, default=str).encode())
     digest.update(";".join(f"{name}{tuple(p.shape)}" for name, p in module.named_parameters()).encode())
-    # the q4 kernel is part of what runs: torch's int4 kernel and the native one cost differently
-    weights = (":q4" + ("-native" if quant.kernel_name() == "native" else "")) if q4 or quant.attached(module) else ""
+    # the q4 kernel is part of what runs: torch's int4 kernel and each version of the native one
+    # (`native.VERSION`) cost differently
+    kernel = f"-native{native.VERSION}" if quant.kernel_name() == "native" else ""
+    weights = f":q4{kernel}" if q4 or quant.attached(module) else ""
     return f"{digest.hexdigest()[:16]}:{sum(p.numel() for p in module.parameters())}{weights}"
 
 

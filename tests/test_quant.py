@@ -215,7 +215,8 @@ def test_calibrated_costs_of_q4_weights_are_kept_apart(q4_gguf_file, kernel):
     model = _q4_model(q4_gguf_file)
     key = _model_key(model)
     quant.detach(model)
-    assert key == _model_key(model) + (":q4-native" if kernel == "native" else ":q4")    # each kernel its own
+    own = f":q4-native{native.VERSION}" if kernel == "native" else ":q4"         # each kernel (version) its own
+    assert key == _model_key(model) + own
 
 
 def test_a_copied_model_runs_dense_until_attached_or_shares_the_only_codes(q4_gguf_file, kernel):
