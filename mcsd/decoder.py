@@ -97,10 +97,8 @@ class TreeDecoder:
         self.threads = _choose_threads(threads)
         self.target, self.tokenizer = CachedLM(target, cuda_graphs=cuda_graphs), tokenizer
         self.lossy_roots = int(lossy_target_roots)
-        parts = resolve(target, draft, tree, policy, attention, self.lossy_roots)
+        parts = resolve(target, draft, tree, policy, attention, self.lossy_roots, cuda_graphs)
         self.drafter, self.context, self.attention = parts.drafter, parts.context, parts.attention
-        if getattr(self.drafter, "lm", None) is not None:
-            self.drafter.lm.cuda_graphs = cuda_graphs
         self.calibration = Calibration(self.target, self.drafter, parts.draft, calibrate)
         self.policy = make_policy(parts.policy, parts.tree, **self.calibration.policy_options(parts.policy,
                                                                                               policy_options))

@@ -55,8 +55,8 @@ class ModelDrafter:
 
     uses_target_hidden = False
 
-    def __init__(self, model: torch.nn.Module):
-        self.lm = CachedLM(model)
+    def __init__(self, model: torch.nn.Module, cuda_graphs: bool = True):
+        self.lm = CachedLM(model, cuda_graphs=cuda_graphs)     # `mcsd.graphs` on CUDA, as the target's
         self.forwards = 0
         self.keep_hidden = False                # set by a policy that reads the draft's hidden states
         self.last_hidden: torch.Tensor | None = None   # (M, H) last hidden states of the rows just run

@@ -32,8 +32,7 @@ from .config import ConfigError
 SOURCE = Path(__file__).with_name("q4_kernel.c")
 FLAGS = ["-O3", "-std=c11", "-ffp-contract=off", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
 LIBS = ["-lm"]
-_ABI = 7
-VERSION = _ABI                          # what a cached cost profile of a model on this library is keyed by
+VERSION = 7                             # mcsd_q4_abi() of q4_kernel.c; cost profiles are keyed by it too
 _lock = threading.Lock()
 _state: dict = {}                       # "lib": the loaded library or None, "reason": why not
 
@@ -106,7 +105,7 @@ def _load():
     if len(_openmp_runtimes()) > max(1, len(before)):
         return None, "the native kernel would start an OpenMP runtime beside torch's"
     lib.mcsd_q4_abi.restype = ctypes.c_int
-    if lib.mcsd_q4_abi() != _ABI:
+    if lib.mcsd_q4_abi() != VERSION:
         return None, "the native kernel in the cache is of another version"
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.mcsd_q4_mm.argtypes = [p, i64, i64, p, p, p, i64, p, ctypes.c_int]

@@ -515,10 +515,11 @@ def _model_key(model, q4: bool = False) -> str:
                                                           "torch_dtype")}
         digest.update(json.dumps(fields, sort_keys=True, default=str).encode())
     digest.update(";".join(f"{name}{tuple(p.shape)}" for name, p in module.named_parameters()).encode())
-    # the q4 kernel is part of what runs: torch's int4 kernel and each version of the native one
-    # (`native.VERSION`) cost differently
-    kernel = f"-native{native.VERSION}" if quant.kernel_name() == "native" else ""
-    weights = f":q4{kernel}" if q4 or quant.attached(module) else ""
+    weights = ""
+    if q4 or quant.attached(module):
+        # the q4 kernel is part of what runs: torch's int4 kernel and each version of the native one
+        # (`native.VERSION`) cost differently (asked only here: a dense model builds no native library)
+        weights = ":q4" + (f"-native{native.VERSION}" if quant.kernel_name() == "native" else "")
     return f"{digest.hexdigest()[:16]}:{sum(p.numel() for p in module.parameters())}{weights}"
 
 

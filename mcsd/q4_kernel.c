@@ -39,70 +39,50 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
-static inline void dequant_row(const uint8_t *c, const float *d, const float *m, int64_t K, float *w) {
+/* One block of 32 weights as 4 vectors of 8 floats: the only place a weight is dequantised, so the
+   buffered path (dequant_row, then tile) and the one-row path (direct_*) compute with the same values. */
+static inline void block_q4(const uint8_t *c, float d, float m, __m256 w[4]) {
     const __m128i mask = _mm_set1_epi8(0x0F);
-    for (int64_t g = 0; g < K / 32; g++) {
-        __m128i b = _mm_loadu_si128((const __m128i *)(c + 16 * g));
-        __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-        __m256 dv = _mm256_set1_ps(d[g]), mv = _mm256_set1_ps(m[g]);
-        float *o = w + 32 * g;
-        _mm256_store_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), dv, mv));
-        _mm256_store_ps(o + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), dv, mv));
-        _mm256_store_ps(o + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), dv, mv));
-        _mm256_store_ps(o + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), dv, mv));
-    }
+    const __m128i b = _mm_loadu_si128((const __m128i *)c);
+    const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), dv, mv);
+    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), dv, mv);
+    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), dv, mv);
+    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), dv, mv);
 }
 
-static inline void dequant_row_q8(const int8_t *c, const float *d, int64_t K, float *w) {
+static inline void block_q8(const int8_t *c, float d, __m256 w[4]) {
+    const __m256 dv = _mm256_set1_ps(d);
+    for (int i = 0; i < 4; i++)
+        w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + 8 * i)))), dv);
+}
+
+/* a weight row into the buffer (Q4_1: q8 == 0, m per block; Q8_0: q8 == 1, m unused) */
+static inline __attribute__((always_inline)) void dequant_row(const uint8_t *c, const float *d, const float *m, int64_t K, int q8, float *w) {
+    __m256 v[4];
     for (int64_t g = 0; g < K / 32; g++) {
-        __m256 dv = _mm256_set1_ps(d[g]);
-        for (int i = 0; i < 4; i++) {
-            __m128i b = _mm_loadl_epi64((const __m128i *)(c + 32 * g + 8 * i));
-            _mm256_store_ps(w + 32 * g + 8 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), dv));
-        }
+        if (q8) block_q8((const int8_t *)c + 32 * g, d[g], v);
+        else block_q4(c + 16 * g, d[g], m[g], v);
+        for (int i = 0; i < 4; i++) _mm256_store_ps(w + 32 * g + 8 * i, v[i]);
     }
 }
 
 /* one input row: the weights are dequantised in registers and used at once, never stored (a 1-row
-   step is bound by the dequantisation). The same operations in the same order as dequant_row
-   followed by tile, so the results are bit for bit the same. */
-static inline void direct_q4(const float *x, int64_t K, const uint8_t *c, const float *d, const float *m,
-                             int nb, float *out) {
-    const __m128i mask = _mm_set1_epi8(0x0F);
+   step is bound by the dequantisation). The same values, multiplied in the same order as tile does,
+   so the results are bit for bit the same. */
+static inline __attribute__((always_inline)) void direct(const float *x, int64_t K, const uint8_t *c, int64_t row, const float *d,
+                          const float *m, int q8, int nb, float *out) {
+    const int64_t G = K / 32;
     __m256 acc[NB];
     for (int j = 0; j < NB; j++) acc[j] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < K / 32; g++) {
+    for (int64_t g = 0; g < G; g++) {
         for (int j = 0; j < NB; j++) {
             const int64_t n = j < nb ? j : 0;
-            __m128i b = _mm_loadu_si128((const __m128i *)(c + n * (K / 2) + 16 * g));
-            __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-            __m256 dv = _mm256_set1_ps(d[n * (K / 32) + g]), mv = _mm256_set1_ps(m[n * (K / 32) + g]);
-            const float *xg = x + 32 * g;
-            acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(xg),
-                _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), dv, mv), acc[j]);
-            acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 8),
-                _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), dv, mv), acc[j]);
-            acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 16),
-                _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), dv, mv), acc[j]);
-            acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 24),
-                _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), dv, mv), acc[j]);
-        }
-    }
-    for (int j = 0; j < nb; j++) out[j] = hsum(acc[j]);
-}
-
-static inline void direct_q8(const float *x, int64_t K, const int8_t *c, const float *d, int nb, float *out) {
-    __m256 acc[NB];
-    for (int j = 0; j < NB; j++) acc[j] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < K / 32; g++) {
-        for (int j = 0; j < NB; j++) {
-            const int64_t n = j < nb ? j : 0;
-            __m256 dv = _mm256_set1_ps(d[n * (K / 32) + g]);
-            for (int i = 0; i < 4; i++) {
-                __m128i b = _mm_loadl_epi64((const __m128i *)(c + n * K + 32 * g + 8 * i));
-                __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), dv);
-                acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 32 * g + 8 * i), w, acc[j]);
-            }
+            __m256 v[4];
+            if (q8) block_q8((const int8_t *)(c + n * row) + 32 * g, d[n * G + g], v);
+            else block_q4(c + n * row + 16 * g, d[n * G + g], m[n * G + g], v);
+            for (int i = 0; i < 4; i++) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 32 * g + 8 * i), v[i], acc[j]);
         }
     }
     for (int j = 0; j < nb; j++) out[j] = hsum(acc[j]);
@@ -147,19 +127,18 @@ static int mm(const float *x, int64_t M, int64_t K, const void *codes, const flo
             if (!w) continue;
             const int64_t n0 = b * NB;
             const int nb = N - n0 < NB ? (int)(N - n0) : NB;
-            if (M == 1) {
-                const float *dn = d + n0 * (K / 32);
-                if (q8) direct_q8(x, K, (const int8_t *)codes + n0 * K, dn, nb, out + n0);
-                else direct_q4(x, K, (const uint8_t *)codes + n0 * (K / 2), dn, m + n0 * (K / 32), nb, out + n0);
+            const int64_t G = K / 32, row = q8 ? K : K / 2;            /* bytes of codes a weight row */
+            const uint8_t *cn = (const uint8_t *)codes + n0 * row;
+            const float *dn = d + n0 * G, *mn = q8 ? NULL : m + n0 * G;
+            if (M == 1) {                           /* q8 a constant at each call: each compiled on its own */
+                if (q8) direct(x, K, cn, row, dn, mn, 1, nb, out + n0);
+                else direct(x, K, cn, row, dn, mn, 0, nb, out + n0);
                 continue;
             }
             for (int j = 0; j < NB; j++) {
-                const int64_t n = n0 + (j < nb ? j : 0);          /* a short last block repeats a row */
-                if (q8)
-                    dequant_row_q8((const int8_t *)codes + n * K, d + n * (K / 32), K, w + j * K);
-                else
-                    dequant_row((const uint8_t *)codes + n * (K / 2), d + n * (K / 32), m + n * (K / 32), K,
-                                w + j * K);
+                const int64_t n = j < nb ? j : 0;          /* a short last block repeats a row */
+                if (q8) dequant_row(cn + n * row, dn + n * G, NULL, K, 1, w + j * K);
+                else dequant_row(cn + n * row, dn + n * G, mn + n * G, K, 0, w + j * K);
             }
             int64_t r = 0;
             for (; r + RB <= M; r += RB) tile(x + r * K, K, w, RB, nb, out + r * N + n0, N);

@@ -41,6 +41,7 @@ kernel), not to dense bfloat16 or float32 decoding.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import types
 from pathlib import Path
@@ -89,7 +90,9 @@ class Q4Error(ModelLoadError):
     """Q4 weights cannot be used for this model (file, weights, dtype, device or torch)."""
 
 
+@functools.cache
 def _torch_kernel_runs() -> bool:
+    """torch's CPU int4 kernel runs here (probed once: `kernel_name` is asked at every layer and reset)."""
     try:
         q = torch.zeros(16, 64, dtype=torch.int32)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)

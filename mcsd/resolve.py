@@ -41,7 +41,8 @@ class Parts:
     attention: str
 
 
-def resolve(target: torch.nn.Module, draft, tree, policy, attention: str, lossy_roots: int) -> Parts:
+def resolve(target: torch.nn.Module, draft, tree, policy, attention: str, lossy_roots: int,
+            cuda_graphs: bool = True) -> Parts:
     """`TreeDecoder`'s arguments -> its Parts (see `TreeDecoder` for what each may be)."""
     draft, context = split_drafters(draft)
     if context is not None and lossy_roots:
@@ -66,17 +67,18 @@ def resolve(target: torch.nn.Module, draft, tree, policy, attention: str, lossy_
         # candidate roots form the first level; the drafted tree grows beneath each of them
         tree = f"{lossy_roots},{tree}" if tree.strip() not in ("", "0") else str(lossy_roots)
     backend = set_backend(target, attention)
-    return Parts(model_drafter(target, draft, attention), draft, context, policy, tree, backend)
+    return Parts(model_drafter(target, draft, attention, cuda_graphs), draft, context, policy, tree, backend)
 
 
-def model_drafter(target: torch.nn.Module, draft, attention: str) -> Drafter | None:
-    """A causal LM as a ModelDrafter (same vocabulary, `attention` backend), a Drafter as it is, or None."""
+def model_drafter(target: torch.nn.Module, draft, attention: str, cuda_graphs: bool = True) -> Drafter | None:
+    """A causal LM as a ModelDrafter (same vocabulary, `attention` backend, `cuda_graphs` as the target's),
+    a Drafter as it is, or None."""
     if draft is None:
         return None
     if isinstance(draft, torch.nn.Module):
         check_vocab_sizes(target, draft)
         set_backend(draft, attention)
-        return ModelDrafter(draft)
+        return ModelDrafter(draft, cuda_graphs=cuda_graphs)
     if all(hasattr(draft, m) for m in ("begin_round", "step", "commit", "reset")):
         return draft
     raise ConfigError(f"draft must be a causal LM or a Drafter, got {type(draft).__name__}")

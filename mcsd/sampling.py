@@ -118,7 +118,8 @@ def choose(scores: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator
         token, dist = scores.argmax(-1), None
     else:
         kept = processed_scores(scores, cfg)
-        dist = kept.softmax(-1)
+        # the Gumbel draw needs no softmax: the distribution is made only to sample from it or to report it
+        dist = kept.softmax(-1) if noise is None or logprob else None
         token = noise.draw_scores(kept[None], torch.tensor([position]))[0] if noise is not None \
             else sample(dist, generator)
     if not logprob:
