@@ -168,6 +168,54 @@ class LeanForward:
         # float32, its attention use it too (one call each, not several operations)
         self.one_call = bool(quant.attached(self.model)) and quant.kernel_name() == "native" \
             and self.head_dim % 8 == 0
+        self._plan_at = None                    # quant.changes() when `_plan` was made (None: not made)
+        self._plan: list[tuple] | None = None
+
+    def native_layers(self) -> list[tuple] | None:
+        """Per decoder layer, its weights as the native library's whole-layer call reads them
+        (`native.layer_weights`, with the tensors it points into), where every layer runs in float32
+        on native Q4_1 products (q / k / v and gate / up joined, SiLU): a layer is then one call, not
+        some twenty operations and module calls. None otherwise (each operation runs on its own).
+        Made again after any q4 weights are attached or detached."""
+        if not self.one_call:
+            return None
+        if self._plan_at != quant.changes():
+            self._plan, self._plan_at = self._make_plan(), quant.changes()
+        return self._plan
+
+    def _make_plan(self) -> list[tuple] | None:
+        if self.embed.weight.dtype != torch.float32 or self.head_dim % 2:
+            return None
+        plan = []
+        for m in self.layers:
+            products = {}
+            for name, group in (("qkv", (m.q, m.k, m.v)), ("o", (m.o,)), ("gate_up", (m.gate, m.up)),
+                                ("down", (m.down,))):
+                parts = [quant.native_rows(layer) for layer in group]
+                if any(part is None for part in parts):
+                    return None
+                whole = parts[0][0]
+                # one weight holding the siblings' rows in order, and nothing else
+                if any(p[0] is not whole for p in parts) or [p[1] for p in parts] != [0] + [p[2] for p in parts[:-1]] \
+                        or parts[-1][2] != whole.out_features:
+                    return None
+                biases = [layer.bias for layer in group]
+                if any(b is None for b in biases) and any(b is not None for b in biases):
+                    return None
+                bias = None if biases[0] is None else torch.cat([b.detach() for b in biases]).float().contiguous()
+                products[name] = (whole.codes, whole.d, whole.m, bias)
+            norms = [m.norm, m.post_norm] + ([m.q_norm, m.k_norm] if m.q_norm is not None else [])
+            if type(m.act).__name__ not in ("SiLU", "SiLUActivation") or \
+                    any(n.weight.dtype != torch.float32 for n in norms):
+                return None
+            qk_eps = m.q_norm.variance_epsilon if m.q_norm is not None else 0.0
+            weights = native.layer_weights(m.norm.weight, m.post_norm.weight,
+                                           None if m.q_norm is None else m.q_norm.weight,
+                                           None if m.k_norm is None else m.k_norm.weight,
+                                           m.norm.variance_epsilon, m.post_norm.variance_epsilon, qk_eps, m.scaling,
+                                           products, self.heads, self.kv_heads, self.head_dim)
+            plan.append((weights, products))
+        return plan
 
     def new_cache(self) -> StaticCache:
         weight = self.embed.weight
@@ -209,8 +257,20 @@ class LeanForward:
         if 0 in wanted:
             kept[0] = h
         cos, sin = self._rotary(h, positions)                                  # (1, Q, 1, D)
+        plan = self.native_layers() if not h.requires_grad else None
+        if plan is not None:                                                    # one call a layer
+            cos_rows, sin_rows = cos[0, :, 0].contiguous(), sin[0, :, 0].contiguous()   # (Q, D)
+            rows = mask[0, 0] if mask.stride(-1) == 1 else mask[0, 0].contiguous()
+            slots = slots.to(torch.long).contiguous()
+            for i, (weights, _) in enumerate(plan):
+                out = torch.empty_like(h)
+                native.layer(weights, h, out, cos_rows, sin_rows, cache.layer_keys[i][0], cache.layer_values[i][0],
+                             slots, k_len, rows)
+                h = out
+                if i + 1 in wanted and i + 1 < n_layers:
+                    kept[i + 1] = h
         heads = (*tokens.shape, -1, self.head_dim)
-        for i, m in enumerate(self.layers):
+        for i, m in enumerate(self.layers if plan is None else ()):
             x = _rms_norm(h, m.norm, self.one_call)
             q = m.q(x).view(heads)                                              # (1, Q, H, D)
             k = m.k(x).view(heads)                                              # (1, Q, H_kv, D)

@@ -32,9 +32,24 @@ from .config import ConfigError
 SOURCE = Path(__file__).with_name("q4_kernel.c")
 FLAGS = ["-O3", "-std=c11", "-ffp-contract=off", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
 LIBS = ["-lm"]
-VERSION = 7                             # mcsd_q4_abi() of q4_kernel.c; cost profiles are keyed by it too
+VERSION = 8                             # mcsd_q4_abi() of q4_kernel.c; cost profiles are keyed by it too
 _lock = threading.Lock()
 _state: dict = {}                       # "lib": the loaded library or None, "reason": why not
+
+
+class _Weight(ctypes.Structure):
+    """mcsd_q4w: a Q4_1 weight (N, K) and its optional bias."""
+    _fields_ = [("codes", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
+
+
+class LayerWeights(ctypes.Structure):
+    """mcsd_layer_t: one decoder layer's weights as `layer` reads them (see `layer_weights`)."""
+    _fields_ = [("norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
+                ("k_norm", ctypes.c_void_p), ("eps", ctypes.c_float), ("post_eps", ctypes.c_float),
+                ("qk_eps", ctypes.c_float), ("scale", ctypes.c_float), ("qkv", _Weight), ("o", _Weight),
+                ("gate_up", _Weight), ("down", _Weight), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
+                ("head_dim", ctypes.c_int64)]
 
 
 def _cpu_flags() -> set[str]:
@@ -116,6 +131,9 @@ def _load():
     lib.mcsd_rms_norm.restype = None
     lib.mcsd_attention.argtypes = [p, p, p, i64, i64, p, i64, i64, i64, i64, i64, ctypes.c_float, p, ctypes.c_int]
     lib.mcsd_attention.restype = None
+    lib.mcsd_layer.argtypes = [ctypes.POINTER(LayerWeights), p, p, i64, p, p, p, p, i64, p, i64, p, i64,
+                               ctypes.c_int]
+    lib.mcsd_layer.restype = ctypes.c_int
     return lib, "built from mcsd/q4_kernel.c with " + Path(cc).name
 
 
@@ -188,3 +206,39 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length:
                           mask.stride(0), rows, heads, kv_heads, dim, scale, out.data_ptr(),
                           torch.get_num_threads())
     return out
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    if t is None:
+        return None
+    if t.dtype != torch.float32 and t.dtype != torch.uint8 or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"the native layer reads contiguous float32 / uint8 CPU tensors, not {t.dtype} "
+                         f"{tuple(t.shape)} on {t.device}")
+    return t.data_ptr()
+
+
+def layer_weights(norm, post_norm, q_norm, k_norm, eps: float, post_eps: float, qk_eps: float, scale: float,
+                  products: dict, heads: int, kv_heads: int, head_dim: int) -> LayerWeights:
+    """A decoder layer's weights for `layer`: float32 norm weights (q_norm / k_norm None where the model
+    has none) and four Q4_1 products, `products[name] = (codes, d, m, bias or None)` for "qkv" (rows q, k,
+    v), "o", "gate_up" (rows gate, up) and "down". The result points into the tensors: the caller keeps
+    them alive as long as it."""
+    weights = {}
+    for name in ("qkv", "o", "gate_up", "down"):
+        codes, d, m, bias = products[name]
+        weights[name] = _Weight(_ptr(codes), _ptr(d), _ptr(m), _ptr(bias), codes.shape[0], 2 * codes.shape[1])
+    return LayerWeights(_ptr(norm), _ptr(post_norm), _ptr(q_norm), _ptr(k_norm), eps, post_eps, qk_eps, scale,
+                        **weights, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+
+
+def layer(weights: LayerWeights, h: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+          keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, length: int, mask: torch.Tensor) -> None:
+    """One decoder layer in one call (`mcsd_layer` in q4_kernel.c): float32 rows h (..., Q, C) in, `out` of its shape
+    written (it may be h); the block's keys and values written into the cache buffers (H_kv, capacity, D)
+    at `slots` (Q,) int64; attention over their first `length` entries under the additive mask (Q, length)
+    (last dimension contiguous); cos and sin (Q, D), sin signed as `mcsd.llama` makes it. Every tensor
+    contiguous on the CPU; the caller checks shapes."""
+    if _lib().mcsd_layer(ctypes.byref(weights), h.data_ptr(), out.data_ptr(), h.numel() // h.shape[-1], cos.data_ptr(),
+                         sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[1], slots.data_ptr(),
+                         length, mask.data_ptr(), mask.stride(0), torch.get_num_threads()) != 0:
+        raise MemoryError("the native layer could not allocate its buffers")

@@ -29,7 +29,7 @@
 #define NB 4            /* output rows dequantised together */
 #define RB 3            /* input rows per tile */
 
-int mcsd_q4_abi(void) { return 7; }
+int mcsd_q4_abi(void) { return 8; }
 
 static inline float hsum(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -204,7 +204,9 @@ static inline __m256 exp8(__m256 x) {
    q and out (Q, H, D); keys and values (Hkv, cap, D) (a static cache's buffers); mask (Q, L) with row
    stride mask_stride, additive (-inf where a key is not seen). D a multiple of 8. Each (row, head) is
    computed on its own in a fixed order (scores, their maximum, exponentials and sum, the weighted sum
-   of values, one division), so a row's result does not depend on the rows beside it. */
+   of values, one division), so a row's result does not depend on the rows beside it; a score is summed
+   in the same order whether its key falls in a group of four or not, so neither does it depend on how
+   many positions the block attends over (a verify's row and the step that computes it alone). */
 void mcsd_attention(const float *q, const float *keys, const float *values, int64_t cap, int64_t L,
                     const float *mask, int64_t mask_stride, int64_t Q, int64_t H, int64_t Hkv, int64_t D,
                     float scale, float *out, int threads) {
@@ -236,11 +238,13 @@ void mcsd_attention(const float *q, const float *keys, const float *values, int6
                 _mm_storeu_ps(s + j, v);
                 for (int i = 0; i < 4; i++) mx = s[j + i] > mx ? s[j + i] : mx;
             }
-            for (; j < L; j++) {
+            for (; j < L; j++) {                    /* the rest one at a time, summed as above */
                 __m256 a = _mm256_setzero_ps();
                 for (int64_t d = 0; d < D; d += 8)
                     a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), _mm256_loadu_ps(K + j * D + d), a);
-                const float v = hsum(a) * scale + mr[j];
+                const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, a), _mm256_hadd_ps(a, a));
+                const float dot = _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+                const float v = dot * scale + mr[j];
                 s[j] = v;
                 mx = v > mx ? v : mx;
             }
@@ -278,4 +282,106 @@ void mcsd_attention(const float *q, const float *keys, const float *values, int6
         free(s);
         free(acc);
     }
+}
+
+/* ---- one decoder layer of a Llama-family model on Q4_1 weights, in one call ---- */
+
+/* a Q4_1 weight (N, K) and its optional bias (N,) */
+typedef struct {
+    const uint8_t *codes;
+    const float *d, *m, *bias;
+    int64_t n, k;
+} mcsd_q4w;
+
+/* a layer's weights: q / k / v joined (rows q, then k, then v), gate and up joined (gate rows first).
+   q_norm and k_norm (Qwen3's per-head norms) are NULL where the model has none. */
+typedef struct {
+    const float *norm, *post_norm, *q_norm, *k_norm;
+    float eps, post_eps, qk_eps, scale;
+    mcsd_q4w qkv, o, gate_up, down;
+    int64_t heads, kv_heads, head_dim;
+} mcsd_layer_t;
+
+static int product(const float *x, int64_t M, const mcsd_q4w *w, float *out, int threads) {
+    if (mm(x, M, w->k, w->codes, w->d, w->m, w->n, out, threads, 0)) return -1;
+    if (w->bias)
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t j = 0; j < w->n; j++) out[r * w->n + j] += w->bias[j];
+    return 0;
+}
+
+/* one head's vector rotated as transformers rotates it: t * cos + rotate_half(t) * sin, with the
+   sign of rotate_half already in `sin` (so rotate_half(t) is t rolled by D / 2) */
+static inline void rotate(const float *t, const float *cos, const float *sin, int64_t D, float *out) {
+    const int64_t half = D / 2;
+    for (int64_t i = 0; i < D; i++) {
+        const float a = t[i] * cos[i], b = t[i < half ? i + half : i - half] * sin[i];
+        out[i] = a + b;
+    }
+}
+
+/* h_out = the layer applied to h_in, Q rows of C = qkv.k floats (h_out may be h_in):
+
+     x = norm(h);  q, k, v = x Wqkv (+ bias);  (q_norm, k_norm per head);  rotary on q and k;
+     k, v written to the cache at slots;  a = attention(q, cache[0 .. len), mask);
+     h = h + a Wo;  x = post_norm(h);  g, u = x Wgate_up;  h = h + (silu(g) * u) Wdown
+
+   cos and sin (Q, D), sin signed as `rotate` takes it; keys and values (Hkv, cap, D); mask (Q, len)
+   with row stride mask_stride. Every step computes a row on its own in a fixed order (the products,
+   norms and attention above), so a row's result does not depend on the rows beside it. Returns 0,
+   or -1 where memory could not be allocated (h_out is then incomplete). */
+int mcsd_layer(const mcsd_layer_t *L, const float *h_in, float *h_out, int64_t Q, const float *cos,
+               const float *sin, float *keys, float *values, int64_t cap, const int64_t *slots, int64_t len,
+               const float *mask, int64_t mask_stride, int threads) {
+    const int64_t C = L->qkv.k, H = L->heads, Hkv = L->kv_heads, D = L->head_dim, F = L->down.k;
+    const int64_t Nqkv = L->qkv.n, HD = H * D;
+    float *buf = malloc(sizeof(float) * (size_t)(Q * (C + Nqkv + 2 * HD + C + 2 * F + F)));
+    if (!buf) return -1;
+    float *x = buf, *qkv = x + Q * C, *qr = qkv + Q * Nqkv, *att = qr + Q * HD, *y = att + Q * HD,
+          *gu = y + Q * C, *act = gu + Q * 2 * F;
+    int failed = 0;
+    mcsd_rms_norm(h_in, Q, C, L->norm, L->eps, x);
+    failed |= product(x, Q, &L->qkv, qkv, threads);
+    for (int64_t r = 0; r < Q && !failed; r++) {
+        float *row = qkv + r * Nqkv;
+        const float *c = cos + r * D, *s = sin + r * D;
+        if (L->q_norm) {
+            mcsd_rms_norm(row, H, D, L->q_norm, L->qk_eps, row);
+            mcsd_rms_norm(row + HD, Hkv, D, L->k_norm, L->qk_eps, row + HD);
+        }
+        for (int64_t h = 0; h < H; h++) rotate(row + h * D, c, s, D, qr + r * HD + h * D);
+        for (int64_t h = 0; h < Hkv; h++) {
+            float *kd = keys + (h * cap + slots[r]) * D, *vd = values + (h * cap + slots[r]) * D;
+            rotate(row + HD + h * D, c, s, D, kd);
+            const float *v = row + HD + Hkv * D + h * D;
+            for (int64_t i = 0; i < D; i++) vd[i] = v[i];
+        }
+    }
+    if (!failed) {
+        mcsd_attention(qr, keys, values, cap, len, mask, mask_stride, Q, H, Hkv, D, L->scale, att, threads);
+        failed |= product(att, Q, &L->o, y, threads);
+    }
+    if (!failed) {
+        for (int64_t i = 0; i < Q * C; i++) h_out[i] = h_in[i] + y[i];
+        mcsd_rms_norm(h_out, Q, C, L->post_norm, L->post_eps, x);
+        failed |= product(x, Q, &L->gate_up, gu, threads);
+    }
+    if (!failed) {
+        /* silu(g) * u, silu(g) = g / (1 + exp(-g)) as torch computes it, 8 at a time */
+        const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+        for (int64_t r = 0; r < Q; r++) {
+            const float *g = gu + r * 2 * F, *u = g + F;
+            float *a = act + r * F;
+            for (int64_t j = 0; j < F; j += 8) {
+                const __m256 gv = _mm256_loadu_ps(g + j);
+                const __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gv))));
+                _mm256_storeu_ps(a + j, _mm256_mul_ps(sv, _mm256_loadu_ps(u + j)));
+            }
+        }
+        failed |= product(act, Q, &L->down, y, threads);
+    }
+    if (!failed)
+        for (int64_t i = 0; i < Q * C; i++) h_out[i] += y[i];
+    free(buf);
+    return failed ? -1 : 0;
 }

@@ -64,6 +64,7 @@ HEAD = "lm_head"         # the name the LM head's Q8_0 codes go by (the tied tok
 _Q8_BLOCK_BYTES = 34     # float16 d, 32 int8 codes
 PREFILL_ROWS = 32        # a forward over an empty cache with this many rows reads the dense weights
 _HOOKS = "_mcsd_q4_prefill_hooks"
+_changes = [0]           # attach / detach calls so far: a plan made of the attached codes is stale once it moves
 
 
 class _Forwards(threading.local):
@@ -386,6 +387,7 @@ def attach(model: torch.nn.Module, gguf_path: str | Path, join: bool = True) -> 
         Q4Error: no kernel, wrong dtype or device, an unreadable file, an architecture
             whose tensors are not named as llama's, or weights that are not the file's.
     """
+    _changes[0] += 1
     weight = model.get_input_embeddings().weight
     if weight.device.type != "cpu":
         raise Q4Error(f"q4 weights run on the CPU; the model is on {weight.device}")
@@ -506,6 +508,7 @@ def _join(group: list[torch.nn.Linear], group_codes: list[Codes]) -> None:
 
 def detach(model: torch.nn.Module) -> None:
     """Back to the dense weights everywhere (dequantised again where `attach` let them go)."""
+    _changes[0] += 1
     for hook in model.__dict__.pop(_HOOKS, ()):
         hook.remove()
     for layer in model.modules():
@@ -527,6 +530,20 @@ def read_bytes(layer: torch.nn.Module) -> tuple[int, int] | None:
     if q4 is None:
         return None
     return id(q4), q4.nbytes
+
+
+def changes() -> int:
+    """A count that moves whenever any model's q4 weights are attached or detached."""
+    return _changes[0]
+
+
+def native_rows(layer: torch.nn.Module) -> tuple[Q4Linear, int, int] | None:
+    """(the native Q4_1 weight a layer's forward reads, the layer's first and end row in it) where it
+    reads one (joined siblings share it), else None."""
+    q4 = layer.__dict__.get(_ATTR)
+    if not isinstance(q4, Q4Linear) or not q4.native:
+        return None
+    return (q4, *layer.__dict__[_ROWS])
 
 
 def attached(model: torch.nn.Module) -> int:

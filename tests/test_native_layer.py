@@ -1,0 +1,176 @@
+"""A whole decoder layer in one native call (`mcsd_layer` in q4_kernel.c, run by `mcsd.llama`):
+float32 models on native Q4_1 products, against transformers' forward and the engine's forward
+operation by operation, for every family the engine's forward runs (biases, per-head q / k norms,
+llama3 rope scaling)."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import perturbed
+from mcsd import TreeDecoder, llama, native, quant
+from mcsd.lm import CachedLM
+from mcsd.tree import causal_allowed
+from test_lean_forward import FAMILIES, PROMPT, TREE, TREE_DEPTH, _family
+
+NAMES = {v: k for k, v in quant._LLAMA_NAMES.items()}          # transformers' module path -> GGUF name
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native_kernel(tmp_path_factory):
+    """One private cache for the module (the library is built once), the native kernel required."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MCSD_CACHE", str(tmp_path_factory.mktemp("cache")))
+    mp.setenv("MCSD_NATIVE", "1")
+    native.reset()
+    if quant.kernel_name() != "native":
+        mp.undo()
+        native.reset()
+        pytest.skip(f"the native q4 kernel does not run here ({native.reason()})")
+    yield
+    mp.undo()
+    native.reset()
+
+
+def _llama_cpp_rows(n_rows: int, n_head: int) -> np.ndarray:
+    """The row order llama.cpp's converter gives a q / k weight (what `quant.read_codes` undoes)."""
+    half = n_rows // n_head // 2
+    return np.arange(n_rows).reshape(n_head, 2, half).swapaxes(1, 2).reshape(n_rows)
+
+
+def _on_q4_codes(model, path):
+    """`model` with every decoder linear weight replaced by its Q4_1 dequantisation and attached to
+    those codes, written into a GGUF at `path` as llama.cpp's converter lays them out."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType.Q4_1
+    writer = gguf.GGUFWriter(str(path), "llama")
+    cfg = model.config
+    with torch.no_grad():
+        for name, layer in model.named_modules():
+            parts = name.split(".")
+            if not isinstance(layer, torch.nn.Linear) or parts[:2] != ["model", "layers"]:
+                continue
+            raw = gguf.quants.quantize(layer.weight.numpy(), qtype)
+            layer.weight.copy_(torch.from_numpy(gguf.quants.dequantize(raw, qtype)).view(layer.weight.shape))
+            short = ".".join(parts[3:])
+            if short in ("self_attn.q_proj", "self_attn.k_proj"):
+                heads = cfg.num_attention_heads if short.endswith("q_proj") else cfg.num_key_value_heads
+                raw = raw[_llama_cpp_rows(raw.shape[0], heads)]
+            writer.add_tensor(f"blk.{parts[2]}.{NAMES[short]}.weight", raw, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert quant.attach(model, path) == 7 * cfg.num_hidden_layers
+    return model
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def q4_family(request, tmp_path_factory):
+    model = _on_q4_codes(_family(request.param), tmp_path_factory.mktemp("q4") / f"{request.param}.gguf")
+    return request.param, model
+
+
+def _run(lm):
+    """The outputs of a prompt, a tree block after it and a step after the tree is dropped."""
+    lm.reset()
+    first = lm.extend(PROMPT)
+    n = lm.length
+    block = lm.forward(torch.tensor([7, 8, 9, 10, 12]), n + TREE_DEPTH, TREE.to(causal_allowed(1, "cpu").dtype))
+    lm.truncate(n)
+    step = lm.extend(torch.tensor([11]))
+    return first, block, step
+
+
+def _one_op_at_a_time(lm):
+    """`lm` made to run the engine's forward operation by operation (no whole-layer calls)."""
+    lm.reset()
+    lm._running._make_plan = lambda: None
+    lm._running._plan_at = None
+    return lm
+
+
+def test_a_layer_in_one_call_agrees_with_transformers_and_the_op_by_op_forward(q4_family):
+    name, model = q4_family
+    fused, ops, reference = CachedLM(model, lean=True), _one_op_at_a_time(CachedLM(model, lean=True)), \
+        CachedLM(model, lean=False)
+    fused.reset()
+    assert fused._running.native_layers() is not None, name
+    with torch.inference_mode():
+        got = _run(fused)
+        by_op = _run(_one_op_at_a_time(ops))
+        want = _run(reference)
+    assert ops._running.native_layers() is None
+    for a, b, c in zip(got, by_op, want):
+        assert torch.allclose(a, c, atol=1e-4, rtol=1e-4), name
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), name
+
+
+def test_a_rows_result_in_one_call_does_not_depend_on_the_block(q4_family):
+    """The final hidden states of a chain of 9 rows computed in one block equal, bit for bit, the same
+    rows one at a time: what makes a verify agree with the steps of plain decoding (the tiny models'
+    dense LM heads run on torch's products, whose rows may differ in the last bit)."""
+    _, model = q4_family
+    lm = CachedLM(model, lean=True)
+    chain = torch.tensor([4, 30, 2, 61, 17, 8, 44, 5, 19])
+    with torch.inference_mode():
+        lm.reset()
+        lm.extend(PROMPT)
+        _, block = lm.extend(chain, hidden=(-1,))
+        lm.reset()
+        lm.extend(PROMPT)
+        rows = torch.cat([lm.extend(chain[i:i + 1], hidden=(-1,))[1] for i in range(chain.numel())])
+    assert torch.equal(block, rows)
+
+
+def test_hidden_states_come_from_the_layers_in_one_call(q4_family):
+    _, model = q4_family
+    n = model.config.num_hidden_layers
+    out = {}
+    with torch.inference_mode():
+        for lean in (True, False):
+            lm = CachedLM(model, lean=lean)
+            lm.reset()
+            out[lean] = lm.extend(PROMPT, hidden=(0, 1, n))
+    (la, sa), (lb, sb) = out[True], out[False]
+    assert torch.allclose(la, lb, atol=1e-4, rtol=1e-4) and torch.allclose(sa, sb, atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_decoding_on_layers_in_one_call_equals_plain_decoding_and_generate(q4_family):
+    name, model = q4_family
+    prompt = PROMPT[:6]
+    want = model.generate(prompt[None], max_new_tokens=30, do_sample=False,
+                          attention_mask=torch.ones(1, prompt.numel()))[0, prompt.numel():].tolist()
+    dec = TreeDecoder(model, perturbed(_family(name), 0.3), tree="4,2,2", policy="static")
+    out, plain = dec.generate(prompt, max_new_tokens=30), dec.generate_baseline(prompt, max_new_tokens=30)
+    assert dec.target._running is not None and dec.target._running.native_layers() is not None
+    assert out.tokens == plain.tokens == want, name
+
+
+def test_the_layers_go_back_to_one_op_at_a_time_once_the_codes_are_detached(tmp_path):
+    model = _on_q4_codes(_family("llama"), tmp_path / "llama.gguf")
+    dense = copy.deepcopy(model)
+    quant.detach(dense)
+    lm = CachedLM(model, lean=True)
+    lm.reset()
+    assert lm._running.native_layers() is not None
+    quant.detach(model)
+    assert lm._running.native_layers() is None               # made again: no codes to point into
+    with torch.inference_mode():
+        got, want = _run(lm), _run(CachedLM(dense, lean=False))
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_a_model_in_bfloat16_runs_one_op_at_a_time(q4_gguf_file):
+    from mcsd.models import load_model
+    model = load_model(str(q4_gguf_file), dtype="bfloat16", weights="q4")
+    lm = CachedLM(model, lean=True)
+    lm.reset()
+    assert lm._running.one_call and lm._running.native_layers() is None
+    assert isinstance(lm._running, llama.LeanForward)
