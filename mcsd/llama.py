@@ -26,6 +26,10 @@ What it keeps:
   float32 `F.rms_norm` rounds as transformers' formula does (checked in the
   tests), in reduced precision the normalised value is rounded to the model
   dtype before the weight multiplies it, as transformers does.
+- a float32 model whose layers all run on the native q4 kernel's codes runs
+  each decoder layer as one call into that library (`native.layer`, see
+  `LeanForward.native_layers`), which computes the same operations from the
+  same weights; any other model runs them one at a time as above.
 
 Shapes for the GPU work to come: the cache is a `StaticCache` (buffers
 allocated once), positions, the additive mask and the slots a block is

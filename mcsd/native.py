@@ -1,5 +1,6 @@
-"""The engine's native library (`q4_kernel.c`): the Q4_1 and Q8_0 products of q4 weights and an RMS
-norm, built once per machine with the C compiler.
+"""The engine's native library (`q4_kernel.c`): the Q4_1 and Q8_0 products of q4 weights, an RMS norm,
+attention over a static cache, and a whole Llama-family decoder layer on Q4_1 weights in one call,
+built once per machine with the C compiler.
 
 torch's CPU int4 kernel dequantises its weights again for every block of a few rows, so a 9-row
 tree verify costs several 1-row steps. `q4_kernel.c` dequantises a block of output rows once and

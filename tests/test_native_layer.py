@@ -10,12 +10,12 @@ import copy
 import numpy as np
 import pytest
 import torch
-
 from conftest import perturbed
+from test_lean_forward import FAMILIES, PROMPT, TREE, TREE_DEPTH, _family
+
 from mcsd import TreeDecoder, llama, native, quant
 from mcsd.lm import CachedLM
 from mcsd.tree import causal_allowed
-from test_lean_forward import FAMILIES, PROMPT, TREE, TREE_DEPTH, _family
 
 NAMES = {v: k for k, v in quant._LLAMA_NAMES.items()}          # transformers' module path -> GGUF name
 
