@@ -18,7 +18,7 @@
 
    Speed: a block of NB output rows is dequantised once into a per-thread buffer, then read by every
    input row in tiles of up to 3 rows x NB outputs (12 accumulators), so the dequantisation, which
-   bounds a 1-row product, is shared by all rows of a verify. A single row uses the dequantised
+   bounds a 1-row product, is shared by all rows of a verify. Up to 3 rows use the dequantised
    weights in registers instead (the same operations, in the same order). */
 
 #include <immintrin.h>
@@ -29,7 +29,7 @@
 #define NB 4            /* output rows dequantised together */
 #define RB 3            /* input rows per tile */
 
-int mcsd_q4_abi(void) { return 8; }
+int mcsd_q4_abi(void) { return 9; }
 
 static inline float hsum(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -68,24 +68,35 @@ static inline __attribute__((always_inline)) void dequant_row(const uint8_t *c, 
     }
 }
 
-/* one input row: the weights are dequantised in registers and used at once, never stored (a 1-row
-   step is bound by the dequantisation). The same values, multiplied in the same order as tile does,
-   so the results are bit for bit the same. */
-static inline __attribute__((always_inline)) void direct(const float *x, int64_t K, const uint8_t *c, int64_t row, const float *d,
-                          const float *m, int q8, int nb, float *out) {
+/* up to DR input rows: the weights are dequantised in registers and used at once, never stored (a step
+   or a small verify is bound by the dequantisation, which this shares across its rows). The same values,
+   multiplied in the same order as tile does, so the results are bit for bit the same. `rows` and `q8`
+   are constants at each call site; outputs go J at a time so that rows x J accumulators stay in
+   registers. */
+#define DR 3          /* 2 and 3 rows: 13% and 20% faster than the buffered path; 4 rows twice over: slower */
+static inline __attribute__((always_inline)) void direct(const float *x, int rows, int64_t K, const uint8_t *c,
+                                                         int64_t row, const float *d, const float *m, int q8,
+                                                         int nb, float *out, int64_t N) {
     const int64_t G = K / 32;
-    __m256 acc[NB];
-    for (int j = 0; j < NB; j++) acc[j] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
-        for (int j = 0; j < NB; j++) {
-            const int64_t n = j < nb ? j : 0;
-            __m256 v[4];
-            if (q8) block_q8((const int8_t *)(c + n * row) + 32 * g, d[n * G + g], v);
-            else block_q4(c + n * row + 16 * g, d[n * G + g], m[n * G + g], v);
-            for (int i = 0; i < 4; i++) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 32 * g + 8 * i), v[i], acc[j]);
+    const int J = rows <= 2 ? NB : 2;
+    for (int j0 = 0; j0 < nb; j0 += J) {
+        __m256 acc[DR][NB];
+        for (int r = 0; r < rows; r++)
+            for (int j = 0; j < J; j++) acc[r][j] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < G; g++) {
+            for (int j = 0; j < J; j++) {
+                const int64_t n = j0 + j < nb ? j0 + j : 0;
+                __m256 v[4];
+                if (q8) block_q8((const int8_t *)(c + n * row) + 32 * g, d[n * G + g], v);
+                else block_q4(c + n * row + 16 * g, d[n * G + g], m[n * G + g], v);
+                for (int i = 0; i < 4; i++)
+                    for (int r = 0; r < rows; r++)
+                        acc[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + 32 * g + 8 * i), v[i], acc[r][j]);
+            }
         }
+        for (int r = 0; r < rows; r++)
+            for (int j = 0; j < J && j0 + j < nb; j++) out[r * N + j0 + j] = hsum(acc[r][j]);
     }
-    for (int j = 0; j < nb; j++) out[j] = hsum(acc[j]);
 }
 
 /* rows x NB outputs; `rows` is a constant at each call site, so each is compiled on its own */
@@ -130,9 +141,16 @@ static int mm(const float *x, int64_t M, int64_t K, const void *codes, const flo
             const int64_t G = K / 32, row = q8 ? K : K / 2;            /* bytes of codes a weight row */
             const uint8_t *cn = (const uint8_t *)codes + n0 * row;
             const float *dn = d + n0 * G, *mn = q8 ? NULL : m + n0 * G;
-            if (M == 1) {                           /* q8 a constant at each call: each compiled on its own */
-                if (q8) direct(x, K, cn, row, dn, mn, 1, nb, out + n0);
-                else direct(x, K, cn, row, dn, mn, 0, nb, out + n0);
+            if (M <= DR) {                 /* rows and q8 constants at each call: each compiled on its own */
+                if (q8) {
+                    if (M == 1) direct(x, 1, K, cn, row, dn, mn, 1, nb, out + n0, N);
+                    else if (M == 2) direct(x, 2, K, cn, row, dn, mn, 1, nb, out + n0, N);
+                    else direct(x, 3, K, cn, row, dn, mn, 1, nb, out + n0, N);
+                } else {
+                    if (M == 1) direct(x, 1, K, cn, row, dn, mn, 0, nb, out + n0, N);
+                    else if (M == 2) direct(x, 2, K, cn, row, dn, mn, 0, nb, out + n0, N);
+                    else direct(x, 3, K, cn, row, dn, mn, 0, nb, out + n0, N);
+                }
                 continue;
             }
             for (int j = 0; j < NB; j++) {
