@@ -86,6 +86,7 @@ class Calibration:
         """Run each forward on the matmul path the profile measured faster for its size."""
         if prof is None:
             return
+        q8 = getattr(self.drafter, "q8_layers", 0)
         notes = [note for note in (self._q4_note(),) if note]
         runners = [("target", "verify", self.target, self.target.model)]
         if self.drafter is not None and hasattr(self.drafter, "kernels"):
@@ -94,7 +95,11 @@ class Calibration:
             runner.kernels = table = prof.kernel_table(role)
             if table is None:
                 continue
-            notes.append(f"{label}{' (the rest)' if label == 'target' and len(notes) else ''}: {table.describe()}")
+            if label == "draft" and q8:
+                notes.append(f"draft: {q8} linear layers on Q8_0 codes of its weights (mcsd's native kernel) "
+                             f"at every block size")
+            rest = (label == "target" and self._q4_note()) or (label == "draft" and q8)
+            notes.append(f"{label}{' (the rest)' if rest else ''}: {table.describe()}")
             if table.uses_packed and module is not None:       # prepacked weights are made once, here
                 kernels.pack(module)
                 if kernels.joined(module):

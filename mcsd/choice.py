@@ -144,6 +144,8 @@ def _convert(target, draft, dtype: torch.dtype, q4: bool, gguf: Path | None):
     target, draft = cast_pair(target, draft, dtype)
     if q4:
         quant.attach(target, gguf)
+        if hasattr(draft, "follow_target_weights"):         # a feature head follows its target onto codes
+            draft.follow_target_weights()
     return target, draft
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import kernels, kv_cache
+from . import kernels, kv_cache, quant
 from .tree import DraftTree, additive_mask, causal_allowed
 
 
@@ -259,7 +259,20 @@ class FeatureDrafter:
         self.forwards = 0
         self.last_hidden: torch.Tensor | None = None    # (M, H) predicted features of the rows just run
         self.kernels = None                             # CPU matmul path per block size (mcsd.kernels)
+        self.target = target
+        self.q8_layers = 0
+        self.follow_target_weights()
         self.reset()
+
+    def follow_target_weights(self) -> int:
+        """Beside a float32 target on the native q4 kernel, run the head's products on Q8_0 codes of its
+        own weights (`quant.attach_q8`: a quarter of the bytes; a draft's rounding never reaches the
+        output). Called when the drafter is made and again when the target is put on q4 weights after
+        it; returns the layers on Q8_0 codes."""
+        if not self.q8_layers and self.dtype == torch.float32 and quant.attached(self.target) \
+                and quant.kernel_name() == "native":
+            self.q8_layers = quant.attach_q8(self.module)
+        return self.q8_layers
 
     def reset(self) -> None:
         from transformers import DynamicCache

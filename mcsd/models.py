@@ -348,6 +348,8 @@ def cast_pair(target, draft, dtype):
     if isinstance(draft, torch.nn.Module):
         draft.to(dtype)
     elif isinstance(draft, FeatureDrafter):
+        from . import quant
+        quant.detach(draft.head)              # codes of its old weights go (the new drafter makes its own)
         head = draft.head.to(dtype)
         head.attach_lm_head(target.get_output_embeddings().weight)
         draft = FeatureDrafter(head, target, name=draft.name, window=draft.window, directory=draft.directory)

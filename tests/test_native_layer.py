@@ -174,3 +174,40 @@ def test_a_model_in_bfloat16_runs_one_op_at_a_time(q4_gguf_file):
     lm.reset()
     assert lm._running.one_call and lm._running.native_layers() is None
     assert isinstance(lm._running, llama.LeanForward)
+
+
+def test_a_q8_0_weight_quantises_back_to_its_own_codes():
+    torch.manual_seed(0)
+    q = torch.randint(-127, 128, (8, 64), dtype=torch.int8)
+    q[:, ::32] = 127                                                  # each block reaches the end of the range
+    d = (torch.rand(8, 2) * 0.01).half().float()
+    w = quant.dequantize(q, d, None)
+    codes, scales = quant.quantize_q8_0(w)
+    assert torch.equal(codes, q) and torch.equal(scales, d)
+    zero_codes, zero_scales = quant.quantize_q8_0(torch.zeros(2, 32))
+    assert not zero_codes.any() and not zero_scales.any()
+
+
+def _feature_head(width: int, vocab: int):
+    from mcsd.feature_draft import FeatureHead, FeatureHeadConfig
+    torch.manual_seed(5)
+    return FeatureHead(FeatureHeadConfig(target_hidden=width, layers=1, heads=2, kv_heads=1, intermediate=2 * width,
+                                         vocab_size=vocab,
+                                         sub_vocab=24)).eval()
+
+
+def test_a_feature_drafter_beside_a_native_q4_target_drafts_on_q8_0_and_stays_exact(tmp_path):
+    from mcsd.feature_draft import FeatureDrafter
+    model = _on_q4_codes(_family("llama"), tmp_path / "llama.gguf")
+    drafter = FeatureDrafter(_feature_head(model.config.hidden_size, model.config.vocab_size), model)
+    assert drafter.q8_layers == 9                  # reduce, q / k / v / o, gate / up / down, the LM rows
+    plain = TreeDecoder(model, None).generate_baseline(PROMPT, max_new_tokens=40).tokens
+    out = TreeDecoder(model, drafter, tree="3,2,2,1", policy="static").generate(PROMPT, max_new_tokens=40)
+    assert out.tokens == plain and out.stats.draft_forwards > 0
+    dense = FeatureDrafter(_feature_head(model.config.hidden_size, model.config.vocab_size), _family("llama"))
+    assert dense.q8_layers == 0                    # beside a dense target the head stays on its float32 weights
+    with torch.inference_mode():                   # and the codes' scores stay near the float32 weights'
+        f, e = torch.randn(1, 6, 32), torch.randn(1, 6, 32)
+        a = dense.head.sub_scores(dense.head(f, e, torch.arange(6)[None]))
+        b = drafter.head.sub_scores(drafter.head(f, e, torch.arange(6)[None]))
+    assert torch.allclose(a, b, atol=0.05 * float(a.abs().max()))
