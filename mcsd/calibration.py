@@ -50,7 +50,7 @@ class Calibration:
         """Costs from this machine's profile; a stale verdict flags the cached profile for measuring again."""
         self.profile()
         costs = costs_of(*self._fetched)
-        costs.on_stale = _stale_marker(self.target.model, self.draft)
+        costs.on_stale = _stale_marker(self.target.model, self.draft, costs)
         self.source = costs.source
         return costs
 
@@ -136,9 +136,9 @@ def _timed(draft):
     return draft if isinstance(draft, torch.nn.Module) or getattr(draft, "uses_target_hidden", False) else None
 
 
-def _stale_marker(target, draft):
+def _stale_marker(target, draft, costs):
     """on_stale for Costs: flag the cached profile so that the next start measures again."""
-    return lambda reason: profile.mark_stale(target, _timed(draft), reason)
+    return lambda reason: profile.mark_stale(target, _timed(draft), reason, ratio=costs.stale_ratio)
 
 
 def device_profile(target, draft, calibrate: bool | None = None) -> tuple:

@@ -601,14 +601,16 @@ def load_target_costs(target, dtype=None) -> DeviceProfile | None:
     return None
 
 
-def mark_stale(target, draft, reason: str, dtype=None) -> bool:
+def mark_stale(target, draft, reason: str, dtype=None, ratio: float | None = None) -> bool:
     """Flag the cached profile of this setup for measuring again at the next start (`load_cached`);
-    False where there is none or the cache cannot be written."""
+    `ratio`: the rounds' measured time over the profile's that flagged it. False where there is none
+    or the cache cannot be written."""
     path = profile_path(target, draft, dtype)
     prof = _readable(path, next(target.parameters()).device)
     if prof is None:
         return False
     prof.meta["stale"] = reason
+    prof.meta["stale_ratio"] = ratio
     try:
         path.write_text(prof.to_json())
     except OSError:
@@ -642,8 +644,12 @@ def settle(old: DeviceProfile, new: DeviceProfile) -> DeviceProfile:
     if worst is None:
         return new
     kept = copy.deepcopy(old)
-    kept.meta.update(stale=None, provisional=None, calibration_s=new.meta.get("calibration_s", 0.0),
-                     confirmed={"flag": old.meta.get("stale"), "largest_ratio": round(worst, 3)})
+    # the rounds' ratio that flagged it is then how decoding compares with these figures on this
+    # machine (the work around a forward that a profile does not time), not a change: expected from now
+    kept.meta.update(stale=None, stale_ratio=None, provisional=None,
+                     calibration_s=new.meta.get("calibration_s", 0.0),
+                     confirmed={"flag": old.meta.get("stale"), "largest_ratio": round(worst, 3),
+                                "observed": old.meta.get("stale_ratio")})
     return kept
 
 
@@ -734,6 +740,8 @@ class Costs:
         self.online = online
         self.stale: str | None = None
         self.on_stale = None
+        self.expected_ratio = 1.0                   # measured / profile that rounds are checked against
+        self.stale_ratio: float | None = None       # measured / profile when flagged stale
         self._plain: list[float] = []               # measured / profile, last plain steps
         self._any: list[float] = []                 # the same, last rounds of any size
         self.reset_corrections()
@@ -742,6 +750,7 @@ class Costs:
         """Take `other`'s measured costs and source (a profile measured again), keeping this one's
         settings and hook; corrections and the staleness check start over."""
         self.verify, self.draft, self.source = dict(other.verify), dict(other.draft), other.source
+        self.expected_ratio, self.stale_ratio = other.expected_ratio, None
         self.stale, self._plain, self._any = None, [], []
         self.reset_corrections()
 
@@ -758,8 +767,12 @@ class Costs:
     @classmethod
     def from_profile(cls, profile: DeviceProfile, source: str = "measured") -> "Costs":
         """Costs on the faster matmul path per size, which is the one the engine runs."""
-        return cls(verify=profile.best_ms("verify"), draft=profile.best_ms("draft") or cls.default().draft,
-                   source=source)
+        costs = cls(verify=profile.best_ms("verify"), draft=profile.best_ms("draft") or cls.default().draft,
+                    source=source)
+        observed = (profile.meta.get("confirmed") or {}).get("observed")
+        if observed:                # a flag that measuring again did not confirm: that ratio is expected
+            costs.expected_ratio = float(observed)
+        return costs
 
     def _corr(self, kind: str, n: float) -> float:
         if not self.online:
@@ -810,8 +823,10 @@ class Costs:
             del window[:-size]
             if self.stale is None and len(window) == size:
                 mid = statistics.median(window)
-                if not 1 / bound < mid < bound:
+                if not 1 / bound < mid / self.expected_ratio < bound:
+                    self.stale_ratio = mid
                     self.stale = (f"the last {size} {what} took {mid:.2f}x the profile's time "
-                                  f"(measured {'faster' if mid < 1 else 'slower'})")
+                                  f"(measured {'faster' if mid < 1 else 'slower'}"
+                                  + (f"; {self.expected_ratio:.2f}x expected)" if self.expected_ratio != 1 else ")"))
                     if self.on_stale is not None:
                         self.on_stale(self.stale)

@@ -196,6 +196,34 @@ def test_agreeing_rounds_do_not_mark_a_profile_stale():
     assert costs.verify_ms(1) == 10.0                           # not corrected: costs fixed for the run
 
 
+def test_a_ratio_that_measuring_again_confirmed_is_expected_from_then_on(target, random_draft, fresh_cache,
+                                                                          monkeypatch):
+    """Decoding's plain steps may take a steady multiple of the profile's 1-row time (work around a
+    forward that the profile does not time). Flagged once and confirmed by measuring again, that
+    ratio is expected: later runs at it do not flag the profile again (no measuring every other
+    start); a ratio that moves on from it still does."""
+    monkeypatch.setattr(profile, "BusyCheck", Quiet)
+    monkeypatch.setattr(profile, "quiet_now", lambda threads_used=None: True)
+    latency, _ = fake_latency()
+    monkeypatch.setattr(profile._ModelTimer, "latency", lambda self, n: latency("any", n, "onednn"))
+    first = load_or_measure(target, random_draft, quiet=True, **QUICK)
+
+    def run(prof, ratio):
+        costs = Costs.from_profile(prof, source="cached")
+        costs.on_stale = lambda reason: profile.mark_stale(target, random_draft, reason, ratio=costs.stale_ratio)
+        for _ in range(8):
+            costs.observe("verify", 1, costs.base_verify_ms(1), costs.base_verify_ms(1) * ratio)
+        return costs
+
+    assert run(first, 1.36).stale                                        # flagged: measured again at the next start
+    again = load_or_measure(target, random_draft, quiet=True, **QUICK)
+    assert again.meta["confirmed"]["observed"] == pytest.approx(1.36)    # the same figures: confirmed
+    assert run(again, 1.36).stale is None and run(again, 1.5).stale is None
+    assert load_cached(target, random_draft).meta.get("stale") is None   # nothing to measure at the next start
+    moved = run(again, 2.0)
+    assert moved.stale and "1.36x expected" in moved.stale
+
+
 def test_baseline_calibrates_nothing(model_dirs, fresh_cache, monkeypatch, capsys, target):
     from mcsd.cli import main
 
