@@ -499,7 +499,7 @@ def _model_name(model) -> str:
     return str(getattr(model.config, "_name_or_path", "") or model.config.model_type)
 
 
-def _model_key(model, q4: bool = False) -> str:
+def _model_key(model, q4: bool = False, codes: bool = True) -> str:
     """What runs, never where it was loaded from: a profile holds costs, which follow the
     architecture (the configuration less its path and bookkeeping, every parameter's name and
     shape) and whether the linear layers run on 4-bit codes (attached, or `q4`: to be), not the
@@ -516,7 +516,7 @@ def _model_key(model, q4: bool = False) -> str:
         digest.update(json.dumps(fields, sort_keys=True, default=str).encode())
     digest.update(";".join(f"{name}{tuple(p.shape)}" for name, p in module.named_parameters()).encode())
     weights = ""
-    if q4 or quant.attached(module):
+    if q4 or (codes and quant.attached(module)):
         # the q4 kernel is part of what runs: torch's int4 kernel and each version of the native one
         # (`native.VERSION`) cost differently (asked only here: a dense model builds no native library)
         weights = ":q4" + (f"-native{native.VERSION}" if quant.kernel_name() == "native" else "")
@@ -536,7 +536,10 @@ def profile_path(target, draft, dtype=None, weights: str | None = None) -> Path:
     `weights="q4"` names the target's profile on its 4-bit codes before they are attached."""
     dev = next(target.parameters()).device
     dtype = dtype or next(target.parameters()).dtype
-    parts = [_model_key(target, q4=weights == "q4"), _model_key(draft) if draft is not None else "-", str(dtype), str(dev),
+    # a drafter's key leaves out its own codes: it runs on them exactly when the target runs on the native
+    # q4 kernel (`FeatureDrafter.follow_target_weights`), which the target's key says, before and after
+    parts = [_model_key(target, q4=weights == "q4"), _model_key(draft, codes=False) if draft is not None else "-",
+             str(dtype), str(dev),
              str(getattr(target.config, "_attn_implementation", None)), str(torch.get_num_threads()),
              json.dumps(host_key(dev), sort_keys=True)]
     if kernels.switchable(dtype, dev):

@@ -211,3 +211,16 @@ def test_a_feature_drafter_beside_a_native_q4_target_drafts_on_q8_0_and_stays_ex
         a = dense.head.sub_scores(dense.head(f, e, torch.arange(6)[None]))
         b = drafter.head.sub_scores(drafter.head(f, e, torch.arange(6)[None]))
     assert torch.allclose(a, b, atol=0.05 * float(a.abs().max()))
+
+
+def test_a_pairs_profile_is_found_under_one_name_before_and_after_the_codes(tmp_path):
+    """--weights auto looks a q4 candidate's costs up before converting the pair, and they are stored
+    after (the feature head then on its Q8_0 codes): one file, so a warm start measures nothing."""
+    from mcsd.feature_draft import FeatureDrafter
+    from mcsd.profile import profile_path
+    dense = _family("llama")
+    before = profile_path(dense, FeatureDrafter(_feature_head(32, 64), dense), torch.float32, weights="q4")
+    model = _on_q4_codes(_family("llama"), tmp_path / "llama.gguf")
+    drafter = FeatureDrafter(_feature_head(32, 64), model)
+    assert drafter.q8_layers and profile_path(model, drafter) == before
+    assert profile_path(dense, FeatureDrafter(_feature_head(32, 64), dense)) != before    # dense: its own
