@@ -29,7 +29,7 @@ from .kernels import interpolate
 from .lm import CachedLM
 from .tree import causal_allowed
 
-DEFAULT_SIZES = (1, 2, 4, 8, 16, 32)     # tree sizes timed; larger ones extrapolate proportionally
+DEFAULT_SIZES = (1, 2, 3, 4, 6, 8, 16, 32)   # tree sizes timed (3: the last the q4 kernel keeps in registers); larger ones extrapolate
 DEFAULT_DRAFT_SIZES = (1, 2, 4, 8, 16)    # draft level widths timed
 ATEN_MAX_ROWS = 16          # block sizes up to this are also timed through ATen's kernels (mcsd.kernels)
 CALIBRATION_REPEATS = 4     # the quick measurement a first generation makes: 2 rounds of 2 runs (see measure)
@@ -828,8 +828,9 @@ class Costs:
                 mid = statistics.median(window)
                 if not 1 / bound < mid / self.expected_ratio < bound:
                     self.stale_ratio = mid
-                    self.stale = (f"the last {size} {what} took {mid:.2f}x the profile's time "
-                                  f"(measured {'faster' if mid < 1 else 'slower'}"
-                                  + (f"; {self.expected_ratio:.2f}x expected)" if self.expected_ratio != 1 else ")"))
+                    slower = 'faster' if mid < self.expected_ratio else 'slower'
+                    self.stale = (f"the last {size} {what} took {mid:.2f}x the profile's time (measured {slower}"
+                                  + (f" than the {self.expected_ratio:.2f}x expected)" if self.expected_ratio != 1
+                                     else ")"))
                     if self.on_stale is not None:
                         self.on_stale(self.stale)
