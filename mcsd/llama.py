@@ -213,12 +213,16 @@ class LeanForward:
                     any(n.weight.dtype != torch.float32 for n in norms):
                 return None
             qk_eps = m.q_norm.variance_epsilon if m.q_norm is not None else 0.0
-            weights = native.layer_weights(m.norm.weight, m.post_norm.weight,
-                                           None if m.q_norm is None else m.q_norm.weight,
-                                           None if m.k_norm is None else m.k_norm.weight,
-                                           m.norm.variance_epsilon, m.post_norm.variance_epsilon, qk_eps, m.scaling,
-                                           products, self.heads, self.kv_heads, self.head_dim)
-            plan.append((weights, products))
+            try:
+                weights = native.layer_weights(m.norm.weight, m.post_norm.weight,
+                                               None if m.q_norm is None else m.q_norm.weight,
+                                               None if m.k_norm is None else m.k_norm.weight,
+                                               m.norm.variance_epsilon, m.post_norm.variance_epsilon, qk_eps,
+                                               m.scaling, products, self.heads, self.kv_heads, self.head_dim)
+            except ValueError:                  # a weight the library cannot read as it is (not contiguous)
+                return None
+            # the tensors it points into stay alive with it, even if the model's are replaced meanwhile
+            plan.append((weights, products, [n.weight for n in norms]))
         return plan
 
     def new_cache(self) -> StaticCache:
@@ -266,7 +270,7 @@ class LeanForward:
             cos_rows, sin_rows = cos[0, :, 0].contiguous(), sin[0, :, 0].contiguous()   # (Q, D)
             rows = mask[0, 0] if mask.stride(-1) == 1 else mask[0, 0].contiguous()
             slots = slots.to(torch.long).contiguous()
-            for i, (weights, _) in enumerate(plan):
+            for i, (weights, *_) in enumerate(plan):
                 out = torch.empty_like(h)
                 native.layer(weights, h, out, cos_rows, sin_rows, cache.layer_keys[i][0], cache.layer_values[i][0],
                              slots, k_len, rows)

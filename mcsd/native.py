@@ -234,12 +234,12 @@ def layer_weights(norm, post_norm, q_norm, k_norm, eps: float, post_eps: float, 
 
 def layer(weights: LayerWeights, h: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
           keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, length: int, mask: torch.Tensor) -> None:
-    """One decoder layer in one call (`mcsd_layer` in q4_kernel.c): float32 rows h (..., Q, C) in, `out` of its shape
-    written (it may be h); the block's keys and values written into the cache buffers (H_kv, capacity, D)
-    at `slots` (Q,) int64; attention over their first `length` entries under the additive mask (Q, length)
-    (last dimension contiguous); cos and sin (Q, D), sin signed as `mcsd.llama` makes it. Every tensor
-    contiguous on the CPU; the caller checks shapes."""
-    if _lib().mcsd_layer(ctypes.byref(weights), h.data_ptr(), out.data_ptr(), h.numel() // h.shape[-1], cos.data_ptr(),
-                         sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[1], slots.data_ptr(),
-                         length, mask.data_ptr(), mask.stride(0), torch.get_num_threads()) != 0:
+    """One decoder layer in one call (`mcsd_layer` in q4_kernel.c): float32 rows h (..., Q, C) in, `out`
+    of its shape written (it may be h); the block's keys and values written into the cache buffers
+    (H_kv, capacity, D) at `slots` (Q,) int64; attention over their first `length` entries under the
+    additive mask (Q, length) (last dimension contiguous); cos and sin (Q, D), sin signed as
+    `mcsd.llama` makes it. Every tensor contiguous on the CPU; the caller checks shapes."""
+    if _lib().mcsd_layer(ctypes.byref(weights), h.data_ptr(), out.data_ptr(), h.numel() // h.shape[-1],
+                         cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[1],
+                         slots.data_ptr(), length, mask.data_ptr(), mask.stride(0), torch.get_num_threads()) != 0:
         raise MemoryError("the native layer could not allocate its buffers")

@@ -29,7 +29,8 @@ from .kernels import interpolate
 from .lm import CachedLM
 from .tree import causal_allowed
 
-DEFAULT_SIZES = (1, 2, 3, 4, 6, 8, 16, 32)   # tree sizes timed (3: the last the q4 kernel keeps in registers); larger ones extrapolate
+# tree sizes timed (3: the last the native q4 kernel keeps in registers); larger ones extrapolate proportionally
+DEFAULT_SIZES = (1, 2, 3, 4, 6, 8, 16, 32)
 DEFAULT_DRAFT_SIZES = (1, 2, 4, 8, 16)    # draft level widths timed
 ATEN_MAX_ROWS = 16          # block sizes up to this are also timed through ATen's kernels (mcsd.kernels)
 CALIBRATION_REPEATS = 4     # the quick measurement a first generation makes: 2 rounds of 2 runs (see measure)
