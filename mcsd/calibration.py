@@ -87,7 +87,8 @@ class Calibration:
         if prof is None:
             return
         q8 = getattr(self.drafter, "q8_layers", 0)
-        notes = [note for note in (self._q4_note(),) if note]
+        q4_note = self._q4_note()
+        notes = [q4_note] if q4_note else []
         runners = [("target", "verify", self.target, self.target.model)]
         if self.drafter is not None and hasattr(self.drafter, "kernels"):
             runners.append(("draft", "draft", self.drafter, profile.drafter_module(self.drafter)))
@@ -98,7 +99,7 @@ class Calibration:
             if label == "draft" and q8:
                 notes.append(f"draft: {q8} linear layers on Q8_0 codes of its weights (mcsd's native kernel) "
                              f"at every block size")
-            rest = (label == "target" and self._q4_note()) or (label == "draft" and q8)
+            rest = (label == "target" and q4_note) or (label == "draft" and q8)
             notes.append(f"{label}{' (the rest)' if rest else ''}: {table.describe()}")
             if table.uses_packed and module is not None:       # prepacked weights are made once, here
                 kernels.pack(module)

@@ -238,6 +238,44 @@ class LeanForward:
             self._sign = torch.cat([-torch.ones(half), torch.ones(self.head_dim - half)]).to(sin.device, sin.dtype)
         return cos[:, :, None], (sin * self._sign)[:, :, None]
 
+    def _in_one_call(self, plan, h, cos, sin, rows, cache, slots):
+        """Each decoder layer in one native call (see `native_layers`); yields h after each."""
+        cos_rows, sin_rows = cos[0, :, 0].contiguous(), sin[0, :, 0].contiguous()   # (Q, D)
+        slots = slots.to(torch.long).contiguous()
+        for i, (weights, *_) in enumerate(plan):
+            out = torch.empty_like(h)
+            native.layer(weights, h, out, cos_rows, sin_rows, cache.layer_keys[i][0], cache.layer_values[i][0],
+                         slots, rows.shape[-1], rows)
+            h = out
+            yield h
+
+    def _by_op(self, h, cos, sin, mask, rows, cache, slots):
+        """Each decoder layer operation by operation on the model's own modules; yields h after each."""
+        k_len, half = mask.shape[-1], self.head_dim // 2
+        heads = (*h.shape[:2], -1, self.head_dim)
+        for i, m in enumerate(self.layers):
+            x = _rms_norm(h, m.norm, self.one_call)
+            q = m.q(x).view(heads)                                              # (1, Q, H, D)
+            k = m.k(x).view(heads)                                              # (1, Q, H_kv, D)
+            v = m.v(x).view(heads)
+            if m.q_norm is not None:
+                q, k = _rms_norm(q, m.q_norm, self.one_call), _rms_norm(k, m.k_norm, self.one_call)
+            q = q * cos + q.roll(half, -1) * sin
+            k = k * cos + k.roll(half, -1) * sin
+            keys, values = cache.layer_keys[i], cache.layer_values[i]          # (1, H_kv, capacity, D)
+            keys.index_copy_(2, slots, k.transpose(1, 2))
+            values.index_copy_(2, slots, v.transpose(1, 2))
+            if self.one_call and q.dtype == torch.float32:                     # one call, rows on their own
+                out = native.attention(q[0], keys[0], values[0], k_len, rows, m.scaling)   # (Q, H, D)
+                h = h + m.o(out.view(*h.shape[:2], -1))                         # (1, Q, C)
+            else:
+                out = F.scaled_dot_product_attention(q.transpose(1, 2), keys[:, :, :k_len], values[:, :, :k_len],
+                                                     attn_mask=mask, scale=m.scaling, **self.grouped)   # (1, H, Q, D)
+                h = h + m.o(out.transpose(1, 2).reshape(*h.shape[:2], -1))     # (1, Q, C)
+            x = _rms_norm(h, m.post_norm, self.one_call)
+            h = h + m.down(m.act(m.gate(x)) * m.up(x))
+            yield h
+
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: StaticCache,
                  slots: torch.Tensor, hidden: tuple[int, ...] = (), last_logits: bool = False):
         """Run a block: write its keys and values at `slots`, attend over the cache's first K entries.
@@ -260,48 +298,17 @@ class LeanForward:
             raise IndexError(f"hidden state indices {list(hidden)} outside -{n_layers + 1}..{n_layers}")
         wanted = {i % (n_layers + 1) for i in hidden}
         kept: dict[int, torch.Tensor] = {}
-        k_len, half = mask.shape[-1], self.head_dim // 2
         h = self.embed(tokens)                                                  # (1, Q, C)
         if 0 in wanted:
             kept[0] = h
         cos, sin = self._rotary(h, positions)                                  # (1, Q, 1, D)
+        rows = None if not self.one_call else mask[0, 0] if mask.stride(-1) == 1 else mask[0, 0].contiguous()
         plan = self.native_layers() if not h.requires_grad else None
-        if plan is not None:                                                    # one call a layer
-            cos_rows, sin_rows = cos[0, :, 0].contiguous(), sin[0, :, 0].contiguous()   # (Q, D)
-            rows = mask[0, 0] if mask.stride(-1) == 1 else mask[0, 0].contiguous()
-            slots = slots.to(torch.long).contiguous()
-            for i, (weights, *_) in enumerate(plan):
-                out = torch.empty_like(h)
-                native.layer(weights, h, out, cos_rows, sin_rows, cache.layer_keys[i][0], cache.layer_values[i][0],
-                             slots, k_len, rows)
-                h = out
-                if i + 1 in wanted and i + 1 < n_layers:
-                    kept[i + 1] = h
-        heads = (*tokens.shape, -1, self.head_dim)
-        for i, m in enumerate(self.layers if plan is None else ()):
-            x = _rms_norm(h, m.norm, self.one_call)
-            q = m.q(x).view(heads)                                              # (1, Q, H, D)
-            k = m.k(x).view(heads)                                              # (1, Q, H_kv, D)
-            v = m.v(x).view(heads)
-            if m.q_norm is not None:
-                q, k = _rms_norm(q, m.q_norm, self.one_call), _rms_norm(k, m.k_norm, self.one_call)
-            q = q * cos + q.roll(half, -1) * sin
-            k = k * cos + k.roll(half, -1) * sin
-            keys, values = cache.layer_keys[i], cache.layer_values[i]          # (1, H_kv, capacity, D)
-            keys.index_copy_(2, slots, k.transpose(1, 2))
-            values.index_copy_(2, slots, v.transpose(1, 2))
-            if self.one_call and q.dtype == torch.float32:                     # one call, rows on their own
-                rows = mask[0, 0] if mask.stride(-1) == 1 else mask[0, 0].contiguous()
-                out = native.attention(q[0], keys[0], values[0], k_len, rows, m.scaling)   # (Q, H, D)
-                h = h + m.o(out.view(*tokens.shape, -1))                       # (1, Q, C)
-            else:
-                out = F.scaled_dot_product_attention(q.transpose(1, 2), keys[:, :, :k_len], values[:, :, :k_len],
-                                                     attn_mask=mask, scale=m.scaling, **self.grouped)   # (1, H, Q, D)
-                h = h + m.o(out.transpose(1, 2).reshape(*tokens.shape, -1))    # (1, Q, C)
-            x = _rms_norm(h, m.post_norm, self.one_call)
-            h = h + m.down(m.act(m.gate(x)) * m.up(x))
-            if i + 1 in wanted and i + 1 < n_layers:
-                kept[i + 1] = h
+        run = self._by_op(h, cos, sin, mask, rows, cache, slots) if plan is None else \
+            self._in_one_call(plan, h, cos, sin, rows, cache, slots)
+        for i, h in enumerate(run, 1):                                          # h after layer i
+            if i in wanted and i < n_layers:
+                kept[i] = h
         h = _rms_norm(h, self.norm, self.one_call)
         kept[n_layers] = h
         logits = self.lm_head(h[:, -1:] if last_logits else h)

@@ -431,10 +431,8 @@ def attach(model: torch.nn.Module, gguf_path: str | Path, join: bool = True) -> 
     for group in groups:
         _join(group, [checked[id(layer)][1] for layer in group])
     for key, (layer, (q, d, m)) in checked.items():
-        if key not in joined:
-            layer.__dict__[_ATTR] = Q4Linear(q, d, m) if m is not None else Q8Linear(q, d)
-            layer.__dict__[_ROWS] = (0, q.shape[0])
-        layer.__dict__["forward"] = types.MethodType(_q4_forward, layer)
+        if key not in joined:                         # joined ones: `_join`
+            _put(layer, Q4Linear(q, d, m) if m is not None else Q8Linear(q, d))
         if kernel == "native" and m is not None:
             _let_go(layer)
     _install_prefill(model)
@@ -442,15 +440,12 @@ def attach(model: torch.nn.Module, gguf_path: str | Path, join: bool = True) -> 
 
 
 def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A float weight (N, K), K a multiple of 32, as Q8_0 blocks: codes (N, K) int8 and float32 scales
-    (N, K / 32), d = max |w| / 127 per block of 32 and q = round(w / d) (llama.cpp's rounding of a
-    block; a block of zeros gets d = 0). A Q8_0 weight's dequantisation comes back as its own codes."""
-    n, k = weight.shape
-    blocks = weight.detach().float().reshape(n, k // GROUP, GROUP)
-    d = blocks.abs().amax(dim=-1) / 127
-    q = torch.where(d[..., None] > 0, blocks / d.clamp_min(torch.finfo(torch.float32).tiny)[..., None],
-                    torch.zeros_like(blocks))
-    return q.round().clamp(-127, 127).to(torch.int8).reshape(n, k), d
+    """A float weight (N, K), K a multiple of 32, as Q8_0 blocks, quantised by the `gguf` package as
+    llama.cpp quantises them (d = max |w| / 127 per block of 32, stored in float16): codes (N, K) int8
+    and float32 scales (N, K / 32). A Q8_0 weight's dequantisation comes back as its own codes."""
+    import gguf
+    q, d = split_q8_0(gguf.quants.quantize(weight.detach().float().cpu().numpy(), gguf.GGMLQuantizationType.Q8_0))
+    return q, d.float()
 
 
 def attach_q8(module: torch.nn.Module) -> int:
@@ -475,11 +470,16 @@ def attach_q8(module: torch.nn.Module) -> int:
         w = layer.weight
         if w.is_meta or w.dtype != torch.float32 or w.device.type != "cpu" or w.shape[1] % GROUP:
             continue
-        layer.__dict__[_ATTR] = Q8Linear(*quantize_q8_0(w))
-        layer.__dict__[_ROWS] = (0, w.shape[0])
-        layer.__dict__["forward"] = types.MethodType(_q4_forward, layer)
+        _put(layer, Q8Linear(*quantize_q8_0(w)))
         n += 1
     return n
+
+
+def _put(layer: torch.nn.Linear, weight) -> None:
+    """A linear layer's forward on `weight` (a Q4Linear or Q8Linear of its own, all of its rows)."""
+    layer.__dict__[_ATTR] = weight
+    layer.__dict__[_ROWS] = (0, weight.out_features)
+    layer.__dict__["forward"] = types.MethodType(_q4_forward, layer)
 
 
 def _let_go(layer: torch.nn.Linear) -> None:
@@ -544,6 +544,7 @@ def _join(group: list[torch.nn.Linear], group_codes: list[Codes]) -> None:
         layer.__dict__[_ATTR] = whole                  # the marker `attached` counts; the product reads it
         layer.__dict__[_JOINED] = (product, i)
         layer.__dict__[_ROWS] = (start, start + layer.out_features)
+        layer.__dict__["forward"] = types.MethodType(_q4_forward, layer)
         start += layer.out_features
 
 

@@ -80,14 +80,7 @@ def _top_p(scores: torch.Tensor, mass: float) -> torch.Tensor:
     49,152 entries on a 2-core CPU, against about 1 ms). The decision is made on the candidates'
     descending cumulative mass either way, so every path keeps the same set. (..., V) -> (..., V)."""
     log_norm = torch.logsumexp(scores, dim=-1, keepdim=True)                       # (..., 1)
-    vocab = scores.shape[-1]
-    for k in (TOP_P_FIRST, "bins", None):
-        if k == "bins":
-            k = max(_top_p_bound(scores, log_norm, mass), TOP_P_FIRST + 1)
-            if k >= vocab // 2:
-                continue                                                            # nothing gained over a sort
-        elif k is not None and k >= vocab:
-            continue
+    for k in _top_p_sizes(scores, log_norm, mass):
         if k is None:
             top, order = torch.sort(scores, dim=-1, descending=True)
         else:
@@ -100,6 +93,19 @@ def _top_p(scores: torch.Tensor, mass: float) -> torch.Tensor:
         return scores.masked_fill(~keep, float("-inf"))
 
 
+def _top_p_sizes(scores: torch.Tensor, log_norm: torch.Tensor, mass: float):
+    """The candidate counts `_top_p` tries, in order, each made only if the one before fell short:
+    `TOP_P_FIRST`, the histogram's bound (where it is less than half the vocabulary), then None (a
+    full sort)."""
+    vocab = scores.shape[-1]
+    if TOP_P_FIRST < vocab:
+        yield TOP_P_FIRST
+    bound = max(_top_p_bound(scores, log_norm, mass), TOP_P_FIRST + 1)
+    if bound < vocab // 2:                          # else a sort costs no more
+        yield bound
+    yield None
+
+
 def _top_p_bound(scores: torch.Tensor, log_norm: torch.Tensor, mass: float) -> int:
     """How many top candidates hold `mass` in every row, from a histogram of log-probabilities
     (bins `TOP_P_BIN` wide below the row's top): every token of the bins up to one past the bin where
@@ -108,8 +114,8 @@ def _top_p_bound(scores: torch.Tensor, log_norm: torch.Tensor, mass: float) -> i
     depth = (logp.amax(-1, keepdim=True) - logp) / TOP_P_BIN                        # inf where -inf
     idx = depth.clamp(max=TOP_P_BINS - 1).long()
     rows = logp.shape[0]
-    mass_in = torch.zeros(rows, TOP_P_BINS).scatter_add_(1, idx, logp.exp())
-    count_in = torch.zeros(rows, TOP_P_BINS).scatter_add_(1, idx, torch.ones_like(logp))
+    mass_in = logp.new_zeros(rows, TOP_P_BINS).scatter_add_(1, idx, logp.exp())
+    count_in = logp.new_zeros(rows, TOP_P_BINS).scatter_add_(1, idx, torch.ones_like(logp))
     crossing = (mass_in.cumsum(-1) < mass).sum(-1, keepdim=True)                    # (R, 1) the bin it crosses in
     last = (crossing + 1).clamp(max=TOP_P_BINS - 1)
     return int(count_in.cumsum(-1).gather(1, last).max())
