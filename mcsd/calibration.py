@@ -42,7 +42,8 @@ class Calibration:
     def profile(self):
         """This machine's profile for the pair, looked up (or measured) once; None where there is none."""
         if self._fetched is None:
-            self._fetched = device_profile(self.target.model, self.draft, self.calibrate)
+            prof, source = device_profile(self.target.model, self.draft, self.calibrate)
+            self._fetched = (_held_once(prof), source)
             self._note(*self._fetched)
         return self._fetched[0]
 
@@ -71,7 +72,8 @@ class Calibration:
         if kernels.packable(self.target.dtype, self.target.device):
             # the target alone needs only its paths: from any cached profile of it, never measured
             alone = target_alone and not self.calibrate
-            self.use_kernels(profile.load_target_costs(self.target.model) if alone else self.profile())
+            self.use_kernels(_held_once(profile.load_target_costs(self.target.model), alone=True) if alone
+                             else self.profile())
 
     def _q4_note(self) -> str | None:
         n, joined = quant.attached(self.target.model), quant.joined(self.target.model)
@@ -102,9 +104,11 @@ class Calibration:
             rest = (label == "target" and q4_note) or (label == "draft" and q8)
             notes.append(f"{label}{' (the rest)' if rest else ''}: {table.describe()}")
             if table.uses_packed and module is not None:       # prepacked weights are made once, here
-                kernels.pack(module)
+                kernels.pack(module, release=table.packed_only)
                 if kernels.joined(module):
                     notes[-1] += " (q / k / v as one product)"
+                if kernels.released(module):
+                    notes[-1] += ", its plain weights let go"
         self.kernels_note = "; ".join(notes) or None
 
     def refresh(self, costs: profile.Costs | None) -> None:
@@ -114,6 +118,7 @@ class Calibration:
         if costs is None or costs.stale is None or not profile.quiet_now():
             return
         prof, source = device_profile(self.target.model, self.draft, calibrate=True)
+        prof = _held_once(prof)
         self._note(prof, source)
         costs.rebase(costs_of(prof, source))
         self.source = source
@@ -130,6 +135,16 @@ class Calibration:
         elif prof.meta.get("confirmed"):
             self.note = (f"; the cached costs, flagged stale, were confirmed (within "
                          f"{prof.meta['confirmed']['largest_ratio'] - 1:.0%}) and stay")
+
+
+def _held_once(prof, alone: bool = False):
+    """`prof` with each model's weights on one layout (`DeviceProfile.hold_once`), chosen for the
+    blocks it runs: a target alone steps one row at a time; a target verifies trees of up to
+    `ATEN_MAX_ROWS` nodes; a draft runs levels of every width it was timed at."""
+    if prof is None:
+        return None
+    trees = tuple(n for n in prof.verify_ms if n <= profile.ATEN_MAX_ROWS)
+    return prof.hold_once({"verify": (1,) if alone else trees, "draft": tuple(prof.draft_ms)})
 
 
 def _timed(draft):

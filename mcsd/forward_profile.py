@@ -124,8 +124,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
             else:
                 unread.discard(id(layer.weight))        # a tied LM head reads the whole embedding
     for p in model.parameters():
-        if id(p) not in unread:
-            reads[p.data_ptr()] = p.nbytes
+        if id(p) not in unread:                        # a weight let go for its prepacked copy: that size
+            reads[("meta", id(p)) if p.is_meta else p.data_ptr()] = p.nbytes
     return sum(reads.values())
 
 

@@ -27,10 +27,20 @@ runs on, in place of the BLAS call float32 products otherwise make: 1 / 4 / 8 /
 16 rows took 37 / 39 / 46 / 55 ms against 54 / 79 / 80 / 92 ms (AVX512 EPYC),
 and 40 / 46 / 54 / 69 ms against 56 / 84 / 84 / 99 ms with AVX2 only
 (emulated). A float32 forward's rounding then depends on the path the calibration chose, as it
-already depends on the block size. The packed copy costs one more copy of
-every linear weight in memory (about 270 MB for SmolLM2-135M in bfloat16); it
-is made only where the calibration measured it faster for some block size,
-and is dropped from use for a layer whose weight has changed since.
+already depends on the block size.
+
+Weights are held in one layout. Both plain paths read the plain weights; the
+packed path reads its copy. `KernelTable.held_once` keeps, of the two layouts,
+the one faster over the block sizes a decoder runs (`one_layout`), so a
+profile that found the packed copy faster for trees and the plain weights for
+single rows still holds one copy of each weight, at the cost of the other
+layout's speed at the sizes it would have won. Where every block runs on the
+packed copy, `pack(release=True)` lets the plain weights go, a layer at a
+time (a meta tensor keeps their shape and dtype in place), and every product
+of the layer reads the copy, whatever path a block asks for; `unpack`
+brings them back from the copy, exactly. Weights that several modules share
+(a tied LM head and embedding) are never let go. A packed copy is dropped from
+use for a layer whose weight has changed since.
 """
 
 from __future__ import annotations
@@ -135,6 +145,21 @@ class _Packed:
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
+    def let_go(self, index: int) -> None:
+        """Replace layer `index`'s plain weight by a meta tensor of its shape: this copy holds it now."""
+        layer = self.layers[index]
+        w = layer.weight
+        layer.weight = torch.nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"),
+                                          requires_grad=w.requires_grad)
+        self._made_from[index] = (layer.weight, layer.bias)
+        self._stamps[index] = self._stamp_of(layer.weight, layer.bias)
+
+    def plain(self, index: int) -> torch.Tensor:
+        """Layer `index`'s weight in the plain layout, read back from this copy (exactly: a reorder)."""
+        dense = self.weight.to_dense()
+        start = sum(layer.out_features for layer in self.layers[:index])
+        return dense[start:start + self.layers[index].out_features].clone()
+
     def __deepcopy__(self, memo):
         # A deep copy of a packed model has weights of its own, which this was not made from (and
         # oneDNN's opaque tensors cannot be copied): the copy runs on its plain weights until packed.
@@ -143,24 +168,46 @@ class _Packed:
 
 def _packed_forward(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     packed = layer.__dict__.get("_mcsd_packed")
-    if packed is not None and getattr(_local, "packed", False) and x.dtype == packed.weight.dtype:
+    if packed is not None and (getattr(_local, "packed", False) or layer.weight.is_meta) \
+            and x.dtype == packed.weight.dtype:
         if packed.product is not None:                     # freshness checked once per joined product
             out = packed.product.part(x, layer.__dict__["_mcsd_sibling"])
             if out is not None:
                 return out
         elif packed.fresh():
             return packed._mm(x)
+    if layer.weight.is_meta:
+        raise RuntimeError("this linear layer's plain weight was let go for its prepacked copy, which no longer "
+                           "serves it (a copied model, or another dtype): call mcsd.kernels.unpack on the "
+                           "original model first")
     return F.linear(x, layer.weight, layer.bias)
 
 
-def pack(module: torch.nn.Module, join: bool = True) -> int:
+def _shared(module: torch.nn.Module) -> set[int]:
+    """Storages that more than one parameter of `module` points into (a tied LM head and embedding)."""
+    seen: dict[int, int] = {}
+    for _, p in module.named_parameters(remove_duplicate=False):
+        if not p.is_meta:
+            key = p.untyped_storage().data_ptr()
+            seen[key] = seen.get(key, 0) + 1
+    return {key for key, n in seen.items() if n > 1}
+
+
+def pack(module: torch.nn.Module, join: bool = True, release: bool = False) -> int:
     """Give every packable linear layer of `module` a prepacked copy of its weight, used only
     inside a block that runs on the packed path; with `join`, sibling layers that read one input
     share one copy and one product (`mcsd.fused`). Repacks a layer whose weight changed;
-    returns the number of layers packed now."""
+    returns the number of layers packed now.
+
+    With `release`, the plain weights are let go as each copy is made (so memory never holds two
+    copies of more than one group) and every product runs on the copy; weights that are shared
+    with another parameter stay. A layer let go before is left as it is."""
+    shared = _shared(module) if release else set()
+
     def eligible(layer) -> bool:
         own = layer.__dict__.get("forward")                     # another path's (q4 weights) is left alone
-        return type(layer) is torch.nn.Linear and packable(layer.weight.dtype, layer.weight.device) \
+        return type(layer) is torch.nn.Linear and (layer.weight.is_meta and "_mcsd_packed" in layer.__dict__
+                                                   or packable(layer.weight.dtype, layer.weight.device)) \
             and (own is None or getattr(own, "__func__", None) is _packed_forward)
     groups = [g for g in fused.sibling_groups(module) if all(map(eligible, g))] if join else []
     joined = {id(layer) for group in groups for layer in group}
@@ -170,24 +217,43 @@ def pack(module: torch.nn.Module, join: bool = True) -> int:
         current = [layer.__dict__.get("_mcsd_packed") for layer in group]
         if current[0] is not None and all(c is current[0] for c in current) \
                 and current[0].layers == group and current[0].fresh():
-            continue
-        with torch.no_grad():
-            packed = _Packed(group)
-        for i, layer in enumerate(group):
-            layer.__dict__["_mcsd_packed"] = packed
-            layer.__dict__["_mcsd_sibling"] = i
-            layer.__dict__["forward"] = types.MethodType(_packed_forward, layer)
-        done += len(group)
+            packed = current[0]
+        elif any(layer.weight.is_meta for layer in group):
+            continue                                            # let go, and its copy serves it no longer
+        else:
+            with torch.no_grad():
+                packed = _Packed(group)
+            for i, layer in enumerate(group):
+                layer.__dict__["_mcsd_packed"] = packed
+                layer.__dict__["_mcsd_sibling"] = i
+                layer.__dict__["forward"] = types.MethodType(_packed_forward, layer)
+            done += len(group)
+        if release:
+            for i, layer in enumerate(group):
+                if not layer.weight.is_meta and layer.weight.untyped_storage().data_ptr() not in shared:
+                    packed.let_go(i)
     return done
 
 
 def unpack(module: torch.nn.Module) -> None:
-    """Drop the prepacked copies `pack` made (the layers are plain `nn.Linear`s again)."""
+    """Drop the prepacked copies `pack` made (the layers are plain `nn.Linear`s again, their plain
+    weights read back from the copies where `pack` let them go)."""
     for layer in module.modules():
         if "_mcsd_packed" in layer.__dict__:
+            packed = layer.__dict__["_mcsd_packed"]
+            if layer.weight.is_meta and packed is not None:
+                with torch.no_grad():
+                    layer.weight = torch.nn.Parameter(packed.plain(layer.__dict__["_mcsd_sibling"]),
+                                                      requires_grad=layer.weight.requires_grad)
             del layer.__dict__["_mcsd_packed"]
             layer.__dict__.pop("_mcsd_sibling", None)
             layer.__dict__.pop("forward", None)
+
+
+def released(module: torch.nn.Module) -> int:
+    """How many of `module`'s linear layers hold their weight only as a prepacked copy."""
+    return sum(1 for layer in module.modules()
+               if "_mcsd_packed" in layer.__dict__ and layer.weight.is_meta)
 
 
 def joined(module: torch.nn.Module) -> int:
@@ -250,15 +316,45 @@ class KernelTable:
     def __init__(self, onednn_ms: dict[int, float], aten_ms: dict[int, float],
                  packed_ms: dict[int, float] | None = None):
         self.onednn_ms, self.aten_ms, self.packed_ms = dict(onednn_ms), dict(aten_ms), dict(packed_ms or {})
+        if not (self.onednn_ms or self.packed_ms):
+            raise ValueError("a kernel table needs the oneDNN or the prepacked timings")
         self._limit = max(self.aten_ms) if self.aten_ms else 0
         self._top = max([*self.onednn_ms, *self.aten_ms, *self.packed_ms])
         self._memo: dict[int, str] = {}
+
+    def plain_ms(self, rows: int) -> float:
+        """A block's time on the faster plain-weight path (oneDNN or, within its sizes, ATen)."""
+        times = [interpolate(t, rows) for t in (self.onednn_ms,) if t]
+        if self.aten_ms and rows <= self._limit:
+            times.append(interpolate(self.aten_ms, rows))
+        return min(times)
+
+    def one_layout(self, rows) -> str:
+        """"plain" or "packed": the weight layout whose paths run blocks of the sizes in `rows`
+        faster in total (the layout there is, where only one was timed)."""
+        if not self.packed_ms:
+            return "plain"
+        if not (self.onednn_ms or self.aten_ms):
+            return "packed"
+        plain = sum(self.plain_ms(n) for n in rows)
+        return "packed" if sum(interpolate(self.packed_ms, n) for n in rows) < plain else "plain"
+
+    def held_once(self, rows) -> "KernelTable":
+        """This table on one weight layout (`one_layout` over `rows`), so the weights need one copy."""
+        if self.one_layout(rows) == "packed":
+            return KernelTable({}, {}, self.packed_ms)
+        return KernelTable(self.onednn_ms, self.aten_ms) if self.onednn_ms else self
+
+    @property
+    def packed_only(self) -> bool:
+        """Every block size runs on the prepacked weights: the plain ones can be let go (`pack`)."""
+        return all(self.path(n) == "packed" for n in range(1, self._top + 2))
 
     def path(self, rows: int) -> str:
         """The fastest path for a block of `rows` ("onednn", "aten" or "packed")."""
         hit = self._memo.get(rows)
         if hit is None:
-            options = [("onednn", self.onednn_ms)]
+            options = [("onednn", self.onednn_ms)] if self.onednn_ms else []
             if self.packed_ms:
                 options.append(("packed", self.packed_ms))
             if rows <= self._limit:

@@ -51,6 +51,9 @@ class DeviceProfile:
             weights (`mcsd.kernels.pack`), every size; empty where weights cannot
             be prepacked.
         meta: model names, dtype, device, backend, thread count, torch version.
+        layouts: {role: "plain" or "packed"}: the one weight layout a decoder holds for that
+            role's model (`hold_once`), whose paths alone the costs and kernel tables then
+            read; empty: every path. Not saved.
     """
 
     verify_ms: dict[int, float]
@@ -61,22 +64,40 @@ class DeviceProfile:
     draft_aten_ms: dict[int, float] = field(default_factory=dict)
     verify_packed_ms: dict[int, float] = field(default_factory=dict)
     draft_packed_ms: dict[int, float] = field(default_factory=dict)
+    layouts: dict[str, str] = field(default_factory=dict)
 
     def paths(self, role: str) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
-        """(default path, ATen path, prepacked path) timings of the target ("verify") or the draft ("draft")."""
-        if role == "verify":
-            return self.verify_ms, self.verify_aten_ms, self.verify_packed_ms
-        return self.draft_ms, self.draft_aten_ms, self.draft_packed_ms
+        """(default path, ATen path, prepacked path) timings of the target ("verify") or the draft
+        ("draft"); on the layout `hold_once` chose for the role, the other layout's are empty."""
+        tables = (self.verify_ms, self.verify_aten_ms, self.verify_packed_ms) if role == "verify" \
+            else (self.draft_ms, self.draft_aten_ms, self.draft_packed_ms)
+        layout = self.layouts.get(role)
+        if layout == "packed":
+            return {}, {}, tables[2]
+        if layout == "plain":
+            return tables[0], tables[1], {}
+        return tables
 
     def kernel_table(self, role: str) -> kernels.KernelTable | None:
-        """Which matmul path each block size of `role` runs fastest on; None where only one path was timed."""
+        """Which matmul path each block size of `role` runs fastest on; None where only torch's
+        default path serves it (one path timed, or the plain layout without ATen's)."""
         default, aten, packed = self.paths(role)
-        return kernels.KernelTable(default, aten, packed) if default and (aten or packed) else None
+        return kernels.KernelTable(default, aten, packed) if packed or (default and aten) else None
 
     def best_ms(self, role: str) -> dict[int, float]:
         """{size: ms} on the fastest path per measured size (what the engine runs)."""
         default, aten, packed = self.paths(role)
-        return {n: min(ms, aten.get(n, ms), packed.get(n, ms)) for n, ms in default.items()}
+        return {n: min(ms, aten.get(n, ms), packed.get(n, ms)) for n, ms in (default or packed).items()}
+
+    def hold_once(self, rows: dict[str, tuple[int, ...]]) -> "DeviceProfile":
+        """Settle each role in `rows` on one weight layout, the one whose paths run blocks of the
+        given sizes faster in total (`KernelTable.one_layout`), so its model's weights are held
+        once; in place, returns self."""
+        for role, sizes in rows.items():
+            default, aten, packed = self.paths(role)
+            if default and packed:
+                self.layouts[role] = kernels.KernelTable(default, aten, packed).one_layout(sizes)
+        return self
 
     def verify_cost(self, n_tokens: int) -> float:
         """Interpolated verify time for n tokens (linear between measured sizes, flat outside),
@@ -88,6 +109,7 @@ class DeviceProfile:
 
     def to_json(self) -> str:
         d = asdict(self)
+        del d["layouts"]                                 # a decoder's choice, not a measurement
         for name in _TABLES:
             d[name] = {str(k): v for k, v in getattr(self, name).items()}
         return json.dumps(d, indent=1)
@@ -397,6 +419,9 @@ def measure(target, draft=None, sizes=DEFAULT_SIZES, prefix_len: int = 200, repe
     saved = getattr(draft, "kernels", None)
     if draft is not None and _is_feature_drafter(draft):
         draft.kernels = None                                                     # timed on the path chosen here
+    for module in modules.values():
+        if module is not None and kernels.released(module):
+            kernels.unpack(module)                   # the plain paths are timed on plain weights
     made = [m for role, m in modules.items() if packs.get(role) and not kernels.is_packed(m)]
     for module in made:
         kernels.pack(module)

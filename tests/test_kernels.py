@@ -142,7 +142,8 @@ def test_float32_on_prepacked_weights_stays_lossless(target, random_draft, polic
     model, draft = tiny_llama(0), tiny_llama(1, layers=1)
     reference = TreeDecoder(model, None, calibrate=False).generate_baseline(PROMPT, max_new_tokens=40).tokens
     dec = TreeDecoder(model, draft, tree=tree, policy=policy, calibrate=True)
-    assert dec.target.kernels is not None                         # float32 is timed with and without packing
+    timed = dec.calibration.profile()
+    assert timed.verify_ms and timed.verify_packed_ms             # float32 is timed with and without packing
     forced = kernels.KernelTable({1: 10.0, 64: 10.0}, {}, {1: 5.0, 64: 5.0})   # every block prepacked
     dec.target.kernels = dec.drafter.kernels = forced
     kernels.pack(model), kernels.pack(draft)
@@ -307,3 +308,89 @@ def test_a_packed_model_can_be_copied():
     ids = PROMPT[None]
     with torch.no_grad(), kernels.using("packed"):
         assert torch.allclose(model(ids).logits, twin(ids).logits, atol=1e-5)
+
+
+def test_weights_are_held_in_one_layout():
+    table = kernels.KernelTable(ONEDNN_MS, ATEN_MS, PACKED_MS)
+    assert table.one_layout((1,)) == "plain" and table.one_layout((1, 2, 4, 8, 16)) == "packed"
+    alone, trees = table.held_once((1,)), table.held_once((1, 2, 4, 8, 16))
+    assert not alone.uses_packed and alone.path(1) == "aten" and alone.path(8) == "onednn"
+    assert trees.packed_only and trees.path(1) == "packed" and trees.describe() == \
+        "prepacked oneDNN weights for every block"
+    assert not table.packed_only and kernels.KernelTable({}, {}, PACKED_MS).one_layout((1,)) == "packed"
+    with pytest.raises(ValueError, match="oneDNN or the prepacked"):
+        kernels.KernelTable({}, ATEN_MS)
+    # the profile's costs follow the layout its decoder holds; the choice is not saved with it
+    prof = DeviceProfile(verify_ms=ONEDNN_MS, verify_aten_ms=ATEN_MS, verify_packed_ms=PACKED_MS)
+    assert prof.hold_once({"verify": (1, 2, 4, 8, 16)}) is prof and prof.layouts == {"verify": "packed"}
+    assert prof.verify_cost(1) == PACKED_MS[1] and prof.kernel_table("verify").packed_only
+    assert DeviceProfile.from_json(prof.to_json()).verify_cost(1) == ATEN_MS[1]
+    plain = DeviceProfile(verify_ms=ONEDNN_MS, verify_aten_ms=ATEN_MS, verify_packed_ms=PACKED_MS)
+    plain.hold_once({"verify": (1,)})
+    assert plain.verify_cost(8) == ONEDNN_MS[8] and not plain.kernel_table("verify").uses_packed
+
+
+@pytest.mark.skipif(not kernels.packable(torch.float32, "cpu"), reason="no oneDNN on this CPU")
+def test_plain_weights_let_go_for_their_prepacked_copy():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    model = tiny_llama(0)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    reference = TreeDecoder(model, None, calibrate=False).generate_baseline(PROMPT, max_new_tokens=30).tokens
+    x = torch.randn(3, 32)
+    q = model.model.layers[0].self_attn.q_proj
+    with kernels.using("packed"):
+        kernels.pack(model)
+        on_copy = q(x)
+    assert kernels.released(model) == 0 and not q.weight.is_meta
+    kernels.pack(model, release=True)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert kernels.released(model) == len(linears) and all(m.weight.is_meta for m in linears)
+    assert kernels.is_packed(model) and kernels.pack(model, release=True) == 0     # nothing made twice
+    for path in kernels.PATHS:                     # every path reads the copy: there is nothing else
+        with kernels.using(path):
+            assert torch.equal(q(x), on_copy)
+    dec = TreeDecoder(model, tiny_llama(1, layers=1), policy="static", tree="2,2,1", calibrate=False)
+    dec.target.kernels = kernels.KernelTable({}, {}, {1: 5.0, 64: 5.0})
+    assert dec.generate(PROMPT, max_new_tokens=30).tokens == reference
+    assert dec.generate_baseline(PROMPT, max_new_tokens=30).tokens == reference
+    kernels.unpack(model)                          # read back from the copies, exactly
+    assert kernels.released(model) == 0
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+    # weights another parameter shares (a tied LM head and embedding) are never let go
+    tied = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    kernels.pack(tied, release=True)
+    assert not tied.lm_head.weight.is_meta and tied.lm_head.weight is tied.model.embed_tokens.weight
+    assert kernels.released(tied) == sum(isinstance(m, torch.nn.Linear) for m in tied.modules()) - 1
+    # a deep copy holds no copy of the packed weights: it says what to do, rather than read a meta tensor
+    import copy
+    kernels.pack(model, release=True)
+    with pytest.raises(RuntimeError, match="kernels.unpack"):
+        copy.deepcopy(model).model.layers[0].self_attn.q_proj(x)
+
+
+@pytest.mark.skipif(not kernels.packable(torch.float32, "cpu"), reason="no oneDNN on this CPU")
+def test_a_decoder_on_prepacked_weights_holds_them_once(monkeypatch):
+    from mcsd import calibration
+    from mcsd.forward_profile import resident_bytes
+    model, draft = tiny_llama(0), tiny_llama(1, layers=1)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    reference = TreeDecoder(model, None, calibrate=False).generate_baseline(PROMPT, max_new_tokens=30).tokens
+    dense = resident_bytes(model)["dense"]
+    packed_wins = DeviceProfile(verify_ms={1: 10.0, 8: 12.0, 32: 20.0}, verify_packed_ms={1: 8.0, 8: 9.0, 32: 15.0},
+                                draft_ms={1: 2.0, 8: 3.0}, draft_packed_ms={1: 2.5, 8: 3.5})
+    monkeypatch.setattr(calibration, "device_profile", lambda *a, **k: (packed_wins, "cached"))
+    dec = TreeDecoder(model, draft, policy="static", tree="2,2,1")
+    held = resident_bytes(model)
+    assert kernels.released(model) and not kernels.released(draft)             # the draft runs plain
+    assert held["dense"] < dense / 10 and held["prepacked"] >= dense * 0.9
+    assert "its plain weights let go" in dec.kernels_note
+    assert dec.generate(PROMPT, max_new_tokens=30).tokens == reference
+    assert dec.calibration.costs().verify == {1: 8.0, 8: 9.0, 32: 15.0}        # priced as it runs
+    # measuring again times the plain paths on plain weights, then they are held once more
+    from mcsd.profile import measure
+    measure(model, draft, **QUICK)
+    assert kernels.released(model) == 0 and not kernels.is_packed(model)
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+    dec.calibration.use_kernels(dec.calibration.profile())
+    assert kernels.released(model) and dec.generate(PROMPT, max_new_tokens=30).tokens == reference
