@@ -246,7 +246,8 @@ class TreeDecoder:
                                                           noise)
             t2 = time.perf_counter()
             # 5. commit the path to the drafter's cache; the proposers observe how the round went
-            proposer.observe(proposal, acc, path_hidden, last, (t1 - t0) * 1000, (t2 - t1) * 1000)
+            proposer.observe(proposal, acc, path_hidden, last, (t1 - t0) * 1000, (t2 - t1) * 1000,
+                             self.target.forward_ms)
             stats.draft_s += t1 - t0
             stats.verify_s += t2 - t1
             stats.target_forwards += 1

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import threading
+import time
 
 import torch
 
@@ -69,6 +70,7 @@ class CachedLM:
             (`mcsd.kv_cache.InPlaceLayer`).
         kernels: which CPU matmul path each block size runs on (`mcsd.kernels`;
             None leaves torch's setting alone).
+        forward_ms: how long the last `forward` took, in ms, on a CPU; None elsewhere or before one.
     """
 
     def __init__(self, model: torch.nn.Module, in_place: bool = True, lean: bool | None = None,
@@ -82,6 +84,7 @@ class CachedLM:
         self.device = model.get_input_embeddings().weight.device
         self.cache = None
         self.kernels: kernels.KernelTable | None = None
+        self.forward_ms: float | None = None
         # transformers' causal LMs can project only the last rows onto the vocabulary
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._cache_kw = kv_cache.cache_keyword(model)
@@ -143,7 +146,8 @@ class CachedLM:
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
                 hidden: bool | tuple[int, ...] = False, last_logits: bool = False):
-        """Append a block to the cache and return its logits.
+        """Append a block to the cache and return its logits; `forward_ms` keeps how long it took
+        (on a CPU, where the result is ready on return; None elsewhere).
 
         Args:
             tokens: (Q,) long.
@@ -160,6 +164,12 @@ class CachedLM:
             logits (Q, V) float in the model dtype, or (1, V) with last_logits where the model
             supports it; with hidden also (Q, H) or (Q, len(hidden) * H).
         """
+        t0 = time.perf_counter()
+        out = self._forward(tokens, positions, allowed, hidden, last_logits)
+        self.forward_ms = (time.perf_counter() - t0) * 1000 if self.device.type == "cpu" else None
+        return out
+
+    def _forward(self, tokens, positions, allowed, hidden, last_logits):
         prefix = self.length - (allowed.shape[1] - tokens.numel())
         mask = additive_mask(allowed.to(self.device), prefix, self.dtype)          # (1, 1, Q, prefix+K)
         if self._running is not None:

@@ -33,7 +33,7 @@ from .config import ConfigError
 SOURCE = Path(__file__).with_name("q4_kernel.c")
 FLAGS = ["-O3", "-std=c11", "-ffp-contract=off", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
 LIBS = ["-lm"]
-VERSION = 9                             # mcsd_q4_abi() of q4_kernel.c; cost profiles are keyed by it too
+VERSION = 10                           # mcsd_q4_abi() of q4_kernel.c; cost profiles are keyed by it too
 _lock = threading.Lock()
 _state: dict = {}                       # "lib": the loaded library or None, "reason": why not
 
@@ -135,6 +135,8 @@ def _load():
     lib.mcsd_layer.argtypes = [ctypes.POINTER(LayerWeights), p, p, i64, p, p, p, p, i64, p, i64, p, i64,
                                ctypes.c_int]
     lib.mcsd_layer.restype = ctypes.c_int
+    lib.mcsd_top_p.argtypes = [p, i64, i64, ctypes.c_float, p, ctypes.c_int]
+    lib.mcsd_top_p.restype = ctypes.c_int
     return lib, "built from mcsd/q4_kernel.c with " + Path(cc).name
 
 
@@ -183,6 +185,18 @@ def q8_mm(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor
     if _lib().mcsd_q8_mm(x.data_ptr(), rows, k, codes.data_ptr(), d.data_ptr(), codes.shape[0], out.data_ptr(),
                          torch.get_num_threads()) != 0:
         raise MemoryError("the native q4 kernel could not allocate its dequantisation buffer")
+    return out
+
+
+def top_p(scores: torch.Tensor, mass: float) -> torch.Tensor:
+    """Nucleus filtering of float32 `scores` (..., V) on the CPU: -inf where a token is dropped (the
+    probability of the tokens ranked above it, by score then by lower index, already reaches `mass`),
+    in one call per block of rows instead of torch's sort or partial sorts (see `mcsd_top_p`)."""
+    x = scores.contiguous()
+    out = torch.empty_like(x)
+    v = x.shape[-1]
+    if _lib().mcsd_top_p(x.data_ptr(), x.numel() // v, v, mass, out.data_ptr(), torch.get_num_threads()):
+        raise MemoryError("the native top-p filter could not allocate its scratch rows")
     return out
 
 

@@ -827,15 +827,19 @@ class Costs:
     def draft_ms(self, width: int) -> float:
         return self.base_draft_ms(width) * self._corr("draft", width)
 
-    def observe(self, kind: str, n: int | None, predicted_ms: float, measured_ms: float) -> None:
+    def observe(self, kind: str, n: int | None, predicted_ms: float, measured_ms: float,
+                forward_ms: float | None = None) -> None:
         """Fold one measured round into the correction (when `online`) and the staleness check:
         "verify" with n tree tokens, or "draft" with n None (a round's draft levels of several
-        widths, corrected as a whole; predicted_ms is their uncorrected sum)."""
+        widths, corrected as a whole; predicted_ms is their uncorrected sum). `forward_ms`, the
+        verify's target forward alone, is what the staleness check compares with the profile (which
+        times forwards) where given: the sampling work around a sampled round's forward is not a
+        change of machine."""
         if predicted_ms <= 0 or measured_ms <= 0:
             return
         ratio, a = measured_ms / predicted_ms, self.adapt
         if kind == "verify" and self.source != "default":
-            self._check_stale(n, ratio)
+            self._check_stale(n, forward_ms / predicted_ms if forward_ms else ratio)
         if not self.online:
             return
         if n is not None:

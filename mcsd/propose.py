@@ -10,6 +10,13 @@
 After verification the proposers hear how the round went: the drafter's cache keeps the accepted
 path, context drafting counts its accepted nodes, the policy sees the drafted part's acceptance and
 the round's timings.
+
+Context drafting has a gate of its own, as the learned policy has for the model drafter: a running
+value of the rounds it grafted into (its accepted nodes' worth in one-token steps, less its nodes'
+verify time, both from the costs, not this run's clock); while that is negative it sits out, and
+is tried again after `CONTEXT_PROBE_EVERY` rounds, waiting twice as long after each probe that
+lost, up to `CONTEXT_MAX_GAP`. Where context candidates are rarely the target's draw (sampling at
+high temperature) its rounds are then plain steps, without the lookups and their verify rows.
 """
 
 from __future__ import annotations
@@ -24,6 +31,10 @@ from .draft import Drafter, GrownTree, grow_tree
 from .policies import TreePolicy
 from .tree import DraftTree
 from .verify import Acceptance
+
+CONTEXT_PROBE_EVERY = 3             # rounds without context drafting before it is tried again
+CONTEXT_MAX_GAP = 48                # the longest wait after probes that kept losing
+CONTEXT_MEMORY = 0.125              # weight of the latest grafting round in the gate's running value
 
 
 @dataclass
@@ -71,12 +82,25 @@ class Proposer:
                        if getattr(drafter, "uses_target_hidden", False) else False)
         self.roots: torch.Tensor | None = None          # lossy: (W,) this round's candidate roots
         self._drafted_accepts: list[int] = []           # per round, the drafted part's accepted count
+        self.reset_context_gate()
 
     def reset(self) -> None:
         """Before the prefill: the policy and the drafter start a new sequence."""
         self.policy.reset()
         if self.drafter is not None:
             self.drafter.reset()
+        self.reset_context_gate()
+
+    def reset_context_gate(self) -> None:
+        """Context drafting starts open: the next round grafts."""
+        self.context_value = 0.0        # running ms a grafting round gained; < 0: grafting loses
+        self._context_skipped = 0       # rounds in a row without grafting (0: this round grafts)
+        self._context_gap = CONTEXT_PROBE_EVERY
+
+    def _grafts_now(self) -> bool:
+        skip = self.context_value < 0 and self._context_skipped < self._context_gap
+        self._context_skipped = self._context_skipped + 1 if skip else 0
+        return not skip
 
     def start(self, prompt_ids: torch.Tensor, logits: torch.Tensor, prompt_hidden=None) -> None:
         """After the prefill: the proposers read the prompt (T,) and the target's last logits (1, V)."""
@@ -101,7 +125,7 @@ class Proposer:
                            noise=noise)
                  if depth > 0 else GrownTree(DraftTree.root_only(policy.topology, sequence[-1]), None))
         drafted, graft = grown.tree, None
-        if self.context is not None:                        # free branches from the context, merged in
+        if self.context is not None and self._grafts_now():   # free branches from the context, merged in
             costs = self.context_costs
             spent_ms = round_ms(drafted, costs)             # from costs, not this run's clock
             probs = policy.node_probabilities()
@@ -112,22 +136,43 @@ class Proposer:
         return Proposal(grown, drafted, graft, depth)
 
     def observe(self, proposal: Proposal, acc: Acceptance, path_hidden: torch.Tensor | None,
-                last_logits: torch.Tensor, draft_ms: float, verify_ms: float) -> None:
+                last_logits: torch.Tensor, draft_ms: float, verify_ms: float,
+                forward_ms: float | None = None) -> None:
         """After verification: commit the accepted path to the drafter's cache and tell the proposers
         how the round went. `path_hidden` holds the target's hidden states along the committed path
-        (where the drafter reads them), `last_logits` (V,) the target's after the deepest accepted node."""
+        (where the drafter reads them), `last_logits` (V,) the target's after the deepest accepted node;
+        `verify_ms` is the whole verification, `forward_ms` the target forward's part of it, if known."""
         if self.hidden:
             self.drafter.observe_target(path_hidden)                 # features of root .. deepest accepted
         if self.drafter is not None and proposal.depth > 0:
             self.drafter.commit(acc.path)
         if proposal.graft is not None:
             self.context.observe(proposal.graft, acc.path)
+            self._value_context(proposal, acc)
         # the policy hears about its own tree: the accepted path's drafted part
         self._drafted_accepts.append(int((acc.path < proposal.drafted.size).sum()) - 1)
         self.policy.observe(self._drafted_accepts[-1], proposal.drafted)
-        self.policy.observe_timing(proposal.grown.tree, draft_ms, verify_ms)
+        self.policy.observe_timing(proposal.grown.tree, draft_ms, verify_ms, forward_ms)
         if self.lossy:
             self.roots = last_logits.topk(self.lossy).indices
+
+    def _value_context(self, proposal: Proposal, acc: Acceptance) -> None:
+        """What this round's grafted nodes were worth, into the context gate (needs costs)."""
+        costs = self.context_costs
+        if costs is None:
+            return
+        base, size = proposal.drafted.size, proposal.grown.tree.size
+        accepted = int((acc.path >= base).sum())                    # grafted nodes on the accepted path
+        value = accepted * costs.verify_ms(1) - (costs.verify_ms(size) - costs.verify_ms(base))
+        was_losing = self.context_value < 0
+        # A long memory while it grafts (context is right in bursts, a repeated span, and wrong in
+        # between); a probe is judged on its own round, so one that pays opens the gate again.
+        self.context_value = value if was_losing else \
+            (1 - CONTEXT_MEMORY) * self.context_value + CONTEXT_MEMORY * value
+        if self.context_value >= 0:
+            self._context_gap = CONTEXT_PROBE_EVERY
+        elif was_losing:                                            # a probe that lost: wait longer next time
+            self._context_gap = min(2 * self._context_gap, CONTEXT_MAX_GAP)
 
     def record(self, stats) -> None:
         """The proposers' totals into a `GenerationStats`."""

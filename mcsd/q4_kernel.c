@@ -29,7 +29,7 @@
 #define NB 4            /* output rows dequantised together */
 #define RB 3            /* input rows per tile */
 
-int mcsd_q4_abi(void) { return 9; }
+int mcsd_q4_abi(void) { return 10; }
 
 static inline float hsum(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -401,5 +401,94 @@ int mcsd_layer(const mcsd_layer_t *L, const float *h_in, float *h_out, int64_t Q
     if (!failed)
         for (int64_t i = 0; i < Q * C; i++) h_out[i] += y[i];
     free(buf);
+    return failed ? -1 : 0;
+}
+
+/* Nucleus (top-p) filtering of R rows of V float32 scores (-inf allowed): out[r, i] = s[r, i] where
+   token i is kept, -inf elsewhere. A token is kept when the probability of the tokens ranked above it
+   (by score, then by lower index) is below `mass`; the top token always stays.
+
+   Per row: the maximum; the exponentials below it (exp8) into a scratch row, summed in double; a
+   histogram of their mass by bins 1/8 nat wide below the maximum. A token of a lower bin ranks below
+   every token of a higher one, so every token of the bins above the one where the mass crosses is
+   kept, and only the tokens of that bin and the next (for rounding; where even they fall short, of
+   every lower bin) are sorted and walked down, their mass added in double after the mass above.
+   Rows are independent, one thread each. Returns 0, or -1 where scratch memory could not be had. */
+#define TP_BINS 512
+#define TP_SCALE 8.0f
+
+typedef struct { float s; int32_t i; } tp_cand;
+
+static int tp_order(const void *a, const void *b) {
+    const tp_cand *x = a, *y = b;
+    if (x->s != y->s) return x->s > y->s ? -1 : 1;
+    return (x->i > y->i) - (x->i < y->i);
+}
+
+static inline int tp_bin(float mx, float s) {
+    const float depth = (mx - s) * TP_SCALE;
+    return depth < (float)(TP_BINS - 1) ? (int)depth : TP_BINS - 1;      /* -inf, nan: the last */
+}
+
+static void top_p_row(const float *s, int64_t V, double mass, float *out, float *e, tp_cand *cand) {
+    float mx = -INFINITY;
+    for (int64_t i = 0; i < V; i++) mx = s[i] > mx ? s[i] : mx;
+    if (mx == -INFINITY) {                              /* nothing to rank: the row as it is */
+        for (int64_t i = 0; i < V; i++) out[i] = s[i];
+        return;
+    }
+    double total = 0.0, bins[TP_BINS] = {0};
+    const __m256 mxv = _mm256_set1_ps(mx);
+    int64_t i = 0;
+    for (; i + 8 <= V; i += 8) _mm256_storeu_ps(e + i, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), mxv)));
+    if (i < V) {                                        /* the tail through the same polynomial */
+        float t[8];
+        for (int j = 0; j < 8; j++) t[j] = i + j < V ? s[i + j] - mx : -INFINITY;
+        _mm256_storeu_ps(t, exp8(_mm256_loadu_ps(t)));
+        for (int j = 0; i + j < V; j++) e[i + j] = t[j];
+    }
+    for (i = 0; i < V; i++) {
+        bins[tp_bin(mx, s[i])] += e[i];
+        total += e[i];
+    }
+    const double target = mass * total;
+    double above = 0.0;                                 /* the mass of the bins above the crossing */
+    int crossing = TP_BINS - 1;
+    for (int b = 0; b < TP_BINS - 1; b++) {
+        if (above + bins[b] >= target) { crossing = b; break; }
+        above += bins[b];
+    }
+    int last = crossing + 1 < TP_BINS - 1 ? crossing + 1 : TP_BINS - 1;
+    int64_t n, kept;
+    for (;;) {
+        n = 0;
+        for (i = 0; i < V; i++) {
+            const int b = tp_bin(mx, s[i]);
+            if (b >= crossing && b <= last) { cand[n].s = s[i]; cand[n].i = (int32_t)i; n++; }
+        }
+        qsort(cand, (size_t)n, sizeof(tp_cand), tp_order);
+        double before = above;
+        kept = 0;
+        while (kept < n && before < target) before += e[cand[kept++].i];
+        if (kept < n || before >= target || last == TP_BINS - 1) break;
+        last = TP_BINS - 1;                             /* rounding left it short: every lower bin too */
+    }
+    for (i = 0; i < V; i++) out[i] = tp_bin(mx, s[i]) < crossing ? s[i] : -INFINITY;
+    for (int64_t j = 0; j < kept; j++) out[cand[j].i] = cand[j].s;
+}
+
+int mcsd_top_p(const float *s, int64_t R, int64_t V, float mass, float *out, int threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(|:failed) if(R > 1)
+    {
+        float *e = malloc((size_t)V * sizeof(float));                  /* scratch, once per thread */
+        tp_cand *cand = malloc((size_t)V * sizeof(tp_cand));
+        failed = !e || !cand;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < R; r++)
+            if (e && cand) top_p_row(s + r * V, V, (double)mass, out + r * V, e, cand);
+        free(e);
+        free(cand);
+    }
     return failed ? -1 : 0;
 }

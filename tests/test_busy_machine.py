@@ -196,6 +196,24 @@ def test_agreeing_rounds_do_not_mark_a_profile_stale():
     assert costs.verify_ms(1) == 10.0                           # not corrected: costs fixed for the run
 
 
+def test_the_staleness_check_reads_the_forward_not_the_sampling_around_it(target):
+    """A sampled round spends time around its forward (nucleus filtering, draws) that the profile,
+    which times forwards, never saw: rounds whose forward agrees keep the profile."""
+    from mcsd.lm import CachedLM
+    costs = Costs(verify={1: 10.0, 8: 20.0}, draft={1: 2.0}, source="cached")
+    for _ in range(16):
+        costs.observe("verify", 1, 10.0, 15.0, forward_ms=10.5)
+    assert costs.stale is None
+    for _ in range(8):
+        costs.observe("verify", 1, 10.0, 15.0, forward_ms=15.0)
+    assert costs.stale and "slower" in costs.stale
+    lm = CachedLM(target)
+    lm.reset()
+    assert lm.forward_ms is None
+    lm.extend(torch.tensor([3, 5, 7]))
+    assert lm.forward_ms > 0                                    # the last forward's time, on a CPU
+
+
 def test_a_ratio_that_measuring_again_confirmed_is_expected_from_then_on(target, random_draft, fresh_cache,
                                                                           monkeypatch):
     """Decoding's plain steps may take a steady multiple of the profile's 1-row time (work around a

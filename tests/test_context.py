@@ -442,3 +442,37 @@ def test_build_context_store_tool(model_dirs, tmp_path, capsys):
     bad.write_text('{"words": 1}\n')
     with pytest.raises(SystemExit, match="expected a 'tokens' or 'text' field"):
         build_context_store.main([str(bad), "--target", target, "--out", str(tmp_path / "x.safetensors")])
+
+
+def test_context_drafting_sits_out_while_it_loses_and_is_tried_again():
+    """The context gate: rounds whose grafted nodes are rejected make its value negative, then it
+    skips rounds, probing at doubling gaps; a probe whose node is accepted opens it again."""
+    from types import SimpleNamespace
+    from mcsd import propose
+    from mcsd.policies import make_policy
+    costs = Costs({1: 10.0, 8: 20.0}, {1: 1.0})
+    proposer = propose.Proposer(make_policy("static", "1"), None, ContextDrafter(), context_costs=costs)
+
+    def round_with(grafted: int, accepted: int):
+        """One grafting round's outcome: `grafted` context nodes beneath the root, `accepted` of them taken."""
+        proposal = SimpleNamespace(drafted=SimpleNamespace(size=1), grown=SimpleNamespace(
+            tree=SimpleNamespace(size=1 + grafted)))
+        proposer._value_context(proposal, SimpleNamespace(path=torch.arange(accepted + 1)))
+
+    schedule = []
+    for _ in range(40):
+        grafts = proposer._grafts_now()
+        schedule.append(grafts)
+        if grafts:
+            round_with(grafted=3, accepted=0)
+    assert schedule[0] and proposer.context_value < 0
+    gaps = [len(run) for run in "".join("x" if g else "." for g in schedule).split("x")[1:-1]]
+    assert gaps == [3, 6, 12] and not any(schedule[-(gaps[-1]):])      # waits twice as long after each loss
+    while not proposer._grafts_now():
+        pass
+    round_with(grafted=1, accepted=1)                                   # a probe that pays opens the gate
+    assert proposer.context_value > 0 and all(proposer._grafts_now() for _ in range(5))
+    round_with(grafted=3, accepted=0)                                   # one loss is weighed, not decisive
+    assert proposer.context_value > 0 and proposer._grafts_now()
+    proposer.reset()
+    assert proposer.context_value == 0 and proposer._grafts_now()

@@ -128,18 +128,20 @@ def test_topology_children_follow_rank_order():
     assert topo.rank.tolist() == [0, 0, 1, 2]
 
 
+def _by_sort(scores, mass):
+    """Nucleus filtering by sorting the whole row (the definition), and each kept token's mass above it."""
+    log_norm = torch.logsumexp(scores, dim=-1, keepdim=True)
+    top, order = torch.sort(scores, dim=-1, descending=True, stable=True)     # ties: the lower index first
+    top = (top - log_norm).exp()
+    before = torch.zeros_like(scores).scatter(-1, order, top.cumsum(-1) - top)
+    return scores.masked_fill(before >= mass, float("-inf")), before
+
+
 def test_top_p_keeps_what_a_full_sort_keeps_on_every_path():
     """Nucleus filtering finds its kept set among 64 candidates, among as many as a histogram bounds,
     or by sorting the vocabulary: each row keeps what sorting it alone keeps, whichever path a block
     of rows takes."""
     from mcsd import sampling
-
-    def by_sort(scores, mass):
-        log_norm = torch.logsumexp(scores, dim=-1, keepdim=True)
-        top, order = torch.sort(scores, dim=-1, descending=True)
-        top = (top - log_norm).exp()
-        keep = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, order, top.cumsum(-1) - top < mass)
-        return scores.masked_fill(~keep, float("-inf"))
 
     g = torch.Generator().manual_seed(0)
     # peaked rows (a few tokens hold the mass), middling ones (hundreds) and flat ones (most of the vocabulary)
@@ -147,10 +149,35 @@ def test_top_p_keeps_what_a_full_sort_keeps_on_every_path():
     rows[1, :5] = float("-inf")                                              # masked entries stay out
     kept = {}
     for mass in (0.5, 0.9, 0.95, 0.999):
-        want = by_sort(rows, mass)
-        assert torch.equal(sampling._top_p(rows, mass), want)
+        want = _by_sort(rows, mass)[0]
+        assert torch.equal(sampling._top_p_torch(rows, mass), want)
         for i in range(rows.shape[0]):
-            assert torch.equal(sampling._top_p(rows[i:i + 1], mass), want[i:i + 1])
+            assert torch.equal(sampling._top_p_torch(rows[i:i + 1], mass), want[i:i + 1])
         kept[mass] = (want > float("-inf")).sum(-1)
     sizes = kept[0.95].tolist()
     assert min(sizes) < sampling.TOP_P_FIRST < max(sizes[:6]) < 2048 < max(sizes)     # every path ran
+
+
+def test_native_top_p_keeps_what_a_full_sort_keeps():
+    """The native filter keeps each row's nucleus as sorting it does, row by row whatever the block,
+    but for a token whose mass above is within rounding of the threshold (it adds in double)."""
+    from mcsd import native
+    if native.library() is None:
+        pytest.skip(f"no native library: {native.reason()}")
+    g = torch.Generator().manual_seed(1)
+    for vocab in (4096, 49152, 1003):                   # 1003: a tail shorter than 8
+        rows = torch.cat([torch.randn(3, vocab, generator=g) * s for s in (12.0, 4.0, 0.3)])
+        rows[1, :5] = float("-inf")                     # masked entries stay out
+        rows[2, 10:20] = rows[2].max()                  # tied at the top: the lower index ranks first
+        for mass in (0.5, 0.9, 0.95, 0.999):
+            want, before = _by_sort(rows, mass)
+            got = native.top_p(rows, mass)
+            differ = torch.isfinite(got) != torch.isfinite(want)
+            assert ((before - mass).abs()[differ] < 1e-5).all()
+            assert torch.equal(got[~differ], want[~differ])
+            assert torch.equal(got.isfinite().sum(-1) > 0, torch.ones(rows.shape[0], dtype=torch.bool))
+            for i in range(rows.shape[0]):                                  # a row alone, bit for bit
+                assert torch.equal(native.top_p(rows[i:i + 1], mass), got[i:i + 1])
+    assert torch.equal(native.top_p(torch.full((1, 9), float("-inf")), 0.9), torch.full((1, 9), float("-inf")))
+    tied = torch.zeros(1, 8)                            # eight equal tokens: the first half, lowest index first
+    assert native.top_p(tied, 0.5).isfinite().nonzero()[:, 1].tolist() == [0, 1, 2, 3]

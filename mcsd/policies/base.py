@@ -10,7 +10,7 @@ built once) and decides, round by round, how much of it to use:
   call), each with the draft distribution its children would be drawn from,
   and returns how many children each gets; all zeros stops drafting;
 - `observe(n_accepted, tree)` hears how the round went, and
-  `observe_timing(tree, draft_ms, verify_ms)` what it took.
+  `observe_timing(tree, draft_ms, verify_ms, forward_ms)` what it took.
 
 Why decide per *parent* and not per drawn child: under sampling, a child's
 own token must not decide whether it is verified (keeping only the children
@@ -94,9 +94,11 @@ class TreePolicy:
     def observe(self, n_accepted: int, tree: DraftTree) -> None:
         """Called after verification with the number of accepted draft tokens."""
 
-    def observe_timing(self, tree: DraftTree, draft_ms: float, verify_ms: float) -> None:
-        """Called after each round with its measured draft time (policy decisions included)
-        and verify time, in milliseconds; cost-aware policies correct their costs with it."""
+    def observe_timing(self, tree: DraftTree, draft_ms: float, verify_ms: float,
+                       forward_ms: float | None = None) -> None:
+        """Called after each round with its measured draft time (policy decisions included), verify
+        time and, where known, the target forward's part of it, in milliseconds; cost-aware
+        policies correct their costs with it."""
 
     def expected_tokens(self) -> float | None:
         """Tokens this round's tree is expected to emit (the target's own included), once

@@ -214,8 +214,8 @@ class LearnedPolicy(TreePolicy):
     so that the trees grown (and in bfloat16, where a tree's size changes
     the target's rounding, the output) depend only on the inputs and the
     profile, not on how long this run's forwards happened to take.
-    `observe_timing` still compares every round's measured verify time with
-    the profile; a profile that persistently disagrees is flagged for
+    `observe_timing` still compares every round's target forward with the
+    profile; a profile that persistently disagrees is flagged for
     measuring again (see `mcsd.profile.Costs`). With `online_costs` the
     measured times also correct the costs within the run (faster to adapt to
     a machine that slowed down; trees then vary from run to run).
@@ -352,8 +352,9 @@ class LearnedPolicy(TreePolicy):
             elif was_losing:                                       # a probe that lost: wait longer next time
                 self._gap = min(2 * self._gap, self.max_probe_gap)
 
-    def observe_timing(self, tree: DraftTree, draft_ms: float, verify_ms: float) -> None:
-        self.costs.observe("verify", tree.size, self.costs.base_verify_ms(tree.size), verify_ms)
+    def observe_timing(self, tree: DraftTree, draft_ms: float, verify_ms: float,
+                       forward_ms: float | None = None) -> None:
+        self.costs.observe("verify", tree.size, self.costs.base_verify_ms(tree.size), verify_ms, forward_ms)
         if self._skipped == 0:
             self.costs.observe("draft", None, self._draft_base_ms, draft_ms)
 
