@@ -30,8 +30,9 @@ and 40 / 46 / 54 / 69 ms against 56 / 84 / 84 / 99 ms with AVX2 only
 already depends on the block size.
 
 Weights are held in one layout. Both plain paths read the plain weights; the
-packed path reads its copy. `KernelTable.held_once` keeps, of the two layouts,
-the one faster over the block sizes a decoder runs (`one_layout`), so a
+packed path reads its copy. A decoder keeps, of the two layouts, the one
+faster over the block sizes it runs (`KernelTable.one_layout`, applied by
+`mcsd.profile.DeviceProfile.hold_once`), so a
 profile that found the packed copy faster for trees and the plain weights for
 single rows still holds one copy of each weight, at the cost of the other
 layout's speed at the sizes it would have won. Where every block runs on the
@@ -154,9 +155,10 @@ class _Packed:
         self._made_from[index] = (layer.weight, layer.bias)
         self._stamps[index] = self._stamp_of(layer.weight, layer.bias)
 
-    def plain(self, index: int) -> torch.Tensor:
-        """Layer `index`'s weight in the plain layout, read back from this copy (exactly: a reorder)."""
-        dense = self.weight.to_dense()
+    def plain(self, index: int, dense: torch.Tensor | None = None) -> torch.Tensor:
+        """Layer `index`'s weight in the plain layout, read back from this copy (exactly: a reorder);
+        `dense`: the whole copy read back already."""
+        dense = self.weight.to_dense() if dense is None else dense
         start = sum(layer.out_features for layer in self.layers[:index])
         return dense[start:start + self.layers[index].out_features].clone()
 
@@ -238,13 +240,15 @@ def pack(module: torch.nn.Module, join: bool = True, release: bool = False) -> i
 def unpack(module: torch.nn.Module) -> None:
     """Drop the prepacked copies `pack` made (the layers are plain `nn.Linear`s again, their plain
     weights read back from the copies where `pack` let them go)."""
+    read_back: dict[int, torch.Tensor] = {}                     # one reorder per joined copy
     for layer in module.modules():
         if "_mcsd_packed" in layer.__dict__:
             packed = layer.__dict__["_mcsd_packed"]
             if layer.weight.is_meta and packed is not None:
-                with torch.no_grad():
-                    layer.weight = torch.nn.Parameter(packed.plain(layer.__dict__["_mcsd_sibling"]),
-                                                      requires_grad=layer.weight.requires_grad)
+                if id(packed) not in read_back:
+                    read_back = {id(packed): packed.weight.to_dense()}   # siblings follow one another
+                rows = packed.plain(layer.__dict__["_mcsd_sibling"], read_back[id(packed)])
+                layer.weight = torch.nn.Parameter(rows, requires_grad=layer.weight.requires_grad)
             del layer.__dict__["_mcsd_packed"]
             layer.__dict__.pop("_mcsd_sibling", None)
             layer.__dict__.pop("forward", None)
@@ -338,12 +342,6 @@ class KernelTable:
             return "packed"
         plain = sum(self.plain_ms(n) for n in rows)
         return "packed" if sum(interpolate(self.packed_ms, n) for n in rows) < plain else "plain"
-
-    def held_once(self, rows) -> "KernelTable":
-        """This table on one weight layout (`one_layout` over `rows`), so the weights need one copy."""
-        if self.one_layout(rows) == "packed":
-            return KernelTable({}, {}, self.packed_ms)
-        return KernelTable(self.onednn_ms, self.aten_ms) if self.onednn_ms else self
 
     @property
     def packed_only(self) -> bool:

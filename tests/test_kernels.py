@@ -313,11 +313,10 @@ def test_a_packed_model_can_be_copied():
 def test_weights_are_held_in_one_layout():
     table = kernels.KernelTable(ONEDNN_MS, ATEN_MS, PACKED_MS)
     assert table.one_layout((1,)) == "plain" and table.one_layout((1, 2, 4, 8, 16)) == "packed"
-    alone, trees = table.held_once((1,)), table.held_once((1, 2, 4, 8, 16))
-    assert not alone.uses_packed and alone.path(1) == "aten" and alone.path(8) == "onednn"
+    trees = kernels.KernelTable({}, {}, PACKED_MS)
     assert trees.packed_only and trees.path(1) == "packed" and trees.describe() == \
         "prepacked oneDNN weights for every block"
-    assert not table.packed_only and kernels.KernelTable({}, {}, PACKED_MS).one_layout((1,)) == "packed"
+    assert not table.packed_only and trees.one_layout((1,)) == "packed"
     with pytest.raises(ValueError, match="oneDNN or the prepacked"):
         kernels.KernelTable({}, ATEN_MS)
     # the profile's costs follow the layout its decoder holds; the choice is not saved with it
@@ -327,7 +326,9 @@ def test_weights_are_held_in_one_layout():
     assert DeviceProfile.from_json(prof.to_json()).verify_cost(1) == ATEN_MS[1]
     plain = DeviceProfile(verify_ms=ONEDNN_MS, verify_aten_ms=ATEN_MS, verify_packed_ms=PACKED_MS)
     plain.hold_once({"verify": (1,)})
-    assert plain.verify_cost(8) == ONEDNN_MS[8] and not plain.kernel_table("verify").uses_packed
+    alone = plain.kernel_table("verify")
+    assert plain.verify_cost(8) == ONEDNN_MS[8] and not alone.uses_packed
+    assert alone.path(1) == "aten" and alone.path(8) == "onednn"
 
 
 @pytest.mark.skipif(not kernels.packable(torch.float32, "cpu"), reason="no oneDNN on this CPU")
