@@ -76,9 +76,12 @@ class Calibration:
                              else self.profile())
 
     def _q4_note(self) -> str | None:
-        n, joined = quant.attached(self.target.model), quant.joined(self.target.model)
+        model = self.target.model
+        n, joined = quant.attached(model), quant.joined(model)
         dense = quant.starts_dense(quant.PREFILL_ROWS, cached=0)      # a prompt's first forward, here
-        return (f"target: {n} linear layers on q4 weights ({quant.describe_kernel()}) at every block size"
+        head = getattr(model, "get_output_embeddings", lambda: None)()
+        on_q8 = ", the LM head on its Q8_0 codes" if head is not None and quant.code_bits(head) == 8 else ""
+        return (f"target: {n} linear layers on q4 weights ({quant.describe_kernel()}{on_q8}) at every block size"
                 + ((", q / k / v and gate / up as one product each" if quant.kernel_name() == "native"
                     else ", q / k / v as one product") if joined else "")
                 + (f", a prompt of {quant.PREFILL_ROWS}+ tokens read on the dense weights" if dense else "")) \
@@ -96,12 +99,14 @@ class Calibration:
             runners.append(("draft", "draft", self.drafter, profile.drafter_module(self.drafter)))
         for label, role, runner, module in runners:
             runner.kernels = table = prof.kernel_table(role)
-            if table is None:
-                continue
             if label == "draft" and q8:
                 notes.append(f"draft: {q8} linear layers on Q8_0 codes of its weights (mcsd's native kernel) "
                              f"at every block size")
+            if table is None:
+                continue
             rest = (label == "target" and q4_note) or (label == "draft" and q8)
+            if rest and module is not None and not kernels.governed(module):
+                continue                                        # every linear layer runs on its codes
             notes.append(f"{label}{' (the rest)' if rest else ''}: {table.describe()}")
             if table.uses_packed and module is not None:       # prepacked weights are made once, here
                 kernels.pack(module, release=table.packed_only)

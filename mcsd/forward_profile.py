@@ -150,10 +150,11 @@ def read_bandwidth(mb: int = 256, repeats: int = 5, device: str | torch.device =
 
 def resident_bytes(*modules) -> dict[str, int]:
     """Bytes the weights of `modules` hold in memory, each tensor once, by form: "dense" (every
-    parameter), "int4" (the q4 codes, scales and zero points `mcsd.quant` attached) and
-    "prepacked" (oneDNN's reordered copies `mcsd.kernels` made). What `--stats` reports."""
+    parameter), "int4" (the Q4_1 codes, scales and zero points `mcsd.quant` attached), "int8" (Q8_0
+    codes and scales: a GGUF's LM head, a feature head beside a q4 target) and "prepacked" (oneDNN's
+    reordered copies `mcsd.kernels` made). What `--stats` reports."""
     from . import quant
-    dense, int4, packed = {}, {}, {}
+    dense, int4, int8, packed = {}, {}, {}, {}
     for module in modules:
         if module is None:
             continue
@@ -161,13 +162,14 @@ def resident_bytes(*modules) -> dict[str, int]:
             if not p.is_meta:                            # a q4 weight let go (`mcsd.quant`) holds nothing
                 dense[p.data_ptr()] = p.nbytes
         for layer in module.modules():
-            q4 = quant.read_bytes(layer)
-            if q4 is not None:
-                int4[q4[0]] = q4[1]
+            codes = quant.read_bytes(layer)
+            if codes is not None:
+                (int8 if quant.code_bits(layer) == 8 else int4)[codes[0]] = codes[1]
             copy = layer.__dict__.get("_mcsd_packed")
             if copy is not None:
                 packed[id(copy)] = copy.weight.numel() * copy.weight.element_size()
-    return {"dense": sum(dense.values()), "int4": sum(int4.values()), "prepacked": sum(packed.values())}
+    return {"dense": sum(dense.values()), "int4": sum(int4.values()), "int8": sum(int8.values()),
+            "prepacked": sum(packed.values())}
 
 
 def memory_floor(model: torch.nn.Module, mb: int = 256, repeats: int = 5) -> MemoryFloor:

@@ -254,6 +254,13 @@ def unpack(module: torch.nn.Module) -> None:
             layer.__dict__.pop("forward", None)
 
 
+def governed(module: torch.nn.Module) -> int:
+    """How many of `module`'s linear layers run on the paths a kernel table chooses (not on another
+    path's weights, such as `mcsd.quant`'s codes)."""
+    return sum(1 for layer in module.modules() if type(layer) is torch.nn.Linear
+               and getattr(layer.__dict__.get("forward"), "__func__", _packed_forward) is _packed_forward)
+
+
 def released(module: torch.nn.Module) -> int:
     """How many of `module`'s linear layers hold their weight only as a prepacked copy."""
     return sum(1 for layer in module.modules()

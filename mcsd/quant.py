@@ -137,7 +137,7 @@ def describe_kernel() -> str:
     """The q4 kernel in words, for `--stats`."""
     name = kernel_name()
     if name == "native":
-        return "mcsd's native kernel, the LM head on its Q8_0 codes"
+        return "mcsd's native kernel"
     why = native.reason()
     return f"torch's int4 kernel (the native one is not used: {why})" if name else "none"
 
@@ -566,12 +566,19 @@ def detach(model: torch.nn.Module) -> None:
 
 
 def read_bytes(layer: torch.nn.Module) -> tuple[int, int] | None:
-    """(identity, bytes) of the 4-bit weight a layer's forward reads (codes, scales and zero
-    points), or None where no q4 weight is attached; joined siblings share one identity."""
+    """(identity, bytes) of the coded weight a layer's forward reads (Q4_1 codes, scales and zero
+    points, or Q8_0 codes and scales), or None where none is attached; joined siblings share one
+    identity."""
     q4 = layer.__dict__.get(_ATTR)
     if q4 is None:
         return None
     return id(q4), q4.nbytes
+
+
+def code_bits(layer: torch.nn.Module) -> int | None:
+    """4 or 8: the width of the codes a layer's forward reads (`attach`, `attach_q8`); None for none."""
+    codes = layer.__dict__.get(_ATTR)
+    return None if codes is None else 8 if isinstance(codes, Q8Linear) else 4
 
 
 def changes() -> int:

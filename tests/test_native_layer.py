@@ -196,14 +196,25 @@ def _feature_head(width: int, vocab: int):
                                          sub_vocab=24)).eval()
 
 
-def test_a_feature_drafter_beside_a_native_q4_target_drafts_on_q8_0_and_stays_exact(tmp_path):
+def test_a_feature_drafter_beside_a_native_q4_target_drafts_on_q8_0_and_stays_exact(tmp_path, monkeypatch):
     from mcsd.feature_draft import FeatureDrafter
     model = _on_q4_codes(_family("llama"), tmp_path / "llama.gguf")
     drafter = FeatureDrafter(_feature_head(model.config.hidden_size, model.config.vocab_size), model)
     assert drafter.q8_layers == 9                  # reduce, q / k / v / o, gate / up / down, the LM rows
     plain = TreeDecoder(model, None).generate_baseline(PROMPT, max_new_tokens=40).tokens
-    out = TreeDecoder(model, drafter, tree="3,2,2,1", policy="static").generate(PROMPT, max_new_tokens=40)
+    dec = TreeDecoder(model, drafter, tree="3,2,2,1", policy="static")
+    out = dec.generate(PROMPT, max_new_tokens=40)
     assert out.tokens == plain and out.stats.draft_forwards > 0
+    # --stats names the codes each model runs on, and a matmul path only for layers left without codes
+    # (here the target's float32 LM head: the draft has none), where the profile found packing faster
+    from mcsd import calibration
+    from mcsd.profile import DeviceProfile
+    packed_wins = DeviceProfile(verify_ms={1: 10.0, 8: 12.0}, verify_packed_ms={1: 8.0, 8: 9.0},
+                                draft_ms={1: 2.0, 8: 3.0}, draft_packed_ms={1: 1.5, 8: 2.5})
+    monkeypatch.setattr(calibration, "device_profile", lambda *a, **k: (packed_wins, "cached"))
+    note = TreeDecoder(model, drafter, tree="3,2,2,1", policy="static").kernels_note
+    assert "draft: 9 linear layers on Q8_0 codes" in note and "draft (the rest)" not in note
+    assert "target (the rest): prepacked" in note and "LM head on its Q8_0" not in note
     dense = FeatureDrafter(_feature_head(model.config.hidden_size, model.config.vocab_size), _family("llama"))
     assert dense.q8_layers == 0                    # beside a dense target the head stays on its float32 weights
     with torch.inference_mode():                   # and the codes' scores stay near the float32 weights'

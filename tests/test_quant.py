@@ -353,7 +353,9 @@ def test_resident_bytes_count_each_form_of_the_weights_once(q4_gguf_file, kernel
     model = _q4_model(q4_gguf_file)
     held = resident_bytes(model, model)                          # the same module twice counts once
     assert held["dense"] == sum(p.nbytes for p in model.parameters() if not p.is_meta)   # let go: nothing held
-    assert held["int4"] == sum({r[0]: r[1] for r in map(quant.read_bytes, model.modules()) if r}.values()) > 0
+    codes = {r[0]: (r[1], quant.code_bits(m)) for m in model.modules() for r in [quant.read_bytes(m)] if r}
+    assert held["int4"] == sum(n for n, bits in codes.values() if bits == 4) > 0
+    assert held["int8"] == sum(n for n, bits in codes.values() if bits == 8)
     assert held["prepacked"] == 0
     dense = tiny_llama(3)
     if kernels.packable(torch.float32, "cpu"):
