@@ -207,10 +207,8 @@ def pack(module: torch.nn.Module, join: bool = True, release: bool = False) -> i
     shared = _shared(module) if release else set()
 
     def eligible(layer) -> bool:
-        own = layer.__dict__.get("forward")                     # another path's (q4 weights) is left alone
-        return type(layer) is torch.nn.Linear and (layer.weight.is_meta and "_mcsd_packed" in layer.__dict__
-                                                   or packable(layer.weight.dtype, layer.weight.device)) \
-            and (own is None or getattr(own, "__func__", None) is _packed_forward)
+        return _on_table_paths(layer) and (layer.weight.is_meta and "_mcsd_packed" in layer.__dict__
+                                           or packable(layer.weight.dtype, layer.weight.device))
     groups = [g for g in fused.sibling_groups(module) if all(map(eligible, g))] if join else []
     joined = {id(layer) for group in groups for layer in group}
     groups += [[layer] for layer in module.modules() if eligible(layer) and id(layer) not in joined]
@@ -254,11 +252,16 @@ def unpack(module: torch.nn.Module) -> None:
             layer.__dict__.pop("forward", None)
 
 
+def _on_table_paths(layer: torch.nn.Module) -> bool:
+    """A linear layer whose products a kernel table's paths run: plain or prepacked, not another
+    path's forward (`mcsd.quant`'s codes)."""
+    own = layer.__dict__.get("forward")
+    return type(layer) is torch.nn.Linear and (own is None or getattr(own, "__func__", None) is _packed_forward)
+
+
 def governed(module: torch.nn.Module) -> int:
-    """How many of `module`'s linear layers run on the paths a kernel table chooses (not on another
-    path's weights, such as `mcsd.quant`'s codes)."""
-    return sum(1 for layer in module.modules() if type(layer) is torch.nn.Linear
-               and getattr(layer.__dict__.get("forward"), "__func__", _packed_forward) is _packed_forward)
+    """How many of `module`'s linear layers run on the paths a kernel table chooses."""
+    return sum(map(_on_table_paths, module.modules()))
 
 
 def released(module: torch.nn.Module) -> int:

@@ -858,8 +858,8 @@ class Costs:
                 mid = statistics.median(window)
                 if not 1 / bound < mid / self.expected_ratio < bound:
                     self.stale_ratio = mid
-                    slower = 'faster' if mid < self.expected_ratio else 'slower'
-                    self.stale = (f"the last {size} {what} took {mid:.2f}x the profile's time (measured {slower}"
+                    way = 'faster' if mid < self.expected_ratio else 'slower'
+                    self.stale = (f"the last {size} {what} took {mid:.2f}x the profile's time (measured {way}"
                                   + (f" than the {self.expected_ratio:.2f}x expected)" if self.expected_ratio != 1
                                      else ")"))
                     if self.on_stale is not None:

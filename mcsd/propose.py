@@ -11,12 +11,13 @@ After verification the proposers hear how the round went: the drafter's cache ke
 path, context drafting counts its accepted nodes, the policy sees the drafted part's acceptance and
 the round's timings.
 
-Context drafting has a gate of its own, as the learned policy has for the model drafter: a running
-value of the rounds it grafted into (its accepted nodes' worth in one-token steps, less its nodes'
-verify time, both from the costs, not this run's clock); while that is negative it sits out, and
-is tried again after `CONTEXT_PROBE_EVERY` rounds, waiting twice as long after each probe that
-lost, up to `CONTEXT_MAX_GAP`. Where context candidates are rarely the target's draw (sampling at
-high temperature) its rounds are then plain steps, without the lookups and their verify rows.
+Context drafting has a gate of its own (`policies.base.Gate`, as the learned policy has for the
+model drafter): a running value of the rounds it grafted into (its accepted nodes' worth in one-token
+steps, less its nodes' verify time, both from the costs, not this run's clock); while that is
+negative it sits out, and is tried again after `CONTEXT_PROBE_EVERY` rounds, waiting twice as long
+after each probe that lost, up to `CONTEXT_MAX_GAP`. Where context candidates are rarely the
+target's draw (sampling at high temperature) its rounds are then plain steps, without the lookups
+and their verify rows.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from .config import SamplingConfig
 from .context import ContextDrafter, Graft
 from .draft import Drafter, GrownTree, grow_tree
 from .policies import TreePolicy
+from .policies.base import Gate
 from .tree import DraftTree
 from .verify import Acceptance
 
@@ -82,25 +84,24 @@ class Proposer:
                        if getattr(drafter, "uses_target_hidden", False) else False)
         self.roots: torch.Tensor | None = None          # lossy: (W,) this round's candidate roots
         self._drafted_accepts: list[int] = []           # per round, the drafted part's accepted count
-        self.reset_context_gate()
+        # context is right in bursts (a repeated span) and wrong in between: a long memory while it
+        # grafts, and a probe judged on its own round, so one that pays opens the gate again
+        self.context_gate = Gate(CONTEXT_PROBE_EVERY, CONTEXT_MAX_GAP, memory=CONTEXT_MEMORY, probe_alone=True)
 
     def reset(self) -> None:
         """Before the prefill: the policy and the drafter start a new sequence."""
         self.policy.reset()
         if self.drafter is not None:
             self.drafter.reset()
-        self.reset_context_gate()
+        self.context_gate.reset()
 
-    def reset_context_gate(self) -> None:
-        """Context drafting starts open: the next round grafts."""
-        self.context_value = 0.0        # running ms a grafting round gained; < 0: grafting loses
-        self._context_skipped = 0       # rounds in a row without grafting (0: this round grafts)
-        self._context_gap = CONTEXT_PROBE_EVERY
+    @property
+    def context_value(self) -> float:
+        """Running ms a grafting round gained; < 0: grafting loses (the context gate's value)."""
+        return self.context_gate.value
 
     def _grafts_now(self) -> bool:
-        skip = self.context_value < 0 and self._context_skipped < self._context_gap
-        self._context_skipped = self._context_skipped + 1 if skip else 0
-        return not skip
+        return self.context_gate.opens()
 
     def start(self, prompt_ids: torch.Tensor, logits: torch.Tensor, prompt_hidden=None) -> None:
         """After the prefill: the proposers read the prompt (T,) and the target's last logits (1, V)."""
@@ -163,16 +164,7 @@ class Proposer:
             return
         base, size = proposal.drafted.size, proposal.grown.tree.size
         accepted = int((acc.path >= base).sum())                    # grafted nodes on the accepted path
-        value = accepted * costs.verify_ms(1) - (costs.verify_ms(size) - costs.verify_ms(base))
-        was_losing = self.context_value < 0
-        # A long memory while it grafts (context is right in bursts, a repeated span, and wrong in
-        # between); a probe is judged on its own round, so one that pays opens the gate again.
-        self.context_value = value if was_losing else \
-            (1 - CONTEXT_MEMORY) * self.context_value + CONTEXT_MEMORY * value
-        if self.context_value >= 0:
-            self._context_gap = CONTEXT_PROBE_EVERY
-        elif was_losing:                                            # a probe that lost: wait longer next time
-            self._context_gap = min(2 * self._context_gap, CONTEXT_MAX_GAP)
+        self.context_gate.observe(accepted * costs.verify_ms(1) - (costs.verify_ms(size) - costs.verify_ms(base)))
 
     def record(self, stats) -> None:
         """The proposers' totals into a `GenerationStats`."""

@@ -458,22 +458,24 @@ static void top_p_row(const float *s, int64_t V, double mass, float *out, float 
         if (above + bins[b] >= target) { crossing = b; break; }
         above += bins[b];
     }
+    /* one pass keeps the bins above the crossing and gathers the candidates of the next two */
     int last = crossing + 1 < TP_BINS - 1 ? crossing + 1 : TP_BINS - 1;
-    int64_t n, kept;
+    int64_t n = 0, kept;
+    for (i = 0; i < V; i++) {
+        const int b = tp_bin(mx, s[i]);
+        out[i] = b < crossing ? s[i] : -INFINITY;
+        if (b >= crossing && b <= last) { cand[n].s = s[i]; cand[n].i = (int32_t)i; n++; }
+    }
     for (;;) {
-        n = 0;
-        for (i = 0; i < V; i++) {
-            const int b = tp_bin(mx, s[i]);
-            if (b >= crossing && b <= last) { cand[n].s = s[i]; cand[n].i = (int32_t)i; n++; }
-        }
         qsort(cand, (size_t)n, sizeof(tp_cand), tp_order);
         double before = above;
         kept = 0;
         while (kept < n && before < target) before += e[cand[kept++].i];
         if (kept < n || before >= target || last == TP_BINS - 1) break;
         last = TP_BINS - 1;                             /* rounding left it short: every lower bin too */
+        for (i = 0; i < V; i++)
+            if (tp_bin(mx, s[i]) > crossing + 1) { cand[n].s = s[i]; cand[n].i = (int32_t)i; n++; }
     }
-    for (i = 0; i < V; i++) out[i] = tp_bin(mx, s[i]) < crossing ? s[i] : -INFINITY;
     for (int64_t j = 0; j < kept; j++) out[cand[j].i] = cand[j].s;
 }
 

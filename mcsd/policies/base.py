@@ -52,6 +52,48 @@ class Frontier:
     tree: DraftTree
 
 
+class Gate:
+    """Whether a proposer runs this round, from what its rounds have been worth.
+
+    `value` is a running mean of each run round's worth in ms (what it gained less what it cost, the
+    caller's arithmetic); while it is negative the proposer sits out and is tried again after
+    `probe_every` rounds, each probe that loses doubling the wait up to `max_gap`, and one that wins
+    resetting it. `memory` weighs the latest round in the mean; with `probe_alone` a probe is judged
+    on its own round, so one that pays opens the gate at once.
+    """
+
+    def __init__(self, probe_every: int, max_gap: int, memory: float = 0.5, probe_alone: bool = False):
+        self.probe_every, self.max_gap, self.memory, self.probe_alone = probe_every, max_gap, memory, probe_alone
+        self.reset()
+
+    def reset(self) -> None:
+        """Open: the next round runs."""
+        self.value = 0.0
+        self.skipped = 0                # rounds in a row sat out (0: the last round asked ran)
+        self.gap = self.probe_every     # rounds to sit out before the next probe
+
+    def opens(self) -> bool:
+        """Whether this round runs; call once a round."""
+        skip = self.value < 0 and self.skipped < self.gap
+        self.skipped = self.skipped + 1 if skip else 0
+        return not skip
+
+    @property
+    def ran(self) -> bool:
+        """The round `opens` was last asked about runs."""
+        return self.skipped == 0
+
+    def observe(self, value: float) -> None:
+        """What a round that ran was worth, in ms."""
+        was_losing = self.value < 0
+        self.value = value if was_losing and self.probe_alone else \
+            (1 - self.memory) * self.value + self.memory * value
+        if self.value >= 0:
+            self.gap = self.probe_every
+        elif was_losing:                                            # a probe that lost: wait longer next time
+            self.gap = min(2 * self.gap, self.max_gap)
+
+
 class TreePolicy:
     """Base class: grow the whole topology every round (a static tree)."""
 

@@ -31,7 +31,7 @@ from ..config import ConfigError
 from ..models import ModelLoadError, models_dir
 from ..profile import Costs
 from ..tree import DraftTree, TreeTopology
-from .base import Frontier, TreePolicy
+from .base import Frontier, Gate, TreePolicy
 
 FEATURE_NAMES = (
     "q_rank",         # draft probability of the candidate (its rank-r probability under the parent)
@@ -205,10 +205,9 @@ class LearnedPolicy(TreePolicy):
     `max_probe_gap`), so on a machine or text where drafting never pays the
     probes cost a few percent at most, and one that wins resets it. A round
     without drafting is a plain target step; the draft catches up on the
-    skipped tokens in its next forward. The gate outlives a generation
-    (`reset` starts a new one, `forget` clears the gate too): what drafting
-    is worth with this drafter on this machine is carried from one prompt
-    to the next, not re-learned from a burst of probes on each.
+    skipped tokens in its next forward (`base.Gate`, which context drafting
+    shares). The gate opens again at each generation's `reset`, so a request's
+    trees never depend on the requests before it.
 
     Costs come from this machine's calibrated profile, fixed for the run,
     so that the trees grown (and in bfloat16, where a tree's size changes
@@ -273,18 +272,23 @@ class LearnedPolicy(TreePolicy):
 
     def forget(self) -> None:
         """Forget what drafting has been worth (the next round drafts)."""
-        self.draft_value = 0.0          # running ms gained per drafted round; < 0: drafting loses
-        self._skipped = 0               # rounds in a row without drafting (0: this round drafts)
-        self._gap = self.probe_every    # plain rounds to wait before the next probe
+        self.gate = Gate(self.probe_every, self.max_probe_gap)
+
+    @property
+    def draft_value(self) -> float:
+        """Running ms gained per drafted round; < 0: drafting loses (the gate's value)."""
+        return self.gate.value
+
+    @draft_value.setter
+    def draft_value(self, value: float) -> None:
+        self.gate.value = value
 
     def begin_round(self) -> int:
         self._path_pred = torch.ones(1, device=self.topology.parents.device)   # the root is certain
         self._draft_ms = self.costs.draft_ms(1)                               # the root's draft step
         self._draft_base_ms = self.costs.base_draft_ms(1)                     # the same, uncorrected
         self._last = None
-        skip = self.draft_value < 0 and self._skipped < self._gap
-        self._skipped = self._skipped + 1 if skip else 0
-        return 0 if skip else self.topology.max_depth
+        return self.topology.max_depth if self.gate.opens() else 0
 
     def expand(self, frontier: Frontier) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -342,20 +346,14 @@ class LearnedPolicy(TreePolicy):
 
     def observe(self, n_accepted: int, tree: DraftTree) -> None:
         self.recent = recent_acceptance(self.recent, n_accepted, tree)
-        if self._skipped == 0:                                     # this round drafted
+        if self.gate.ran:                                          # this round drafted
             step = self.costs.verify_ms(1)
-            value = n_accepted * step - (self._draft_ms + self.costs.verify_ms(tree.size) - step)
-            was_losing = self.draft_value < 0
-            self.draft_value = 0.5 * self.draft_value + 0.5 * value
-            if self.draft_value >= 0:
-                self._gap = self.probe_every
-            elif was_losing:                                       # a probe that lost: wait longer next time
-                self._gap = min(2 * self._gap, self.max_probe_gap)
+            self.gate.observe(n_accepted * step - (self._draft_ms + self.costs.verify_ms(tree.size) - step))
 
     def observe_timing(self, tree: DraftTree, draft_ms: float, verify_ms: float,
                        forward_ms: float | None = None) -> None:
         self.costs.observe("verify", tree.size, self.costs.base_verify_ms(tree.size), verify_ms, forward_ms)
-        if self._skipped == 0:
+        if self.gate.ran:
             self.costs.observe("draft", None, self._draft_base_ms, draft_ms)
 
 
