@@ -15,7 +15,9 @@ replays fixed shapes at fixed addresses, so here:
   slots never written are zeroed when the buffers are made (a masked slot
   still enters the product with weight 0, and 0 times a NaN is a NaN);
 - the inputs (tokens, positions, write slots, mask) are persistent buffers per
-  bucket, filled in place before each replay; the outputs are the graph's own.
+  bucket, filled in place before each replay; the outputs are copied out of the
+  graph's own buffers (the next replay of that bucket writes over them, and a
+  caller may still hold an earlier block's logits).
 
 A graph is captured per (bucket, hidden-state selection) on first use and kept
 while the cache keeps its buffers; when `StaticCache.reserve` grows them, every
@@ -130,7 +132,10 @@ class StaticBlocks:
             entry.logits, entry.states = self.lean(entry.tokens, entry.positions, entry.mask, cache, entry.slots,
                                                    hidden)
         logits = entry.logits[0, q - 1:q] if last_logits else entry.logits[0, :q]
-        return logits, None if entry.states is None else entry.states[0, :q]
+        states = None if entry.states is None else entry.states[0, :q]
+        if entry.graph is not None:             # the graph's buffers: the next replay writes over them
+            logits, states = logits.clone(), None if states is None else states.clone()
+        return logits, states
 
     def _new_entry(self, b: int, cache: StaticCache) -> _Entry:
         dev = cache.device

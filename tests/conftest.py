@@ -153,7 +153,7 @@ def perturbed(model, scale, seed=7):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in out.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale * p.std())
+            p.add_(torch.randn(p.shape, generator=g).to(p.device) * scale * p.std())
     return out
 
 
