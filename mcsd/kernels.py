@@ -264,6 +264,15 @@ def governed(module: torch.nn.Module) -> int:
     return sum(map(_on_table_paths, module.modules()))
 
 
+def weight_device(layer: torch.nn.Linear) -> torch.device | None:
+    """The device a linear layer's weight is on, read through a plain weight let go for its prepacked
+    copy (the copy's device); None for another meta weight (one held as codes elsewhere, `mcsd.quant`)."""
+    if not layer.weight.is_meta:
+        return layer.weight.device
+    packed = layer.__dict__.get("_mcsd_packed")
+    return packed.weight.device if packed is not None else None
+
+
 def released(module: torch.nn.Module) -> int:
     """How many of `module`'s linear layers hold their weight only as a prepacked copy."""
     return sum(1 for layer in module.modules()

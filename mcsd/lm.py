@@ -100,7 +100,8 @@ class CachedLM:
         reason = llama.unsupported_reason(self.model)
         if reason is None and len({str(d) for d in (getattr(self.model, "hf_device_map", None) or {}).values()}) > 1:
             reason = "its weights are spread over several devices"
-        if reason is None and self.model.lm_head.weight.device != self.device:
+        head = kernels.weight_device(self.model.lm_head) if reason is None else None
+        if head is not None and head != self.device:
             reason = "its LM head sits on another device than its embedding"
         if reason is None and getattr(self.model.config, "_attn_implementation", None) == "eager" \
                 and self.lean is None:

@@ -387,6 +387,7 @@ def test_a_decoder_on_prepacked_weights_holds_them_once(monkeypatch):
     assert held["dense"] < dense / 10 and held["prepacked"] >= dense * 0.9
     assert "its plain weights let go" in dec.kernels_note
     assert dec.generate(PROMPT, max_new_tokens=30).tokens == reference
+    assert dec.target.path == "lean"                            # the engine's own forward reads the copies too
     assert dec.calibration.costs().verify == {1: 8.0, 8: 9.0, 32: 15.0}        # priced as it runs
     # measuring again times the plain paths on plain weights, then they are held once more
     from mcsd.profile import measure
