@@ -288,7 +288,7 @@ def test_a_rows_result_does_not_depend_on_the_block_size():
         for dtype in layer.dtypes:
             x = torch.randn(16, 96).to(dtype)
             alone = torch.cat([layer(x[i:i + 1]) for i in range(16)])
-            for rows in (2, 3, 4, 5, 8, 9, 16):
+            for rows in range(2, 17):                                  # every path of the native kernel
                 assert torch.equal(layer(x[:rows]), alone[:rows])
             assert torch.equal(layer(x[3:12]), alone[3:12])              # the rows beside it do not matter
 
