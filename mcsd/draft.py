@@ -41,10 +41,17 @@ class Drafter(Protocol):
     def reset(self) -> None: ...
 
     def begin_round(self, sequence: torch.Tensor) -> torch.Tensor:
-        """sequence: (T,) committed tokens ending with the root. Returns (V,) logits after the root."""
+        """sequence: (T,) committed tokens ending with the root. Returns (V,) logits after the root
+        ((K,) over `vocab_ids` where the drafter has them)."""
 
     def step(self, tree: DraftTree, rows: torch.Tensor) -> torch.Tensor:
-        """Run tree nodes `rows` (M,) (all one depth); returns (M, V) logits after each."""
+        """Run tree nodes `rows` (M,) (all one depth); returns (M, V) logits after each ((M, K) over
+        `vocab_ids` where the drafter has them)."""
+
+    # Optional: a drafter whose draft gives probability 0 to every token outside a sub-vocabulary may
+    # score only that: `vocab_ids` (K,) long, those tokens' ids (None: the whole vocabulary), and
+    # `widen(scores)` turning (..., K) scores into (..., V), -inf elsewhere. Its trees are then grown
+    # over K entries a row instead of V.
 
     def commit(self, path: torch.Tensor) -> None:
         """path: (k+1,) accepted tree node indices, root first."""
@@ -180,7 +187,16 @@ def grow_tree(drafter: Drafter, policy: TreePolicy, sequence: torch.Tensor, dept
     if depth_limit < 1 or topo.max_depth < 1:
         return GrownTree(tree, None)
     device = tree.tokens.device
-    logits = drafter.begin_round(sequence)[None].to(device)               # (1, V)
+    # A drafter that scores a sub-vocabulary: its trees are grown over those K entries, and a candidate's
+    # index maps back to its token, unless logits processors (which read the whole vocabulary) or
+    # rejection sampling (which keeps each node's whole draft distribution) need every entry.
+    ids = getattr(drafter, "vocab_ids", None)
+    widen = None
+    if ids is not None:
+        ids = ids.to(device)
+        if scores is not None or not (sampling.greedy or noise is not None):
+            widen, ids = drafter.widen, None
+    logits = drafter.begin_round(sequence)[None].to(device)               # (1, V), or (1, K) over ids
     frontier = torch.zeros(1, dtype=torch.long, device=device)
     q_rows: list[tuple[torch.Tensor, torch.Tensor]] = []
     first = 0
@@ -197,6 +213,8 @@ def grow_tree(drafter: Drafter, policy: TreePolicy, sequence: torch.Tensor, dept
         first = 1
 
     for depth in range(first, depth_limit):
+        if widen is not None:
+            logits = widen(logits)
         if scores is not None:
             logits = scores.at_nodes(sequence[:-1], tree, frontier, logits)
         probs = _draft_probs(logits, sampling)                             # (F, V)
@@ -212,7 +230,7 @@ def grow_tree(drafter: Drafter, policy: TreePolicy, sequence: torch.Tensor, dept
         elif noise is not None:                                            # ranked by the target's noise
             # the draft's candidates ranked by the noise the target draws with (measured: more accepted than
             # with the noise scaled down or left out, docs/results.md)
-            keys = noise.keys(probs.log(), tree.depth[frontier] + sequence.numel())    # (F, V); children at T + d
+            keys = noise.keys(probs.log(), tree.depth[frontier] + sequence.numel(), ids)   # children at T + d
             top = torch.topk(keys, k, dim=-1)
             cand, valid = top.indices, torch.isfinite(top.values)
         else:
@@ -222,7 +240,7 @@ def grow_tree(drafter: Drafter, policy: TreePolicy, sequence: torch.Tensor, dept
         # offer (ranks are contiguous: an invalid draw is always last among its siblings).
         keep = (rank < n_children[:, None]) & valid                        # (F, k)
         parents = frontier[:, None].expand_as(cand)[keep]                  # (M,)
-        tokens, ranks = cand[keep], rank[keep]
+        tokens, ranks = (cand if ids is None else ids[cand])[keep], rank[keep]
         q_token = probs.gather(1, cand)[keep]
         if sampling.greedy is False and noise is None:                     # rejection sampling reads q
             q_rows.append((frontier, probs))

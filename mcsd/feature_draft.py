@@ -17,6 +17,11 @@ The LM head may score only a frequency-ranked sub-vocabulary (`vocab_ids`);
 every other token gets probability 0 in q, and q stays a full distribution over
 the vocabulary, so verification (the residual max(p - q, 0) included) is exact.
 
+The drafter runs the head's decoder layers through the engine's own forward
+(`mcsd.llama.LeanForward` over a static cache) rather than transformers' module
+code: a head step is a few small products, so the modules' own overhead was
+most of it. Training calls the head's `forward` (transformers') as before.
+
 Limitations: one sequence at a time; the head's decoder layers are Llama
 layers (RMSNorm, rotary positions, SwiGLU), whatever the target's family.
 """
@@ -30,7 +35,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import kernels, kv_cache, quant
+from . import kernels, kv_cache, llama, quant
+from .static_cache import StaticCache
 from .tree import DraftTree, additive_mask, causal_allowed
 
 
@@ -261,6 +267,8 @@ class FeatureDrafter:
         self.kernels = None                             # CPU matmul path per block size (mcsd.kernels)
         self.target = target
         self.q8_layers = 0
+        self._lean: llama.LeanForward | None = None     # the head's layers on the engine's own forward
+        self.cache = None
         self.follow_target_weights()
         self.reset()
 
@@ -275,8 +283,18 @@ class FeatureDrafter:
         return self.q8_layers
 
     def reset(self) -> None:
-        from transformers import DynamicCache
-        self.cache = DynamicCache()
+        if llama.unsupported_reason(self.head.body) is None:
+            if self._lean is None or self._lean.model is not self.head.body:
+                self._lean = llama.LeanForward(self.head.body)
+            else:
+                self._lean.refresh()                     # modules replaced since (q8 codes, packed copies)
+            w = self.embed.weight
+            if not isinstance(self.cache, StaticCache) or (self.cache.dtype, self.cache.device) != (w.dtype, w.device):
+                self.cache = self._lean.new_cache()
+            self.cache.reset()                           # its buffers are kept for the next sequence
+        else:
+            from transformers import DynamicCache
+            self._lean, self.cache = None, DynamicCache()
         self.forwards = 0
         # fused target features of positions _first .. _first+len-1; positions before the head's cache
         # length are never read again and are dropped, and new states are fused once per drafted round
@@ -315,13 +333,32 @@ class FeatureDrafter:
         prefix = kv_cache.cache_length(self.cache) - (allowed.shape[1] - tokens.numel())
         mask = additive_mask(allowed, prefix, self.dtype)
         with kernels.running(self.kernels, tokens.numel()):
-            pred = self.head(feats[None], self.embed(tokens)[None], positions[None], mask, self.cache)[0]
+            if self._lean is None:
+                pred = self.head(feats[None], self.embed(tokens)[None], positions[None], mask, self.cache)[0]
+            else:                                        # the head's forward, its layers on the engine's own
+                head, n, start = self.head, tokens.numel(), self.cache.length
+                x = head.reduce(torch.cat([feats, self.embed(tokens)], dim=-1))[None]          # (1, Q, w)
+                self.cache.reserve(start + n)
+                slots = torch.arange(start, start + n, device=self.device)
+                pred = head.expand(self._lean.states(x, positions[None], mask, self.cache, slots))[0]
+                self.cache.length = start + n
         self.forwards += 1
         return pred                                                               # (Q, H)
 
+    @property
+    def vocab_ids(self) -> torch.Tensor | None:
+        """(K,) the token ids `begin_round` and `step` score, where the head scores a sub-vocabulary
+        (every other token has draft probability 0); None where they score the whole vocabulary."""
+        ids = self.head.vocab_ids
+        return None if ids.numel() == self.head.cfg.vocab_size else ids
+
+    def widen(self, scores: torch.Tensor) -> torch.Tensor:
+        """(..., K) scores over `vocab_ids` -> (..., V), -inf elsewhere."""
+        return self.head.full_scores(scores)
+
     def _scores(self, pred: torch.Tensor) -> torch.Tensor:
         with kernels.running(self.kernels, pred.shape[0] if pred.dim() > 1 else 1):
-            return self.head.scores(pred)
+            return self.head.sub_scores(pred) if self.vocab_ids is not None else self.head.scores(pred)
 
     @property
     def module(self) -> nn.Module:

@@ -65,14 +65,24 @@ def _rope_type(config) -> str:
     return params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else "?"
 
 
+def _parts(model) -> tuple:
+    """(decoder body, LM head) of a causal LM; (model, None) for a bare decoder body (a `LlamaModel`,
+    as a feature head holds one)."""
+    if hasattr(model, "layers") and not hasattr(model, "lm_head"):
+        return model, None
+    return getattr(model, "model", None), getattr(model, "lm_head", None)
+
+
 def unsupported_reason(model) -> str | None:
-    """None if `LeanForward` runs `model` exactly as transformers does, else why not, in words."""
+    """None if `LeanForward` runs `model` (a causal LM, or a bare decoder body) exactly as transformers
+    does, else why not, in words."""
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", None)
     if kind not in FAMILY:
         return f"architecture {kind!r} is not one of {', '.join(FAMILY)}"
-    body, head = getattr(model, "model", None), getattr(model, "lm_head", None)
-    if body is None or not isinstance(head, torch.nn.Linear) or not all(
+    body, head = _parts(model)
+    if body is None or (head is None and body is not model) or \
+            (head is not None and not isinstance(head, torch.nn.Linear)) or not all(
             hasattr(body, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return f"{type(model).__name__} is not a causal LM with the family's modules"
     if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
@@ -140,7 +150,8 @@ class LeanForward:
     runs. Its only tensor of its own is a sign vector for the rotary embedding.
 
     Args:
-        model: a transformers causal LM that `supports` accepts, on one device, in eval mode.
+        model: a transformers causal LM that `supports` accepts, on one device, in eval mode; or its
+            bare decoder body (`states` runs it on input embeddings: a feature head's body).
     """
 
     def __init__(self, model: torch.nn.Module):
@@ -157,7 +168,8 @@ class LeanForward:
 
     def refresh(self) -> None:
         """Look the model's modules up again."""
-        body = self.body = self.model.model
+        body, self.lm_head = _parts(self.model)
+        self.body = body
         self.layers = []
         for layer in body.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -166,8 +178,7 @@ class LeanForward:
                                       layer.post_attention_layernorm, mlp.gate_proj, mlp.up_proj, mlp.down_proj,
                                       mlp.act_fn, attn.scaling))
         self.head_dim = body.layers[0].self_attn.head_dim
-        self.embed, self.norm, self.rotary, self.lm_head = body.embed_tokens, body.norm, body.rotary_emb, \
-            self.model.lm_head
+        self.embed, self.norm, self.rotary = body.embed_tokens, body.norm, body.rotary_emb
         # a model on the native q4 kernel has its library loaded before any forward: its norms and, in
         # float32, its attention use it too (one call each, not several operations)
         self.one_call = bool(quant.attached(self.model)) and quant.kernel_name() == "native" \
@@ -298,7 +309,23 @@ class LeanForward:
             raise IndexError(f"hidden state indices {list(hidden)} outside -{n_layers + 1}..{n_layers}")
         wanted = {i % (n_layers + 1) for i in hidden}
         kept: dict[int, torch.Tensor] = {}
-        h = self.embed(tokens)                                                  # (1, Q, C)
+        h = self._final(self.embed(tokens), positions, mask, cache, slots, wanted, kept)
+        logits = self.lm_head(h[:, -1:] if last_logits else h)
+        if not hidden:
+            return logits, None
+        states = [kept[i % (n_layers + 1)] for i in hidden]
+        return logits, torch.cat(states, dim=-1) if len(states) > 1 else states[0]
+
+    def states(self, embeds: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: StaticCache,
+               slots: torch.Tensor) -> torch.Tensor:
+        """A block given as (1, Q, C) input embeddings (as transformers' `inputs_embeds`), the rest as
+        `__call__` takes it; returns (1, Q, C) the final normed hidden states (`last_hidden_state`)."""
+        return self._final(embeds, positions, mask, cache, slots, set(), {})
+
+    def _final(self, h, positions, mask, cache, slots, wanted: set, kept: dict) -> torch.Tensor:
+        """The decoder layers and the final norm over (1, Q, C) embeddings h; the states after the
+        layers in `wanted` (0 = h itself) go into `kept`, the final normed one under len(layers)."""
+        n_layers = len(self.layers)
         if 0 in wanted:
             kept[0] = h
         cos, sin = self._rotary(h, positions)                                  # (1, Q, 1, D)
@@ -311,8 +338,4 @@ class LeanForward:
                 kept[i] = h
         h = _rms_norm(h, self.norm, self.one_call)
         kept[n_layers] = h
-        logits = self.lm_head(h[:, -1:] if last_logits else h)
-        if not hidden:
-            return logits, None
-        states = [kept[i % (n_layers + 1)] for i in hidden]
-        return logits, torch.cat(states, dim=-1) if len(states) > 1 else states[0]
+        return h

@@ -219,7 +219,7 @@ class _HeadTimer:
     @torch.inference_mode()
     def latency(self, n: int) -> float:
         d = self.drafter
-        elapsed = _ms(d.device, lambda: d.head.scores(self._run(n, start=self.prefix_len)))
+        elapsed = _ms(d.device, lambda: d._scores(self._run(n, start=self.prefix_len)))
         kv_cache.truncate(d.cache, self.prefix_len)
         return elapsed
 

@@ -252,10 +252,12 @@ class PositionNoise:
             self._held = {p: g for p, g in self._held.items() if p >= low}
         return torch.stack([self._held[p] for p in wanted])
 
-    def keys(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def keys(self, scores: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
         """(M, V) log-probabilities, or `processed_scores` (the same up to a constant per row), at (M,)
-        positions -> (M, V) Gumbel keys scores + g; -inf outside the kept set."""
-        return scores.float() + self.gumbel(positions)
+        positions -> (M, V) Gumbel keys scores + g; -inf outside the kept set. With `ids` (K,), the
+        scores are (M, K) over those tokens and so are the keys (each token's own noise)."""
+        noise = self.gumbel(positions)
+        return scores.float() + (noise if ids is None else noise.index_select(1, ids))
 
     def draw_scores(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(M, V) `processed_scores` at (M,) positions -> (M,) long tokens: argmax(scores + g)."""

@@ -35,16 +35,17 @@ def test_random_feature_head_is_lossless_greedy(target, reference, spec, sub_voc
 
 
 def test_drafter_reads_true_target_features(target):
-    """With the head replaced by 'return f', root children = the target's argmax after the root's parent."""
+    """The head's first forward reads the target's own final hidden state at every prompt position."""
     head = random_head(target)
     drafter = FeatureDrafter(head, target)
     seen = []
-    head.forward = lambda feats, emb, pos, mask=None, past_key_values=None: (seen.append(feats.clone()) or feats)
+    H = target.config.hidden_size
     dec = TreeDecoder(target, drafter, tree="1", policy="static", attention="sdpa")
+    head.reduce.register_forward_pre_hook(lambda module, args: seen.append(args[0][..., :H].reshape(-1, H).clone()))
     dec.generate(PROMPT, max_new_tokens=3)
     with torch.no_grad():
         h = target(PROMPT[None], output_hidden_states=True).hidden_states[-1][0]
-    assert torch.allclose(seen[0][0], h, atol=1e-5)             # first round: every prompt position's feature
+    assert seen[0].shape[0] == PROMPT.numel() and torch.allclose(seen[0], h, atol=1e-5)   # every prompt position
 
 
 def test_sampling_with_sub_vocabulary_is_exact():
@@ -53,6 +54,31 @@ def test_sampling_with_sub_vocabulary_is_exact():
     drafter = FeatureDrafter(random_head(small, sub_vocab=5, seed=2), small)
     dec = TreeDecoder(small, drafter, tree="3,2", policy="static", attention="sdpa")
     assert_follows_target(dec, small, SamplingConfig(1.0), n=1200)
+
+
+@pytest.mark.parametrize("sampling", [{}, dict(temperature=0.8, seed=3), dict(temperature=0.8, top_p=0.9, seed=4)])
+def test_trees_over_a_sub_vocabulary_are_the_trees_over_the_whole_vocabulary(target, sampling, monkeypatch):
+    """Growing a tree over the head's K scored tokens, candidates mapped back to their ids, drafts the very
+    tree that scoring all V tokens (-inf outside) does: the same tokens under the same parents, round by
+    round, greedy and under Gumbel sampling."""
+    trees = {}
+    for narrow in (True, False):
+        drafter = FeatureDrafter(random_head(target, sub_vocab=24), target)
+        assert drafter.vocab_ids is not None
+        if not narrow:
+            monkeypatch.setattr(FeatureDrafter, "vocab_ids", property(lambda self: None))
+        seen = []
+        dec = TreeDecoder(target, drafter, tree="4,2,2", policy="static", attention="sdpa")
+        calls = []
+        score = drafter._scores
+        drafter._scores = lambda pred: (calls.append(score(pred).shape[-1]), score(pred))[1]
+        out = dec.generate(PROMPT, max_new_tokens=40, **sampling,
+                           on_round=lambda tree, acc: seen.append((tree.tokens.tolist(), tree.parents.tolist())))
+        trees[narrow] = (seen, out.tokens)
+        assert set(calls) == ({24} if narrow else {target.config.vocab_size})
+        monkeypatch.undo()
+    assert trees[True] == trees[False]
+    assert len(trees[True][0]) > 3
 
 
 def test_save_and_load_round_trip(target, tmp_path):
@@ -146,16 +172,15 @@ def test_v2_head_reads_the_fused_chosen_layers(target):
     head = random_v2_head(target, (0, 2))
     drafter = FeatureDrafter(head, target)
     seen = []
-    inner = head.forward
-    head.forward = lambda feats, emb, pos, mask=None, past_key_values=None: (
-        seen.append(feats.clone()) or inner(feats, emb, pos, mask, past_key_values))
+    H = target.config.hidden_size
+    head.reduce.register_forward_pre_hook(lambda module, args: seen.append(args[0][..., :H].reshape(-1, H).clone()))
     # uncalibrated: a profile measured here would feed forwards of its own through the head first
     TreeDecoder(target, drafter, tree="1", policy="static", attention="sdpa", calibrate=False).generate(
         PROMPT, max_new_tokens=3)
     with torch.no_grad():
         hs = target(PROMPT[None], output_hidden_states=True).hidden_states
         expected = head.fuse(torch.cat([hs[0][0], hs[2][0]], dim=-1))
-    assert torch.allclose(seen[0][0], expected, atol=1e-5)
+    assert torch.allclose(seen[0], expected, atol=1e-5)
 
 
 def test_v2_sampling_is_exact():

@@ -163,7 +163,7 @@ def test_feature_drafter_forwards_follow_the_table(target):
     drafter = FeatureDrafter(random_head(target), target)
     dec = TreeDecoder(target, drafter, tree="1,1", policy="static", calibrate=False)
     drafter.kernels = kernels.KernelTable(ONEDNN_MS, ATEN_MS)       # whatever a cached profile said
-    spy = FlagSpy(drafter.head)
+    spy = FlagSpy(drafter.head.reduce)                              # its first product, on either forward
     try:
         out = dec.generate(PROMPT, max_new_tokens=12)
     finally:
@@ -180,12 +180,12 @@ def test_a_feature_drafters_scores_run_on_its_path_too(target):
     drafter = FeatureDrafter(head, target)
     pred = torch.randn(3, target.config.hidden_size)
     with torch.inference_mode():
-        assert torch.equal(drafter._scores(pred), head.full_scores(pred @ head.lm_rows.T))
+        assert torch.equal(drafter.widen(drafter._scores(pred)), head.full_scores(pred @ head.lm_rows.T))
     assert drafter.module[1].weight.data_ptr() == head.lm_rows.data_ptr() and not drafter.module[1].weight.requires_grad
     assert not any(k.startswith("lm") for k in head.state_dict())          # never saved with the head
     head.attach_lm_head(2 * target.get_output_embeddings().weight.detach())       # rows attached since
     with torch.inference_mode():
-        assert torch.equal(drafter._scores(pred), head.full_scores(pred @ head.lm_rows.T))   # the new rows score
+        assert torch.equal(drafter.widen(drafter._scores(pred)), head.full_scores(pred @ head.lm_rows.T))   # the new rows score
     if not kernels.packable(torch.bfloat16, "cpu"):
         return
     target16 = tiny_llama(0).to(torch.bfloat16)

@@ -41,7 +41,8 @@ class Frontier:
         max_children: (F,) long, how many children the topology allows each.
         probs: (F, V) float, the draft distribution each node's children are
             drawn from (greedy: softmax of the draft logits; sampling: the
-            processed q_draft).
+            processed q_draft); (F, K) over a drafter's sub-vocabulary where it
+            scores one (`mcsd.draft.Drafter`), the other tokens' 0s left out.
         tree: the tree grown so far (frontier included).
     """
 
