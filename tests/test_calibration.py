@@ -159,3 +159,22 @@ def test_weights_auto_is_dense_with_a_dtype_given(q4_gguf_file, capsys):
     assert main(["--target", str(q4_gguf_file), "--drafter", "context", "--dtype", "float32", "--prompt", "ABCABC",
                  "--max-new-tokens", "4", "--json", "--no-calibrate"]) == 0
     assert json.loads(capsys.readouterr().out)["settings"]["weights"] == "dense"
+
+
+def test_a_feature_heads_steps_are_timed_after_a_target_forward(monkeypatch):
+    """On a CPU a round's first head step finds the target's weights, not its own, in the processor's
+    caches: the profile times every head step right after a target forward, as decoding runs it."""
+    from test_feature_draft import random_head
+    from mcsd import profile
+    from mcsd.feature_draft import FeatureDrafter
+    target = tiny_llama(0)
+    drafter = FeatureDrafter(random_head(target), target)
+    order = []
+    for cls, name in ((profile._ModelTimer, "target"), (profile._HeadTimer, "head")):
+        def spy(self, n, _inner=cls.latency, _name=name):
+            order.append(_name)
+            return _inner(self, n)
+        monkeypatch.setattr(cls, "latency", spy)
+    prof = profile.measure(target, drafter, **QUICK)
+    heads = [i for i, name in enumerate(order) if name == "head"]
+    assert heads and prof.draft_ms and all(order[i - 1] == "target" for i in heads)
