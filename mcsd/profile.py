@@ -12,7 +12,6 @@ import copy
 import functools
 import hashlib
 import json
-import os
 import platform
 import statistics
 import subprocess
@@ -418,10 +417,12 @@ def measure(target, draft=None, sizes=DEFAULT_SIZES, prefix_len: int = 200, repe
     gen = torch.Generator().manual_seed(0)
     timers = {"verify": (_ModelTimer(target, prefix_len, gen), tuple(sizes))}
     if draft is not None:
-        target_timer = timers["verify"][0]
-        timer = _HeadTimer(draft, prefix_len, gen, before=lambda: target_timer.latency(1)) \
-            if _is_feature_drafter(draft) and target_timer.device.type == "cpu" else \
-            (_HeadTimer if _is_feature_drafter(draft) else _ModelTimer)(draft, prefix_len, gen)
+        if _is_feature_drafter(draft):
+            target_timer = timers["verify"][0]
+            before = (lambda: target_timer.latency(1)) if target_timer.device.type == "cpu" else None
+            timer = _HeadTimer(draft, prefix_len, gen, before)
+        else:
+            timer = _ModelTimer(draft, prefix_len, gen)
         timers["draft"] = (timer, tuple(draft_sizes))
     verify_lm = timers["verify"][0].lm
     both = {role: kernels.switchable(t.dtype, t.device) for role, (t, _) in timers.items()}
