@@ -36,7 +36,6 @@ import torch
 from torch import nn
 
 from . import kernels, kv_cache, llama, quant
-from .static_cache import StaticCache
 from .tree import DraftTree, additive_mask, causal_allowed
 
 
@@ -134,10 +133,14 @@ class FeatureHead(nn.Module):
         Returns:
             (B, T, H) predicted f_{t+1}.
         """
-        x = self.reduce(torch.cat([features, token_embeds], dim=-1))                 # (B, T, w)
+        x = self.inputs(features, token_embeds)                                       # (B, T, w)
         out = self.body(inputs_embeds=x, position_ids=position_ids, attention_mask=attention_mask,
                         use_cache=past_key_values is not None, **{self._cache_kw: past_key_values})
         return self.expand(out.last_hidden_state)
+
+    def inputs(self, features: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
+        """(..., H) features and (..., H) next-token embeddings -> (..., w) the body's input embeddings."""
+        return self.reduce(torch.cat([features, token_embeds], dim=-1))
 
     def fused(self, target_states: torch.Tensor) -> torch.Tensor:
         """(..., L*H) the target's chosen hidden states, concatenated -> (..., H) the feature f_t
@@ -288,10 +291,7 @@ class FeatureDrafter:
                 self._lean = llama.LeanForward(self.head.body)
             else:
                 self._lean.refresh()                     # modules replaced since (q8 codes, packed copies)
-            w = self.embed.weight
-            if not isinstance(self.cache, StaticCache) or (self.cache.dtype, self.cache.device) != (w.dtype, w.device):
-                self.cache = self._lean.new_cache()
-            self.cache.reset()                           # its buffers are kept for the next sequence
+            self.cache = self._lean.empty_cache(self.cache)
         else:
             from transformers import DynamicCache
             self._lean, self.cache = None, DynamicCache()
@@ -337,7 +337,7 @@ class FeatureDrafter:
                 pred = self.head(feats[None], self.embed(tokens)[None], positions[None], mask, self.cache)[0]
             else:                                        # the head's forward, its layers on the engine's own
                 head, n, start = self.head, tokens.numel(), self.cache.length
-                x = head.reduce(torch.cat([feats, self.embed(tokens)], dim=-1))[None]          # (1, Q, w)
+                x = head.inputs(feats, self.embed(tokens))[None]                                # (1, Q, w)
                 self.cache.reserve(start + n)
                 slots = torch.arange(start, start + n, device=self.device)
                 pred = head.expand(self._lean.states(x, positions[None], mask, self.cache, slots))[0]

@@ -240,6 +240,15 @@ class LeanForward:
         weight = self.embed.weight
         return StaticCache(len(self.layers), self.kv_heads, self.head_dim, weight.dtype, weight.device)
 
+    def empty_cache(self, cache) -> StaticCache:
+        """A cache for a new sequence: `cache` emptied, its buffers kept, where it is a static cache in
+        this model's dtype and on its device; else a new one."""
+        weight = self.embed.weight
+        if not isinstance(cache, StaticCache) or (cache.dtype, cache.device) != (weight.dtype, weight.device):
+            cache = self.new_cache()
+        cache.reset()
+        return cache
+
     def _rotary(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin (1, Q, 1, D): transformers' rotation of a (1, Q, H, D) tensor t is
         t * cos + roll(t, D/2) * sin_signed (rotate_half's negation moved onto sin: exact)."""

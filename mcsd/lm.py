@@ -26,7 +26,6 @@ import time
 import torch
 
 from . import graphs, kernels, kv_cache, llama, quant
-from .static_cache import StaticCache
 from .tree import additive_mask, causal_allowed
 
 _chosen = threading.local()             # .lean: what CachedLMs that choose for themselves choose (None: auto)
@@ -130,10 +129,7 @@ class CachedLM:
             elif self.blocks is None or self.blocks.lean is not self._own or \
                     (self.blocks.capture != capture and self.blocks.failure is None):   # a failed capture stays off
                 self.blocks = graphs.StaticBlocks(self._own, capture)
-            if not isinstance(self.cache, StaticCache) or (self.cache.dtype, self.cache.device) != \
-                    (weight.dtype, weight.device):
-                self.cache = self._own.new_cache()
-            self.cache.reset()                          # its buffers are kept for the next sequence
+            self.cache = self._own.empty_cache(self.cache)
             return
         from transformers import DynamicCache
         self._running = None

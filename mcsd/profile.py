@@ -588,8 +588,7 @@ def profile_path(target, draft, dtype=None, weights: str | None = None) -> Path:
         parts.append("onednn-aten-packed")            # profiles timed on every matmul path
     elif kernels.packable(dtype, dev):
         parts.append("default-packed")                # timed with and without prepacked weights
-    if MEASURED_SINCE > 1:
-        parts.append(f"measured-{MEASURED_SINCE}")     # profiles measured the way this version measures
+    parts.append(f"measured-{MEASURED_SINCE}")         # profiles measured the way this version measures
     key = "|".join(parts)
     digest = hashlib.sha1(key.encode()).hexdigest()[:12]
     return cache_dir() / "profiles" / f"{digest}.json"

@@ -100,9 +100,6 @@ class Proposer:
         """Running ms a grafting round gained; < 0: grafting loses (the context gate's value)."""
         return self.context_gate.value
 
-    def _grafts_now(self) -> bool:
-        return self.context_gate.opens()
-
     def start(self, prompt_ids: torch.Tensor, logits: torch.Tensor, prompt_hidden=None) -> None:
         """After the prefill: the proposers read the prompt (T,) and the target's last logits (1, V)."""
         if self.hidden:
@@ -126,7 +123,7 @@ class Proposer:
                            noise=noise)
                  if depth > 0 else GrownTree(DraftTree.root_only(policy.topology, sequence[-1]), None))
         drafted, graft = grown.tree, None
-        if self.context is not None and self._grafts_now():   # free branches from the context, merged in
+        if self.context is not None and self.context_gate.opens():   # free branches from the context, merged in
             costs = self.context_costs
             spent_ms = round_ms(drafted, costs)             # from costs, not this run's clock
             probs = policy.node_probabilities()

@@ -461,18 +461,18 @@ def test_context_drafting_sits_out_while_it_loses_and_is_tried_again():
 
     schedule = []
     for _ in range(40):
-        grafts = proposer._grafts_now()
+        grafts = proposer.context_gate.opens()
         schedule.append(grafts)
         if grafts:
             round_with(grafted=3, accepted=0)
     assert schedule[0] and proposer.context_value < 0
     gaps = [len(run) for run in "".join("x" if g else "." for g in schedule).split("x")[1:-1]]
     assert gaps == [3, 6, 12] and not any(schedule[-(gaps[-1]):])      # waits twice as long after each loss
-    while not proposer._grafts_now():
+    while not proposer.context_gate.opens():
         pass
     round_with(grafted=1, accepted=1)                                   # a probe that pays opens the gate
-    assert proposer.context_value > 0 and all(proposer._grafts_now() for _ in range(5))
+    assert proposer.context_value > 0 and all(proposer.context_gate.opens() for _ in range(5))
     round_with(grafted=3, accepted=0)                                   # one loss is weighed, not decisive
-    assert proposer.context_value > 0 and proposer._grafts_now()
+    assert proposer.context_value > 0 and proposer.context_gate.opens()
     proposer.reset()
-    assert proposer.context_value == 0 and proposer._grafts_now()
+    assert proposer.context_value == 0 and proposer.context_gate.opens()
