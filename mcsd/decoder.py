@@ -328,8 +328,7 @@ class TreeDecoder:
             acc = accept_greedy(tree.tokens, tree.parents, tree.depth, anc, argmax,
                                 given=(tree.depth == 1) if skip_root else None)
         elif noise is not None:                  # the target's own seeded draw after each node, matched
-            scores = processed_scores(logits, sampling)                              # (N, V), no softmax
-            draws = noise.draw_scores(scores, tree.depth + sequence.numel())         # node at depth d draws T + d
+            draws = noise.draw_logits(logits, sampling, tree.depth + sequence.numel())   # node at depth d draws T + d
             acc = accept_greedy(tree.tokens, tree.parents, tree.depth, anc, draws)
         else:
             p_target = logits_to_probs(logits, sampling)
@@ -344,7 +343,8 @@ class TreeDecoder:
         if cfg.return_logprobs:                  # row path[j] is the distribution the j-th emitted token came from
             emitted = torch.cat([tree.tokens[acc.path[1:]], acc.next_token.reshape(1)])
             dist = (logits[kept].float().log_softmax(-1) if sampling.greedy
-                    else p_target[kept].log() if p_target is not None else scores[kept].log_softmax(-1))
+                    else p_target[kept].log() if p_target is not None
+                    else processed_scores(logits[kept], sampling).log_softmax(-1))
             emitted_lp = dist.gather(1, emitted[:, None]).squeeze(1)
         return acc, (states[kept] if hidden else None), logits[acc.path[-1] - s], emitted_lp
 

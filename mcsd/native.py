@@ -33,7 +33,7 @@ from .config import ConfigError
 SOURCE = Path(__file__).with_name("q4_kernel.c")
 FLAGS = ["-O3", "-std=c11", "-ffp-contract=off", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
 LIBS = ["-lm"]
-VERSION = 12                           # mcsd_q4_abi() of q4_kernel.c; cost profiles are keyed by it too
+VERSION = 13                           # mcsd_q4_abi() of q4_kernel.c; cost profiles are keyed by it too
 _lock = threading.Lock()
 _state: dict = {}                       # "lib": the loaded library or None, "reason": why not
 
@@ -137,6 +137,10 @@ def _load():
     lib.mcsd_layer.restype = ctypes.c_int
     lib.mcsd_top_p.argtypes = [p, i64, i64, ctypes.c_float, p, ctypes.c_int]
     lib.mcsd_top_p.restype = ctypes.c_int
+    lib.mcsd_draw.argtypes = [p, i64, i64, ctypes.c_float, p, p, ctypes.c_int]
+    lib.mcsd_draw.restype = ctypes.c_int
+    lib.mcsd_gumbel.argtypes = [p, i64, p, i64, p]
+    lib.mcsd_gumbel.restype = None
     return lib, "built from mcsd/q4_kernel.c with " + Path(cc).name
 
 
@@ -197,6 +201,29 @@ def top_p(scores: torch.Tensor, mass: float) -> torch.Tensor:
     v = x.shape[-1]
     if _lib().mcsd_top_p(x.data_ptr(), x.numel() // v, v, mass, out.data_ptr(), torch.get_num_threads()):
         raise MemoryError("the native top-p filter could not allocate its scratch rows")
+    return out
+
+
+def draw(scaled: torch.Tensor, mass: float, keys: torch.Tensor) -> torch.Tensor:
+    """Gumbel-max draws from float32 `scaled` scores (R, V) on the CPU (temperature applied, top token
+    0), nucleus-filtered with `mass` (none at 1), row r under position key `keys[r]` ((R,) int64,
+    the bits of a uint64): (R,) long, the kept token with the largest score + noise (see `mcsd_draw`)."""
+    x, k = scaled.contiguous(), keys.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    if _lib().mcsd_draw(x.data_ptr(), x.shape[0], x.shape[1], mass, k.data_ptr(), out.data_ptr(),
+                        torch.get_num_threads()):
+        raise MemoryError("the native draw could not allocate its scratch rows")
+    return out
+
+
+def gumbel(keys: torch.Tensor, ids: torch.Tensor | None, width: int) -> torch.Tensor:
+    """(R,) int64 position keys -> (R, K) float32 standard Gumbel noise for tokens `ids` ((K,) int64 on
+    the CPU), or for 0 .. width - 1 where `ids` is None."""
+    k = keys.contiguous()
+    idx = None if ids is None else ids.contiguous()
+    cols = width if idx is None else idx.numel()
+    out = torch.empty(k.numel(), cols, dtype=torch.float32)
+    _lib().mcsd_gumbel(k.data_ptr(), k.numel(), None if idx is None else idx.data_ptr(), cols, out.data_ptr())
     return out
 
 

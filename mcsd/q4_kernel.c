@@ -29,7 +29,7 @@
 #define NB 4            /* output rows dequantised together */
 #define RB 3            /* input rows per tile */
 
-int mcsd_q4_abi(void) { return 12; }
+int mcsd_q4_abi(void) { return 13; }
 
 static inline float hsum(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -449,13 +449,16 @@ static inline int tp_bin(float mx, float s) {
     return depth < (float)(TP_BINS - 1) ? (int)depth : TP_BINS - 1;      /* -inf, nan: the last */
 }
 
-static void top_p_row(const float *s, int64_t V, double mass, float *out, float *e, tp_cand *cand) {
+/* A row's kept set: every token whose bin is above `crossing` (tp_bin(mx, s[i]) < crossing), and the
+   first `kept` of `cand` once sorted. Fills e with the exponentials below the maximum. mx == -INFINITY:
+   nothing to rank (every score is -inf). */
+typedef struct { float mx; int crossing; int64_t kept; } tp_sel;
+
+static tp_sel tp_select(const float *s, int64_t V, double mass, float *e, tp_cand *cand) {
+    tp_sel sel = { -INFINITY, 0, 0 };
     float mx = -INFINITY;
     for (int64_t i = 0; i < V; i++) mx = s[i] > mx ? s[i] : mx;
-    if (mx == -INFINITY) {                              /* nothing to rank: the row as it is */
-        for (int64_t i = 0; i < V; i++) out[i] = s[i];
-        return;
-    }
+    if (mx == -INFINITY) return sel;
     double total = 0.0, bins[TP_BINS] = {0};
     const __m256 mxv = _mm256_set1_ps(mx);
     int64_t i = 0;
@@ -477,12 +480,11 @@ static void top_p_row(const float *s, int64_t V, double mass, float *out, float 
         if (above + bins[b] >= target) { crossing = b; break; }
         above += bins[b];
     }
-    /* one pass keeps the bins above the crossing and gathers the candidates of the next two */
+    /* the candidates of the crossing bin and the next */
     int last = crossing + 1 < TP_BINS - 1 ? crossing + 1 : TP_BINS - 1;
     int64_t n = 0, kept;
     for (i = 0; i < V; i++) {
         const int b = tp_bin(mx, s[i]);
-        out[i] = b < crossing ? s[i] : -INFINITY;
         if (b >= crossing && b <= last) { cand[n].s = s[i]; cand[n].i = (int32_t)i; n++; }
     }
     for (;;) {
@@ -495,7 +497,20 @@ static void top_p_row(const float *s, int64_t V, double mass, float *out, float 
         for (i = 0; i < V; i++)
             if (tp_bin(mx, s[i]) > crossing + 1) { cand[n].s = s[i]; cand[n].i = (int32_t)i; n++; }
     }
-    for (int64_t j = 0; j < kept; j++) out[cand[j].i] = cand[j].s;
+    sel.mx = mx;
+    sel.crossing = crossing;
+    sel.kept = kept;
+    return sel;
+}
+
+static void top_p_row(const float *s, int64_t V, double mass, float *out, float *e, tp_cand *cand) {
+    const tp_sel sel = tp_select(s, V, mass, e, cand);
+    if (sel.mx == -INFINITY) {                          /* nothing to rank: the row as it is */
+        for (int64_t i = 0; i < V; i++) out[i] = s[i];
+        return;
+    }
+    for (int64_t i = 0; i < V; i++) out[i] = tp_bin(sel.mx, s[i]) < sel.crossing ? s[i] : -INFINITY;
+    for (int64_t j = 0; j < sel.kept; j++) out[cand[j].i] = cand[j].s;
 }
 
 int mcsd_top_p(const float *s, int64_t R, int64_t V, float mass, float *out, int threads) {
@@ -508,6 +523,80 @@ int mcsd_top_p(const float *s, int64_t R, int64_t V, float mass, float *out, int
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < R; r++)
             if (e && cand) top_p_row(s + r * V, V, (double)mass, out + r * V, e, cand);
+        free(e);
+        free(cand);
+    }
+    return failed ? -1 : 0;
+}
+
+/* Position noise: a uniform u in (0, 1) for token i of a sequence position whose 64-bit key is `key`,
+   a function of (key, i) alone (splitmix64's finaliser over key + (i + 1) * golden ratio; the top 23
+   bits, centred: u = (2h + 1) / 2^24, exact in float32). mcsd/sampling.py computes the same bits in
+   torch where this library is not in use. */
+static inline float noise_u(uint64_t key, int64_t i) {
+    uint64_t z = key + (uint64_t)(i + 1) * 0x9E3779B97F4A7C15ULL;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    z ^= z >> 31;
+    return (float)(2 * (z >> 41) + 1) * 0x1p-24f;
+}
+
+/* Standard Gumbel noise -log(-log u) for R positions (keys) x K tokens (ids, or 0..K-1 where NULL). */
+void mcsd_gumbel(const uint64_t *keys, int64_t R, const int64_t *ids, int64_t K, float *out) {
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t k = 0; k < K; k++)
+            out[r * K + k] = -logf(-logf(noise_u(keys[r], ids ? ids[k] : k)));
+}
+
+/* One Gumbel-max draw from a row of scaled scores x (the temperature applied; -inf where a processor
+   dropped a token) after nucleus filtering with `mass` (none when mass >= 1), under the row's position
+   key: the kept token i with the largest x[i] + g[i], g[i] = -log(-log u(key, i)). Made as the smallest
+   E[i] / e[i], E[i] = -log u(key, i) and e[i] = exp(x[i] - max) (the same order up to rounding), which
+   needs noise only for the kept tokens, and for those only where the bound E >= 1 - u leaves them a
+   chance: a draw costs about a filter's passes, not a noise row. Ties go to the lower index. */
+static int64_t draw_row(const float *x, int64_t V, double mass, uint64_t key, float *e, tp_cand *cand) {
+    tp_sel sel;
+    if (mass < 1.0) {
+        sel = tp_select(x, V, mass, e, cand);
+    } else {                                            /* every token with a finite score is kept */
+        float mx = -INFINITY;
+        for (int64_t i = 0; i < V; i++) mx = x[i] > mx ? x[i] : mx;
+        sel.mx = mx;
+        sel.crossing = TP_BINS;
+        sel.kept = 0;
+        if (mx != -INFINITY) {
+            const __m256 mxv = _mm256_set1_ps(mx);
+            int64_t i = 0;
+            for (; i + 8 <= V; i += 8) _mm256_storeu_ps(e + i, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), mxv)));
+            for (; i < V; i++) e[i] = expf(x[i] - mx);
+        }
+    }
+    if (sel.mx == -INFINITY) return 0;                  /* nothing to draw from: the first token */
+    int64_t best = 0;
+    while (x[best] != sel.mx) best++;                   /* the top token: always kept */
+    float best_r = -logf(noise_u(key, best)) / e[best];
+    for (int64_t t = 0; t < V + sel.kept; t++) {
+        const int64_t i = t < V ? t : cand[t - V].i;
+        if (t < V && tp_bin(sel.mx, x[i]) >= sel.crossing) continue;
+        if (e[i] <= 0.0f) continue;
+        const float u = noise_u(key, i);
+        if ((1.0f - u) * 0.999f > best_r * e[i]) continue;     /* -log u >= 1 - u: it cannot win */
+        const float r = -logf(u) / e[i];
+        if (r < best_r || (r == best_r && i < best)) { best_r = r; best = i; }
+    }
+    return best;
+}
+
+int mcsd_draw(const float *x, int64_t R, int64_t V, float mass, const uint64_t *keys, int64_t *out, int threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(|:failed) if(R > 1)
+    {
+        float *e = malloc((size_t)V * sizeof(float));
+        tp_cand *cand = mass < 1.0f ? malloc((size_t)V * sizeof(tp_cand)) : NULL;
+        failed = !e || (mass < 1.0f && !cand);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < R; r++)
+            if (!failed) out[r] = draw_row(x + r * V, V, (double)mass, keys[r], e, cand);
         free(e);
         free(cand);
     }

@@ -49,11 +49,7 @@ def processed_scores(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     draw needs no softmax at all (`PositionNoise.draw_scores`)."""
     if cfg.greedy:
         raise ValueError("sampling needs temperature > 0; greedy decoding uses argmax")
-    scores = logits.float()
-    # Shifted so the top score is 0 before dividing: a tiny temperature then sends the others to -inf
-    # (the greedy limit) instead of overflowing to inf - inf = nan in the softmax. Below 1e-30 (which
-    # float32 would round to 0, making the top 0 / 0) every gap is already -inf: the same distribution.
-    scores = (scores - scores.amax(-1, keepdim=True)) / max(cfg.temperature, 1e-30)
+    scores = _scaled(logits, cfg)
     if cfg.top_k and cfg.top_k < scores.shape[-1]:
         kth = torch.topk(scores, cfg.top_k, dim=-1).values[..., -1:]            # (..., 1)
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -65,6 +61,15 @@ def processed_scores(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     if cfg.typical_p < 1.0:
         scores = _typical(scores, cfg.typical_p)
     return scores
+
+
+def _scaled(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """(..., V) float32 logits over the temperature, shifted so the top score is 0 before dividing: a
+    tiny temperature then sends the others to -inf (the greedy limit) instead of overflowing to
+    inf - inf = nan in the softmax. Below 1e-30 (which float32 would round to 0, making the top 0 / 0)
+    every gap is already -inf: the same distribution."""
+    scores = logits.float()
+    return (scores - scores.amax(-1, keepdim=True)) / max(cfg.temperature, 1e-30)
 
 
 TOP_P_FIRST = 64                  # candidates tried first (a partial sort)
@@ -164,10 +169,9 @@ def choose(scores: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator
     if cfg.greedy:
         token, dist = scores.argmax(-1), None
     else:
-        kept = processed_scores(scores, cfg)
         # the Gumbel draw needs no softmax: the distribution is made only to sample from it or to report it
-        dist = kept.softmax(-1) if noise is None or logprob else None
-        token = noise.draw_scores(kept[None], torch.tensor([position]))[0] if noise is not None \
+        dist = processed_scores(scores, cfg).softmax(-1) if noise is None or logprob else None
+        token = noise.draw_logits(scores[None], cfg, torch.tensor([position]))[0] if noise is not None \
             else sample(dist, generator)
     if not logprob:
         return token, None
@@ -208,27 +212,51 @@ def make_generator(seed: int | None, device) -> torch.Generator:
 
 
 _MASK64 = (1 << 64) - 1
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
 def _mix(seed: int, position: int) -> int:
-    """A 63-bit generator seed from (seed, position): splitmix64's finaliser over both, so that
-    neighbouring seeds and positions give unrelated streams."""
-    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    """A 63-bit key from (seed, position): splitmix64's finaliser over both, so that neighbouring
+    seeds and positions give unrelated streams."""
+    z = (seed * _GOLDEN + (position + 1) * _MIX1) & _MASK64
+    z = ((z ^ (z >> 30)) * _MIX1) & _MASK64
+    z = ((z ^ (z >> 27)) * _MIX2) & _MASK64
     return (z ^ (z >> 31)) >> 1
 
 
+def _as_int64(c: int) -> int:
+    """A 64-bit constant as the int64 holding the same bits."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _shr(z: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's >> keeps the sign)."""
+    return (z >> n) & ((1 << (64 - n)) - 1)
+
+
+def noise_uniform(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """(M,) int64 position keys x (K,) int64 token ids -> (M, K) float32 uniforms in (0, 1): token i at
+    a position with key k gets splitmix64's finaliser over k + (i + 1) * golden ratio, its top 23 bits
+    centred, (2h + 1) / 2^24 (exact in float32). int64 arithmetic wraps as uint64's does; the native
+    library's `noise_u` makes the same bits."""
+    z = keys[:, None] + (ids[None, :] + 1) * _as_int64(_GOLDEN)
+    z = (z ^ _shr(z, 30)) * _as_int64(_MIX1)
+    z = (z ^ _shr(z, 27)) * _as_int64(_MIX2)
+    z = z ^ _shr(z, 31)
+    return (2 * _shr(z, 41) + 1).float() * 2.0 ** -24
+
+
 class PositionNoise:
-    """Gumbel noise per sequence position, a function of (seed, position) alone.
+    """Gumbel noise per sequence position and token, a function of (seed, position, token) alone.
 
     `draw(probs, positions)` is argmax(log probs + g_position) per row (`draw_scores`
-    takes the processed scores themselves, softmax left out): an exact
-    draw from each row's distribution, and the same draw for the same seed,
-    position and distribution whoever asks (the target verifying a tree, the
-    plain loop, another process). Noise is made on the CPU with a generator
-    seeded per position (so it never depends on the device or on what was
-    drawn before) and kept for the positions still in play.
+    takes the processed scores themselves, softmax left out; `draw_logits` the raw
+    logits and the sampling settings): an exact draw from each row's distribution,
+    and the same draw for the same seed, position and distribution whoever asks (the
+    target verifying a tree, the plain loop, another process). A token's noise is a
+    hash of the position's key and its id (`noise_uniform`), so it is made only for
+    the tokens asked about (the head's scored sub-vocabulary, the target's kept set),
+    on whatever device asks, and never depends on what was drawn before.
 
     Args:
         seed: 64-bit seed; None draws one from the operating system.
@@ -239,25 +267,27 @@ class PositionNoise:
     def __init__(self, seed: int | None, vocab: int, device):
         self.seed = secrets.randbits(63) if seed is None else int(seed) & _MASK64
         self.vocab, self.device = int(vocab), torch.device(device)
-        self._held: dict[int, torch.Tensor] = {}
-    def gumbel(self, positions: torch.Tensor) -> torch.Tensor:
-        """(M,) long positions -> (M, V) float32 standard Gumbel noise (one host read of the positions)."""
-        wanted = positions.tolist()
-        for pos in set(wanted) - self._held.keys():
-            gen = torch.Generator().manual_seed(_mix(self.seed, pos))
-            u = torch.rand(self.vocab, generator=gen).clamp_(min=1e-20, max=1.0 - 1e-7)
-            self._held[pos] = (-torch.log(-torch.log(u))).to(self.device)
-        if len(self._held) > 4 * max(len(set(wanted)), 16):      # drop positions behind the ones asked for
-            low = min(wanted)
-            self._held = {p: g for p, g in self._held.items() if p >= low}
-        return torch.stack([self._held[p] for p in wanted])
+
+    def position_keys(self, positions: torch.Tensor) -> torch.Tensor:
+        """(M,) positions -> (M,) int64 keys on the CPU (one host read of the positions)."""
+        return torch.tensor([_mix(self.seed, p) for p in positions.tolist()], dtype=torch.long)
+
+    def gumbel(self, positions: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """(M,) long positions -> (M, V) float32 standard Gumbel noise on the noise's device, or (M, K)
+        for the tokens `ids` (K,) only."""
+        keys = self.position_keys(positions)
+        device = self.device if ids is None else ids.device
+        if device.type == "cpu" and native.library() is not None:
+            return native.gumbel(keys, None if ids is None else ids.long(), self.vocab)
+        cols = torch.arange(self.vocab, device=device) if ids is None else ids.long()
+        u = noise_uniform(keys.to(device), cols)
+        return -torch.log(-torch.log(u))
 
     def keys(self, scores: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
         """(M, V) log-probabilities, or `processed_scores` (the same up to a constant per row), at (M,)
         positions -> (M, V) Gumbel keys scores + g; -inf outside the kept set. With `ids` (K,), the
         scores are (M, K) over those tokens and so are the keys (each token's own noise)."""
-        noise = self.gumbel(positions)
-        return scores.float() + (noise if ids is None else noise.index_select(1, ids))
+        return scores.float() + self.gumbel(positions, ids).to(scores.device)
 
     def draw_scores(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(M, V) `processed_scores` at (M,) positions -> (M,) long tokens: argmax(scores + g)."""
@@ -266,3 +296,19 @@ class PositionNoise:
     def draw(self, probs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(M, V) probabilities at (M,) positions -> (M,) long tokens."""
         return self.draw_scores(probs.float().log(), positions)
+
+    def draw_logits(self, logits: torch.Tensor, cfg: SamplingConfig, positions: torch.Tensor) -> torch.Tensor:
+        """(M, V) raw logits at (M,) positions -> (M,) long tokens drawn from `processed_scores(logits,
+        cfg)`. With temperature and top-p alone on a CPU with the native library, one native call per
+        block of rows (`native.draw`), which makes noise only for the kept tokens that can still win;
+        otherwise the processed scores and a whole noise row each. A process takes one of the two for
+        a given setting throughout, so a seed's text does not depend on the trees."""
+        if _native_draw(logits, cfg):
+            return native.draw(_scaled(logits, cfg), cfg.top_p, self.position_keys(positions))
+        return self.draw_scores(processed_scores(logits, cfg), positions)
+
+
+def _native_draw(logits: torch.Tensor, cfg: SamplingConfig) -> bool:
+    """Whether `PositionNoise.draw_logits` draws natively: temperature and top-p only, on a CPU."""
+    plain = not (cfg.top_k and cfg.top_k < logits.shape[-1]) and cfg.min_p == 0.0 and cfg.typical_p >= 1.0
+    return plain and logits.device.type == "cpu" and native.library() is not None

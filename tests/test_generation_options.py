@@ -131,7 +131,7 @@ def test_sampling_with_repetition_penalty_follows_the_processed_target():
         accepted += out.stats.accepted_per_round[0] > 0
     p = pooled_chi_square_p(counts, exact, n)
     assert p > 1e-3, f"chi-square p = {p:.2e}"
-    assert 0 < accepted < n
+    assert accepted > n // 2        # most third tokens were decided at a drafted node
 
 
 def test_do_sample_follows_transformers_rules(target, random_draft):

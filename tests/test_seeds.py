@@ -14,7 +14,8 @@ from conftest import assert_follows_target, perturbed, tiny_llama
 from mcsd import TreeDecoder
 from mcsd.config import ConfigError, SamplingConfig
 from mcsd.context import ContextDrafter
-from mcsd.sampling import PositionNoise
+from mcsd import native
+from mcsd.sampling import PositionNoise, noise_uniform, processed_scores
 
 PROMPT = torch.tensor([5, 9, 2, 7, 5, 9, 2])
 SETTINGS = dict(max_new_tokens=30, temperature=0.7, top_p=0.9, seed=123, ignore_eos=True)
@@ -121,6 +122,47 @@ def test_position_noise_depends_on_seed_and_position_alone():
     probs = torch.zeros(2, 50)
     probs[:, [4, 9]] = 0.5
     assert set(a.draw(probs, torch.tensor([7, 3])).tolist()) <= {4, 9}        # never outside the support
+
+
+def _splitmix_uniform(key: int, token: int) -> float:
+    """The noise's uniform for one token, in Python integers (the definition both implementations follow)."""
+    mask = (1 << 64) - 1
+    z = (key + (token + 1) * 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    z ^= z >> 31
+    return (2 * (z >> 41) + 1) / 2 ** 24
+
+
+def test_position_noise_is_a_hash_of_the_position_and_the_token():
+    noise = PositionNoise(2 ** 63 - 5, 3000, "cpu")
+    positions, ids = torch.tensor([0, 41, 10 ** 6]), torch.tensor([0, 1, 7, 2999])
+    keys = noise.position_keys(positions)
+    u = noise_uniform(keys, ids)
+    for r, key in enumerate(keys.tolist()):
+        for c, token in enumerate(ids.tolist()):
+            assert float(u[r, c]) == _splitmix_uniform(key, token)            # int64 arithmetic wraps as uint64's
+    dense = noise.gumbel(positions)
+    assert torch.equal(noise.gumbel(positions, ids), dense[:, ids])           # a token's noise, asked alone
+    assert torch.allclose(dense[:, ids], -torch.log(-torch.log(u)), atol=1e-6, rtol=0)
+    many = PositionNoise(3, 200_000, "cpu").gumbel(torch.tensor([5]))[0].double()
+    assert abs(many.mean() - 0.5772) < 0.01 and abs(many.var() - 1.6449) < 0.03   # standard Gumbel
+
+
+@pytest.mark.skipif(native.library() is None, reason="the native library is not built here")
+@pytest.mark.parametrize("temperature,top_p", [(0.3, 0.5), (0.7, 0.95), (1.2, 0.95), (1.0, 1.0)])
+def test_the_native_draw_is_the_processed_scores_draw(temperature, top_p):
+    """The native draw (noise for the kept tokens only) picks what the whole processed row and its noise pick."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 5000, generator=gen) * 3
+    logits[:, :30] += 6
+    logits[1, 100:4000] = float("-inf")                                     # a processor dropped most tokens
+    logits[2] = 0.0                                                          # every token tied
+    cfg = SamplingConfig(temperature=temperature, top_p=top_p)
+    for seed in range(25):
+        noise, positions = PositionNoise(seed, 5000, "cpu"), torch.arange(6) + 10 * seed
+        assert torch.equal(noise.draw_logits(logits, cfg, positions),
+                           noise.draw_scores(processed_scores(logits, cfg), positions))
 
 
 def test_an_unknown_sampling_method_is_refused(sharp):
