@@ -147,9 +147,10 @@ class Proposer:
         if proposal.graft is not None:
             self.context.observe(proposal.graft, acc.path)
             self._value_context(proposal, acc)
-        # the policy hears about its own tree: the accepted path's drafted part
+        # the policy hears about its own tree: the accepted path's drafted part, and how much of it
+        # context drafting proposed too
         self._drafted_accepts.append(int((acc.path < proposal.drafted.size).sum()) - 1)
-        self.policy.observe(self._drafted_accepts[-1], proposal.drafted)
+        self.policy.observe(self._drafted_accepts[-1], proposal.drafted, shared_prefix(proposal, acc))
         self.policy.observe_timing(proposal.grown.tree, draft_ms, verify_ms, forward_ms)
         if self.lossy:
             self.roots = last_logits.topk(self.lossy).indices
@@ -170,6 +171,20 @@ class Proposer:
         if self.context is not None:
             stats.context_nodes, stats.context_accepted = self.context.proposed_nodes, self.context.accepted_nodes
         stats.policy_s = getattr(self.policy, "predict_s", 0.0)
+
+
+def shared_prefix(proposal: Proposal, acc: Acceptance) -> int:
+    """How many accepted drafted nodes, from the root down, context drafting proposed as well (each
+    beneath one it proposed too, so it would have reached them without the drafted tree)."""
+    graft = proposal.graft
+    if graft is None or not graft.proposed:
+        return 0
+    shared, base = 0, proposal.drafted.size
+    for node in acc.path.tolist()[1:]:
+        if node >= base or node not in graft.proposed:
+            break
+        shared += 1
+    return shared
 
 
 def round_ms(tree: DraftTree, costs) -> float:

@@ -115,6 +115,41 @@ def test_draft_gate_skips_rounds_and_stays_exact(target):
     assert [i for i, d in enumerate(drafted) if d] == [3, 10, 23]       # waits of 3, 6, 12 plain rounds
 
 
+def test_the_draft_gate_credits_only_what_drafting_alone_brought():
+    """Accepted drafted tokens that context drafting proposed too would have come without the draft:
+    a round whose accepted tokens were all shared is worth what a round that accepted nothing is."""
+    from types import SimpleNamespace
+
+    from mcsd.propose import shared_prefix
+    from mcsd.verify import Acceptance
+
+    topo = TreeTopology.from_spec("2,1")
+    tree = DraftTree.root_only(topo, torch.tensor(3))
+    tree.append_level(torch.tensor([5, 6]), torch.tensor([0, 0]), torch.zeros(2), topo.child_table[0, :2])
+    tree.append_level(torch.tensor([7]), torch.tensor([1]), torch.zeros(1), topo.child_table[tree.topo_ids[1], :1])
+    values = {}
+    for shared in (0, 1, 2):
+        policy = LearnedPolicy(topo, model=constant_model(0.9), costs=fixed(Costs(verify={1: 10.0, 8: 12.0},
+                                                                                  draft={1: 1.0})))
+        assert policy.begin_round() > 0
+        policy.observe(2, tree, shared=shared)
+        values[shared] = policy.draft_value
+    policy.forget()
+    policy.begin_round()
+    policy.observe(0, tree)
+    assert values[0] > values[1] > values[2] == policy.draft_value
+    assert values[0] - values[1] == pytest.approx(policy.gate.memory * 10.0)   # a token: one plain step, weighed in
+
+    def proposal(proposed, drafted_size=4):
+        return SimpleNamespace(graft=SimpleNamespace(proposed=proposed), drafted=SimpleNamespace(size=drafted_size))
+
+    path = Acceptance(torch.tensor([0, 1, 3, 5]), torch.tensor(2))  # two drafted nodes, then a grafted one
+    assert shared_prefix(proposal({1: ["k"], 3: ["k"], 5: ["k"]}), path) == 2
+    assert shared_prefix(proposal({3: ["k"]}), path) == 0              # beneath a node only the draft proposed
+    assert shared_prefix(proposal({1: ["k"]}), path) == 1
+    assert shared_prefix(SimpleNamespace(graft=None, drafted=SimpleNamespace(size=4)), path) == 0
+
+
 def test_draft_gate_starts_afresh_each_generation(target):
     """A generation's trees never depend on the ones before it: once drafting has lost in one
     generation, the next one starts with the same gate (and so drafts the same rounds)."""

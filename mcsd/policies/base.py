@@ -134,8 +134,9 @@ class TreePolicy:
     def observe_target(self, tree: DraftTree, logits: torch.Tensor) -> None:
         """The target's logits (N, V) at every node of the verified tree (trace collection)."""
 
-    def observe(self, n_accepted: int, tree: DraftTree) -> None:
-        """Called after verification with the number of accepted draft tokens."""
+    def observe(self, n_accepted: int, tree: DraftTree, shared: int = 0) -> None:
+        """Called after verification with the number of accepted draft tokens; `shared` of them, the
+        first, context drafting proposed too (they would have been accepted without this tree)."""
 
     def observe_timing(self, tree: DraftTree, draft_ms: float, verify_ms: float,
                        forward_ms: float | None = None) -> None:

@@ -32,7 +32,7 @@ class HeuristicPolicy(TreePolicy):
     def begin_round(self) -> int:
         return self.depth
 
-    def observe(self, n_accepted: int, tree: DraftTree) -> None:
+    def observe(self, n_accepted: int, tree: DraftTree, shared: int = 0) -> None:
         drafted = int(tree.depth.max())
         if drafted and n_accepted == drafted:
             self.depth = min(self.depth + 2, self.topology.max_depth)

@@ -344,11 +344,13 @@ class LearnedPolicy(TreePolicy):
         path = getattr(self, "_path_pred", None)
         return None if path is None else float(path.sum())
 
-    def observe(self, n_accepted: int, tree: DraftTree) -> None:
+    def observe(self, n_accepted: int, tree: DraftTree, shared: int = 0) -> None:
         self.recent = recent_acceptance(self.recent, n_accepted, tree)
         if self.gate.ran:                                          # this round drafted
+            # worth what only drafting brought: tokens context drafting proposed too came without it
             step = self.costs.verify_ms(1)
-            self.gate.observe(n_accepted * step - (self._draft_ms + self.costs.verify_ms(tree.size) - step))
+            self.gate.observe((n_accepted - shared) * step
+                              - (self._draft_ms + self.costs.verify_ms(tree.size) - step))
 
     def observe_timing(self, tree: DraftTree, draft_ms: float, verify_ms: float,
                        forward_ms: float | None = None) -> None:

@@ -115,7 +115,7 @@ class TracePolicy(TreePolicy):
             row.update(hidden=hidden.half().numpy(), hidden_valid=valid.numpy())
         self.rows.append(row)
 
-    def observe(self, n_accepted: int, tree: DraftTree) -> None:
+    def observe(self, n_accepted: int, tree: DraftTree, shared: int = 0) -> None:
         self.recent = recent_acceptance(self.recent, n_accepted, tree)       # as LearnedPolicy does
         self.round += 1
 
