@@ -873,7 +873,9 @@ class Costs:
             del window[:-size]
             if self.stale is None and len(window) == size:
                 mid = statistics.median(window)
-                if not 1 / bound < mid / self.expected_ratio < bound:
+                # off both the profile's own figures and the ratio measuring again confirmed: a machine
+                # whose speed drifts between runs (a VM's) then moves between the two without measuring
+                if all(not 1 / bound < mid / r < bound for r in {1.0, self.expected_ratio}):
                     self.stale_ratio = mid
                     way = 'faster' if mid < self.expected_ratio else 'slower'
                     self.stale = (f"the last {size} {what} took {mid:.2f}x the profile's time (measured {way}"
