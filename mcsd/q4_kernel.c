@@ -541,11 +541,50 @@ static inline float noise_u(uint64_t key, int64_t i) {
     return (float)(2 * (z >> 41) + 1) * 0x1p-24f;
 }
 
-/* Standard Gumbel noise -log(-log u) for R positions (keys) x K tokens (ids, or 0..K-1 where NULL). */
+/* log of 8 positive, finite floats: Cephes' logf polynomial after splitting off the exponent (relative
+   error about 1e-7, as logf's). */
+static inline __m256 log8(__m256 x) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    __m256i xi = _mm256_castps_si256(x);
+    const __m256i ex = _mm256_sub_epi32(_mm256_srli_epi32(xi, 23), _mm256_set1_epi32(0x7f));
+    xi = _mm256_or_si256(_mm256_and_si256(xi, _mm256_set1_epi32(0x807FFFFF)), _mm256_castps_si256(_mm256_set1_ps(0.5f)));
+    x = _mm256_castsi256_ps(xi);                                        /* the mantissa, in [0.5, 1) */
+    __m256 e = _mm256_add_ps(_mm256_cvtepi32_ps(ex), one);
+    const __m256 small = _mm256_cmp_ps(x, _mm256_set1_ps(0.707106781186547524f), _CMP_LT_OQ);
+    const __m256 t = _mm256_and_ps(x, small);
+    x = _mm256_sub_ps(x, one);
+    e = _mm256_sub_ps(e, _mm256_and_ps(one, small));
+    x = _mm256_add_ps(x, t);
+    const __m256 z = _mm256_mul_ps(x, x);
+    __m256 y = _mm256_set1_ps(7.0376836292e-2f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(-1.1514610310e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.1676998740e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(-1.2420140846e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.4249322787e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(-1.6668057665e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(2.0000714765e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(-2.4999993993e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(3.3333331174e-1f));
+    y = _mm256_mul_ps(_mm256_mul_ps(y, x), z);
+    y = _mm256_fmadd_ps(e, _mm256_set1_ps(-2.12194440e-4f), y);
+    y = _mm256_fnmadd_ps(z, _mm256_set1_ps(0.5f), y);
+    return _mm256_fmadd_ps(e, _mm256_set1_ps(0.693359375f), _mm256_add_ps(x, y));
+}
+
+/* Standard Gumbel noise -log(-log u) for R positions (keys) x K tokens (ids, or 0..K-1 where NULL):
+   the hashes one at a time, the logarithms 8 at a time. */
 void mcsd_gumbel(const uint64_t *keys, int64_t R, const int64_t *ids, int64_t K, float *out) {
-    for (int64_t r = 0; r < R; r++)
-        for (int64_t k = 0; k < K; k++)
-            out[r * K + k] = -logf(-logf(noise_u(keys[r], ids ? ids[k] : k)));
+    const __m256 zero = _mm256_setzero_ps();
+    for (int64_t r = 0; r < R; r++) {
+        for (int64_t k0 = 0; k0 < K; k0 += 8) {
+            float u[8];
+            const int n = K - k0 < 8 ? (int)(K - k0) : 8;
+            for (int j = 0; j < 8; j++) u[j] = j < n ? noise_u(keys[r], ids ? ids[k0 + j] : k0 + j) : 0.5f;
+            const __m256 g = _mm256_sub_ps(zero, log8(_mm256_sub_ps(zero, log8(_mm256_loadu_ps(u)))));
+            _mm256_storeu_ps(u, g);
+            for (int j = 0; j < n; j++) out[r * K + k0 + j] = u[j];
+        }
+    }
 }
 
 /* One Gumbel-max draw from a row of scaled scores x (the temperature applied; -inf where a processor
