@@ -165,6 +165,27 @@ def test_the_native_draw_is_the_processed_scores_draw(temperature, top_p):
                            noise.draw_scores(processed_scores(logits, cfg), positions))
 
 
+@pytest.mark.skipif(native.library() is None, reason="the native library is not built here")
+def test_noise_and_draws_without_the_native_library_are_the_same(monkeypatch):
+    """Where the native library is not in use (another CPU, a GPU), torch makes the same noise from the
+    same hash and the whole-row draw picks the same tokens."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, 3000, generator=gen) * 3
+    logits[:, :20] += 5
+    cfg = SamplingConfig(temperature=0.8, top_p=0.9)
+    positions, ids = torch.tensor([3, 4, 4, 9, 100]), torch.tensor([0, 5, 2999])
+    noise = PositionNoise(42, 3000, "cpu")
+    with_native = (noise.gumbel(positions), noise.gumbel(positions, ids), noise.draw_logits(logits, cfg, positions))
+    monkeypatch.setenv("MCSD_NATIVE", "0")
+    native.reset()
+    monkeypatch.setattr(native, "_state", {})            # forgotten again when the test ends
+    assert native.library() is None
+    without = (noise.gumbel(positions), noise.gumbel(positions, ids), noise.draw_logits(logits, cfg, positions))
+    assert torch.allclose(with_native[0], without[0], atol=1e-5, rtol=0)
+    assert torch.allclose(with_native[1], without[1], atol=1e-5, rtol=0)
+    assert torch.equal(with_native[2], without[2])
+
+
 def test_an_unknown_sampling_method_is_refused(sharp):
     target, draft = sharp
     dec = _decoders(target, draft)["model"]()
