@@ -286,8 +286,18 @@ class PositionNoise:
     def keys(self, scores: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
         """(M, V) log-probabilities, or `processed_scores` (the same up to a constant per row), at (M,)
         positions -> (M, V) Gumbel keys scores + g; -inf outside the kept set. With `ids` (K,), the
-        scores are (M, K) over those tokens and so are the keys (each token's own noise)."""
-        return scores.float() + self.gumbel(positions, ids).to(scores.device)
+        scores are (M, K) over those tokens and so are the keys (each token's own noise). On a CPU, rows
+        filtered down to under half their entries get noise for their finite entries only."""
+        scores = scores.float()
+        if ids is None and scores.device.type == "cpu":
+            finite = torch.isfinite(scores)
+            if 2 * int(finite.sum()) < finite.numel():
+                out = torch.full_like(scores, float("-inf"))
+                for r, pos in enumerate(positions.tolist()):
+                    cols = finite[r].nonzero().squeeze(1)
+                    out[r, cols] = scores[r, cols] + self.gumbel(torch.tensor([pos]), cols)[0]
+                return out
+        return scores + self.gumbel(positions, ids).to(scores.device)
 
     def draw_scores(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(M, V) `processed_scores` at (M,) positions -> (M,) long tokens: argmax(scores + g)."""

@@ -144,6 +144,9 @@ def test_position_noise_is_a_hash_of_the_position_and_the_token():
             assert float(u[r, c]) == _splitmix_uniform(key, token)            # int64 arithmetic wraps as uint64's
     dense = noise.gumbel(positions)
     assert torch.equal(noise.gumbel(positions, ids), dense[:, ids])           # a token's noise, asked alone
+    filtered = torch.full((3, 3000), float("-inf"))
+    filtered[:, ids] = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    assert torch.equal(noise.keys(filtered, positions), filtered + dense)   # noise for the kept entries only
     assert torch.allclose(dense[:, ids], -torch.log(-torch.log(u)), atol=1e-6, rtol=0)
     many = PositionNoise(3, 200_000, "cpu").gumbel(torch.tensor([5]))[0].double()
     assert abs(many.mean() - 0.5772) < 0.01 and abs(many.var() - 1.6449) < 0.03   # standard Gumbel
