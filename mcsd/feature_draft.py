@@ -336,12 +336,11 @@ class FeatureDrafter:
             if self._lean is None:
                 pred = self.head(feats[None], self.embed(tokens)[None], positions[None], mask, self.cache)[0]
             else:                                        # the head's forward, its layers on the engine's own
-                head, n, start = self.head, tokens.numel(), self.cache.length
+                head, n = self.head, tokens.numel()
                 x = head.inputs(feats, self.embed(tokens))[None]                                # (1, Q, w)
-                self.cache.reserve(start + n)
-                slots = torch.arange(start, start + n, device=self.device)
+                slots = self.cache.next_slots(n)
                 pred = head.expand(self._lean.states(x, positions[None], mask, self.cache, slots))[0]
-                self.cache.length = start + n
+                self.cache.length += n
         self.forwards += 1
         return pred                                                               # (Q, H)
 

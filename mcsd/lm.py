@@ -192,8 +192,7 @@ class CachedLM:
             if self.blocks is not None and graphs.bucket_of(n) is not None:   # bucketed (CUDA graphs there)
                 logits, states = self.blocks(tokens, positions, mask, self.cache, start, layers, last_logits)
             else:                                       # its own shape (a long prompt, or no buckets)
-                self.cache.reserve(start + n)
-                slots = torch.arange(start, start + n, device=self.device)
+                slots = self.cache.next_slots(n)
                 logits, states = self._running(tokens[None], positions[None], mask, self.cache, slots, layers,
                                                last_logits)
                 logits, states = logits[0], None if states is None else states[0]

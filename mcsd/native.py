@@ -139,7 +139,7 @@ def _load():
     lib.mcsd_top_p.restype = ctypes.c_int
     lib.mcsd_draw.argtypes = [p, i64, i64, ctypes.c_float, p, p, ctypes.c_int]
     lib.mcsd_draw.restype = ctypes.c_int
-    lib.mcsd_gumbel.argtypes = [p, i64, p, i64, p]
+    lib.mcsd_gumbel.argtypes = [p, i64, p, i64, i64, p]
     lib.mcsd_gumbel.restype = None
     return lib, "built from mcsd/q4_kernel.c with " + Path(cc).name
 
@@ -216,15 +216,14 @@ def draw(scaled: torch.Tensor, mass: float, keys: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def gumbel(keys: torch.Tensor, ids: torch.Tensor | None, width: int) -> torch.Tensor:
-    """(R,) int64 position keys -> (R, K) float32 standard Gumbel noise for tokens `ids` ((K,) int64 on
-    the CPU), or for 0 .. width - 1 where `ids` is None."""
-    k = keys.contiguous()
-    idx = None if ids is None else ids.contiguous()
-    cols = width if idx is None else idx.numel()
+def gumbel(keys: torch.Tensor, ids: torch.Tensor, pairs: bool = False) -> torch.Tensor:
+    """Standard Gumbel noise for (R,) int64 position keys on the CPU: for the tokens ids (K,) at every
+    key, (R, K) float32; with `pairs`, for (R,) ids, token r at key r, (R,) (see `mcsd_gumbel`)."""
+    k, i = keys.contiguous(), ids.contiguous()
+    cols = 1 if pairs else i.numel()
     out = torch.empty(k.numel(), cols, dtype=torch.float32)
-    _lib().mcsd_gumbel(k.data_ptr(), k.numel(), None if idx is None else idx.data_ptr(), cols, out.data_ptr())
-    return out
+    _lib().mcsd_gumbel(k.data_ptr(), k.numel(), i.data_ptr(), cols, 1 if pairs else 0, out.data_ptr())
+    return out.view(-1) if pairs else out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -454,21 +454,30 @@ static inline int tp_bin(float mx, float s) {
    nothing to rank (every score is -inf). */
 typedef struct { float mx; int crossing; int64_t kept; } tp_sel;
 
-static tp_sel tp_select(const float *s, int64_t V, double mass, float *e, tp_cand *cand) {
-    tp_sel sel = { -INFINITY, 0, 0 };
+/* A row's maximum, and e[i] = exp(s[i] - max) (exp8, the tail through the same polynomial); e is left
+   alone where the maximum is -INFINITY. */
+static float row_exp(const float *s, int64_t V, float *e) {
     float mx = -INFINITY;
     for (int64_t i = 0; i < V; i++) mx = s[i] > mx ? s[i] : mx;
-    if (mx == -INFINITY) return sel;
-    double total = 0.0, bins[TP_BINS] = {0};
+    if (mx == -INFINITY) return mx;
     const __m256 mxv = _mm256_set1_ps(mx);
     int64_t i = 0;
     for (; i + 8 <= V; i += 8) _mm256_storeu_ps(e + i, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), mxv)));
-    if (i < V) {                                        /* the tail through the same polynomial */
+    if (i < V) {
         float t[8];
         for (int j = 0; j < 8; j++) t[j] = i + j < V ? s[i + j] - mx : -INFINITY;
         _mm256_storeu_ps(t, exp8(_mm256_loadu_ps(t)));
         for (int j = 0; i + j < V; j++) e[i + j] = t[j];
     }
+    return mx;
+}
+
+static tp_sel tp_select(const float *s, int64_t V, double mass, float *e, tp_cand *cand) {
+    tp_sel sel = { -INFINITY, 0, 0 };
+    const float mx = row_exp(s, V, e);
+    if (mx == -INFINITY) return sel;
+    double total = 0.0, bins[TP_BINS] = {0};
+    int64_t i;
     for (i = 0; i < V; i++) {
         bins[tp_bin(mx, s[i])] += e[i];
         total += e[i];
@@ -571,19 +580,21 @@ static inline __m256 log8(__m256 x) {
     return _mm256_fmadd_ps(e, _mm256_set1_ps(0.693359375f), _mm256_add_ps(x, y));
 }
 
-/* Standard Gumbel noise -log(-log u) for R positions (keys) x K tokens (ids, or 0..K-1 where NULL):
-   the hashes one at a time, the logarithms 8 at a time. */
-void mcsd_gumbel(const uint64_t *keys, int64_t R, const int64_t *ids, int64_t K, float *out) {
+/* Standard Gumbel noise -log(-log u): out[r, k] for position key keys[r] and token ids[r * stride + k]
+   (stride 0: the same K tokens for every key; 1 with K = 1: R (key, token) pairs). The hashes one at a
+   time, then the logarithms 8 at a time over the whole block (lane by lane, so a token's noise does not
+   depend on the tokens beside it). */
+void mcsd_gumbel(const uint64_t *keys, int64_t R, const int64_t *ids, int64_t K, int64_t stride, float *out) {
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t k = 0; k < K; k++) out[r * K + k] = noise_u(keys[r], ids[r * stride + k]);
     const __m256 zero = _mm256_setzero_ps();
-    for (int64_t r = 0; r < R; r++) {
-        for (int64_t k0 = 0; k0 < K; k0 += 8) {
-            float u[8];
-            const int n = K - k0 < 8 ? (int)(K - k0) : 8;
-            for (int j = 0; j < 8; j++) u[j] = j < n ? noise_u(keys[r], ids ? ids[k0 + j] : k0 + j) : 0.5f;
-            const __m256 g = _mm256_sub_ps(zero, log8(_mm256_sub_ps(zero, log8(_mm256_loadu_ps(u)))));
-            _mm256_storeu_ps(u, g);
-            for (int j = 0; j < n; j++) out[r * K + k0 + j] = u[j];
-        }
+    const int64_t n = R * K;
+    for (int64_t j = 0; j < n; j += 8) {
+        float t[8];
+        const int m = n - j < 8 ? (int)(n - j) : 8;
+        for (int i = 0; i < 8; i++) t[i] = i < m ? out[j + i] : 0.5f;
+        _mm256_storeu_ps(t, _mm256_sub_ps(zero, log8(_mm256_sub_ps(zero, log8(_mm256_loadu_ps(t))))));
+        for (int i = 0; i < m; i++) out[j + i] = t[i];
     }
 }
 
@@ -598,17 +609,9 @@ static int64_t draw_row(const float *x, int64_t V, double mass, uint64_t key, fl
     if (mass < 1.0) {
         sel = tp_select(x, V, mass, e, cand);
     } else {                                            /* every token with a finite score is kept */
-        float mx = -INFINITY;
-        for (int64_t i = 0; i < V; i++) mx = x[i] > mx ? x[i] : mx;
-        sel.mx = mx;
+        sel.mx = row_exp(x, V, e);
         sel.crossing = TP_BINS;
         sel.kept = 0;
-        if (mx != -INFINITY) {
-            const __m256 mxv = _mm256_set1_ps(mx);
-            int64_t i = 0;
-            for (; i + 8 <= V; i += 8) _mm256_storeu_ps(e + i, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), mxv)));
-            for (; i < V; i++) e[i] = expf(x[i] - mx);
-        }
     }
     if (sel.mx == -INFINITY) return 0;                  /* nothing to draw from: the first token */
     int64_t best = 0;

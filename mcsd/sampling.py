@@ -235,11 +235,17 @@ def _shr(z: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def noise_uniform(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """(M,) int64 position keys x (K,) int64 token ids -> (M, K) float32 uniforms in (0, 1): token i at
-    a position with key k gets splitmix64's finaliser over k + (i + 1) * golden ratio, its top 23 bits
+    """(M,) int64 position keys x (K,) int64 token ids -> (M, K) float32 uniforms in (0, 1) (see
+    `_uniform`)."""
+    return _uniform(keys[:, None], ids[None, :])
+
+
+def _uniform(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """int64 position keys and token ids, broadcast together -> float32 uniforms in (0, 1): token i at a
+    position with key k gets splitmix64's finaliser over k + (i + 1) * golden ratio, its top 23 bits
     centred, (2h + 1) / 2^24 (exact in float32). int64 arithmetic wraps as uint64's does; the native
     library's `noise_u` makes the same bits."""
-    z = keys[:, None] + (ids[None, :] + 1) * _as_int64(_GOLDEN)
+    z = keys + (ids + 1) * _as_int64(_GOLDEN)
     z = (z ^ _shr(z, 30)) * _as_int64(_MIX1)
     z = (z ^ _shr(z, 27)) * _as_int64(_MIX2)
     z = z ^ _shr(z, 31)
@@ -275,12 +281,17 @@ class PositionNoise:
     def gumbel(self, positions: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
         """(M,) long positions -> (M, V) float32 standard Gumbel noise on the noise's device, or (M, K)
         for the tokens `ids` (K,) only."""
-        keys = self.position_keys(positions)
-        device = self.device if ids is None else ids.device
-        if device.type == "cpu" and native.library() is not None:
-            return native.gumbel(keys, None if ids is None else ids.long(), self.vocab)
-        cols = torch.arange(self.vocab, device=device) if ids is None else ids.long()
-        u = noise_uniform(keys.to(device), cols)
+        cols = torch.arange(self.vocab, device=self.device) if ids is None else ids.long()
+        return self._at(self.position_keys(positions), cols)
+
+    def _at(self, keys: torch.Tensor, ids: torch.Tensor, pairs: bool = False) -> torch.Tensor:
+        """Standard Gumbel noise for (M,) int64 position keys (on the CPU) and (K,) token ids: (M, K),
+        each key with every token; with `pairs`, (M,) ids and (M,), key r with token r. On the ids'
+        device: natively on a CPU where the library is built, else in torch."""
+        if ids.device.type == "cpu" and native.library() is not None:
+            return native.gumbel(keys, ids, pairs)
+        keys = keys.to(ids.device)
+        u = _uniform(keys, ids) if pairs else noise_uniform(keys, ids)
         return -torch.log(-torch.log(u))
 
     def keys(self, scores: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -292,10 +303,9 @@ class PositionNoise:
         if ids is None and scores.device.type == "cpu":
             finite = torch.isfinite(scores)
             if 2 * int(finite.sum()) < finite.numel():
+                rows, cols = finite.nonzero(as_tuple=True)
                 out = torch.full_like(scores, float("-inf"))
-                for r, pos in enumerate(positions.tolist()):
-                    cols = finite[r].nonzero().squeeze(1)
-                    out[r, cols] = scores[r, cols] + self.gumbel(torch.tensor([pos]), cols)[0]
+                out[rows, cols] = scores[rows, cols] + self._at(self.position_keys(positions)[rows], cols, pairs=True)
                 return out
         return scores + self.gumbel(positions, ids).to(scores.device)
 

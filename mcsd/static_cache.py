@@ -70,6 +70,12 @@ class StaticCache:
         self.keys, self.values, self.capacity = keys, values, capacity
         self.layer_keys, self.layer_values = list(keys.unbind(0)), list(values.unbind(0))
 
+    def next_slots(self, n: int) -> torch.Tensor:
+        """Room for `n` more positions, and their slots (n,) length .. length+n-1 on the cache's device;
+        the caller sets `length` once the block is written."""
+        self.reserve(self.length + n)
+        return torch.arange(self.length, self.length + n, device=self.device)
+
     def truncate(self, length: int) -> None:
         """Drop every position from `length` on."""
         self.length = min(self.length, length)
