@@ -10,6 +10,14 @@ honour an arbitrary additive bias:
   tensor `attn_bias`, registered under the name "mcsd_xformers" with
   `AttentionInterface` (and the sdpa mask builder under the same name, so the
   model still behaves for ordinary callers such as `generate`). CUDA only.
+  Where xformers' compiled operators do not load (a wheel built for another
+  torch or CUDA), its dispatcher finds no operator, but its Triton split-k
+  kernel still runs: the backend then calls that operator class directly,
+  for float16 and bfloat16 and the head sizes it takes. On an H200 (torch
+  2.11, CUDA 13, xformers 0.0.35) it matched SDPA within 0.002 for 1-64 tree
+  rows over ~300 keys, 9 query / 3 key-value heads, and replays inside a
+  CUDA graph. Its float32 arithmetic is not float32's (errors of 1e-3), so
+  float32 models are refused there rather than given inexact logits.
 - "gqa": torch's `scaled_dot_product_attention` called directly with the
   additive mask and `enable_gqa`, so the key/value heads are read once by
   the query heads that share them. transformers' SDPA path, handed a mask,
@@ -94,7 +102,7 @@ def _xformers_attention(module, query, key, value, attention_mask, scaling=None,
     import xformers.ops as xops
 
     b, h, q_len, d = query.shape
-    h_kv = key.shape[1]
+    h_kv, k_len = key.shape[1], key.shape[2]
     q = query.transpose(1, 2)                                                  # (B, Q, H, D)
     k = key.transpose(1, 2)                                                    # (B, K, H_kv, D)
     v = value.transpose(1, 2)
@@ -103,12 +111,28 @@ def _xformers_attention(module, query, key, value, attention_mask, scaling=None,
         q = q.reshape(b, q_len, g, h // g, d)
         k = k.unsqueeze(3).expand(b, k.shape[1], g, h // g, d)
         v = v.unsqueeze(3).expand(b, v.shape[1], g, h // g, d)
+    if _xformers_route(str(query.device))[0] == "splitk":
+        from xformers.ops import fmha
+        from xformers.ops.fmha import triton_splitk
+        if attention_mask is None and q_len > 1:                               # causal, aligned bottom-right
+            attention_mask = _causal_bias(q_len, k_len, query.dtype, query.device)
+        bias = None if attention_mask is None else _aligned_bias(attention_mask.to(query.dtype), b, h, h_kv)
+        out, _ = triton_splitk.FwOp.apply(fmha.Inputs(q, k, v, attn_bias=bias, scale=scaling),
+                                          needs_gradient=False)
+        return out.reshape(b, q_len, h, d), None
     if attention_mask is None:
         bias = xops.LowerTriangularFromBottomRightMask() if q_len > 1 else None
     else:
         bias = _aligned_bias(attention_mask.to(query.dtype), b, h, h_kv)
     out = xops.memory_efficient_attention(q, k, v, attn_bias=bias, p=dropout, scale=scaling)
     return out.reshape(b, q_len, h, d), None
+
+
+def _causal_bias(q_len: int, k_len: int, dtype, device) -> torch.Tensor:
+    """(1, 1, Q, K) additive mask: query row i sees keys up to k_len - q_len + i."""
+    allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len)
+    zero = torch.zeros((), dtype=dtype, device=device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)[None, None]
 
 
 def _aligned_bias(mask: torch.Tensor, b: int, h: int, h_kv: int) -> torch.Tensor:
@@ -154,28 +178,69 @@ def register(implementation: str) -> None:
 def describe(implementation: str) -> str:
     """What a resolved implementation name runs, in words (for `--stats`)."""
     return {GQA_NAME: "torch SDPA over the cache as it is, query heads grouped (no key/value copies)",
-            XFORMERS_NAME: "xformers memory-efficient attention", "sdpa": "torch SDPA",
+            XFORMERS_NAME: "xformers attention", "sdpa": "torch SDPA",
             "eager": "transformers' eager attention"}.get(implementation, implementation)
 
 
-def xformers_unavailable_reason(device) -> str | None:
-    """None if the xformers backend can run on `device`, else a sentence saying why not."""
+SPLITK_DTYPES = (torch.float16, torch.bfloat16)
+SPLITK_HEAD_DIMS = (16, 32, 64, 128, 256, 512)
+
+
+@functools.lru_cache(maxsize=None)
+def _xformers_route(device: str) -> tuple[str | None, str]:
+    """How xformers runs on a CUDA `device`: ("dispatch", "") when its dispatcher finds an operator,
+    ("splitk", why not the dispatcher) when only its Triton split-k operator runs, else (None, why)."""
+    import xformers.ops as xops
+    x = torch.zeros(1, 8, 1, 64, device=device, dtype=torch.float16)
+    try:
+        xops.memory_efficient_attention(x, x, x)
+        return "dispatch", ""
+    except Exception as exc:
+        dispatch = f"{exc.__class__.__name__}: {str(exc).splitlines()[0]}"
+    try:
+        from xformers.ops import fmha
+        from xformers.ops.fmha import triton_splitk
+        q = torch.randn(1, 3, 1, 64, device=device, dtype=torch.bfloat16)
+        kv = torch.randn(1, 16, 1, 64, device=device, dtype=torch.bfloat16)
+        bias = _aligned_bias(torch.zeros(1, 1, 3, 16, device=device, dtype=torch.bfloat16), 1, 1, 1)
+        out, _ = triton_splitk.FwOp.apply(fmha.Inputs(q, kv, kv, attn_bias=bias), needs_gradient=False)
+        want = F.scaled_dot_product_attention(q.transpose(1, 2), kv.transpose(1, 2), kv.transpose(1, 2))
+        if not torch.allclose(out.float(), want.transpose(1, 2).float(), atol=2e-2):
+            return None, f"its dispatcher found no operator ({dispatch}) and its Triton split-k operator disagreed with SDPA"
+    except Exception as exc:
+        return None, (f"its dispatcher found no operator ({dispatch}) and its Triton split-k operator failed "
+                      f"({exc.__class__.__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
+    return "splitk", dispatch
+
+
+def xformers_unavailable_reason(device, dtype: torch.dtype | None = None, head_dim: int | None = None) -> str | None:
+    """None if the xformers backend can run on `device` (for a model of `dtype` with attention heads
+    of `head_dim`, where given), else a sentence saying why not."""
     if torch.device(device).type != "cuda":
         return f"xformers kernels run only on CUDA devices, not on {torch.device(device).type!r}"
     try:
-        import xformers.ops as xops
+        import xformers.ops  # noqa: F401
     except Exception as exc:  # ImportError, or a broken build raising at import
         return f"xformers is not importable ({exc.__class__.__name__}: {exc}); install mcsd[gpu]"
     try:
-        x = torch.zeros(1, 8, 1, 64, device=device, dtype=torch.float16)
-        xops.memory_efficient_attention(x, x, x)
+        route, why = _xformers_route(str(torch.device(device)))
     except Exception as exc:
         return f"xformers failed a probe call on {device} ({exc.__class__.__name__}: {exc})"
+    if route is None:
+        return f"xformers cannot attend on {device}: {why}"
+    if route == "splitk":
+        if dtype is not None and dtype not in SPLITK_DTYPES:
+            return (f"only xformers' Triton split-k operator runs on {device} (its dispatcher: {why}), "
+                    f"and it takes float16 and bfloat16, not {str(dtype).removeprefix('torch.')}")
+        if head_dim is not None and head_dim not in SPLITK_HEAD_DIMS:
+            return (f"only xformers' Triton split-k operator runs on {device} (its dispatcher: {why}), "
+                    f"and it takes heads of {', '.join(map(str, SPLITK_HEAD_DIMS))} dimensions, not {head_dim}")
     return None
 
 
-def resolve_backend(name: str, device) -> str:
-    """Map "auto" | "sdpa" | "gqa" | "xformers" | "eager" to a transformers implementation name.
+def resolve_backend(name: str, device, dtype: torch.dtype | None = None, head_dim: int | None = None) -> str:
+    """Map "auto" | "sdpa" | "gqa" | "xformers" | "eager" to a transformers implementation name, for a
+    model on `device` of `dtype` with attention heads of `head_dim` (where given).
 
     Raises:
         ConfigError: unknown name, or xformers requested where it cannot run.
@@ -187,7 +252,7 @@ def resolve_backend(name: str, device) -> str:
     if name == "gqa" or (name == "auto" and torch.device(device).type == "cpu"):
         _register_gqa()
         return GQA_NAME
-    reason = xformers_unavailable_reason(device)
+    reason = xformers_unavailable_reason(device, dtype, head_dim)
     if reason is None:
         _register_xformers()
         return XFORMERS_NAME
@@ -198,8 +263,11 @@ def resolve_backend(name: str, device) -> str:
 
 def set_backend(model: torch.nn.Module, name: str) -> str:
     """Switch `model` to the resolved backend through its public API; returns the name used."""
-    device = next(model.parameters()).device
-    impl = resolve_backend(name, device)
+    weight = next(model.parameters())
+    cfg = model.config
+    heads = getattr(cfg, "num_attention_heads", None)
+    head_dim = getattr(cfg, "head_dim", None) or (cfg.hidden_size // heads if heads else None)
+    impl = resolve_backend(name, weight.device, weight.dtype, head_dim)
     if getattr(model.config, "_attn_implementation", None) != impl:
         model.set_attn_implementation(impl)
     return impl

@@ -37,9 +37,9 @@ def test_eager_and_sdpa_agree_on_a_tree_mask(target):
     assert torch.allclose(outs[0], outs[1], atol=1e-5)
 
 
-def _skip_without_xformers_kernels():
+def _skip_without_xformers_kernels(dtype, head_dim):
     from mcsd.attention import xformers_unavailable_reason
-    if (reason := xformers_unavailable_reason("cuda")) is not None:
+    if (reason := xformers_unavailable_reason("cuda", dtype, head_dim)) is not None:
         pytest.skip(reason.splitlines()[0])
 
 
@@ -47,7 +47,7 @@ def _skip_without_xformers_kernels():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_xformers_matches_sdpa_on_tree_masks(dtype):
-    _skip_without_xformers_kernels()
+    _skip_without_xformers_kernels(dtype, head_dim=32)
     from conftest import tiny_llama
     from mcsd.attention import set_backend
     from mcsd.lm import CachedLM
@@ -71,7 +71,7 @@ def test_xformers_matches_sdpa_on_tree_masks(dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_xformers_decoder_is_lossless_in_float32():
-    _skip_without_xformers_kernels()
+    _skip_without_xformers_kernels(torch.float32, head_dim=32)
     from conftest import tiny_llama
     from mcsd import TreeDecoder
 
@@ -80,3 +80,72 @@ def test_xformers_decoder_is_lossless_in_float32():
     assert dec.attention == "mcsd_xformers"
     prompt = torch.tensor([3, 17, 42, 5], device="cuda")
     assert dec.generate(prompt, max_new_tokens=32).tokens == dec.generate_baseline(prompt, max_new_tokens=32).tokens
+
+
+def test_causal_bias_aligns_the_block_to_the_last_keys():
+    from mcsd.attention import _causal_bias
+    bias = _causal_bias(3, 5, torch.float32, "cpu")[0, 0]
+    allowed = bias == 0
+    assert allowed.tolist() == [[True, True, True, False, False],
+                                [True, True, True, True, False],
+                                [True, True, True, True, True]]
+    assert (bias[~allowed] == torch.finfo(torch.float32).min).all()
+
+
+@pytest.fixture
+def split_k_only(monkeypatch):
+    """A CUDA machine where xformers imports but only its Triton split-k operator runs."""
+    import sys
+    import types
+
+    from mcsd import attention
+    package = types.ModuleType("xformers")
+    package.ops = types.ModuleType("xformers.ops")
+    monkeypatch.setitem(sys.modules, "xformers", package)
+    monkeypatch.setitem(sys.modules, "xformers.ops", package.ops)
+    monkeypatch.setattr(attention, "_xformers_route",
+                        lambda device: ("splitk", "NotImplementedError: No operator found"))
+    monkeypatch.setattr(attention, "_register_xformers", lambda: None)
+    return attention
+
+
+def test_split_k_route_takes_half_precision_and_its_head_sizes(split_k_only):
+    reason = split_k_only.xformers_unavailable_reason
+    assert reason("cuda", torch.bfloat16, 64) is None
+    assert reason("cuda", torch.float16, 128) is None
+    assert "float16 and bfloat16, not float32" in reason("cuda", torch.float32, 64)
+    assert "No operator found" in reason("cuda", torch.float32, 64)
+    assert "not 80" in reason("cuda", torch.bfloat16, 80)
+    assert split_k_only.resolve_backend("xformers", "cuda", torch.bfloat16, 64) == "mcsd_xformers"
+    assert split_k_only.resolve_backend("auto", "cuda", torch.float32, 64) == "sdpa"
+    with pytest.raises(ConfigError, match="cannot run here.*not float32"):
+        split_k_only.resolve_backend("xformers", "cuda", torch.float32, 64)
+
+
+def test_no_xformers_route_says_why(monkeypatch, split_k_only):
+    monkeypatch.setattr(split_k_only, "_xformers_route", lambda device: (None, "its split-k operator failed (X)"))
+    assert "split-k operator failed (X)" in split_k_only.xformers_unavailable_reason("cuda", torch.bfloat16, 64)
+    assert split_k_only.resolve_backend("auto", "cuda", torch.bfloat16, 64) == "sdpa"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("q_len", [1, 9, 64])
+def test_xformers_matches_sdpa_on_grouped_heads_with_and_without_a_mask(q_len):
+    from mcsd.attention import _xformers_attention
+    _skip_without_xformers_kernels(torch.bfloat16, head_dim=64)
+    gen = torch.Generator(device="cuda").manual_seed(q_len)
+    k_len = 300 + q_len
+    q = torch.randn(1, 9, q_len, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(1, 3, k_len, 64, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    allowed = torch.ones(q_len, k_len, dtype=torch.bool, device="cuda").tril(k_len - q_len)
+    allowed[:, k_len - q_len:] &= torch.rand(q_len, q_len, device="cuda", generator=gen) < 0.5
+    allowed[:, k_len - q_len:] |= torch.eye(q_len, dtype=torch.bool, device="cuda")
+    tree = torch.zeros(q_len, k_len, device="cuda", dtype=torch.bfloat16).masked_fill(~allowed, float("-inf"))
+    causal = torch.ones(q_len, k_len, dtype=torch.bool, device="cuda").tril(k_len - q_len)
+    for mask, seen in ((tree[None, None], tree[None, None]), (None, causal)):          # None: causal
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=seen,
+                                                                enable_gqa=True).transpose(1, 2)
+        got, _ = _xformers_attention(None, q, k, v, mask)
+        assert got.shape == (1, q_len, 9, 64)
+        assert torch.allclose(got.float(), want.float(), atol=1e-2), (q_len, mask is None)
