@@ -29,7 +29,7 @@
 #define NB 4            /* output rows dequantised together */
 #define RB 3            /* input rows per tile */
 
-int mcsd_q4_abi(void) { return 13; }
+int mcsd_q4_abi(void) { return 14; }
 
 static inline float hsum(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -72,15 +72,18 @@ static inline __attribute__((always_inline)) void dequant_row(const uint8_t *c, 
    or a small verify is bound by the dequantisation, which this shares across its rows). The same values,
    multiplied in the same order as tile does, so the results are bit for bit the same. `rows` and `q8`
    are constants at each call site; outputs go J at a time so that rows x J accumulators and a block's 4
-   weight vectors stay in the 16 registers (J 4 for 1 row, 2 for 2 and 3 rows, then 1, each FMA reading
-   its input from memory). On a 2-core AVX2 EPYC, per layer: 4 to 6 rows 8-24% faster than the buffered
-   path, 7 and 8 rows 3-8%, 9 rows slower; 2 rows 18% faster with J 2 than with J 4. */
+   weight vectors stay in the 16 registers (Q4_1: J 4 for 1 row, 2 for 2 and 3 rows, then 1, each FMA
+   reading its input from memory; Q8_0: J 1 for any rows). On a 2-core AVX2 EPYC, per layer: 4 to 6 rows
+   8-24% faster than the buffered path, 7 and 8 rows 3-8%, 9 rows slower; 2 rows 18% faster with J 2
+   than with J 4. The Q8_0 LM head (49,152 x 576) there, 1 / 2 / 3 rows: 1.8-2.2 / 2.3 / 2.6 ms with
+   J 1, against 2.7-3.1 / 2.9 / 3.1 ms with J 4, 4 and 2 (the same sums: J never changes an output's
+   order); a Q4_1 layer's 1 row wants J 4 (0.206 ms against 0.284 with J 1). */
 #define DR 8
 static inline __attribute__((always_inline)) void direct(const float *x, int rows, int64_t K, const uint8_t *c,
                                                          int64_t row, const float *d, const float *m, int q8,
                                                          int nb, float *out, int64_t N) {
     const int64_t G = K / 32;
-    const int J = rows == 1 ? NB : rows <= 3 ? 2 : 1;
+    const int J = q8 ? 1 : rows == 1 ? NB : rows <= 3 ? 2 : 1;
     for (int j0 = 0; j0 < nb; j0 += J) {
         __m256 acc[DR][NB];
         for (int r = 0; r < rows; r++)
