@@ -112,6 +112,8 @@ def _xformers_attention(module, query, key, value, attention_mask, scaling=None,
         k = k.unsqueeze(3).expand(b, k.shape[1], g, h // g, d)
         v = v.unsqueeze(3).expand(b, v.shape[1], g, h // g, d)
     if _xformers_route(str(query.device))[0] == "splitk":
+        if dropout:
+            raise ValueError("xformers' split-k operator, the only one that runs here, has no dropout")
         from xformers.ops import fmha
         from xformers.ops.fmha import triton_splitk
         if attention_mask is None and q_len > 1:                               # causal, aligned bottom-right
