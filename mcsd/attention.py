@@ -231,12 +231,13 @@ def xformers_unavailable_reason(device, dtype: torch.dtype | None = None, head_d
     if route is None:
         return f"xformers cannot attend on {device}: {why}"
     if route == "splitk":
+        takes = None
         if dtype is not None and dtype not in SPLITK_DTYPES:
-            return (f"only xformers' Triton split-k operator runs on {device} (its dispatcher: {why}), "
-                    f"and it takes float16 and bfloat16, not {str(dtype).removeprefix('torch.')}")
-        if head_dim is not None and head_dim not in SPLITK_HEAD_DIMS:
-            return (f"only xformers' Triton split-k operator runs on {device} (its dispatcher: {why}), "
-                    f"and it takes heads of {', '.join(map(str, SPLITK_HEAD_DIMS))} dimensions, not {head_dim}")
+            takes = f"float16 and bfloat16, not {str(dtype).removeprefix('torch.')}"
+        elif head_dim is not None and head_dim not in SPLITK_HEAD_DIMS:
+            takes = f"heads of {', '.join(map(str, SPLITK_HEAD_DIMS))} dimensions, not {head_dim}"
+        if takes:
+            return f"only xformers' Triton split-k operator runs on {device} (its dispatcher: {why}), and it takes {takes}"
     return None
 
 

@@ -93,11 +93,10 @@ static inline __attribute__((always_inline)) void direct(const float *x, int row
         for (int r = 0; r < rows; r++)
             for (int j = 0; j < J; j++) acc[r][j] = _mm256_setzero_ps();
         for (int64_t g = 0; g < G; g++) {
-            if (!q8)                   /* Q4_1 codes PF bytes ahead (measured below); no gain for Q8_0 */
-                for (int j = 0; j < J; j++)
-                    _mm_prefetch((const char *)(c + (j0 + j < nb ? j0 + j : 0) * row + 16 * g + PF), _MM_HINT_T0);
             for (int j = 0; j < J; j++) {
                 const int64_t n = j0 + j < nb ? j0 + j : 0;
+                if (!q8)               /* Q4_1 codes PF bytes ahead (measured above); no gain for Q8_0 */
+                    _mm_prefetch((const char *)(c + n * row + 16 * g + PF), _MM_HINT_T0);
                 __m256 v[4];
                 if (q8) block_q8((const int8_t *)(c + n * row) + 32 * g, d[n * G + g], v);
                 else block_q4(c + n * row + 16 * g, d[n * G + g], m[n * G + g], v);

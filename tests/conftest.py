@@ -46,6 +46,13 @@ def word_tokenizer(vocab: int = VOCAB, eos: str = "w01", extra: str | None = Non
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w00", eos_token=eos)
 
 
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    """An empty profile cache for one test (its tmp_path): nothing an earlier test measured is found."""
+    monkeypatch.setattr("mcsd.profile.cache_dir", lambda: tmp_path)
+    return tmp_path
+
+
 @pytest.fixture(scope="session", autouse=True)
 def private_profile_cache(tmp_path_factory):
     """Cost profiles measured by tests go to a temporary folder, never the user's cache."""

@@ -18,12 +18,6 @@ PROMPT = torch.tensor([3, 17, 42, 5, 9, 11])
 QUICK = dict(sizes=(1, 2, 4, 8), prefix_len=16, repeats=4, draft_sizes=(1, 2))
 
 
-@pytest.fixture
-def fresh_cache(tmp_path, monkeypatch):
-    monkeypatch.setattr("mcsd.profile.cache_dir", lambda: tmp_path)
-    return tmp_path
-
-
 class Quiet:
     """A BusyCheck that finds the machine quiet (or busy, with a reason)."""
 

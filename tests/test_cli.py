@@ -279,14 +279,13 @@ def _as_option_pairs(args):
     return [f"{flag}={value}" for flag, value in zip(args[::2], args[1::2])]
 
 
-def test_a_prompt_past_the_context_window_fails_before_anything_is_measured(model_dirs, tmp_path, monkeypatch,
-                                                                           capsys):
-    monkeypatch.setattr("mcsd.profile.cache_dir", lambda: tmp_path)       # nothing cached: a run would measure
+def test_a_prompt_past_the_context_window_fails_before_anything_is_measured(model_dirs, fresh_cache, capsys):
+    # nothing cached (fresh_cache): a run would measure
     args = _pair(model_dirs) + ["--prompt", "w03 w17", "--max-new-tokens", "400", "--calibrate"]
     assert main(args) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "exceeds the target's context window of 256" in err
-    assert not list(tmp_path.rglob("*.json"))                             # no profile was measured
+    assert not list(fresh_cache.rglob("*.json"))                           # no profile was measured
 
 
 def test_a_text_ended_at_once_without_chat_says_to_add_it(model_dirs, tmp_path, capsys):

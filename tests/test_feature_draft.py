@@ -108,11 +108,11 @@ def test_load_pair_with_a_feature_head_directory(model_dirs, tmp_path, target):
         load_model_pair(str(model_dirs / "target"), str(tmp_path / "wrong"), dtype="float32")
 
 
-def test_device_profile_times_a_feature_drafter(target, tmp_path, monkeypatch):
-    """Tree policies get draft costs for a feature head too, cached under a key of its own."""
+def test_device_profile_times_a_feature_drafter(target, fresh_cache):
+    """Tree policies get draft costs for a feature head too, cached under a key of its own (the cache
+    starts empty: profiles key the architecture)."""
     from mcsd.calibration import device_costs
     from mcsd.profile import load_or_measure, measure, profile_path
-    monkeypatch.setattr("mcsd.profile.cache_dir", lambda: tmp_path)      # empty: profiles key the architecture
     drafter = FeatureDrafter(random_head(target), target, name="tiny-head")
     prof = measure(target, drafter, sizes=(1, 4), prefix_len=16, repeats=2, draft_sizes=(1, 2))
     assert set(prof.verify_ms) == {1, 4} and set(prof.draft_ms) == {1, 2}

@@ -331,16 +331,10 @@ def test_weights_are_held_in_one_layout():
     assert alone.path(1) == "aten" and alone.path(8) == "onednn"
 
 
-@pytest.fixture
-def no_cached_profiles(monkeypatch, tmp_path):
-    """An empty profile cache: a decoder with calibrate=False then prices with generic costs, whatever
-    profile an earlier test measured for the same shapes (one where packed weights won would have the
-    decoder let the plain weights go before the test looks)."""
-    monkeypatch.setattr("mcsd.profile.cache_dir", lambda: tmp_path)
-
-
 @pytest.mark.skipif(not kernels.packable(torch.float32, "cpu"), reason="no oneDNN on this CPU")
-def test_plain_weights_let_go_for_their_prepacked_copy(no_cached_profiles):
+def test_plain_weights_let_go_for_their_prepacked_copy(fresh_cache):
+    # an empty profile cache: one an earlier test measured for these shapes, where packed weights won,
+    # would have the reference decoder below let the plain weights go before the test looks
     from transformers import LlamaConfig, LlamaForCausalLM
     model = tiny_llama(0)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -379,7 +373,7 @@ def test_plain_weights_let_go_for_their_prepacked_copy(no_cached_profiles):
 
 
 @pytest.mark.skipif(not kernels.packable(torch.float32, "cpu"), reason="no oneDNN on this CPU")
-def test_a_decoder_on_prepacked_weights_holds_them_once(monkeypatch, no_cached_profiles):
+def test_a_decoder_on_prepacked_weights_holds_them_once(monkeypatch, fresh_cache):
     from mcsd import calibration
     from mcsd.forward_profile import resident_bytes
     model, draft = tiny_llama(0), tiny_llama(1, layers=1)
