@@ -64,8 +64,9 @@ class Bench:
 
     def __init__(self, config):
         from mcsd import load_model_pair
-        from mcsd.models import DEFAULT_PRESET, PRESETS, load_model, preset_draft_dir
-        from mcsd.data import chat_ids, load_prompts, stratified
+        from mcsd.drafting.pair import load_model
+        from mcsd.loading.data import chat_ids, load_prompts, stratified
+        from mcsd.loading.models import DEFAULT_PRESET, PRESETS, preset_draft_dir
 
         opt = config.getoption
         if opt("--bench-threads"):
@@ -77,15 +78,15 @@ class Bench:
         self.temperature, self.top_p = opt("--bench-temperature"), opt("--bench-top-p")
         self.dtype, self.device, self.weights = opt("--bench-dtype"), opt("--bench-device"), opt("--bench-weights")
         if self.weights == "q4":
-            from mcsd import quant
+            from mcsd.forward import quant
             self.dtype = quant.compute_dtype()         # what q4 computes in here, whatever --bench-dtype says
         self.target, self.draft, self.tokenizer = load_model_pair(
             opt("--bench-target"), opt("--bench-draft"), dtype="float32" if self.dtype == "auto" else self.dtype,
             device=self.device, drafter=opt("--bench-drafter"), weights=self.weights)
         self.dtype_reason = None
         if self.dtype == "auto":                       # as mcsd-generate --dtype auto decides it
-            from mcsd.models import cast_pair
-            from mcsd.choice import choose_dtype
+            from mcsd.decoding.choice import choose_dtype
+            from mcsd.drafting.pair import cast_pair
             choice = choose_dtype(self.target, self.draft)
             self.dtype, self.dtype_reason = choice.dtype, choice.reason
             self.target, self.draft = cast_pair(self.target, self.draft, self.dtype)
@@ -107,7 +108,7 @@ class Bench:
         self.decoders: dict = {}                       # (tree, policy) -> TreeDecoder, reused across prompts
         self.baseline: dict[int, list[int]] = {}      # question_id -> tokens of the reference method
         self.baseline_time: dict[int, float] = {}
-        from mcsd.profile import load_or_measure
+        from mcsd.costs.profile import load_or_measure
         load_or_measure(self.target, self.draft)       # calibration (once per machine) stays out of every timing
         load_or_measure(self.target, None)             # ... also the target alone (what context drafting prices)
         with torch.inference_mode():                   # first-call overheads stay out of every timing
@@ -119,7 +120,7 @@ class Bench:
             "cpu_count": __import__("os").cpu_count(), "threads": torch.get_num_threads(),
             "dtype": self.dtype, "dtype_reason": self.dtype_reason, "weights": self.weights, "device": self.device,
             "torch": torch.__version__,
-            "host": __import__("mcsd.profile", fromlist=["machine_info"]).machine_info(str(self.device)),
+            "host": __import__("mcsd.costs.profile", fromlist=["machine_info"]).machine_info(str(self.device)),
             "transformers": __import__("transformers").__version__,
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "prompts": len(self.prompts), "max_new_tokens": self.max_new_tokens,

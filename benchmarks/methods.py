@@ -2,7 +2,7 @@
 
 A runner takes the session's `Bench` and one prompt's ids and returns a `Run`.
 Static trees, chains and Hugging Face's settings are listed here; every tree
-policy registered in `mcsd.policies.POLICIES` (other than "static") is added
+policy registered in `mcsd.drafting.policies.POLICIES` (other than "static") is added
 automatically under "policy_<name>", with the policy's own `default_tree`, so
 a new policy shows up in the comparison without editing this file. PEARL
 ("pearl", an execution mode registered like a policy) is listed on its own:
@@ -18,9 +18,10 @@ from typing import Callable
 
 import torch
 
-from mcsd import TreeDecoder, kernels
-from mcsd.kv_cache import cache_keyword
-from mcsd.policies import POLICIES
+from mcsd import TreeDecoder
+from mcsd.drafting.policies import POLICIES
+from mcsd.forward import kernels
+from mcsd.forward.kv_cache import cache_keyword
 
 CHAIN_KS = (1, 2, 3, 4, 6)
 TREES = ("2,2,1", "4,2,2", "3,2,2,1")
@@ -79,7 +80,7 @@ def _assistant_settings(draft, **settings):
 def _hf(bench, ids, assistant=False, onednn=True, **settings) -> Run:
     """Hugging Face `generate`, greedy or with the bench's sampling: `settings` go to the assistant's generation config with
     `assistant`, else to `generate` itself. `onednn=False` runs the whole call with torch's oneDNN
-    matrix products off (ATen's kernels; see `mcsd.kernels`), the best single setting for
+    matrix products off (ATen's kernels; see `mcsd.forward.kernels`), the best single setting for
     one-token steps in bfloat16 on a CPU with native bf16."""
     target = bench.target
     ids = ids.to(target.device)[None]
@@ -160,7 +161,7 @@ def _llama_cpp(bench, ids) -> Run:
     if llm is None:
         from llama_cpp import Llama
 
-        from mcsd.models import fetch_preset_gguf
+        from mcsd.loading.models import fetch_preset_gguf
         llm = bench.decoders["llama_cpp"] = Llama(
             model_path=str(fetch_preset_gguf(bench.target_preset)), n_ctx=2048, n_threads=torch.get_num_threads(),
             n_threads_batch=torch.get_num_threads(), verbose=False)

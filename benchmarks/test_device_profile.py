@@ -13,8 +13,8 @@ import copy
 import pytest
 import torch
 
-from mcsd.attention import xformers_unavailable_reason
-from mcsd.profile import DEFAULT_SIZES, measure, stand_in
+from mcsd.costs.profile import DEFAULT_SIZES, measure, stand_in
+from mcsd.forward.attention import xformers_unavailable_reason
 
 BACKENDS = ["sdpa", "xformers"]
 
@@ -27,7 +27,7 @@ def test_verify_latency_by_tree_size(benchmark, bench, backend):
     model = stand_in("llama-1b", torch.bfloat16, "cuda") if on_cuda and bench.smoke is False and torch.cuda.is_available() else bench.target
     if backend != getattr(model.config, "_attn_implementation", None):
         model = copy.deepcopy(model) if model is bench.target else model
-        from mcsd.attention import set_backend
+        from mcsd.forward.attention import set_backend
         set_backend(model, backend)
     repeats = 3 if bench.smoke else 20
     sizes = (1, 8) if bench.smoke else DEFAULT_SIZES

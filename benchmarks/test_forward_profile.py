@@ -3,18 +3,18 @@
 Three reports, none asserted:
 - the breakdown per operation class (matmul, attention, elementwise, copy,
   other ATen, Python) of a 1-token step and of verifies of 2-64 rows over a
-  300-token cache (`mcsd.forward_profile.breakdown`), in
+  300-token cache (`mcsd.costs.forward_profile.breakdown`), in
   `benchmark.extra_info["breakdown"]`, with the memory floor (the weights'
-  bytes over this machine's read rate, `mcsd.forward_profile.memory_floor`)
+  bytes over this machine's read rate, `mcsd.costs.forward_profile.memory_floor`)
   in `extra_info["memory_floor"]`;
 - the same block sizes timed interleaved in one process on today's and the
-  previous forward paths (`mcsd.forward_profile.compare`): SDPA with a
+  previous forward paths (`mcsd.costs.forward_profile.compare`): SDPA with a
   concatenating cache against grouped-query attention with the in-place
   cache, on each matmul path the kernel table can choose, in
   `benchmark.extra_info["compare_ms"]` (median ms per variant and size);
 - a 1-token step compiled by torch.compile on transformers' static cache,
   plain and with frozen weights, against the engine's own
-  (`mcsd.forward_profile.compiled_step`; skipped in the smoke run).
+  (`mcsd.costs.forward_profile.compiled_step`; skipped in the smoke run).
 
     pytest benchmarks/test_forward_profile.py --benchmark-only --bench-threads 1 --bench-dtype float32
 """
@@ -27,9 +27,16 @@ import statistics
 import pytest
 import torch
 
-from mcsd.forward_profile import (Variant, breakdown, compare, compiled_step, format_comparison, format_table,
-                                  memory_floor)
-from mcsd.kernels import packable
+from mcsd.costs.forward_profile import (
+    Variant,
+    breakdown,
+    compare,
+    compiled_step,
+    format_comparison,
+    format_table,
+    memory_floor,
+)
+from mcsd.forward.kernels import packable
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
 

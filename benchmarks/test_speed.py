@@ -16,7 +16,6 @@ none, so read the figures from `extra_info` (tools/bench_report.py does).
 from __future__ import annotations
 
 import pytest
-
 from methods import all_methods
 
 METHODS = all_methods()
@@ -43,8 +42,8 @@ def skip_reason(bench, method) -> str | None:
     if method.name == "hf_compiled" and bench.smoke:
         return "compiling takes about a minute per shape on a CPU; not in the smoke run"
     if method.policy is not None:
-        from mcsd.models import ModelLoadError
-        from mcsd.policies import make_policy, resolve_policy
+        from mcsd.drafting.policies import make_policy, resolve_policy
+        from mcsd.loading.models import ModelLoadError
         try:
             make_policy(resolve_policy(method.policy), method.tree)
         except ModelLoadError as exc:            # e.g. a learned policy whose model is not shipped yet

@@ -11,11 +11,11 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "TreeDecoder": "decoder", "GenerationOutput": "output", "GenerationStats": "output",
-    "Drafter": "draft", "ModelDrafter": "draft",
-    "load_model_pair": "models",
+    "TreeDecoder": "decoding.decoder", "GenerationOutput": "core.output", "GenerationStats": "core.output",
+    "Drafter": "drafting.draft", "ModelDrafter": "drafting.draft",
+    "load_model_pair": "drafting.pair",
     "ModelLoadError": "errors", "TokenizerMismatchError": "errors",
-    "DraftTree": "tree", "TreeTopology": "tree", "parse_tree_spec": "tree",
+    "DraftTree": "core.tree", "TreeTopology": "core.tree", "parse_tree_spec": "core.tree",
     "ConfigError": "config", "DecodeConfig": "config", "SamplingConfig": "config", "TreeConfig": "config",
 }
 

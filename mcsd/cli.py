@@ -17,11 +17,21 @@ import json
 import sys
 from pathlib import Path
 
-from .config import (ATTENTION_BACKENDS, DTYPE_NAMES, MAX_TREE_DEPTH, MAX_TREE_NODES, WEIGHTS, ConfigError,
-                     DecodeConfig, ProcessingConfig, SamplingConfig, check_lossy_roots)
+from .config import (
+    ATTENTION_BACKENDS,
+    DTYPE_NAMES,
+    MAX_TREE_DEPTH,
+    MAX_TREE_NODES,
+    WEIGHTS,
+    ConfigError,
+    DecodeConfig,
+    ProcessingConfig,
+    SamplingConfig,
+    check_lossy_roots,
+)
 from .errors import ModelLoadError
-from .presets import DEFAULT_PRESET, DRAFTERS, PRESETS, describe_presets, parse_drafter_spec
-from .sources import is_local_path_syntax
+from .loading.presets import DEFAULT_PRESET, DRAFTERS, PRESETS, describe_presets, parse_drafter_spec
+from .loading.sources import is_local_path_syntax
 
 DRAFTER_CHOICES = (*DRAFTERS, "context", *(f"{d}+context" for d in DRAFTERS))
 
@@ -212,12 +222,12 @@ _COSTS_SOURCES = {"cached": "this machine's calibrated profile (cached)",
 def _auto_dtype(target, draft, args):
     """--dtype auto (with --weights auto): the dtype and weights this pair and method run fastest in here;
     the pair converted to them."""
-    from .choice import apply_choice, choose_dtype
-    from .models import gguf_source
+    from .decoding.choice import apply_choice, choose_dtype
+    from .loading.models import gguf_source
     if args.device != "cpu" and not str(args.device).startswith("cuda"):
         args.weights = "dense"
         return target, draft, "float32", "float32: --dtype auto measures on one cpu or cuda device only"
-    from .attention import set_backend
+    from .forward.attention import set_backend
     # the copies measured for each dtype run the attention the decoder will: one profile a dtype
     set_backend(target, args.attention)
     # --baseline needs no costs: it measures nothing unless asked to (--calibrate)
@@ -242,15 +252,15 @@ def _check_sources(args) -> None:
 
 def _hub_ids(args) -> list[tuple[str, str]]:
     """(flag, id) for each model source that can only be a Hugging Face Hub id."""
-    from .sources import is_hub_id
+    from .loading.sources import is_hub_id
     return [(flag, src) for flag, src in (("--target", args.target), ("--draft", args.draft))
             if src is not None and is_hub_id(src)]
 
 
 def _check_hub(args) -> None:
     """Hub ids without a network: load from the local cache in offline mode (no retries), or stop at once
-    with one line when a model is not cached (`mcsd.sources.prepare_hub`)."""
-    from .sources import prepare_hub
+    with one line when a model is not cached (`mcsd.loading.sources.prepare_hub`)."""
+    from .loading.sources import prepare_hub
     prepare_hub(_hub_ids(args))
 
 
@@ -267,7 +277,7 @@ def _check_args(args) -> None:
         raise UsageError(f"--weights q4 runs on the CPU; drop --device {args.device}")
     if (args.target is not None and args.draft is None and args.target not in PRESETS and not args.baseline
             and args.drafter != "context"):
-        from .sources import check_source
+        from .loading.sources import check_source
         check_source(args.target, "--target")         # what is wrong with the target comes first
         raise UsageError(f"--target {args.target} needs a --draft (or use --baseline, --drafter context, or a "
                          f"preset: {', '.join(PRESETS)})")
@@ -305,7 +315,7 @@ def _check_args(args) -> None:
             raise UsageError(f"--show-tree writes a PNG image: name it FILE.png, not {args.show_tree}")
         if not png.parent.is_dir():
             raise UsageError(f"cannot write --show-tree {args.show_tree}: no directory {png.parent}")
-    from .tree import parse_tree_spec
+    from .core.tree import parse_tree_spec
     decode = DecodeConfig(max_new_tokens=args.max_new_tokens, seed=args.seed, stop_strings=tuple(args.stop),
                           sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.min_p or 0.0,
                                                   1.0 if args.typical_p is None else args.typical_p),
@@ -353,12 +363,13 @@ def _drafter_kinds(args) -> tuple[str | None, bool, bool]:
 
 def _load_models(args):
     """(target, draft or None, tokenizer) as the flags ask, in the dtype they are loaded in."""
-    from .models import load_model, load_model_pair, load_tokenizer
+    from .drafting.pair import load_model, load_model_pair
+    from .loading.models import load_tokenizer
 
     _set_threads(args)
     if args.weights == "q4":
-        from . import quant
-        from .models import parse_dtype
+        from .forward import quant
+        from .loading.models import parse_dtype
         allowed = quant.dtypes()
         if args.dtype == "auto":
             args.dtype = quant.compute_dtype()
@@ -390,14 +401,14 @@ def _check_lengths(args, target, tokenizer, prompts: list[str]) -> None:
 
 def _build_decoder(args, target, draft, tokenizer):
     """(decoder, why this dtype or None): --dtype auto's choice, the context drafter, the decoder."""
-    from .decoder import TreeDecoder
+    from .decoding.decoder import TreeDecoder
 
     _, with_context, _ = _drafter_kinds(args)
     dtype_reason = getattr(args, "dtype_fixed", None)
     if args.dtype == "auto":
         target, draft, args.dtype, dtype_reason = _auto_dtype(target, draft, args)
     if with_context and not args.baseline:
-        from .context import ContextDrafter
+        from .drafting.context import ContextDrafter
         context = ContextDrafter(store=Path(args.context_store).expanduser() if args.context_store else None)
         draft = context if draft is None else [draft, context]
     decoder = TreeDecoder(target, draft, tokenizer=tokenizer, tree=args.tree, policy=args.policy,
@@ -410,10 +421,10 @@ def _build_decoder(args, target, draft, tokenizer):
 
 def _set_threads(args) -> None:
     """torch's thread count: --threads, else OMP_NUM_THREADS where set, else the free cores
-    (`mcsd.threads`, read over the start-up since `args.load_since`); the choice is kept in args."""
+    (`mcsd.forward.threads`, read over the start-up since `args.load_since`); the choice is kept in args."""
     import torch
 
-    from . import threads
+    from .forward import threads
     if args.threads is not None:
         args.thread_choice = threads.explicit(args.threads, "--threads")
     else:
@@ -450,7 +461,7 @@ def _context_settings(decoder) -> dict | None:
     """The context drafter's sources and their measured acceptance, or None without one."""
     if decoder.context is None:
         return None
-    from .context import describe
+    from .drafting.context import describe
     return describe(decoder.context)
 
 
@@ -481,10 +492,10 @@ def run(args) -> int:
     if args.list_models:
         print("\n".join(describe_presets()))
         return 0
-    from .threads import snapshot
+    from .forward.threads import snapshot
     args.load_since = snapshot()                    # other processes' CPU use is read from here to the load
-    from . import pearl  # noqa: F401  (registers the "pearl" execution mode)
-    from .policies import POLICIES, resolve_policy
+    from .drafting import pearl  # noqa: F401  (registers the "pearl" execution mode)
+    from .drafting.policies import POLICIES, resolve_policy
     parse_policy_options(args.policy_option)        # a malformed setting fails before anything loads
     args.policy = resolve_policy(args.policy, lossy=args.lossy_target_roots > 0,
                                  drafting=not args.baseline and not _drafter_kinds(args)[2])
@@ -572,14 +583,14 @@ def run(args) -> int:
         elif blocks is not None and blocks.failure:
             print(f"cuda graphs: off, capture failed ({blocks.failure}); the same shapes ran eagerly",
                   file=sys.stderr)
-        from .forward_profile import resident_bytes
-        from .profile import drafter_module
+        from .costs.forward_profile import resident_bytes
+        from .costs.profile import drafter_module
         held = resident_bytes(decoder.target.model, drafter_module(decoder.drafter) if decoder.drafter else None)
         print("weights resident: " + ", ".join(f"{n / 1e6:.0f} MB {form}" for form, n in held.items() if n),
               file=sys.stderr)
         own = "the engine's own (Llama family)" if decoder.target.path == "lean" else "transformers'"
         print(f"forward: {own}", file=sys.stderr)
-        from .attention import describe as describe_attention
+        from .forward.attention import describe as describe_attention
         print(f"attention: {describe_attention(decoder.attention)}; KV cache written in place", file=sys.stderr)
         if decoder.costs_source is not None:
             costs = getattr(decoder.policy, "costs", None) or decoder.context_costs
@@ -635,7 +646,7 @@ def _read_prompts_file(path: str) -> list[str]:
 
 def _run_many(args, decoder, prompts: list[str]) -> int:
     """Generate for each prompt in turn, one JSON result a line, with a progress bar on a terminal."""
-    from .progress import bars_wanted
+    from .loading.progress import bars_wanted
     sink = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
     generate = decoder.generate_baseline if args.baseline else decoder.generate
     bar = None
@@ -669,7 +680,7 @@ def _run_many(args, decoder, prompts: list[str]) -> int:
 
 
 def _draw_best_round(rounds, path: str, tokenizer) -> None:
-    from .viz import draw_tree
+    from .core.viz import draw_tree
     best = max(range(len(rounds)), key=lambda i: (rounds[i][1].n_accepted, -i))
     try:
         written = draw_tree(*rounds[best], path, tokenizer,
@@ -719,7 +730,7 @@ def main(argv=None) -> int:
 def entry() -> None:
     """The `mcsd-generate` command: `main()` in a process of its own, set up for a quick start and exit.
 
-    - No progress bars when stderr is not a terminal (see `mcsd.progress`).
+    - No progress bars when stderr is not a terminal (see `mcsd.loading.progress`).
     - Start-up (importing torch and transformers, loading the models) makes
       hundreds of thousands of objects that live until exit; the default
       collector walks them again and again while they are made (about 0.6 s of
@@ -728,7 +739,7 @@ def entry() -> None:
     - At exit they are frozen, so the interpreter's final collection skips them
       (another ~0.8 s); the operating system reclaims the memory anyway.
     """
-    from .progress import no_bars_off_terminal
+    from .loading.progress import no_bars_off_terminal
     no_bars_off_terminal()
     gc.set_threshold(50_000, 20, 100)
     code = main()

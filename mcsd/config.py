@@ -20,8 +20,8 @@ class ConfigError(ValueError):
 DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
                "float16": "float16", "fp16": "float16"}          # accepted name -> torch dtype name
 ATTENTION_BACKENDS = ("auto", "sdpa", "gqa", "xformers", "eager")
-SAMPLING_METHODS = ("gumbel", "rejection")   # mcsd.sampling's two ways to draw
-WEIGHTS = ("dense", "q4")                 # how a target's linear layers run (mcsd.models.load_model)
+SAMPLING_METHODS = ("gumbel", "rejection")   # mcsd.core.sampling's two ways to draw
+WEIGHTS = ("dense", "q4")                 # how a target's linear layers run (mcsd.drafting.pair.load_model)
 
 
 def check_context_window(context_window: int | None, prompt_len: int, max_new_tokens: int) -> None:
@@ -99,7 +99,7 @@ class SamplingConfig:
 
 @dataclass(frozen=True)
 class ProcessingConfig:
-    """Logits processors applied at every tree node before a token is chosen (`mcsd.processors`).
+    """Logits processors applied at every tree node before a token is chosen (`mcsd.core.processors`).
 
     The options mirror `model.generate`'s of the same names; they are applied
     in Hugging Face's order (repetition penalty, n-gram ban, bad words, minimum

@@ -34,7 +34,7 @@ def tiny_llama(seed: int, vocab: int = VOCAB, layers: int = 2, sharpness: float 
 
 def word_tokenizer(vocab: int = VOCAB, eos: str = "w01", extra: str | None = None):
     """A whitespace word-level tokenizer over tokens w00..w63 (w01 = EOS, w00 = unknown)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     words = {f"w{i:02d}": i for i in range(vocab)}
@@ -49,7 +49,7 @@ def word_tokenizer(vocab: int = VOCAB, eos: str = "w01", extra: str | None = Non
 @pytest.fixture
 def fresh_cache(tmp_path, monkeypatch):
     """An empty profile cache for one test (its tmp_path): nothing an earlier test measured is found."""
-    monkeypatch.setattr("mcsd.profile.cache_dir", lambda: tmp_path)
+    monkeypatch.setattr("mcsd.costs.profile.cache_dir", lambda: tmp_path)
     return tmp_path
 
 
@@ -58,10 +58,10 @@ def private_profile_cache(tmp_path_factory):
     """Cost profiles measured by tests go to a temporary folder, never the user's cache."""
     mp = pytest.MonkeyPatch()
     folder = tmp_path_factory.mktemp("mcsd-cache")
-    mp.setattr("mcsd.profile.cache_dir", lambda: folder)
+    mp.setattr("mcsd.costs.profile.cache_dir", lambda: folder)
     # whether the machine looks quiet right now must not decide whether a test measures again
     # (a profile measured on a busy machine is kept); tests of that patch it themselves
-    mp.setattr("mcsd.profile.quiet_now", lambda threads_used=None: False)
+    mp.setattr("mcsd.costs.profile.quiet_now", lambda threads_used=None: False)
     yield folder
     mp.undo()
 
@@ -178,7 +178,7 @@ def pooled_chi_square_p(counts, exact, n):
 
 def exact_two_token_probs(model, prompt, sampling, vocab):
     """P(first two new tokens = (a, b)) under plain sampling from `model`, by enumeration: (vocab, vocab)."""
-    from mcsd.sampling import logits_to_probs
+    from mcsd.core.sampling import logits_to_probs
     with torch.no_grad():
         p0 = logits_to_probs(model(prompt[None]).logits[0, -1], sampling)
         rows = torch.stack([torch.cat([prompt, torch.tensor([a])]) for a in range(vocab)])

@@ -5,8 +5,8 @@ import copy
 import pytest
 import torch
 
-from mcsd.attention import resolve_backend
 from mcsd.config import ConfigError
+from mcsd.forward.attention import resolve_backend
 
 
 def test_auto_picks_the_grouped_query_path_on_cpu():
@@ -23,7 +23,7 @@ def test_unknown_and_impossible_backends_raise():
 
 
 def test_eager_and_sdpa_agree_on_a_tree_mask(target):
-    from mcsd.lm import CachedLM
+    from mcsd.forward.lm import CachedLM
 
     eager = copy.deepcopy(target)
     eager.set_attn_implementation("eager")
@@ -38,7 +38,7 @@ def test_eager_and_sdpa_agree_on_a_tree_mask(target):
 
 
 def _skip_without_xformers_kernels(dtype, head_dim):
-    from mcsd.attention import xformers_unavailable_reason
+    from mcsd.forward.attention import xformers_unavailable_reason
     if (reason := xformers_unavailable_reason("cuda", dtype, head_dim)) is not None:
         pytest.skip(reason.splitlines()[0])
 
@@ -49,9 +49,10 @@ def _skip_without_xformers_kernels(dtype, head_dim):
 def test_xformers_matches_sdpa_on_tree_masks(dtype):
     _skip_without_xformers_kernels(dtype, head_dim=32)
     from conftest import tiny_llama
-    from mcsd.attention import set_backend
-    from mcsd.lm import CachedLM
-    from mcsd.tree import TreeTopology
+
+    from mcsd.core.tree import TreeTopology
+    from mcsd.forward.attention import set_backend
+    from mcsd.forward.lm import CachedLM
 
     base = tiny_llama(0, hidden=128).to("cuda", dtype)
     xf = copy.deepcopy(base)
@@ -73,6 +74,7 @@ def test_xformers_matches_sdpa_on_tree_masks(dtype):
 def test_xformers_decoder_is_lossless_in_float32():
     _skip_without_xformers_kernels(torch.float32, head_dim=32)
     from conftest import tiny_llama
+
     from mcsd import TreeDecoder
 
     model = tiny_llama(0, hidden=128).to("cuda")
@@ -83,7 +85,7 @@ def test_xformers_decoder_is_lossless_in_float32():
 
 
 def test_causal_bias_aligns_the_block_to_the_last_keys():
-    from mcsd.attention import _causal_bias
+    from mcsd.forward.attention import _causal_bias
     bias = _causal_bias(3, 5, torch.float32, "cpu")[0, 0]
     allowed = bias == 0
     assert allowed.tolist() == [[True, True, True, False, False],
@@ -98,7 +100,7 @@ def split_k_only(monkeypatch):
     import sys
     import types
 
-    from mcsd import attention
+    from mcsd.forward import attention
     package = types.ModuleType("xformers")
     package.ops = types.ModuleType("xformers.ops")
     monkeypatch.setitem(sys.modules, "xformers", package)
@@ -132,7 +134,7 @@ def test_no_xformers_route_says_why(monkeypatch, split_k_only):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("q_len", [1, 9, 64])
 def test_xformers_matches_sdpa_on_grouped_heads_with_and_without_a_mask(q_len):
-    from mcsd.attention import _xformers_attention
+    from mcsd.forward.attention import _xformers_attention
     _skip_without_xformers_kernels(torch.bfloat16, head_dim=64)
     gen = torch.Generator(device="cuda").manual_seed(q_len)
     k_len = 300 + q_len

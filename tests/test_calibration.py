@@ -5,12 +5,12 @@ import json
 
 import pytest
 import torch
-
 from conftest import tiny_llama
+
 from mcsd import TreeDecoder
-from mcsd.policies import LearnedPolicy
-from mcsd.choice import choose_dtype, expected_rate
-from mcsd.profile import Costs, load_cached, load_or_measure, profile_path
+from mcsd.costs.profile import Costs, load_cached, load_or_measure, profile_path
+from mcsd.decoding.choice import choose_dtype, expected_rate
+from mcsd.drafting.policies import LearnedPolicy
 
 PROMPT = torch.tensor([3, 17, 42, 5, 9, 11])
 QUICK = dict(sizes=(1, 2, 4), prefix_len=16, repeats=1, draft_sizes=(1, 2))
@@ -105,9 +105,9 @@ def test_choose_dtype_measures_each_candidate(target, random_draft):
 
 @pytest.mark.parametrize("native", [True, False])
 def test_bfloat16_is_measured_only_where_the_cpu_runs_it_natively(monkeypatch, native):
-    import mcsd.profile
-    real = mcsd.profile.host_key
-    monkeypatch.setattr("mcsd.choice.host_key", lambda device: {**real(device), "onednn_bf16": native})
+    import mcsd.costs.profile
+    real = mcsd.costs.profile.host_key
+    monkeypatch.setattr("mcsd.decoding.choice.host_key", lambda device: {**real(device), "onednn_bf16": native})
     t, d = tiny_llama(6), tiny_llama(7, layers=1)
     choice = choose_dtype(t, d, calibrate=True, quiet=True)
     assert set(choice.rates) == ({"float32", "bfloat16"} if native else {"float32"})
@@ -137,9 +137,9 @@ def test_cli_dtype_auto_is_a_choice_of_dtype(model_dirs, capsys):
 
 
 def test_a_gguf_born_target_weighs_its_q4_weights_too(q4_gguf_file):
-    from mcsd import quant
-    from mcsd.choice import DtypeChoice, apply_choice
-    from mcsd.models import load_model
+    from mcsd.decoding.choice import DtypeChoice, apply_choice
+    from mcsd.drafting.pair import load_model
+    from mcsd.forward import quant
     if not quant.kernel_available():
         pytest.skip("no CPU int4 kernel in this torch")
     t = load_model(str(q4_gguf_file), "float32")
@@ -165,8 +165,9 @@ def test_a_feature_heads_steps_are_timed_after_a_target_forward(monkeypatch):
     """On a CPU a round's first head step finds the target's weights, not its own, in the processor's
     caches: the profile times every head step right after a target forward, as decoding runs it."""
     from test_feature_draft import random_head
-    from mcsd import profile
-    from mcsd.feature_draft import FeatureDrafter
+
+    from mcsd.costs import profile
+    from mcsd.drafting.feature_draft import FeatureDrafter
     target = tiny_llama(0)
     drafter = FeatureDrafter(random_head(target), target)
     order = []

@@ -121,6 +121,7 @@ def test_bad_model_arguments(model_dirs, capsys, args, fragment):
 
 def test_tokenizer_mismatch_exits_2(model_dirs, tmp_path, capsys):
     import shutil
+
     from conftest import word_tokenizer
     other = tmp_path / "draft"
     shutil.copytree(model_dirs / "draft", other)
@@ -139,9 +140,10 @@ def test_show_tree_writes_a_png(model_dirs, tmp_path, capsys):
 
 def test_tree_graph_marks_the_accepted_path():
     import torch
-    from mcsd.tree import DraftTree, TreeTopology
-    from mcsd.verify import Acceptance
-    from mcsd.viz import tree_graph
+
+    from mcsd.core.tree import DraftTree, TreeTopology
+    from mcsd.core.verify import Acceptance
+    from mcsd.core.viz import tree_graph
     tree = DraftTree.root_only(TreeTopology.from_spec("2"), torch.tensor(5))
     tree.append_level(torch.tensor([7, 8]), torch.tensor([0, 0]), torch.log(torch.tensor([0.6, 0.3])),
                       torch.tensor([1, 2]))
@@ -237,7 +239,7 @@ def test_utf8_stdin_bytes_are_read_as_text(model_dirs, capsys, monkeypatch):
 
 
 def test_list_models_names_both_drafters_and_the_default(capsys):
-    from mcsd.presets import PRESETS
+    from mcsd.loading.presets import PRESETS
     assert main(["--list-models"]) == 0
     out = capsys.readouterr().out
     preset = PRESETS["smollm2-135m"]
@@ -248,7 +250,8 @@ def test_list_models_names_both_drafters_and_the_default(capsys):
 
 def test_readme_flag_table_names_the_default_drafter():
     from pathlib import Path
-    from mcsd.presets import DEFAULT_PRESET, PRESETS
+
+    from mcsd.loading.presets import DEFAULT_PRESET, PRESETS
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     row = next(line for line in readme.splitlines() if line.startswith("| `--drafter` |"))
     default = PRESETS[DEFAULT_PRESET].default_drafter

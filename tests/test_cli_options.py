@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mcsd import cli, sources
+from mcsd import cli
 from mcsd.cli import main
+from mcsd.loading import sources
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -128,7 +129,7 @@ def test_a_cached_hub_id_without_network_loads_offline(monkeypatch, tmp_path):
 
 def interrupt_after(monkeypatch, tokens: int) -> None:
     """Make `TreeDecoder.generate` raise KeyboardInterrupt (as Ctrl-C would) once `tokens` are streamed."""
-    from mcsd.decoder import TreeDecoder
+    from mcsd.decoding.decoder import TreeDecoder
     real = TreeDecoder.generate
 
     def interrupted(self, prompt, *args, streamer=None, **kwargs):

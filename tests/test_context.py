@@ -7,16 +7,15 @@ import math
 
 import pytest
 import torch
-
 from conftest import assert_follows_target, tiny_llama
+
 from mcsd import TreeDecoder
 from mcsd.config import ConfigError, SamplingConfig
-from mcsd.context import ContextConfig, ContextDrafter, ContextStore, NGramIndex, parse_drafter_spec
-from mcsd.profile import Costs
-from mcsd.sampling import sample_without_replacement
-from mcsd.tree import DraftTree, TreeTopology, ancestor_mask
-from mcsd.verify import accept_sampling
-
+from mcsd.core.sampling import sample_without_replacement
+from mcsd.core.tree import DraftTree, TreeTopology, ancestor_mask
+from mcsd.core.verify import accept_sampling
+from mcsd.costs.profile import Costs
+from mcsd.drafting.context import ContextConfig, ContextDrafter, ContextStore, NGramIndex, parse_drafter_spec
 
 # ---------------------------------------------------------------------------- lookup
 
@@ -195,8 +194,8 @@ def test_the_root_alone_is_expected_to_emit_one_token():
     """Context-only rounds price grafted nodes against the root's single token; with a drafted tree
     and no estimate of the policy's own, 1 + what drafted trees got accepted lately (not the round
     totals, which count context acceptances and would make every context node look dearer)."""
-    from mcsd.policies import make_policy
-    from mcsd.propose import expected_tokens
+    from mcsd.decoding.propose import expected_tokens
+    from mcsd.drafting.policies import make_policy
     policy = make_policy("static", "2,1")
     assert expected_tokens(policy, [4, 4, 4], 1) == 1.0
     assert expected_tokens(policy, [1, 0, 2], 3) == 2.0
@@ -205,7 +204,7 @@ def test_the_root_alone_is_expected_to_emit_one_token():
 
 def test_expected_tokens_of_a_drafted_tree_leave_out_context_acceptances(pair, monkeypatch):
     """In a combined run, the fallback estimate reads the drafted part's acceptances only."""
-    from mcsd import propose
+    from mcsd.decoding import propose
     target, draft = pair
     seen = []
     real = propose.expected_tokens
@@ -323,7 +322,7 @@ def test_store_source_is_exact_and_used(pair, tmp_path):
 
 
 def test_context_with_a_feature_drafter_is_exact(pair):
-    from mcsd.feature_draft import FeatureDrafter, FeatureHead, FeatureHeadConfig
+    from mcsd.drafting.feature_draft import FeatureDrafter, FeatureHead, FeatureHeadConfig
     target, _ = pair
     torch.manual_seed(3)
     head = FeatureHead(FeatureHeadConfig(target_hidden=32, vocab_size=64, heads=4, kv_heads=2)).eval()
@@ -430,6 +429,7 @@ def test_cli_context_mistakes_are_one_line(model_dirs, tmp_path, capsys, extra, 
 
 def test_build_context_store_tool(model_dirs, tmp_path, capsys):
     import json
+
     from mcsd.train import context_store as build_context_store
 
     outputs = tmp_path / "outputs.jsonl"
@@ -456,8 +456,9 @@ def test_context_drafting_sits_out_while_it_loses_and_is_tried_again():
     """The context gate: rounds whose grafted nodes are rejected make its value negative, then it
     skips rounds, probing at doubling gaps; a probe whose node is accepted opens it again."""
     from types import SimpleNamespace
-    from mcsd import propose
-    from mcsd.policies import make_policy
+
+    from mcsd.decoding import propose
+    from mcsd.drafting.policies import make_policy
     costs = Costs({1: 10.0, 8: 20.0}, {1: 1.0})
     proposer = propose.Proposer(make_policy("static", "1"), None, ContextDrafter(), context_costs=costs)
 

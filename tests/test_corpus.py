@@ -3,11 +3,10 @@ provenance, resumable, refusing evaluation data, then labelled by the teacher st
 
 import pytest
 import torch
-
-from mcsd.train import corpus
-from mcsd.train import data as td
-from mcsd.train import engine
 from conftest import word_tokenizer
+
+from mcsd.train import corpus, engine
+from mcsd.train import data as td
 
 CHAT = ("{% for m in messages %}w02 {{ m['content'] }} w03 {% endfor %}"
         "{% if add_generation_prompt %}w04 {% endif %}")

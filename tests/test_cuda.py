@@ -10,7 +10,6 @@ import copy
 
 import pytest
 import torch
-
 from conftest import tiny_llama
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -23,7 +22,7 @@ def _needs(backend, head_dim: int = 16):
     """Skip xformers cases where its kernels cannot run (not installed, or built for another torch / CUDA
     so that only its split-k operator runs, which takes no float32)."""
     if backend == "xformers":
-        from mcsd.attention import xformers_unavailable_reason
+        from mcsd.forward.attention import xformers_unavailable_reason
         if (reason := xformers_unavailable_reason("cuda", torch.float32, head_dim)) is not None:
             pytest.skip(reason.splitlines()[0])
 
@@ -58,7 +57,7 @@ def test_greedy_tree_on_cuda_equals_hf_greedy(cuda_target, cuda_reference, backe
 @pytest.mark.parametrize("backend", ["sdpa", "xformers"])
 def test_feature_drafter_on_cuda_is_lossless(cuda_target, cuda_reference, backend):
     from mcsd import TreeDecoder
-    from mcsd.feature_draft import FeatureDrafter, FeatureHead, FeatureHeadConfig
+    from mcsd.drafting.feature_draft import FeatureDrafter, FeatureHead, FeatureHeadConfig
     _needs(backend)
     torch.manual_seed(5)
     cfg = FeatureHeadConfig(target_hidden=cuda_target.config.hidden_size, hidden=32, layers=1, heads=2, kv_heads=1,
@@ -82,6 +81,7 @@ def test_learned_policy_on_cuda_is_lossless(cuda_target, cuda_reference):
 @pytest.mark.parametrize("backend", ["sdpa", "xformers"])
 def test_sampling_on_cuda_follows_the_target(backend):
     from conftest import assert_follows_target
+
     from mcsd import TreeDecoder
     from mcsd.config import SamplingConfig
     _needs(backend, head_dim=4)

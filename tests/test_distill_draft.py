@@ -7,12 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from mcsd.train import distill as dd
-from mcsd.train import data as td
-from mcsd.train import engine
-
 from conftest import tiny_llama, word_tokenizer
+
+from mcsd.train import data as td
+from mcsd.train import distill as dd
+from mcsd.train import engine
 
 
 def _store_run(data_dir: Path, target, run: str, n_prompts: int, seed: int, store_hidden: bool):

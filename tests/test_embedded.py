@@ -11,8 +11,8 @@ import torch
 
 from mcsd import TreeDecoder, load_model_pair
 from mcsd.cli import main
-from mcsd.data import chat_ids
-from mcsd.models import PRESETS, models_dir
+from mcsd.loading.data import chat_ids
+from mcsd.loading.models import PRESETS, models_dir
 
 
 @pytest.fixture(scope="module")
@@ -52,14 +52,14 @@ def test_cli_runs_the_default_pair(capsys):
 
 
 def test_preset_default_drafter_is_the_feature_head():
-    from mcsd.feature_draft import FeatureDrafter
+    from mcsd.drafting.feature_draft import FeatureDrafter
     _, drafter, _ = load_model_pair()
     assert isinstance(drafter, FeatureDrafter) and drafter.name == PRESETS["smollm2-135m"].feature_dir
 
 
 def test_shipped_feature_head_is_exact_with_the_learned_policy(pair):
     """The preset's target-feature head, trained weights and sub-vocabulary included, under the default policy."""
-    from mcsd.models import load_feature_drafter
+    from mcsd.drafting.pair import load_feature_drafter
     target, _, tokenizer = pair
     directory = models_dir() / PRESETS["smollm2-135m"].feature_dir
     card = json.loads((directory / "card.json").read_text())

@@ -3,8 +3,8 @@
 
 import pytest
 import torch
-
 from conftest import assert_follows_target, perturbed, tiny_llama
+
 from mcsd import TreeDecoder
 from mcsd.config import SamplingConfig
 

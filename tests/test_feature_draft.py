@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-
 from conftest import assert_follows_target, tiny_llama
+
 from mcsd import TreeDecoder
-from mcsd.feature_draft import FeatureDrafter, FeatureHead, FeatureHeadConfig
+from mcsd.drafting.feature_draft import FeatureDrafter, FeatureHead, FeatureHeadConfig
 
 PROMPT = torch.tensor([3, 17, 42, 5, 9, 11])
 
@@ -95,7 +95,7 @@ def test_save_and_load_round_trip(target, tmp_path):
 
 def test_load_pair_with_a_feature_head_directory(model_dirs, tmp_path, target):
     from mcsd import load_model_pair
-    from mcsd.models import ModelLoadError
+    from mcsd.loading.models import ModelLoadError
     random_head(target, sub_vocab=24).save(tmp_path / "head")
     t, drafter, tok = load_model_pair(str(model_dirs / "target"), str(tmp_path / "head"), dtype="float32")
     assert isinstance(drafter, FeatureDrafter)
@@ -111,8 +111,8 @@ def test_load_pair_with_a_feature_head_directory(model_dirs, tmp_path, target):
 def test_device_profile_times_a_feature_drafter(target, fresh_cache):
     """Tree policies get draft costs for a feature head too, cached under a key of its own (the cache
     starts empty: profiles key the architecture)."""
-    from mcsd.calibration import device_costs
-    from mcsd.profile import load_or_measure, measure, profile_path
+    from mcsd.costs.profile import load_or_measure, measure, profile_path
+    from mcsd.decoding.calibration import device_costs
     drafter = FeatureDrafter(random_head(target), target, name="tiny-head")
     prof = measure(target, drafter, sizes=(1, 4), prefix_len=16, repeats=2, draft_sizes=(1, 2))
     assert set(prof.verify_ms) == {1, 4} and set(prof.draft_ms) == {1, 2}
@@ -193,7 +193,7 @@ def test_v2_sampling_is_exact():
 
 def test_v2_save_load_and_bad_layers(target, tmp_path):
     from mcsd.config import ConfigError
-    from mcsd.feature_draft import default_feature_layers
+    from mcsd.drafting.feature_draft import default_feature_layers
     head = random_v2_head(target, (0, 1, 2))
     head.save(tmp_path / "v2")
     loaded = FeatureHead.load(tmp_path / "v2")
@@ -243,7 +243,7 @@ def test_drafter_keeps_only_the_features_it_will_read(target):
 def test_window_reads_the_prompt_tail_and_stays_aligned(target, reference):
     """window=3: the head's first forward reads the prompt's last 3 positions only; every later
     catch-up reads the true features of the positions it names, at the cache index they belong."""
-    from mcsd import kv_cache
+    from mcsd.forward import kv_cache
     drafter = FeatureDrafter(random_head(target), target, window=3)
     reads, in_begin = [], []
     run, begin = drafter._run, drafter.begin_round

@@ -6,13 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_llama
 
+from mcsd.drafting.feature_draft import FeatureHead
 from mcsd.train import data as td
 from mcsd.train import engine
 from mcsd.train import feature_head as tfd
-
-from conftest import tiny_llama
-from mcsd.feature_draft import FeatureHead
 
 
 def _store_run(data_dir: Path, target, run: str, n_prompts: int, seed: int):

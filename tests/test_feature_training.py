@@ -3,10 +3,9 @@ agrees with it teacher-forced *and* gets drafts accepted when decoding."""
 
 import torch
 
-from mcsd.train import feature_head as tfd
-
 from mcsd import TreeDecoder
-from mcsd.feature_draft import FeatureDrafter, FeatureHead, FeatureHeadConfig
+from mcsd.drafting.feature_draft import FeatureDrafter, FeatureHead, FeatureHeadConfig
+from mcsd.train import feature_head as tfd
 
 
 def _examples(target, n=12, length=40):

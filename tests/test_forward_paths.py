@@ -9,12 +9,13 @@ import types
 
 import pytest
 import torch
+from conftest import tiny_llama
 from transformers import DynamicCache
 
-from conftest import tiny_llama
-from mcsd import TreeDecoder, kv_cache
-from mcsd.attention import _gqa_attention, set_backend
-from mcsd.lm import CachedLM, forward_path
+from mcsd import TreeDecoder
+from mcsd.forward import kv_cache
+from mcsd.forward.attention import _gqa_attention, set_backend
+from mcsd.forward.lm import CachedLM, forward_path
 
 PROMPT = torch.tensor([3, 17, 42, 5, 9, 11])
 
@@ -142,7 +143,7 @@ def test_gqa_backend_keeps_plain_generate_working(target):
 
 
 def test_forward_profile_splits_a_forward_into_classes():
-    from mcsd.forward_profile import CLASSES, Variant, breakdown, compare, format_comparison, format_table
+    from mcsd.costs.forward_profile import CLASSES, Variant, breakdown, compare, format_comparison, format_table
     model = tiny_llama(0, layers=2)
     results = breakdown(model, sizes=(1, 3), cache_len=20, repeats=2)
     assert [r.rows for r in results] == [1, 3]
@@ -164,7 +165,7 @@ def test_forward_profile_splits_a_forward_into_classes():
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")   # inductor's own
 def test_a_compiled_static_step_computes_the_engines_logits():
     """The torch.compile candidate the benchmark times: its step gives the eager step's logits (float32)."""
-    from mcsd.forward_profile import compiled_step
+    from mcsd.costs.forward_profile import compiled_step
     model = tiny_llama(0, layers=1)
     step = compiled_step(model, cache_len=12, capacity=32, repeats=2)
     assert step.same_argmax and step.max_abs_diff < 1e-4 and step.compile_s > 0
@@ -192,7 +193,7 @@ def test_bench_report_renders_the_forward_profile(tmp_path):
 def test_a_packed_model_deep_copies_and_the_copy_runs_on_its_own_weights():
     """Prepacked copies (oneDNN's opaque tensors) are not copied: the copy computes from its plain
     weights, and packing it again works."""
-    from mcsd import kernels
+    from mcsd.forward import kernels
     model = tiny_llama(3)
     if not kernels.packable(torch.float32, "cpu"):
         pytest.skip("oneDNN cannot prepack here")
@@ -233,8 +234,8 @@ def _dense_bytes(model, skip_input_embedding: bool) -> int:
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_memory_floor_counts_each_weight_a_forward_reads_once(tied):
-    from mcsd import kernels
-    from mcsd.forward_profile import format_table, memory_floor, weight_bytes
+    from mcsd.costs.forward_profile import format_table, memory_floor, weight_bytes
+    from mcsd.forward import kernels
     model = tiny_llama(0, layers=2)
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -249,7 +250,7 @@ def test_memory_floor_counts_each_weight_a_forward_reads_once(tied):
     assert floor.weight_mb == pytest.approx(expected / 1e6)
     assert 0.1 < floor.read_gb_s < 10_000
     assert floor.ms == pytest.approx(floor.weight_mb / floor.read_gb_s)
-    from mcsd.forward_profile import Breakdown
+    from mcsd.costs.forward_profile import Breakdown
     row = Breakdown(rows=1, cache_len=10, wall_ms=3 * floor.ms, profiled_ms=1.0, ms=dict.fromkeys(
         ("matmul", "attention", "elementwise", "copy", "other", "python"), 0.1), ops=10)
     text = format_table([row], floor)

@@ -1,4 +1,4 @@
-"""Sibling projections as one product (mcsd.fused): the same outputs as separate products, one product
+"""Sibling projections as one product (mcsd.forward.fused): the same outputs as separate products, one product
 per input, nothing kept past its use or shared between threads, and stale weights never read."""
 
 from __future__ import annotations
@@ -7,10 +7,11 @@ import threading
 
 import pytest
 import torch
-
 from conftest import tiny_llama
-from mcsd import TreeDecoder, fused, kernels
-from mcsd.lm import CachedLM
+
+from mcsd import TreeDecoder
+from mcsd.forward import fused, kernels
+from mcsd.forward.lm import CachedLM
 
 PROMPT = torch.tensor([3, 17, 42, 5, 9, 11])
 needs_fp32_packing = pytest.mark.skipif(not kernels.packable(torch.float32, "cpu"), reason="no oneDNN on this CPU")

@@ -3,11 +3,10 @@
 
 import pytest
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
-from transformers.generation.logits_process import (PrefixConstrainedLogitsProcessor,
-                                                    RepetitionPenaltyLogitsProcessor)
-
 from conftest import perturbed, pooled_chi_square_p, tiny_llama
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers.generation.logits_process import PrefixConstrainedLogitsProcessor, RepetitionPenaltyLogitsProcessor
+
 from mcsd import TreeDecoder
 from mcsd.config import ConfigError
 
@@ -224,7 +223,7 @@ def test_a_list_of_prompts_gives_a_list_of_outputs(target, drafts, tokenizer):
 
 def test_a_tiny_temperature_is_the_greedy_limit_not_nan():
     from mcsd.config import SamplingConfig
-    from mcsd.sampling import logits_to_probs
+    from mcsd.core.sampling import logits_to_probs
     logits = torch.tensor([0.5, 2.0, -1.0, 2.0 - 1e-3])
     for t in (1e-6, 1e-40, 1.9e-286):
         probs = logits_to_probs(logits, SamplingConfig(t, top_k=3, min_p=0.1, typical_p=0.9))

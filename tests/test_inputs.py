@@ -4,8 +4,8 @@ ConfigError naming it (never a TypeError or a torch error from deep inside), and
 import numpy as np
 import pytest
 import torch
-
 from conftest import tiny_llama
+
 from mcsd import ConfigError, TokenizerMismatchError, TreeDecoder
 
 

@@ -3,13 +3,13 @@ left alone where it cannot matter or where threads share it, and never changing 
 
 import pytest
 import torch
-
 from conftest import tiny_llama
+
 from mcsd import TreeDecoder
-from mcsd import kernels
-from mcsd.feature_draft import FeatureDrafter
-from mcsd.lm import CachedLM
-from mcsd.profile import ATEN_MAX_ROWS, Costs, DeviceProfile, load_or_measure
+from mcsd.costs.profile import ATEN_MAX_ROWS, Costs, DeviceProfile, load_or_measure
+from mcsd.drafting.feature_draft import FeatureDrafter
+from mcsd.forward import kernels
+from mcsd.forward.lm import CachedLM
 
 PROMPT = torch.tensor([3, 17, 42, 5, 9, 11])
 QUICK = dict(sizes=(1, 2, 4, 32), prefix_len=16, repeats=1, draft_sizes=(1, 2, 32))
@@ -374,8 +374,8 @@ def test_plain_weights_let_go_for_their_prepacked_copy(fresh_cache):
 
 @pytest.mark.skipif(not kernels.packable(torch.float32, "cpu"), reason="no oneDNN on this CPU")
 def test_a_decoder_on_prepacked_weights_holds_them_once(monkeypatch, fresh_cache):
-    from mcsd import calibration
-    from mcsd.forward_profile import resident_bytes
+    from mcsd.costs.forward_profile import resident_bytes
+    from mcsd.decoding import calibration
     model, draft = tiny_llama(0), tiny_llama(1, layers=1)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     reference = TreeDecoder(model, None, calibrate=False).generate_baseline(PROMPT, max_new_tokens=30).tokens
@@ -392,7 +392,7 @@ def test_a_decoder_on_prepacked_weights_holds_them_once(monkeypatch, fresh_cache
     assert dec.target.path == "lean"                            # the engine's own forward reads the copies too
     assert dec.calibration.costs().verify == {1: 8.0, 8: 9.0, 32: 15.0}        # priced as it runs
     # measuring again times the plain paths on plain weights, then they are held once more
-    from mcsd.profile import measure
+    from mcsd.costs.profile import measure
     measure(model, draft, **QUICK)
     assert kernels.released(model) == 0 and not kernels.is_packed(model)
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())

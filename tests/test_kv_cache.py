@@ -3,8 +3,8 @@
 import torch
 from transformers import DynamicCache
 
-from mcsd import kv_cache
-from mcsd.lm import CachedLM
+from mcsd.forward import kv_cache
+from mcsd.forward.lm import CachedLM
 
 
 def _filled_cache(n_layers=2, length=7):

@@ -1,4 +1,4 @@
-"""The engine's own Llama-family forward (mcsd.llama) against transformers' forward, the reference.
+"""The engine's own Llama-family forward (mcsd.forward.llama) against transformers' forward, the reference.
 
 Tiny random models of each family (Llama, Llama with llama3 rope scaling,
 Mistral, Qwen2 with q / k / v biases, Qwen3 with q / k norms), float32: logits
@@ -13,13 +13,14 @@ import copy
 
 import pytest
 import torch
+from conftest import perturbed, tiny_llama
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import perturbed, tiny_llama
-from mcsd import TreeDecoder, kernels, llama
-from mcsd.lm import CachedLM, forward_path
-from mcsd.static_cache import HEADROOM, StaticCache
-from mcsd.tree import causal_allowed
+from mcsd import TreeDecoder
+from mcsd.forward import kernels, llama
+from mcsd.forward.attention import causal_allowed
+from mcsd.forward.lm import CachedLM, forward_path
+from mcsd.forward.static_cache import HEADROOM, StaticCache
 
 PROMPT = torch.tensor([3, 17, 42, 5, 9, 11, 23])
 TOL = 1e-4
@@ -39,8 +40,16 @@ def _randomised(model, seed=0):
 
 def _family(name: str, seed: int = 0, layers: int = 2):
     """A tiny random causal LM of one family, float32 (4 query heads, 2 key / value heads)."""
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -209,7 +218,7 @@ def test_the_cache_grows_past_its_first_capacity():
 
 
 def test_truncate_and_commit_through_kv_cache_helpers():
-    from mcsd import kv_cache
+    from mcsd.forward import kv_cache
     model = _family("qwen2")
     lean, ref = CachedLM(model, lean=True), CachedLM(model, lean=False)
     outs = []
@@ -266,7 +275,7 @@ def test_no_weight_is_copied(name):
 
 
 def test_prepacked_and_joined_weights_still_run():
-    """The linear layers are called as modules: `mcsd.kernels`' prepacked (joined q / k / v) products run."""
+    """The linear layers are called as modules: `mcsd.forward.kernels`' prepacked (joined q / k / v) products run."""
     from torch.profiler import profile
     if not kernels.packable(torch.float32, "cpu"):
         pytest.skip("no oneDNN weight packing on this torch")
@@ -366,12 +375,12 @@ def test_transformers_path_on_request():
 
 
 def test_q4_weights_keep_their_prefill_rule(q4_gguf_file, tmp_path, monkeypatch):
-    """On torch's int4 kernel (`mcsd.quant`) a long first block reads the dense weights where oneDNN runs
+    """On torch's int4 kernel (`mcsd.forward.quant`) a long first block reads the dense weights where oneDNN runs
     bfloat16, every later block the int4 codes, as a call of the model would; the logits are transformers'
     path's."""
-    from mcsd import native, quant
-    from mcsd.attention import set_backend
-    from mcsd.models import load_model
+    from mcsd.drafting.pair import load_model
+    from mcsd.forward import native, quant
+    from mcsd.forward.attention import set_backend
     monkeypatch.setenv("MCSD_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("MCSD_NATIVE", "0")
     native.reset()

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from mcsd import TreeDecoder
-from mcsd.models import ModelLoadError
-from mcsd.policies import FEATURE_NAMES, AcceptanceModel, LearnedPolicy
-from mcsd.policies.base import Frontier
-from mcsd.policies.learned import FORMAT, FORMAT_VERSION, Costs, candidate_features, export_sklearn
-from mcsd.tree import DraftTree, TreeTopology
+from mcsd.core.tree import DraftTree, TreeTopology
+from mcsd.drafting.policies import FEATURE_NAMES, AcceptanceModel, LearnedPolicy
+from mcsd.drafting.policies.base import Frontier
+from mcsd.drafting.policies.learned import FORMAT, FORMAT_VERSION, Costs, candidate_features, export_sklearn
+from mcsd.loading.models import ModelLoadError
 
 PROMPT = torch.tensor([3, 17, 42, 5, 9, 11])
 
@@ -120,8 +120,8 @@ def test_the_draft_gate_credits_only_what_drafting_alone_brought():
     a round whose accepted tokens were all shared is worth what a round that accepted nothing is."""
     from types import SimpleNamespace
 
-    from mcsd.propose import shared_prefix
-    from mcsd.verify import Acceptance
+    from mcsd.core.verify import Acceptance
+    from mcsd.decoding.propose import shared_prefix
 
     topo = TreeTopology.from_spec("2,1")
     tree = DraftTree.root_only(topo, torch.tensor(3))
@@ -166,8 +166,9 @@ def test_draft_gate_starts_afresh_each_generation(target):
 
 def test_learned_policy_sampling_is_exact():
     from conftest import assert_follows_target, tiny_llama
-    from mcsd.config import SamplingConfig
     from test_equivalence import perturbed
+
+    from mcsd.config import SamplingConfig
     target = tiny_llama(10, vocab=8, layers=1, sharpness=6.0, hidden=16)
     dec = TreeDecoder(target, perturbed(target, 0.5, seed=3), policy=_policy(q_threshold_model(0.25), "3,2"),
                       attention="sdpa")
@@ -223,7 +224,7 @@ def test_missing_model_is_a_clear_cli_error(model_dirs, capsys, monkeypatch, tmp
 
 
 def test_no_tree_means_the_policys_own():
-    from mcsd.policies import make_policy
+    from mcsd.drafting.policies import make_policy
     pol = make_policy("learned", None, model=constant_model(0.5), costs=Costs.default())
     assert pol.topology.max_depth == len(LearnedPolicy.default_tree.split(","))
     assert make_policy("static", None).topology.max_depth == 3            # 4,2,2
@@ -233,9 +234,10 @@ def test_a_drafter_ships_its_own_acceptance_model(model_dirs, target, tmp_path):
     """An `acceptance.json` in the drafter's folder replaces the generic model for that drafter
     (a feature head's folder and a standalone draft's alike); a model passed in is kept."""
     from conftest import word_tokenizer
-    from mcsd import load_model_pair
-    from mcsd.models import cast_pair
     from test_feature_draft import random_head
+
+    from mcsd import load_model_pair
+    from mcsd.drafting.pair import cast_pair
     spec = {"format": FORMAT, "version": FORMAT_VERSION, "kind": "logistic", "features": ["q_rank"],
             "mean": [0.0], "scale": [1.0], "coef": [0.0], "intercept": -7.0}
     random_head(target).save(tmp_path / "head")

@@ -16,16 +16,16 @@ import json
 
 import pytest
 import torch
-
 from conftest import tiny_llama
+from test_equivalence import perturbed
+
 from mcsd import TreeDecoder
 from mcsd.config import ConfigError
+from mcsd.core.tree import TreeTopology
+from mcsd.drafting.policies import POLICIES, make_policy
+from mcsd.drafting.policies.disco import DISCO_FEATURES, DiscoClassifier
+from mcsd.drafting.policies.specdecpp import AcceptanceHead, SpecDecHead
 from mcsd.errors import ModelLoadError
-from mcsd.policies import POLICIES, make_policy
-from mcsd.policies.disco import DISCO_FEATURES, DiscoClassifier
-from mcsd.policies.specdecpp import AcceptanceHead, SpecDecHead
-from mcsd.tree import TreeTopology
-from test_equivalence import perturbed
 
 PROMPT = torch.tensor([3, 17, 42, 5, 9, 11])
 N_NEW = 48
@@ -179,8 +179,8 @@ def test_registered_by_name():
 # ---------------------------------------------------------------------------- SVIP
 
 def test_svip_rule_on_hand_made_distributions():
-    from mcsd.policies.base import Frontier
-    from mcsd.tree import DraftTree
+    from mcsd.core.tree import DraftTree
+    from mcsd.drafting.policies.base import Frontier
     topo = TreeTopology.from_spec("2,2")
     tree = DraftTree.root_only(topo, torch.tensor(0))
     peaked = torch.tensor([0.97, 0.01, 0.01, 0.01])              # H = 0.17 nats: sqrt(0.15 H) = 0.16
@@ -251,7 +251,7 @@ def test_specdecpp_file_round_trip_and_errors(tmp_path, pair):
 
 
 def test_specdecpp_reads_the_feature_drafters_predicted_features(pair, reference):
-    from mcsd.feature_draft import FeatureDrafter, FeatureHead, FeatureHeadConfig
+    from mcsd.drafting.feature_draft import FeatureDrafter, FeatureHead, FeatureHeadConfig
     target = pair[0]
     torch.manual_seed(0)
     head = FeatureHead(FeatureHeadConfig(target_hidden=32, hidden=32, heads=4, kv_heads=2, vocab_size=64)).eval()

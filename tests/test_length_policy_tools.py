@@ -4,14 +4,13 @@ import json
 
 import numpy as np
 import torch
+from test_trace_tools import collect_fit_and_heldout
 
+from mcsd import TreeDecoder
+from mcsd.drafting.policies import make_policy
 from mcsd.train import disco as train_disco
 from mcsd.train import specdecpp as train_specdecpp
 from mcsd.train.length_data import ChainCosts, chains, drafted_from_decisions, path_labels
-
-from mcsd import TreeDecoder
-from mcsd.policies import make_policy
-from test_trace_tools import collect_fit_and_heldout
 
 
 def test_path_labels_chains_and_drafted_lengths():
@@ -26,7 +25,7 @@ def test_path_labels_chains_and_drafted_lengths():
 
 def test_chain_costs_are_the_faster_path_per_size(tmp_path):
     """A profile timed on both matmul paths gives the thresholds the costs the engine runs at."""
-    from mcsd.profile import DeviceProfile
+    from mcsd.costs.profile import DeviceProfile
     prof = DeviceProfile(verify_ms={1: 40.0, 2: 41.0, 8: 42.0, 32: 60.0}, draft_ms={1: 4.0, 2: 4.5},
                          verify_aten_ms={1: 25.0, 2: 32.0, 8: 70.0}, draft_aten_ms={1: 2.5, 2: 5.0})
     (tmp_path / "p.json").write_text(prof.to_json())

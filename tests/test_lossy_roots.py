@@ -14,8 +14,9 @@ def reference(target):
 
 
 def test_one_root_is_plain_greedy(target, random_draft, reference):
-    from mcsd.feature_draft import FeatureDrafter
     from test_feature_draft import random_head
+
+    from mcsd.drafting.feature_draft import FeatureDrafter
     for draft in (target, random_draft, FeatureDrafter(random_head(target), target)):
         dec = TreeDecoder(target, draft, tree="2,1", lossy_target_roots=1, attention="sdpa")
         assert dec.generate(PROMPT, max_new_tokens=50).tokens == reference

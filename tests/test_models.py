@@ -5,11 +5,12 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import tiny_llama, word_tokenizer
+
 from mcsd import ModelLoadError, TokenizerMismatchError, load_model_pair
 from mcsd.config import ConfigError
-from mcsd.models import _cache_is_valid, _write_marker, check_tokenizers, load_model
+from mcsd.drafting.pair import load_model
+from mcsd.loading.models import _cache_is_valid, _write_marker, check_tokenizers
 
 
 def test_load_pair_from_directories(model_dirs, target):

@@ -1,4 +1,4 @@
-"""A whole decoder layer in one native call (`mcsd_layer` in q4_kernel.c, run by `mcsd.llama`):
+"""A whole decoder layer in one native call (`mcsd_layer` in q4_kernel.c, run by `mcsd.forward.llama`):
 float32 models on native Q4_1 products, against transformers' forward and the engine's forward
 operation by operation, for every family the engine's forward runs (biases, per-head q / k norms,
 llama3 rope scaling)."""
@@ -13,9 +13,10 @@ import torch
 from conftest import perturbed
 from test_lean_forward import FAMILIES, PROMPT, TREE, TREE_DEPTH, _family
 
-from mcsd import TreeDecoder, llama, native, quant
-from mcsd.lm import CachedLM
-from mcsd.tree import causal_allowed
+from mcsd import TreeDecoder
+from mcsd.forward import llama, native, quant
+from mcsd.forward.attention import causal_allowed
+from mcsd.forward.lm import CachedLM
 
 NAMES = {v: k for k, v in quant._LLAMA_NAMES.items()}          # transformers' module path -> GGUF name
 
@@ -168,7 +169,7 @@ def test_the_layers_go_back_to_one_op_at_a_time_once_the_codes_are_detached(tmp_
 
 
 def test_a_model_in_bfloat16_runs_one_op_at_a_time(q4_gguf_file):
-    from mcsd.models import load_model
+    from mcsd.drafting.pair import load_model
     model = load_model(str(q4_gguf_file), dtype="bfloat16", weights="q4")
     lm = CachedLM(model, lean=True)
     lm.reset()
@@ -189,7 +190,7 @@ def test_a_q8_0_weight_quantises_back_to_its_own_codes():
 
 
 def _feature_head(width: int, vocab: int):
-    from mcsd.feature_draft import FeatureHead, FeatureHeadConfig
+    from mcsd.drafting.feature_draft import FeatureHead, FeatureHeadConfig
     torch.manual_seed(5)
     return FeatureHead(FeatureHeadConfig(target_hidden=width, layers=1, heads=2, kv_heads=1, intermediate=2 * width,
                                          vocab_size=vocab,
@@ -197,7 +198,7 @@ def _feature_head(width: int, vocab: int):
 
 
 def test_a_feature_drafter_beside_a_native_q4_target_drafts_on_q8_0_and_stays_exact(tmp_path, monkeypatch):
-    from mcsd.feature_draft import FeatureDrafter
+    from mcsd.drafting.feature_draft import FeatureDrafter
     model = _on_q4_codes(_family("llama"), tmp_path / "llama.gguf")
     drafter = FeatureDrafter(_feature_head(model.config.hidden_size, model.config.vocab_size), model)
     assert drafter.q8_layers == 9                  # reduce, q / k / v / o, gate / up / down, the LM rows
@@ -207,8 +208,8 @@ def test_a_feature_drafter_beside_a_native_q4_target_drafts_on_q8_0_and_stays_ex
     assert out.tokens == plain and out.stats.draft_forwards > 0
     # --stats names the codes each model runs on, and a matmul path only for layers left without codes
     # (here the target's float32 LM head: the draft has none), where the profile found packing faster
-    from mcsd import calibration
-    from mcsd.profile import DeviceProfile
+    from mcsd.costs.profile import DeviceProfile
+    from mcsd.decoding import calibration
     packed_wins = DeviceProfile(verify_ms={1: 10.0, 8: 12.0}, verify_packed_ms={1: 8.0, 8: 9.0},
                                 draft_ms={1: 2.0, 8: 3.0}, draft_packed_ms={1: 1.5, 8: 2.5})
     monkeypatch.setattr(calibration, "device_profile", lambda *a, **k: (packed_wins, "cached"))
@@ -227,8 +228,8 @@ def test_a_feature_drafter_beside_a_native_q4_target_drafts_on_q8_0_and_stays_ex
 def test_a_pairs_profile_is_found_under_one_name_before_and_after_the_codes(tmp_path):
     """--weights auto looks a q4 candidate's costs up before converting the pair, and they are stored
     after (the feature head then on its Q8_0 codes): one file, so a warm start measures nothing."""
-    from mcsd.feature_draft import FeatureDrafter
-    from mcsd.profile import profile_path
+    from mcsd.costs.profile import profile_path
+    from mcsd.drafting.feature_draft import FeatureDrafter
     dense = _family("llama")
     before = profile_path(dense, FeatureDrafter(_feature_head(32, 64), dense), torch.float32, weights="q4")
     model = _on_q4_codes(_family("llama"), tmp_path / "llama.gguf")

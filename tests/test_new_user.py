@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_cli_options import _one_error_line, _pair, interrupt_after
 
-from mcsd import TreeDecoder, cli, sources
+from mcsd import TreeDecoder, cli
 from mcsd.cli import main
 from mcsd.config import ConfigError
 from mcsd.errors import ModelLoadError
-from test_cli_options import _one_error_line, _pair, interrupt_after
+from mcsd.loading import sources
 
 
 @pytest.fixture
@@ -26,7 +27,7 @@ def keep_threads():
 # ---------------------------------------------------------------------------- threads
 
 def test_threads_past_the_cores_are_clamped_and_said_once(model_dirs, capsys, keep_threads):
-    from mcsd.threads import allowed_cpus
+    from mcsd.forward.threads import allowed_cpus
     cores = len(allowed_cpus())
     assert main(_pair(model_dirs) + ["--prompt", "w03", "--max-new-tokens", "4", "--threads", "999",
                                      "--no-calibrate", "--json"]) == 0
@@ -56,8 +57,8 @@ def test_the_python_api_chooses_threads_as_the_command_line_does(target, monkeyp
 
 @pytest.mark.parametrize("path", ["/nonexistent/dir/out.jsonl", "/proc/out.jsonl", "{tmp}"])
 def test_an_output_that_cannot_be_written_fails_before_loading(model_dirs, tmp_path, capsys, monkeypatch, path):
-    import mcsd.models
-    monkeypatch.setattr(mcsd.models, "load_model_pair", lambda *a, **k: pytest.fail("loaded a model"))
+    import mcsd.loading.models
+    monkeypatch.setattr(mcsd.drafting.pair, "load_model_pair", lambda *a, **k: pytest.fail("loaded a model"))
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "w03"}\n')
     t0 = time.perf_counter()
@@ -154,9 +155,9 @@ def test_an_unknown_name_without_a_draft_says_it_is_no_model(monkeypatch, tmp_pa
 # ---------------------------------------------------------------------------- the profile cache
 
 def _measure_in(cache, target_dir, draft_dir, monkeypatch, calibrate):
-    from mcsd.models import load_model
-    from mcsd.profile import load_or_measure
-    monkeypatch.setattr("mcsd.profile.cache_dir", lambda: cache)
+    from mcsd.costs.profile import load_or_measure
+    from mcsd.drafting.pair import load_model
+    monkeypatch.setattr("mcsd.costs.profile.cache_dir", lambda: cache)
     t, d = load_model(str(target_dir), "float32"), load_model(str(draft_dir), "float32", role="draft")
     return load_or_measure(t, d, measure_if_missing=calibrate, quiet=True, sizes=(1, 2), repeats=2)
 
@@ -173,11 +174,11 @@ def test_a_complete_cache_serves_from_another_path(model_dirs, tmp_path, monkeyp
 
 def test_a_profile_that_cannot_be_written_serves_the_run_and_is_said_once(model_dirs, tmp_path, monkeypatch,
                                                                             capsys):
-    from mcsd.models import load_model
-    from mcsd.profile import load_or_measure
+    from mcsd.costs.profile import load_or_measure
+    from mcsd.drafting.pair import load_model
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    monkeypatch.setattr("mcsd.profile.cache_dir", lambda: blocker / "cache")    # under a file: nothing is made
+    monkeypatch.setattr("mcsd.costs.profile.cache_dir", lambda: blocker / "cache")    # under a file: nothing is made
     t = load_model(str(model_dirs / "target"), "float32")
     d = load_model(str(model_dirs / "draft"), "float32", role="draft")
     prof = load_or_measure(t, d, sizes=(1, 2), repeats=2)
@@ -187,7 +188,7 @@ def test_a_profile_that_cannot_be_written_serves_the_run_and_is_said_once(model_
 
 
 def test_a_gguf_target_is_named_by_its_file(gguf_file):
-    from mcsd.models import load_model
+    from mcsd.drafting.pair import load_model
     assert load_model(str(gguf_file), "float32").name_or_path == str(gguf_file)
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import assert_follows_target, tiny_llama
+from test_equivalence import perturbed
+
 from mcsd import TreeDecoder
 from mcsd.config import ConfigError, SamplingConfig
-from mcsd.policies import POLICIES
-from test_equivalence import perturbed
+from mcsd.drafting.policies import POLICIES
 
 PROMPT = torch.tensor([3, 17, 42, 5, 9, 11])
 N_NEW = 48
@@ -71,7 +71,7 @@ def test_sampling_follows_the_target():
 
 
 def test_bad_settings(pair):
-    from mcsd.feature_draft import FeatureDrafter, FeatureHead, FeatureHeadConfig
+    from mcsd.drafting.feature_draft import FeatureDrafter, FeatureHead, FeatureHeadConfig
     target, noisy = pair
     assert "pearl" in POLICIES
     with pytest.raises(ConfigError, match="chains"):

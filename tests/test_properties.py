@@ -4,8 +4,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mcsd.tree import TreeTopology
-from mcsd.verify import accept_greedy
+from mcsd.core.tree import TreeTopology
+from mcsd.core.verify import accept_greedy
 
 k_configs = st.lists(st.integers(1, 3), min_size=1, max_size=4).map(lambda ks: ",".join(map(str, ks)))
 

@@ -1,4 +1,4 @@
-"""q4 weights: a Q4_1 GGUF's linear layers on the native kernel or torch's int4 kernel (mcsd.quant),
+"""q4 weights: a Q4_1 GGUF's linear layers on the native kernel or torch's int4 kernel (mcsd.forward.quant),
 every test on each kernel that runs here."""
 
 from __future__ import annotations
@@ -9,11 +9,12 @@ import pytest
 import torch
 from conftest import tiny_llama, write_tiny_gguf
 
-from mcsd import native, quant
 from mcsd.config import ConfigError
-from mcsd.decoder import TreeDecoder
-from mcsd.models import gguf_source, load_model
-from mcsd.profile import _model_key
+from mcsd.costs.profile import _model_key
+from mcsd.decoding.decoder import TreeDecoder
+from mcsd.drafting.pair import load_model
+from mcsd.forward import native, quant
+from mcsd.loading.models import gguf_source
 
 PROMPT = torch.tensor([3, 17, 42, 5, 9, 11])
 LONG_PROMPT = (torch.arange(quant.PREFILL_ROWS + 8) * 7 + 3) % 61      # a prompt past PREFILL_ROWS
@@ -126,8 +127,8 @@ def test_decoding_on_q4_weights_is_exact_wrt_plain_q4_decoding(q4_gguf_file, pol
 def test_a_long_prompt_starts_on_the_dense_weights_and_every_later_forward_on_the_codes(q4_gguf_file, kernel):
     from transformers import DynamicCache
 
-    from mcsd.kernels import switchable
-    from mcsd.kv_cache import cache_keyword
+    from mcsd.forward.kernels import switchable
+    from mcsd.forward.kv_cache import cache_keyword
     model, dense = _q4_model(q4_gguf_file), load_model(str(q4_gguf_file), dtype="bfloat16")
     cache, out = {cache_keyword(model): DynamicCache(config=model.config)}, {}
     with torch.inference_mode():
@@ -150,8 +151,8 @@ def test_a_long_prompt_starts_on_the_dense_weights_and_every_later_forward_on_th
 
 
 def test_without_native_bfloat16_a_long_prompt_stays_on_the_codes(q4_gguf_file, monkeypatch, kernel):
-    import mcsd.kernels
-    monkeypatch.setattr(mcsd.kernels, "switchable", lambda dtype, device: False)
+    import mcsd.forward.kernels
+    monkeypatch.setattr(mcsd.forward.kernels, "switchable", lambda dtype, device: False)
     model = _q4_model(q4_gguf_file)
     with torch.inference_mode():
         rows = _int4_rows(lambda: model(LONG_PROMPT[None]))
@@ -234,7 +235,7 @@ def test_a_copied_model_runs_dense_until_attached_or_shares_the_only_codes(q4_gg
 def test_the_native_kernel_holds_the_weights_once(q4_gguf_file, kernel):
     if kernel != "native":
         pytest.skip("torch's int4 kernel keeps the dense weights (a long prompt may read them)")
-    from mcsd.forward_profile import resident_bytes
+    from mcsd.costs.forward_profile import resident_bytes
     dense = load_model(str(q4_gguf_file), dtype="float32")
     model = load_model(str(q4_gguf_file), dtype="float32", weights="q4")
     name = "model.layers.0.self_attn.k_proj"                    # a joined sibling: its own rows of the product
@@ -325,7 +326,7 @@ def test_the_command_line_runs_a_q4_target_and_says_so(q4_gguf_file, capsys, ker
 
 
 def test_the_memory_floor_of_a_q4_model_counts_its_codes_not_its_dense_weights(q4_gguf_file, kernel):
-    from mcsd.forward_profile import weight_bytes
+    from mcsd.costs.forward_profile import weight_bytes
     model = _q4_model(q4_gguf_file)
     q4 = {}
     dense_linear = 0
@@ -348,8 +349,8 @@ def test_the_memory_floor_of_a_q4_model_counts_its_codes_not_its_dense_weights(q
 
 
 def test_resident_bytes_count_each_form_of_the_weights_once(q4_gguf_file, kernel):
-    from mcsd import kernels
-    from mcsd.forward_profile import resident_bytes
+    from mcsd.costs.forward_profile import resident_bytes
+    from mcsd.forward import kernels
     model = _q4_model(q4_gguf_file)
     held = resident_bytes(model, model)                          # the same module twice counts once
     assert held["dense"] == sum(p.nbytes for p in model.parameters() if not p.is_meta)   # let go: nothing held
@@ -379,8 +380,8 @@ def test_the_lean_forward_on_the_native_kernel_agrees_with_transformers_forward(
     """On the native kernel the engine's own forward also runs its norms and attention through the native
     library; in float32 its logits stay within 1e-4 of transformers' forward on the same q4 products, for a
     prompt, a tree block after it and a step."""
-    from mcsd.lm import CachedLM
-    from mcsd.tree import causal_allowed
+    from mcsd.forward.attention import causal_allowed
+    from mcsd.forward.lm import CachedLM
     if kernel != "native":
         pytest.skip("the native library's own forward")
     model = load_model(str(q4_gguf_file), dtype="float32", weights="q4")

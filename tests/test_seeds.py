@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import assert_follows_target, perturbed, tiny_llama
+
 from mcsd import TreeDecoder
 from mcsd.config import ConfigError, SamplingConfig
-from mcsd.context import ContextDrafter
-from mcsd import native
-from mcsd.sampling import PositionNoise, noise_uniform, processed_scores
+from mcsd.core.sampling import PositionNoise, noise_uniform, processed_scores
+from mcsd.drafting.context import ContextDrafter
+from mcsd.forward import native
 
 PROMPT = torch.tensor([5, 9, 2, 7, 5, 9, 2])
 SETTINGS = dict(max_new_tokens=30, temperature=0.7, top_p=0.9, seed=123, ignore_eos=True)
@@ -62,7 +62,7 @@ def test_a_seed_repeats_in_another_process(sharp):
         "sys.path.insert(0, sys.argv[1])\n"
         "from conftest import perturbed, tiny_llama\n"
         "from mcsd import TreeDecoder\n"
-        "from mcsd.context import ContextDrafter\n"
+        "from mcsd.drafting.context import ContextDrafter\n"
         "t = tiny_llama(4, sharpness=4.0)\n"
         "d = TreeDecoder(t, [perturbed(t, 0.2, seed=5), ContextDrafter()], tree='2,2,1', policy='static',"
         " attention='sdpa', calibrate=False)\n"

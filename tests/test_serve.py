@@ -24,8 +24,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from conftest import perturbed, word_tokenizer
+
 from mcsd.serve.cli import API_KEY_ENV
 from mcsd.serve.processors import FAULT_MARKER, SLOW_MARKER
 

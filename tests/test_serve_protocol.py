@@ -3,8 +3,8 @@ penalties as an exact processor, the logprobs recorder, the metrics text, the co
 
 import pytest
 import torch
-
 from conftest import perturbed
+
 from mcsd import TreeDecoder
 from mcsd.serve import protocol
 from mcsd.serve.processors import Penalties, TokenLogprobs
@@ -150,7 +150,7 @@ def test_recorded_logprobs_are_the_decoders(decoder, temperature, top_p):
 def test_metrics_text_parses():
     from prometheus_client.parser import text_string_to_metric_families
 
-    from mcsd.output import GenerationStats
+    from mcsd.core.output import GenerationStats
     from mcsd.serve.metrics import Metrics
     metrics = Metrics(lambda: {"queue_depth": 3, "running": 1})
     metrics.request("chat", 200)

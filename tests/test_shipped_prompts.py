@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mcsd.config import ConfigError
-from mcsd.data import SHIPPED_SHA256, SHIPPED_SPEC_BENCH, default_spec_bench, load_prompts
+from mcsd.loading.data import SHIPPED_SHA256, SHIPPED_SPEC_BENCH, default_spec_bench, load_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,7 +42,7 @@ def test_a_clone_without_a_shared_folder_finds_the_prompts(tmp_path):
     assert not (tmp_path / "shared").exists()
     env = {k: v for k, v in os.environ.items() if k != "MCSD_SPEC_BENCH"}
     env["PYTHONPATH"] = str(clone)
-    code = ("import mcsd.data as d; ps = d.load_prompts(split='heldout'); "
+    code = ("import mcsd.loading.data as d; ps = d.load_prompts(split='heldout'); "
             "print(d.default_spec_bench()); print(len(ps))")
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=120)
@@ -55,7 +55,7 @@ def test_a_clone_without_a_shared_folder_finds_the_prompts(tmp_path):
 def test_a_modified_shipped_copy_is_refused(monkeypatch, tmp_path):
     fake = tmp_path / "question.jsonl"
     fake.write_text('{"question_id": 5, "category": "qa", "turns": ["changed"]}\n')
-    monkeypatch.setattr("mcsd.data.SHIPPED_SPEC_BENCH", fake.resolve())
+    monkeypatch.setattr("mcsd.loading.data.SHIPPED_SPEC_BENCH", fake.resolve())
     monkeypatch.setenv("MCSD_SPEC_BENCH", str(fake))
     with pytest.raises(ConfigError, match="not the published Spec-Bench file"):
         load_prompts()

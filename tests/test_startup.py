@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from mcsd.models import _cache_is_valid, convert_gguf, load_model
+from mcsd.drafting.pair import load_model
+from mcsd.loading.models import _cache_is_valid, convert_gguf
 
 BAR_SWITCHES = ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS")
 

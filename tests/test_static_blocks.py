@@ -7,12 +7,12 @@ import copy
 
 import pytest
 import torch
-
 from conftest import perturbed
-from mcsd import TreeDecoder
-from mcsd.graphs import BUCKETS, StaticBlocks, bucket_of
-from mcsd.lm import CachedLM
 from test_lean_forward import PROMPT, TOL, _family, _outputs
+
+from mcsd import TreeDecoder
+from mcsd.forward.graphs import BUCKETS, StaticBlocks, bucket_of
+from mcsd.forward.lm import CachedLM
 
 
 def test_buckets():

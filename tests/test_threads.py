@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from mcsd import threads
-from mcsd.threads import Snapshot, busy_elsewhere, choose_threads, parse_proc_stat
+from mcsd.forward import threads
+from mcsd.forward.threads import Snapshot, busy_elsewhere, choose_threads, parse_proc_stat
 
 
 @pytest.mark.parametrize("allowed,busy,expected", [

@@ -7,13 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from mcsd.train import traces as collect_traces
-from mcsd.train import decision_models as train_decision_models
-
 from mcsd import TreeDecoder
-from mcsd.policies import AcceptanceModel, LearnedPolicy
-from mcsd.policies.learned import FEATURE_NAMES
-from mcsd.tree import TreeTopology
+from mcsd.core.tree import TreeTopology
+from mcsd.drafting.policies import AcceptanceModel, LearnedPolicy
+from mcsd.drafting.policies.learned import FEATURE_NAMES
+from mcsd.train import decision_models as train_decision_models
+from mcsd.train import traces as collect_traces
 
 
 def _prompts(path: Path):

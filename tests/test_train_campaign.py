@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from conftest import tiny_llama, word_tokenizer
+
 from mcsd.train import campaign
 from mcsd.train.generation import sample_batch, sample_nucleus, top_p_filter
 from mcsd.train.magpie import NearDuplicates, diversity, keep_prompt, normalise, prefix_ids

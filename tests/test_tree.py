@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mcsd.config import ConfigError
-from mcsd.tree import DraftTree, TreeTopology, additive_mask, ancestor_mask, parse_tree_spec
+from mcsd.core.tree import DraftTree, TreeTopology, ancestor_mask, parse_tree_spec
+from mcsd.forward.attention import additive_mask
 
 
 def test_k_config_counts_and_order():

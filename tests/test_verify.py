@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from mcsd.config import SamplingConfig
-from mcsd.sampling import logits_to_probs, sample_without_replacement
-from mcsd.tree import TreeTopology, ancestor_mask
-from mcsd.verify import accept_greedy, accept_sampling
+from mcsd.core.sampling import logits_to_probs, sample_without_replacement
+from mcsd.core.tree import TreeTopology, ancestor_mask
+from mcsd.core.verify import accept_greedy, accept_sampling
 
 # Tree used below (node: token):      0:5
 #                                   /     \
@@ -141,7 +141,7 @@ def test_top_p_keeps_what_a_full_sort_keeps_on_every_path():
     """Nucleus filtering finds its kept set among 64 candidates, among as many as a histogram bounds,
     or by sorting the vocabulary: each row keeps what sorting it alone keeps, whichever path a block
     of rows takes."""
-    from mcsd import sampling
+    from mcsd.core import sampling
 
     g = torch.Generator().manual_seed(0)
     # peaked rows (a few tokens hold the mass), middling ones (hundreds) and flat ones (most of the vocabulary)
@@ -161,7 +161,7 @@ def test_top_p_keeps_what_a_full_sort_keeps_on_every_path():
 def test_native_top_p_keeps_what_a_full_sort_keeps():
     """The native filter keeps each row's nucleus as sorting it does, row by row whatever the block,
     but for a token whose mass above is within rounding of the threshold (it adds in double)."""
-    from mcsd import native
+    from mcsd.forward import native
     if native.library() is None:
         pytest.skip(f"no native library: {native.reason()}")
     g = torch.Generator().manual_seed(1)

@@ -19,7 +19,7 @@ import statistics
 import torch
 
 from mcsd import TreeDecoder, load_model_pair
-from mcsd.data import chat_ids, load_prompts, stratified
+from mcsd.loading.data import chat_ids, load_prompts, stratified
 
 
 @torch.inference_mode()

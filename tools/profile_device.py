@@ -20,12 +20,14 @@ import argparse
 import json
 from pathlib import Path
 
-from mcsd.profile import STAND_INS
+from mcsd.costs.profile import STAND_INS
+
 
 def _load(args):
     from mcsd import load_model_pair
-    from mcsd.models import PRESETS, load_feature_drafter, load_model, preset_draft_dir
-    from mcsd.profile import stand_in
+    from mcsd.costs.profile import stand_in
+    from mcsd.drafting.pair import load_feature_drafter, load_model
+    from mcsd.loading.models import PRESETS, preset_draft_dir
     if args.stand_in is None:
         return load_model_pair(args.target, args.draft, dtype=args.dtype, device=args.device,
                                drafter=args.drafter)[:2]
@@ -57,8 +59,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, help="write the profile here (JSON) instead of the cache")
     args = ap.parse_args(argv)
     import torch
-    from mcsd.attention import set_backend
-    from mcsd.profile import DEFAULT_SIZES, load_or_measure, measure, profile_path
+
+    from mcsd.costs.profile import DEFAULT_SIZES, load_or_measure, measure, profile_path
+    from mcsd.forward.attention import set_backend
     if args.threads:
         torch.set_num_threads(args.threads)
     target, draft = _load(args)

@@ -7,7 +7,7 @@
     python tools/profile_forward.py --path packed --separate-projections   # q / k / v as three products
 
 Runs a 1-token step and verifies of 2-64 rows over a `--cache-len` cache under
-torch.profiler and prints one line per block size (see `mcsd.forward_profile`).
+torch.profiler and prints one line per block size (see `mcsd.costs.forward_profile`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 def main(argv=None) -> int:
     from mcsd.config import WEIGHTS
-    from mcsd.profile import STAND_INS
+    from mcsd.costs.profile import STAND_INS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", help="target source (default: the embedded preset)")
     ap.add_argument("--stand-in", choices=sorted(STAND_INS), help="a random-weight model of this architecture")
@@ -28,12 +28,12 @@ def main(argv=None) -> int:
     ap.add_argument("--cache-len", type=int, default=300, help="committed positions before the block")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--path", choices=("aten", "onednn", "packed"), default=None,
-                    help="matmul path (default: torch's own choice; see mcsd.kernels)")
+                    help="matmul path (default: torch's own choice; see mcsd.forward.kernels)")
     ap.add_argument("--attention", default="auto", help="auto, sdpa, gqa or eager (default auto: what the engine runs)")
     ap.add_argument("--weights", choices=WEIGHTS, default="dense",
-                    help="q4: the target's Q4_1 GGUF codes on torch's int4 kernel (bfloat16; mcsd.quant)")
+                    help="q4: the target's Q4_1 GGUF codes on torch's int4 kernel (bfloat16; mcsd.forward.quant)")
     ap.add_argument("--separate-projections", action="store_true",
-                    help="on prepacked weights, run q / k / v as three products, not one (mcsd.fused): the 'before'")
+                    help="on prepacked weights, run q / k / v as three products, not one (mcsd.forward.fused): the 'before'")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--top", action="store_true", help="also list the operations with the most self time")
     ap.add_argument("--json", type=Path, help="also write the breakdown here")
@@ -49,18 +49,19 @@ def main(argv=None) -> int:
         ap.error("--sizes, --cache-len and --repeats must be positive")
 
     import torch
-    from mcsd.forward_profile import breakdown, format_table, memory_floor, to_json
-    from mcsd.profile import machine_info, stand_in
+
+    from mcsd.costs.forward_profile import breakdown, format_table, memory_floor, to_json
+    from mcsd.costs.profile import machine_info, stand_in
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.stand_in:
         model = stand_in(args.stand_in, args.dtype)
     else:
-        from mcsd.models import load_model
-        from mcsd.presets import DEFAULT_PRESET
+        from mcsd.drafting.pair import load_model
+        from mcsd.loading.presets import DEFAULT_PRESET
         model = load_model(args.target or DEFAULT_PRESET, args.dtype, "cpu", weights=args.weights)
-    from mcsd.attention import set_backend
     from mcsd.config import ConfigError
+    from mcsd.forward.attention import set_backend
     try:
         set_backend(model, args.attention)
     except ConfigError as exc:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 
 def main(argv=None) -> int:
-    from mcsd.profile import STAND_INS
+    from mcsd.costs.profile import STAND_INS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", help="target source (default: the embedded preset)")
     ap.add_argument("--stand-in", choices=sorted(STAND_INS), help="a random-weight model of this architecture")
@@ -41,18 +41,18 @@ def main(argv=None) -> int:
 
     import torch
 
-    from mcsd.graphs import bucket_of
-    from mcsd.lm import CachedLM
-    from mcsd.profile import machine_info, stand_in
-    from mcsd.tree import causal_allowed
+    from mcsd.costs.profile import machine_info, stand_in
+    from mcsd.forward.attention import causal_allowed
+    from mcsd.forward.graphs import bucket_of
+    from mcsd.forward.lm import CachedLM
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.stand_in:
         model = stand_in(args.stand_in, args.dtype, device)
     else:
-        from mcsd.models import load_model
-        from mcsd.presets import DEFAULT_PRESET
+        from mcsd.drafting.pair import load_model
+        from mcsd.loading.presets import DEFAULT_PRESET
         model = load_model(args.target or DEFAULT_PRESET, args.dtype, device)
     cuda = device.startswith("cuda")
     paths = {"transformers": CachedLM(model, lean=False), "own": CachedLM(model, lean=True, static_blocks=False),

@@ -1,4 +1,4 @@
-"""Train a target-feature draft head (mcsd.feature_draft.FeatureHead) on target-written data.
+"""Train a target-feature draft head (mcsd.drafting.feature_draft.FeatureHead) on target-written data.
 
 The command-line front end of `mcsd.train.feature_head`; `--help` lists the options.
 """

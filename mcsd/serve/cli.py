@@ -16,8 +16,18 @@ import os
 import signal
 import sys
 
-from ..cli import (DEFAULT_PRESET, UsageError, _build_decoder, _check_args, _check_hub, _drafter_kinds,
-                   _load_models, _Parser, add_model_arguments, parse_policy_options)
+from ..cli import (
+    DEFAULT_PRESET,
+    UsageError,
+    _build_decoder,
+    _check_args,
+    _check_hub,
+    _drafter_kinds,
+    _load_models,
+    _Parser,
+    add_model_arguments,
+    parse_policy_options,
+)
 from ..config import ConfigError
 from ..errors import ModelLoadError
 
@@ -107,7 +117,7 @@ def _build(args):
 def serve(args) -> int:
     import uvicorn
 
-    from ..threads import snapshot
+    from ..forward.threads import snapshot
     from .app import Settings, create_app
     from .engine import Engine
     from .metrics import Metrics
@@ -116,8 +126,8 @@ def serve(args) -> int:
     _check_server_args(args)
     api_key = args.api_key if args.api_key is not None else (os.environ.get(API_KEY_ENV) or None)
     args.load_since = snapshot()
-    from .. import pearl  # noqa: F401  (registers the "pearl" execution mode)
-    from ..policies import POLICIES, resolve_policy
+    from ..drafting import pearl  # noqa: F401  (registers the "pearl" execution mode)
+    from ..drafting.policies import POLICIES, resolve_policy
     parse_policy_options(args.policy_option)
     args.policy = resolve_policy(args.policy, lossy=args.lossy_target_roots > 0,
                                  drafting=not _drafter_kinds(args)[2])
@@ -185,7 +195,7 @@ def main(argv=None) -> int:
 
 def entry() -> None:
     """The `mcsd-serve` command."""
-    from ..progress import no_bars_off_terminal
+    from ..loading.progress import no_bars_off_terminal
     no_bars_off_terminal()
     sys.exit(main())
 

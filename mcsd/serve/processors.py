@@ -1,7 +1,7 @@
 """The logits processors the server adds to a request: OpenAI's penalties, the target's top
 log-probabilities, and the test-only faults.
 
-Each runs where `mcsd.processors` runs every processor: on the target's (and the draft's) logits
+Each runs where `mcsd.core.processors` runs every processor: on the target's (and the draft's) logits
 at every tree node, with that node's own prefix (input ids (n, L), scores (n, V)). The penalties
 treat each row on its own and keep no state, so decoding with them stays exact: greedy output is
 what plain decoding with the same penalty gives. The recorder only reads the scores.
@@ -14,7 +14,7 @@ import time
 import torch
 
 from ..config import SamplingConfig
-from ..sampling import logits_to_probs
+from ..core.sampling import logits_to_probs
 
 # What a log-probability of zero probability (a token top-p left out) is reported as: JSON has no -inf.
 FLOOR = -9999.0

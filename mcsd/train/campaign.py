@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 
 import torch
-
-from mcsd import kernels
 from tqdm import tqdm
+
+from mcsd.forward import kernels
 from mcsd.train.generation import sample_batch
 from mcsd.train.magpie import HINTS, NearDuplicates, diversity, keep_prompt, normalise, prefix_ids
 from mcsd.train.shards import Record, ShardStore
@@ -52,7 +52,7 @@ def eos_ids(tokenizer) -> tuple[int, ...]:
 
 def fast_kernels(model):
     """The block's products on oneDNN with prepacked weights where this CPU has them (the fastest
-    path for many-row blocks, see mcsd.kernels), else a no-op context."""
+    path for many-row blocks, see mcsd.forward.kernels), else a no-op context."""
     p = next(model.parameters())
     if p.device.type == "cpu" and kernels.packable(p.dtype, p.device):
         kernels.pack(model)

@@ -45,9 +45,9 @@ def read_documents(paths: list[Path], tokenizer) -> list[list[int]]:
 
 def main(argv=None) -> int:
     from mcsd.config import ConfigError
-    from mcsd.context import ContextStore
-    from mcsd.models import load_tokenizer
-    from mcsd.presets import DEFAULT_PRESET
+    from mcsd.drafting.context import ContextStore
+    from mcsd.loading.models import load_tokenizer
+    from mcsd.loading.presets import DEFAULT_PRESET
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("inputs", nargs="+", type=Path, help=".jsonl ('tokens' or 'text' per line) or text files")

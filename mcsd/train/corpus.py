@@ -24,7 +24,6 @@ target generates in; "plain" keeps the text bare.
 
 from __future__ import annotations
 
-
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,7 +163,7 @@ def records(doc: Document, tokenizer, chunk_tokens: int, fmt: str = "chat") -> l
     encode = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
     prefix = None
     if fmt == "chat":
-        from mcsd.data import chat_ids
+        from mcsd.loading.data import chat_ids
         if not getattr(tokenizer, "chat_template", None):
             raise CorpusError("this tokenizer has no chat template: use the plain format")
         prefix = chat_ids(tokenizer, chat_request(doc))

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from mcsd.data import load_prompts as load_prompts_file
-from mcsd.models import cache_dir
+from mcsd.loading.data import load_prompts as load_prompts_file
+from mcsd.loading.models import cache_dir
 
 DEFAULT_TARGET = "smollm2-135m"          # the embedded preset; any model source works
 
@@ -54,7 +54,8 @@ def pick_dtype(name: str = "auto") -> torch.dtype:
 
 def load_target(source: str, device: str | None = None, dtype=torch.bfloat16):
     """The target and its tokenizer through the package's loader (preset, directory, .gguf or hub id)."""
-    from mcsd.models import load_model, load_tokenizer
+    from mcsd.drafting.pair import load_model
+    from mcsd.loading.models import load_tokenizer
 
     device = device or pick_device()
     dtype = pick_dtype(dtype) if isinstance(dtype, str) else dtype
@@ -62,7 +63,7 @@ def load_target(source: str, device: str | None = None, dtype=torch.bfloat16):
 
 
 def load_spec_bench(path: str | None = None, split: str = "fit") -> list[dict]:
-    """Spec-Bench first turns as prompt dicts {id, category, text} (split as in mcsd.data)."""
+    """Spec-Bench first turns as prompt dicts {id, category, text} (split as in mcsd.loading.data)."""
     return [{"id": f"sb-{p.question_id}", "category": p.category, "text": p.text}
             for p in load_prompts_file(path, split)]
 

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mcsd.models import models_dir
-from mcsd.policies.learned import FEATURE_NAMES, AcceptanceModel, export_sklearn
+from mcsd.drafting.policies.learned import FEATURE_NAMES, AcceptanceModel, export_sklearn
+from mcsd.loading.models import models_dir
 from mcsd.train import portable
 from mcsd.train.length_data import path_labels
 

@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from mcsd.data import group_of
+from mcsd.loading.data import group_of
 
 
 def first_per_group(examples: list[dict], n: int) -> list[dict]:

@@ -8,12 +8,12 @@
         --profile ~/.cache/mcsd/profiles/<pair>.json
 
 One row per (frontier node f, its rank-0 child c) of the traced trees: the
-features `mcsd.policies.disco.DISCO_FEATURES` of f, and the oracle label "c
+features `mcsd.drafting.policies.disco.DISCO_FEATURES` of f, and the oracle label "c
 is on the accepted path" (greedy acceptance of c and all its ancestors).
 A standardised logistic regression (scikit-learn) is fitted on the fitting
 split. The threshold is the one, on a grid, that maximises simulated tokens
 per second when the fitting split's rounds are replayed as chains (verify
-and draft costs from a device profile written by mcsd.profile; generic costs
+and draft costs from a device profile written by mcsd.costs.profile; generic costs
 without one). Held-out AUC and simulated figures against every static chain
 length go into the card. Output: `disco.json` (plain JSON parameters) and
 `disco-card.json`, under models/decision-models by default.
@@ -28,12 +28,20 @@ from pathlib import Path
 
 import numpy as np
 
-from mcsd.models import models_dir
-from mcsd.policies.disco import DISCO_FEATURES, FORMAT, FORMAT_VERSION, DiscoClassifier
+from mcsd.drafting.policies.disco import DISCO_FEATURES, FORMAT, FORMAT_VERSION, DiscoClassifier
+from mcsd.loading.models import models_dir
 from mcsd.train import portable
 from mcsd.train.decision_models import load_traces, trace_command
-from mcsd.train.length_data import (COL, ChainCosts, auc_or_none, chains, drafted_from_decisions, path_labels,
-                                    simulate, static_table)
+from mcsd.train.length_data import (
+    COL,
+    ChainCosts,
+    auc_or_none,
+    chains,
+    drafted_from_decisions,
+    path_labels,
+    simulate,
+    static_table,
+)
 
 MAX_DEPTH = 8
 GRID = np.round(np.arange(0.02, 0.96, 0.02), 2)

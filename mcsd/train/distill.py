@@ -79,8 +79,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from mcsd.train import portable
 from mcsd.train import data as td
+from mcsd.train import portable
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO / "models" / "smollm2-135m-draft"

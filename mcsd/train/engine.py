@@ -70,17 +70,27 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from mcsd.data import chat_ids
+from mcsd.loading.data import chat_ids
 from mcsd.train import campaign
 from mcsd.train.campaign import length_batches, seed_for, seeded_generator
-from mcsd.train.data import (DEFAULT_TARGET, default_data_dir, iter_records, load_prompts, load_spec_bench,
-                             load_target, manifest_update, pick_dtype, read_manifest, save_shard,
-                             start_run)
+from mcsd.train.data import (
+    DEFAULT_TARGET,
+    default_data_dir,
+    iter_records,
+    load_prompts,
+    load_spec_bench,
+    load_target,
+    manifest_update,
+    pick_dtype,
+    read_manifest,
+    save_shard,
+    start_run,
+)
 from mcsd.train.generation import sample_batch
 from mcsd.train.shards import ShardStore
 
 DEFAULT_STORE = Path(__file__).resolve().parents[2] / "data"   # token shards kept in the repository
-DEFAULT_QUESTIONS = None                 # mcsd.data.default_spec_bench()
+DEFAULT_QUESTIONS = None                 # mcsd.loading.data.default_spec_bench()
 TOPK = 8  # the target's top-8 holds ~92% of its mass on its own responses
 
 
@@ -393,7 +403,7 @@ def run_prompttext(args):
     it answers them.
     """
     data_dir = Path(args.data_dir)
-    from mcsd.models import load_tokenizer
+    from mcsd.loading.models import load_tokenizer
 
     tokenizer = load_tokenizer(args.target)                # a preset name, directory, .gguf or hub id
     prompts = load_prompts(data_dir, args.source, args.split, args.questions)
@@ -431,9 +441,9 @@ def run_corpus(args):
     version, the licence it declares and what was stored (files, chunks,
     tokens). Resumable like the other stages; rerunning with more sources
     adds them to the run; `--max-tokens` caps the run's total."""
+    from mcsd.loading.data import default_spec_bench
+    from mcsd.loading.models import load_tokenizer
     from mcsd.train import corpus
-    from mcsd.data import default_spec_bench
-    from mcsd.models import load_tokenizer
 
     data_dir = Path(args.data_dir)
     if not args.paths and not args.packages:

@@ -1,4 +1,4 @@
-"""Train a target-feature draft head (mcsd.feature_draft.FeatureHead) on target-written data.
+"""Train a target-feature draft head (mcsd.drafting.feature_draft.FeatureHead) on target-written data.
 
 Data come from tools/target_data.py: responses the target wrote to the
 fitting split (and to self-instruct prompts) with, per response position, the
@@ -46,10 +46,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mcsd.feature_draft import FeatureHead, FeatureHeadConfig
-from mcsd.models import cache_dir, load_model
-from mcsd.train import portable
+from mcsd.drafting.feature_draft import FeatureHead, FeatureHeadConfig
+from mcsd.drafting.pair import load_model
+from mcsd.loading.models import cache_dir
 from mcsd.train import data as target_data
+from mcsd.train import portable
 
 
 def sub_vocabulary(examples: list[dict], size: int, vocab: int) -> torch.Tensor:

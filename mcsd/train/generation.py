@@ -9,7 +9,7 @@ Two things keep a step's cost in its matrix products:
 - the KV cache is a buffer allocated for the batch's whole generation and
   written in place (`GrowingLayer`), where transformers' `DynamicCache`
   concatenates, i.e. copies the whole cache of every layer, at every step;
-- the products run on oneDNN with weights prepacked once (`mcsd.kernels`),
+- the products run on oneDNN with weights prepacked once (`mcsd.forward.kernels`),
   where the calibration measured many-row blocks fastest, when the caller
   packs the model (`kernels.pack`) and runs this under `kernels.using("packed")`.
 """
@@ -20,7 +20,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from mcsd.kv_cache import cache_keyword
+from mcsd.forward.kv_cache import cache_keyword
 
 
 class GrowingLayer(DynamicLayer):

@@ -9,13 +9,12 @@ replayed on it without running a model.
 
 from __future__ import annotations
 
-
 from pathlib import Path
 
 import numpy as np
 
-from mcsd.policies.learned import FEATURE_NAMES
-from mcsd.profile import DeviceProfile
+from mcsd.costs.profile import DeviceProfile
+from mcsd.drafting.policies.learned import FEATURE_NAMES
 
 COL = {name: i for i, name in enumerate(FEATURE_NAMES)}
 
@@ -61,7 +60,7 @@ class ChainCosts:
 
     @classmethod
     def load(cls, path: Path | None) -> "ChainCosts":
-        """A profile written by mcsd.profile (verify time per size and the width-1 draft step, each on
+        """A profile written by mcsd.costs.profile (verify time per size and the width-1 draft step, each on
         the faster matmul path, which is what the engine runs), or, without one, generic costs: verify
         of n tokens = (1 + 0.02 (n - 1)) steps, a draft step 0.07 steps."""
         if path is None:

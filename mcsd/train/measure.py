@@ -27,12 +27,10 @@ from pathlib import Path
 
 import torch
 
-from mcsd import kv_cache
-
-from mcsd.train import portable
+from mcsd.forward import kv_cache
 from mcsd.train import data as td
 from mcsd.train import distill as dd
-from mcsd.train import engine
+from mcsd.train import engine, portable
 
 HELDOUT_RUN = "heldout-greedy-bf16"
 
@@ -80,7 +78,7 @@ def measure_feature_cost(target, drafter, context: list[int], runs: int = 30, wa
     """Like `measure_cost`, for a target-feature drafter: one draft step (the
     head's 1-token forward over a len(context) cache, plus its LM-head scores)
     against the target's 1-token forward."""
-    from mcsd.lm import CachedLM
+    from mcsd.forward.lm import CachedLM
 
     ids = torch.tensor(context)
     lm = CachedLM(target)
@@ -125,7 +123,7 @@ def write_figures(model_dir: Path, args, indent: int, **figures):
 
 def feature_head_main(args, data_dir: Path) -> None:
     """--feature-head: the cost figure of a target-feature head, written on its card."""
-    from mcsd.models import load_feature_drafter
+    from mcsd.drafting.pair import load_feature_drafter
 
     target, _ = td.load_target(args.target, device="cpu", dtype=torch.bfloat16)
     drafter = load_feature_drafter(args.feature_head, target, "bfloat16")
@@ -140,7 +138,7 @@ def feature_head_main(args, data_dir: Path) -> None:
 
 def depth_report_main(args, data_dir: Path) -> None:
     """--depth-report: acceptance by depth, teacher-forced and decoding, on the head's card."""
-    from mcsd.models import load_feature_drafter
+    from mcsd.drafting.pair import load_feature_drafter
     from mcsd.train import depth_report
 
     target, _ = td.load_target(args.target, device="cpu", dtype=getattr(torch, args.dtype))

@@ -11,7 +11,7 @@ Rows: every traced node the draft read (so it has a hidden state), with the
 soft label min(1, p/q) the trace recorded (p the target's, q the draft's
 probability of the node's token, temperature 1). Loss: binary cross-entropy
 on the soft label, the rejection term weighted `--reject-weight` (6, as in
-the paper). The head is a residual MLP (`mcsd.policies.specdecpp.AcceptanceHead`).
+the paper). The head is a residual MLP (`mcsd.drafting.policies.specdecpp.AcceptanceHead`).
 h is chosen on a grid (0.05-0.99) by simulated tokens per second of the
 fitting split's rounds replayed as chains (costs from a device profile).
 Output: `specdecpp.safetensors` + `specdecpp.json` (no pickles) and
@@ -29,12 +29,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mcsd.models import models_dir
-from mcsd.policies.specdecpp import AcceptanceHead, SpecDecHead
+from mcsd.drafting.policies.specdecpp import AcceptanceHead, SpecDecHead
+from mcsd.loading.models import models_dir
 from mcsd.train import portable
 from mcsd.train.decision_models import load_traces, trace_command
-from mcsd.train.length_data import (ChainCosts, auc_or_none, chains, drafted_from_decisions, path_labels, simulate,
-                                    static_table)
+from mcsd.train.length_data import (
+    ChainCosts,
+    auc_or_none,
+    chains,
+    drafted_from_decisions,
+    path_labels,
+    simulate,
+    static_table,
+)
 
 MAX_DEPTH = 8
 GRID = np.round(np.concatenate([np.arange(0.05, 0.9, 0.05), [0.9, 0.92, 0.94, 0.96, 0.97, 0.98, 0.99]]), 2)

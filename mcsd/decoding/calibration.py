@@ -1,0 +1,184 @@
+"""A decoder's view of this machine: the cost profile of its target and drafter, the costs a policy
+or context drafting prices trees with, and the matmul path each forward runs on.
+
+The profile is looked up once per decoder (measured when none is cached, see
+`mcsd.costs.profile`); when the rounds of a generation find it stale, it is measured
+again before the next generation on a quiet machine, never within one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..costs import profile
+from ..drafting.policies import POLICIES
+from ..forward import kernels, quant
+from ..forward.lm import CachedLM
+
+
+class Calibration:
+    """Costs and kernel tables for one decoder's target and drafter.
+
+    Args:
+        target: the decoder's CachedLM.
+        drafter: its model drafter (run on the measured matmul paths where it has `kernels`), or None.
+        draft: the draft as given (a causal LM or a Drafter): what the profile is measured with.
+        calibrate: None (default): the cached profile, measured when missing or stale on a quiet
+            machine; True: measure again; False: never measure (cached profile, else generic costs).
+
+    Attributes:
+        source: where the costs in use came from ("cached", "measured", "default"), or None when
+            nothing prices trees.
+        seconds: time spent measuring in this run.
+        note: "; provisional: ..." when a measurement was taken on a busy machine, a note when it
+            confirmed a profile flagged stale (`profile.settle`), else None.
+        kernels_note: which matmul path small blocks run on, or None.
+    """
+
+    def __init__(self, target: CachedLM, drafter, draft, calibrate: bool | None = None):
+        self.target, self.drafter, self.draft, self.calibrate = target, drafter, draft, calibrate
+        self.source, self.seconds, self.note, self.kernels_note = None, 0.0, None, None
+        self._fetched: tuple | None = None
+
+    def profile(self):
+        """This machine's profile for the pair, looked up (or measured) once; None where there is none."""
+        if self._fetched is None:
+            prof, source = device_profile(self.target.model, self.draft, self.calibrate)
+            self._fetched = (_held_once(prof), source)
+            self._note(*self._fetched)
+        return self._fetched[0]
+
+    def costs(self) -> profile.Costs:
+        """Costs from this machine's profile; a stale verdict flags the cached profile for measuring again."""
+        self.profile()
+        costs = costs_of(*self._fetched)
+        costs.on_stale = _stale_marker(self.target.model, self.draft, costs)
+        self.source = costs.source
+        return costs
+
+    def policy_options(self, policy, options: dict | None) -> dict:
+        """`options` for `make_policy`, with this machine's costs where the named policy prices its trees
+        with them and none were given."""
+        options = dict(options or {})
+        if isinstance(policy, str) and getattr(POLICIES.get(policy), "uses_device_profile", False) \
+                and "costs" not in options:
+            options["costs"] = self.costs()
+        if "costs" in options:
+            self.source = options["costs"].source
+        return options
+
+    def choose_kernels(self, target_alone: bool) -> None:
+        """Set each forward's matmul path from the profile, where the paths differ for this dtype."""
+        self.kernels_note = self._q4_note()
+        if kernels.packable(self.target.dtype, self.target.device):
+            # the target alone needs only its paths: from any cached profile of it, never measured
+            alone = target_alone and not self.calibrate
+            self.use_kernels(_held_once(profile.load_target_costs(self.target.model), alone=True) if alone
+                             else self.profile())
+
+    def _q4_note(self) -> str | None:
+        model = self.target.model
+        n, joined = quant.attached(model), quant.joined(model)
+        dense = quant.starts_dense(quant.PREFILL_ROWS, cached=0)      # a prompt's first forward, here
+        head = getattr(model, "get_output_embeddings", lambda: None)()
+        on_q8 = ", the LM head on its Q8_0 codes" if head is not None and quant.code_bits(head) == 8 else ""
+        return (f"target: {n} linear layers on q4 weights ({quant.describe_kernel()}{on_q8}) at every block size"
+                + ((", q / k / v and gate / up as one product each" if quant.kernel_name() == "native"
+                    else ", q / k / v as one product") if joined else "")
+                + (f", a prompt of {quant.PREFILL_ROWS}+ tokens read on the dense weights" if dense else "")) \
+            if n else None
+
+    def use_kernels(self, prof) -> None:
+        """Run each forward on the matmul path the profile measured faster for its size."""
+        if prof is None:
+            return
+        q8 = getattr(self.drafter, "q8_layers", 0)
+        q4_note = self._q4_note()
+        notes = [q4_note] if q4_note else []
+        runners = [("target", "verify", self.target, self.target.model)]
+        if self.drafter is not None and hasattr(self.drafter, "kernels"):
+            runners.append(("draft", "draft", self.drafter, profile.drafter_module(self.drafter)))
+        for label, role, runner, module in runners:
+            runner.kernels = table = prof.kernel_table(role)
+            if label == "draft" and q8:
+                notes.append(f"draft: {q8} linear layers on Q8_0 codes of its weights (mcsd's native kernel) "
+                             f"at every block size")
+            if table is None:
+                continue
+            rest = (label == "target" and q4_note) or (label == "draft" and q8)
+            if rest and module is not None and not kernels.governed(module):
+                continue                                        # every linear layer runs on its codes
+            notes.append(f"{label}{' (the rest)' if rest else ''}: {table.describe()}")
+            if table.uses_packed and module is not None:       # prepacked weights are made once, here
+                kernels.pack(module, release=table.packed_only)
+                if kernels.joined(module):
+                    notes[-1] += " (q / k / v as one product)"
+                if kernels.released(module):
+                    notes[-1] += ", its plain weights let go"
+        self.kernels_note = "; ".join(notes) or None
+
+    def refresh(self, costs: profile.Costs | None) -> None:
+        """Measure again, on a quiet machine, where the last generation found the profile stale, and run
+        the next one on the new kernel paths and costs. `costs` is updated in place (the policy and
+        context drafting share it)."""
+        if costs is None or costs.stale is None or not profile.quiet_now():
+            return
+        prof, source = device_profile(self.target.model, self.draft, calibrate=True)
+        prof = _held_once(prof)
+        self._note(prof, source)
+        costs.rebase(costs_of(prof, source))
+        self.source = source
+        if kernels.packable(self.target.dtype, self.target.device):
+            self.use_kernels(prof)
+
+    def _note(self, prof, source: str) -> None:
+        """Remember what measuring cost this run and whether it was provisional, for --stats."""
+        if prof is None or source != "measured":
+            return
+        self.seconds += prof.meta.get("calibration_s", 0.0)
+        if prof.meta.get("provisional"):
+            self.note = f"; provisional: {prof.meta['provisional']}"
+        elif prof.meta.get("confirmed"):
+            self.note = (f"; the cached costs, flagged stale, were confirmed (within "
+                         f"{prof.meta['confirmed']['largest_ratio'] - 1:.0%}) and stay")
+
+
+def _held_once(prof, alone: bool = False):
+    """`prof` with each model's weights on one layout (`DeviceProfile.hold_once`), chosen for the
+    blocks it runs: a target alone steps one row at a time; a target verifies trees of up to
+    `ATEN_MAX_ROWS` nodes; a draft runs levels of every width it was timed at."""
+    if prof is None:
+        return None
+    trees = tuple(n for n in prof.verify_ms if n <= profile.ATEN_MAX_ROWS)
+    return prof.hold_once({"verify": (1,) if alone else trees, "draft": tuple(prof.draft_ms)})
+
+
+def _timed(draft):
+    """The draft a profile times: a causal LM or a drafter reading the target's hidden states, else None."""
+    return draft if isinstance(draft, torch.nn.Module) or getattr(draft, "uses_target_hidden", False) else None
+
+
+def _stale_marker(target, draft, costs):
+    """on_stale for Costs: flag the cached profile so that the next start measures again."""
+    return lambda reason: profile.mark_stale(target, _timed(draft), reason, ratio=costs.stale_ratio)
+
+
+def device_profile(target, draft, calibrate: bool | None = None) -> tuple:
+    """(this machine's profile for the pair or None, where it came from): the cached one, measured when
+    missing (or when `calibrate` is True); None with `calibrate=False` and nothing cached."""
+    prof = None if calibrate else profile.load_cached(target, _timed(draft), remeasure=calibrate is None)
+    if prof is not None:
+        return prof, "cached"
+    if calibrate is False:
+        return None, "default"
+    return profile.load_or_measure(target, _timed(draft), force=True), "measured"
+
+
+def costs_of(prof, source: str) -> profile.Costs:
+    """Costs from a profile (see `device_profile`); generic defaults without one."""
+    return profile.Costs.from_profile(prof, source=source) if prof is not None else profile.Costs.default()
+
+
+def device_costs(target, draft, calibrate: bool | None = None) -> profile.Costs:
+    """This machine's costs for the pair (see `device_profile`)."""
+    return costs_of(*device_profile(target, draft, calibrate))

@@ -1,0 +1,161 @@
+"""What the default runs on this machine: the dtype, and the weights (dense or the 4-bit codes of a
+GGUF-born target), whichever the calibrated costs say runs the method fastest.
+
+Each candidate is priced by `expected_rate` over its cost profile (`mcsd.costs.profile`),
+measured once per machine on a converted copy of the pair and cached: float32,
+bfloat16 where the CPU runs it natively (or bfloat16 and float16 on CUDA), and
+"q4" (the target's Q4_1 codes, `mcsd.forward.quant`, computing in `quant.compute_dtype()`) where the
+target comes from a GGUF file and a q4 kernel runs. Every
+candidate is exact in its own terms: float32 token for token with plain
+float32 decoding, the others with plain decoding in their own arithmetic (see
+README's "Exactness").
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..costs.profile import Costs, host_key, load_cached, load_or_measure, load_target_costs, needs_remeasure
+
+# Acceptance barely depends on the dtype; the comparison turns on the costs. Measured for the
+# preset's feature head, a static chain at greedy decoding's roots on 96 held-out prompts:
+# 0.48 / 0.57 / 0.62 at depths 1-3 after its fourth Magpie run, 0.52 / 0.63 / 0.68 after the
+# fifth, 0.53 / 0.63 / 0.67 after the sixth, 0.54 / 0.64 / 0.68 after the seventh; in real
+# bfloat16 decoding on 48 of those prompts 0.56 / 0.64 / 0.71 after the seventh, 0.57 / 0.67 /
+# 0.70 after the eighth and 0.57 / 0.66 / 0.71 after the ninth (the shipped head; docs/training.md).
+ASSUMED_ACCEPTANCE = 0.55
+Q4 = "q4"                       # the candidate that runs the target's linear layers on its 4-bit codes
+
+
+def expected_rate(costs: Costs, drafting: bool, max_depth: int = 8,
+                  acceptance: float = ASSUMED_ACCEPTANCE, free_draft: bool = False) -> tuple[float, int]:
+    """(tokens per second, chain depth) of the best chain under these costs; depth 0 is plain decoding.
+    `free_draft`: the proposals cost nothing to draft (context drafting), only to verify."""
+    best = (1000.0 / costs.verify_ms(1), 0)
+    if not drafting:
+        return best
+    for k in range(1, max_depth + 1):
+        tokens = sum(acceptance ** i for i in range(k + 1))
+        rate = 1000.0 * tokens / ((0.0 if free_draft else k * costs.draft_ms(1)) + costs.verify_ms(k + 1))
+        best = max(best, (rate, k))
+    return best
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    dtype: str                  # the dtype the pair runs in (`quant.compute_dtype()` for q4)
+    reason: str
+    rates: dict                 # candidate -> expected tokens/s of the method on this machine
+    calibration_s: float = 0.0  # time spent measuring for the choice in this run
+    provisional: bool = False   # some profile it rests on was measured on a busy machine
+    weights: str = "dense"      # "dense", or "q4": the target's linear layers on its GGUF's 4-bit codes
+
+
+def q4_possible(target, gguf: Path | None) -> bool:
+    """The q4 candidate can run: a GGUF the target came from, the CPU, and a q4 kernel."""
+    from ..forward import quant
+    return gguf is not None and next(target.parameters()).device.type == "cpu" and quant.kernel_available()
+
+
+def choose_dtype(target, draft, candidates=None, drafting: bool = True, calibrate: bool | None = None,
+                 quiet: bool = False, free_draft: bool = False, borrow: bool = False,
+                 gguf: Path | None = None) -> DtypeChoice:
+    """The dtype (and weights) with which this pair runs fastest here, from each candidate's calibrated cost.
+
+    `target` (and `draft`) must be in float32, dense; a candidate other than
+    float32 is measured on a converted copy (only when its profile is not
+    cached, or when `calibrate` is True). `free_draft`: proposals come from
+    context (nothing to draft, only verify). Candidates default to float32 and
+    bfloat16 on a CPU with native bf16 (float32 alone on other CPUs), bfloat16
+    and float16 on CUDA, and "q4" besides where `gguf` (the Q4_1 file the
+    target came from) is given and `q4_possible`. With `calibrate=False` and a
+    profile missing, a fixed rule decides instead: bfloat16 on CUDA and on CPUs
+    with native bf16 (AVX512-BF16 or AMX, as oneDNN uses it), float32 on other
+    CPUs; dense weights. `borrow` (with no draft): the target's costs may come
+    from a cached profile of it with any drafter (`load_target_costs`). A cached
+    profile flagged for measuring again is measured again when the machine is
+    quiet (`calibrate` None). The models are not converted here (see
+    `apply_choice`).
+    """
+    device = next(target.parameters()).device
+    native = device.type == "cuda" or host_key(device)["onednn_bf16"]          # what torch runs bf16 products with
+    if candidates is None:
+        # on a CPU without native bf16, oneDNN emulates its products: never faster enough to
+        # give up float32's exactness for, so not worth the calibration time
+        candidates = ("bfloat16", "float16") if device.type == "cuda" else \
+            ("float32", "bfloat16") if native else ("float32",)
+        if q4_possible(target, gguf):
+            candidates += (Q4,)
+
+    def cached(name):
+        dtype = _dtype(name)
+        prof = load_cached(target, draft, dtype, remeasure=calibrate is None, weights=Q4 if name == Q4 else None)
+        if prof is None and draft is None and borrow and name != Q4:
+            prof = load_target_costs(target, dtype)         # the target's costs from a pair's profile
+        return prof
+    profiles = {name: None if calibrate else cached(name) for name in candidates}
+    if calibrate is False and any(p is None for p in profiles.values()):
+        best = "bfloat16" if native else "float32"
+        return DtypeChoice(best, f"{best}: not calibrated; {'native' if native else 'no native'} bfloat16 "
+                                 f"on this {'GPU' if device.type == 'cuda' else 'CPU'}", {})
+    rates, depths, spent, provisional = {}, {}, 0.0, False
+    for name, prof in profiles.items():
+        if prof is None:
+            t, d = _candidate_copy(target, draft, name, gguf)
+            prof = load_or_measure(t, d, force=True, quiet=quiet)
+            spent += prof.meta.get("calibration_s", 0.0)
+            del t, d
+        provisional = provisional or bool(needs_remeasure(prof))
+        rates[name], depths[name] = expected_rate(Costs.from_profile(prof), drafting and (draft is not None or free_draft),
+                                                  free_draft=free_draft and draft is None)
+    best = max(rates, key=rates.get)
+    others = ", ".join(f"{_label(n)} {r:.1f}" for n, r in rates.items() if n != best) or \
+        "bfloat16 not measured: no native bfloat16 on this CPU"
+    what = f"chains of {depths[best]}" if depths[best] else "plain steps"
+    reason = (f"{_label(best)}: {rates[best]:.1f} expected tokens/s with {what} on this machine "
+              f"(measured costs; {others}; {ASSUMED_ACCEPTANCE:.0%} acceptance per drafted token assumed)")
+    return DtypeChoice(str(_dtype(best)).removeprefix("torch."), reason, rates, spent, provisional,
+                       Q4 if best == Q4 else "dense")
+
+
+def _dtype(name: str) -> torch.dtype:
+    """The dtype candidate `name` computes in."""
+    from ..forward import quant
+    return getattr(torch, quant.compute_dtype() if name == Q4 else name)
+
+
+def _label(name: str) -> str:
+    return f"q4 weights ({str(_dtype(name)).removeprefix('torch.')})" if name == Q4 else name
+
+
+def apply_choice(target, draft, choice: DtypeChoice, gguf: Path | None = None):
+    """The pair converted to `choice`: cast to its dtype, and the target's linear layers on the GGUF's
+    codes for q4. Returns (target, draft)."""
+    return _convert(target, draft, getattr(torch, choice.dtype), choice.weights == Q4, gguf)
+
+
+def _convert(target, draft, dtype: torch.dtype, q4: bool, gguf: Path | None):
+    from ..drafting.pair import cast_pair
+    from ..forward import quant
+    target, draft = cast_pair(target, draft, dtype)
+    if q4:
+        quant.attach(target, gguf)
+        if hasattr(draft, "follow_target_weights"):         # a feature head follows its target onto codes
+            draft.follow_target_weights()
+    return target, draft
+
+
+def _candidate_copy(target, draft, name: str, gguf: Path | None):
+    """The pair as candidate `name` runs it, a copy where it must be converted (the originals untouched)."""
+    dtype = _dtype(name)
+    if dtype == next(target.parameters()).dtype and name != Q4:
+        return target, draft
+    from ..drafting.feature_draft import FeatureDrafter
+    t = copy.deepcopy(target)
+    d = FeatureDrafter(copy.deepcopy(draft.head), t, name=draft.name) if isinstance(draft, FeatureDrafter) \
+        else copy.deepcopy(draft)
+    return _convert(t, d, dtype, name == Q4, gguf)

@@ -1,0 +1,387 @@
+"""`TreeDecoder`: the speculative decoding loop.
+
+Prefill (the target reads the prompt and chooses the first token itself), then each round:
+  1-2. propose: the drafter grows a tree beneath the root, the token the target itself chose
+       last round (exact by construction), context branches merged in (`mcsd.decoding.propose`);
+  3-4. verify: the target scores every node in one forward (sliced tree mask); greedy matching
+       or multi-candidate rejection sampling accepts a path and the target's own next token;
+  5. commit: both KV caches keep the accepted path; the policy and drafters observe the round;
+  6. emit: generation stops on EOS, a stop string or `max_new_tokens` (`mcsd.core.output`).
+The decoder's parts are resolved in `mcsd.decoding.resolve`, its costs and matmul paths in `mcsd.decoding.calibration`.
+
+Limitations: one sequence at a time (batch size 1); models must use
+transformers' DynamicCache (no sliding-window or quantised caches); under
+bfloat16/float16 the tree forward's different batch shapes change rounding, so
+greedy output can differ from plain decoding where two logits nearly tie
+(float32 is exact).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterator
+
+import torch
+
+from ..config import ConfigError, DecodeConfig, check_context_window, check_lossy_roots
+from ..core import processors
+from ..core.output import Emission, GenerationOutput, GenerationStats, eos_ids
+from ..core.sampling import PositionNoise, choose, logits_to_probs, make_generator, processed_scores
+from ..core.tree import DraftTree
+from ..core.verify import Acceptance, accept_greedy, accept_sampling
+from ..drafting import pearl
+from ..drafting.context import ContextDrafter
+from ..drafting.draft import GrownTree
+from ..drafting.pearl import PearlMode
+from ..drafting.policies import TreePolicy, make_policy
+from ..forward import kernels
+from ..forward.lm import CachedLM
+from . import prompts
+from .calibration import Calibration
+from .propose import Proposer
+from .resolve import resolve
+
+
+class TreeDecoder:
+    """Lossless multi-candidate tree speculative decoding for one target and one drafter.
+
+    Args:
+        target: a transformers causal LM (eval mode).
+        draft: a draft causal LM sharing the target's tokenizer, any object
+            implementing the `Drafter` protocol, a `ContextDrafter` (or
+            "context": free proposals from the prompt, the output so far and the
+            target's recycled predictions), a list of one model drafter and one
+            context drafter (both merged into one tree), or None (only
+            `generate_baseline` is then available).
+        tokenizer: used for string prompts, decoding, EOS and stop strings.
+        tree: tree spec ("4,2,2", "1,1,1,1", or a list of rank paths); the
+            largest tree the policy may grow. None: the policy's own default.
+        policy: policy name ("auto", "static", "heuristic", "confidence",
+            "learned", the papers' "svip", "disco", "specdecpp", or "pearl",
+            which runs draft and target concurrently: see mcsd/drafting/pearl.py) or a
+            TreePolicy. "auto" (the default, as on the
+            command line) is the learned policy with this machine's calibrated
+            costs where its acceptance model is installed, else "static".
+        attention: "auto" | "sdpa" | "xformers" | "eager".
+        lossy_target_roots: W > 0 switches to the MCSD paper's own variant: each
+            round's roots are the target's top-W tokens, each verified with its
+            own drafted subtree, and the longest accepted branch is kept. It is
+            NOT lossless (a non-argmax root can win) and is greedy only; 0 (the
+            default) keeps the exact target-initialised single root.
+        calibrate: for a cost-aware policy: None (default) uses this machine's
+            cached cost profile and measures one (a few seconds, once per
+            machine, pair, dtype and thread count) when there is none, or
+            when the cached one was measured on a busy machine or rounds
+            contradicted it and the machine is quiet now; True measures
+            again; False never measures (cached profile, else a generic
+            default). Without a drafter nothing is measured (unless True):
+            the target's matmul paths come from any cached profile of it.
+        threads: torch's CPU threads, chosen before anything is measured: "auto"
+            (the default, as on the command line: OMP_NUM_THREADS where set,
+            else the cores other processes leave free, read over 0.1 s), a
+            count (at most the cores this process may use), or None to leave
+            torch's setting alone. This sets torch's process-wide thread count.
+        cuda_graphs: on CUDA, the engine's own forward (Llama family) runs every block
+            padded to a bucket of rows and replays each bucket's forward as a CUDA
+            graph captured once (`mcsd.forward.graphs`); False runs the same shapes eagerly.
+
+    Attributes:
+        threads: the `mcsd.forward.threads.ThreadChoice` made (its `reason` says why), or None.
+        calibration: this machine's costs and matmul paths (`mcsd.decoding.calibration`).
+        costs_source: where a cost-aware policy's costs came from ("cached",
+            "measured", "default"), or None for other policies.
+        calibration_s, calibration_note, kernels_note: what measuring took here,
+            whether it was provisional, which matmul path small blocks run on.
+    """
+
+    def __init__(self, target, draft=None, tokenizer=None, tree=None, policy="auto",
+                 attention: str = "auto", policy_options: dict | None = None, lossy_target_roots: int = 0,
+                 calibrate: bool | None = None, threads: int | str | None = "auto", cuda_graphs: bool = True):
+        self.threads = _choose_threads(threads)
+        self.target, self.tokenizer = CachedLM(target, cuda_graphs=cuda_graphs), tokenizer
+        self.lossy_roots = int(lossy_target_roots)
+        parts = resolve(target, draft, tree, policy, attention, self.lossy_roots, cuda_graphs)
+        self.drafter, self.context, self.attention = parts.drafter, parts.context, parts.attention
+        self.calibration = Calibration(self.target, self.drafter, parts.draft, calibrate)
+        self.policy = make_policy(parts.policy, parts.tree, **self.calibration.policy_options(parts.policy,
+                                                                                              policy_options))
+        if self.drafter is not None:
+            self.policy.bind_drafter(self.drafter)
+        self._baseline_policy = make_policy("static", "")
+        self.context_costs = None                     # prices a context node's verify time
+        if self.context is not None:
+            self.context.bind(target.get_input_embeddings().weight.shape[0], self.target.device)
+            self.context_costs = getattr(self.policy, "costs", None)
+            if self.context_costs is None:
+                self.context_costs = self.calibration.costs()
+        self.calibration.choose_kernels(target_alone=self.drafter is None and self.context is None)
+        # Trees live where the target's inputs live (its embedding's device under a device_map).
+        for pol in (self.policy, self._baseline_policy):
+            pol.topology = pol.topology.to(self.target.device)
+        self.context_window = getattr(target.config, "max_position_embeddings", None)
+
+    costs_source = property(lambda self: self.calibration.source)
+    calibration_s = property(lambda self: self.calibration.seconds)
+    calibration_note = property(lambda self: self.calibration.note)
+    kernels_note = property(lambda self: self.calibration.kernels_note)
+
+    # ------------------------------------------------------------------ public API
+
+    def generate(self, prompt, max_new_tokens: int = processors.UNSET, temperature: float = processors.UNSET,
+                 top_k: int = processors.UNSET, top_p: float = processors.UNSET, seed: int | None = None,
+                 stop_strings=None, ignore_eos: bool = False, eos_token_ids=None,
+                 streamer: Callable[[list[int]], None] | None = None,
+                 on_round: Callable[[DraftTree, Acceptance], None] | None = None,
+                 **options) -> GenerationOutput | list[GenerationOutput]:
+        """Generate with tree speculative decoding.
+
+        Args:
+            prompt: a string (tokenised as is; apply a chat template first if
+                wanted), a list of token ids, or a (T,) / (1, T) tensor; or a
+                list of such prompts, generated one after another (not batched).
+            max_new_tokens: default 128.
+            temperature, top_k, top_p, seed: as in plain sampling; temperature
+                0 (the default) is greedy, top_k 0 and top_p 1 are off.
+            stop_strings: stop once the decoded new text contains one of them.
+            ignore_eos: keep generating past EOS.
+            eos_token_ids: token id(s) that end generation; default: the
+                model's generation config and the tokenizer's EOS.
+            streamer: called with each round's newly emitted tokens.
+            on_round: called with each round's tree and its Acceptance (for
+                inspection and drawing; off the hot path when None).
+            options: `model.generate`'s names (see `mcsd.core.processors.request`):
+                `generation_config`, `do_sample`, `min_p`, `typical_p`,
+                `repetition_penalty`, `no_repeat_ngram_size`, `bad_words_ids`,
+                `min_length`, `min_new_tokens`, `suppress_tokens`,
+                `eos_token_id`, `max_length`, `logits_processor` (a list of
+                LogitsProcessor), `return_logprobs` / `output_scores`. Anything
+                else is a ConfigError naming it. Processors and logprobs need
+                the exact loop: not with policy "pearl" or lossy_target_roots.
+        Returns:
+            GenerationOutput (a list of them for a list of prompts). Its tokens
+            follow exactly the target's own *processed* distribution under these
+            settings (token-identical to `model.generate` with the same settings
+            when greedy, in float32).
+        """
+        if self.drafter is None and self.context is None:
+            raise ConfigError("this TreeDecoder has no draft; pass draft=... or use generate_baseline()")
+        if prompts.is_prompt_list(prompt):
+            return [self.generate(p, max_new_tokens, temperature, top_k, top_p, seed, stop_strings, ignore_eos,
+                                  eos_token_ids, streamer, on_round, **options) for p in prompt]
+        return self._collect(self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_strings,
+                                         ignore_eos, eos_token_ids, on_round=on_round, **options), streamer)
+
+    def generate_baseline(self, prompt, max_new_tokens: int = processors.UNSET,
+                          temperature: float = processors.UNSET, top_k: int = processors.UNSET,
+                          top_p: float = processors.UNSET, seed: int | None = None,
+                          stop_strings=None, ignore_eos: bool = False, eos_token_ids=None,
+                          streamer: Callable[[list[int]], None] | None = None,
+                          **options) -> GenerationOutput | list[GenerationOutput]:
+        """Plain target-only decoding through the same loop (a tree of just the root); takes what
+        `generate` takes, a list of prompts included."""
+        if prompts.is_prompt_list(prompt):
+            return [self.generate_baseline(p, max_new_tokens, temperature, top_k, top_p, seed, stop_strings,
+                                           ignore_eos, eos_token_ids, streamer, **options) for p in prompt]
+        return self._collect(self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_strings,
+                                         ignore_eos, eos_token_ids, baseline=True, **options), streamer)
+
+    def stream(self, prompt, max_new_tokens: int = processors.UNSET, temperature: float = processors.UNSET,
+               top_k: int = processors.UNSET, top_p: float = processors.UNSET, seed: int | None = None,
+               stop_strings=None, ignore_eos: bool = False, eos_token_ids=None, baseline: bool = False,
+               on_round: Callable[[DraftTree, Acceptance], None] | None = None,
+               **options) -> Iterator[list[int]]:
+        """Generator over the same loop: yields each round's new tokens; returns the GenerationOutput.
+        Takes one prompt and `generate`'s options."""
+        prompt_ids = self.encode(prompt)
+        cfg = processors.request(self.target.model, prompt_ids.numel(), max_new_tokens=max_new_tokens,
+                                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                 stop_strings=stop_strings, ignore_eos=ignore_eos, eos_token_ids=eos_token_ids,
+                                 **options)
+        check_context_window(self.context_window, prompt_ids.numel(), cfg.max_new_tokens)
+        if baseline:
+            return (yield from self._decode(prompt_ids, cfg, Proposer(self._baseline_policy, None, None)))
+        check_lossy_roots(self.lossy_roots, cfg.sampling)
+        # between generations, never within one: measure again where the last one found the costs stale
+        self.calibration.refresh(getattr(self.policy, "costs", None) or self.context_costs)
+        proposer = Proposer(self.policy, self.drafter, self.context, self.lossy_roots, self.context_costs)
+        if proposer.lossy:
+            _exact_loop_only(cfg, "lossy_target_roots")
+        return (yield from self._decode(prompt_ids, cfg, proposer, on_round))
+
+    def encode(self, prompt) -> torch.Tensor:
+        """Prompt (str, list of ids, or tensor) -> (T,) long ids on the target's device."""
+        vocab = self.target.model.get_input_embeddings().weight.shape[0]
+        return prompts.encode(prompt, self.tokenizer, vocab, self.target.device)
+
+    # ------------------------------------------------------------------ the loop
+
+    @torch.inference_mode()
+    def _decode(self, prompt_ids: torch.Tensor, cfg: DecodeConfig, proposer: Proposer,
+                on_round=None) -> Iterator[list[int]]:
+        policy, drafter = proposer.policy, proposer.drafter
+        if isinstance(policy, PearlMode) and drafter is not None:    # draft and target run concurrently
+            _exact_loop_only(cfg, "policy 'pearl'")
+            with kernels.suspend():                             # the matmul flag is shared by both threads
+                return (yield from pearl.decode(self, prompt_ids, cfg, policy, drafter))
+        stats, gen = GenerationStats(), make_generator(cfg.seed, self.target.device)
+        noise = None                 # Gumbel noise by (seed, position): a seed's text whatever the trees
+        if not cfg.sampling.greedy and cfg.sampling.method == "gumbel":
+            vocab = self.target.model.get_input_embeddings().weight.shape[0]
+            noise = PositionNoise(cfg.seed, vocab, self.target.device)
+        emitted = Emission(cfg, eos_ids(cfg, self.target.model, self.tokenizer), self.tokenizer)
+        proc = processors.build(cfg.processing, prompt_ids.numel(), emitted.eos)   # None: raw logits decide
+        t_start = time.perf_counter()
+        # 0. prefill: the target reads the prompt and chooses the first token itself
+        sequence, new, new_lp = self._prefill(prompt_ids, cfg, proposer, gen, proc, noise)
+        stats.target_forwards += 1
+        stats.prefill_s = time.perf_counter() - t_start
+        yield emitted.add(new, new_lp)
+
+        while emitted.finish is None:
+            # 1-2. propose: the drafter's tree under the root, context branches merged in
+            t0 = time.perf_counter()
+            proposal = proposer.propose(sequence, cfg.max_new_tokens - len(emitted.tokens), cfg.sampling, gen, proc,
+                                        noise)
+            t1 = time.perf_counter()
+            # 3-4. verify every node in one target forward, then accept (the target's cache keeps the path)
+            acc, path_hidden, last, new_lp = self._verify(proposal.grown, sequence, cfg, gen, policy,
+                                                          proposer.hidden, proposer.lossy > 0, proposer.context, proc,
+                                                          noise)
+            t2 = time.perf_counter()
+            # 5. commit the path to the drafter's cache; the proposers observe how the round went
+            proposer.observe(proposal, acc, path_hidden, last, (t1 - t0) * 1000, (t2 - t1) * 1000,
+                             self.target.forward_ms)
+            stats.draft_s += t1 - t0
+            stats.verify_s += t2 - t1
+            stats.target_forwards += 1
+            stats.record_round(proposal.grown.tree, acc.n_accepted)
+            if on_round is not None:
+                on_round(proposal.grown.tree, acc)
+            # 6. emit
+            new = proposal.emitted(acc, lossy=proposer.lossy > 0)
+            sequence = torch.cat([sequence, new])
+            yield emitted.add(new.tolist(), new_lp)
+
+        proposer.record(stats)
+        stats.wall_s = time.perf_counter() - t_start
+        return emitted.output(stats)
+
+    def _prefill(self, prompt_ids: torch.Tensor, cfg: DecodeConfig, proposer: Proposer, gen, proc,
+                 noise: PositionNoise | None = None):
+        """The target reads the prompt (T,) and, unless the round's roots are its top-W (lossy), chooses
+        the first token. Only the last row is projected onto the vocabulary: the prompt's other rows
+        would give context drafting recycled predictions for prompt tokens, but the projection costs
+        more than they gain (a long prompt's, without native bfloat16, more than the n-gram source's
+        copies then save).
+
+        Returns:
+            (the committed sequence ending with the root, the tokens to emit, their log-probabilities
+            with `cfg.return_logprobs` else None).
+        """
+        proposer.reset()
+        self.target.reset()
+        if proposer.hidden:                                     # the target layers the drafter reads
+            logits, prompt_hidden = self.target.extend(prompt_ids, hidden=proposer.hidden, last_logits=True)
+        else:
+            logits, prompt_hidden = self.target.extend(prompt_ids, last_logits=True), None
+        proposer.start(prompt_ids, logits, prompt_hidden)
+        if proposer.lossy:              # the target's top-W are the next round's candidate roots; nothing emitted
+            return prompt_ids, [], None
+        scores = logits[-1] if proc is None else proc.at_prefix(prompt_ids, logits[-1])
+        root, new_lp = choose(scores, cfg.sampling, gen, cfg.return_logprobs, noise, prompt_ids.numel())
+        return torch.cat([prompt_ids, root.reshape(1)]), [int(root)], new_lp
+
+    def _verify(self, grown: GrownTree, sequence: torch.Tensor, cfg: DecodeConfig, gen, policy: TreePolicy,
+                hidden: bool | tuple[int, ...] = False, skip_root: bool = False,
+                context: ContextDrafter | None = None, proc: processors.NodeScores | None = None,
+                noise: PositionNoise | None = None):
+        """One target forward over the tree's nodes, the acceptance rule, and the target cache commit.
+
+        `sequence` (T,) is the committed sequence ending with the root; `proc`
+        processes each node's logits with that node's own prefix. Sampling with
+        `noise`: the target's draw after each node is the Gumbel-max token at the
+        next position, and a node is accepted exactly as under greedy matching.
+
+        With skip_root (the lossy multi-root variant) the root is the last
+        committed token, already in the cache, and its children are the
+        candidate roots: every node but the root is fed, and the first level is
+        accepted as given.
+
+        Returns:
+            (Acceptance; with `hidden` (True, or target layer indices) those hidden
+            states along the newly committed path (else None); the target's logits
+            (V,) after the deepest accepted node; with `cfg.return_logprobs` the
+            (k+1,) float32 log-probabilities of the emitted tokens, else None).
+        """
+        tree, sampling = grown.tree, cfg.sampling
+        prefix = self.target.length
+        anc = tree.mask()                                                  # (N, N), sliced from the topology
+        s = int(skip_root)                                                 # rows of the tree fed to the target
+        out = self.target.forward(tree.tokens[s:], tree.positions(prefix - s)[s:], anc[s:, s:], hidden=hidden)
+        logits, states = out if hidden else (out, None)                   # (N-s, V), (N-s, H)
+        if policy.wants_target_logits and not skip_root:
+            policy.observe_target(tree, logits)
+        if proc is not None:                     # the processed distribution at each node, with its own prefix
+            logits = proc.at_nodes(sequence[:-1], tree, torch.arange(tree.size, device=logits.device), logits)
+        p_target = None
+        if sampling.greedy:
+            argmax = logits.argmax(-1)
+            if skip_root:   # the root's row is not computed; its children are accepted as given
+                argmax = torch.cat([argmax.new_full((1,), -1), argmax])
+            acc = accept_greedy(tree.tokens, tree.parents, tree.depth, anc, argmax,
+                                given=(tree.depth == 1) if skip_root else None)
+        elif noise is not None:                  # the target's own seeded draw after each node, matched
+            draws = noise.draw_logits(logits, sampling, tree.depth + sequence.numel())   # node at depth d draws T + d
+            acc = accept_greedy(tree.tokens, tree.parents, tree.depth, anc, draws)
+        else:
+            p_target = logits_to_probs(logits, sampling)
+            q_draft = grown.q_draft.to(p_target.device) if grown.q_draft is not None else None
+            acc = accept_sampling(tree.tokens, tree.parents, p_target, q_draft, gen,
+                                  deterministic=grown.deterministic)
+        kept = acc.path[s:] - s                                            # rows of the fed block
+        if context is not None:                  # the target's predictions along the accepted path, recycled
+            context.observe_logits(tree.tokens[acc.path], logits[kept])
+        self.target.commit(prefix, kept)
+        emitted_lp = None
+        if cfg.return_logprobs:                  # row path[j] is the distribution the j-th emitted token came from
+            emitted = torch.cat([tree.tokens[acc.path[1:]], acc.next_token.reshape(1)])
+            dist = (logits[kept].float().log_softmax(-1) if sampling.greedy
+                    else p_target[kept].log() if p_target is not None
+                    else processed_scores(logits[kept], sampling).log_softmax(-1))
+            emitted_lp = dist.gather(1, emitted[:, None]).squeeze(1)
+        return acc, (states[kept] if hidden else None), logits[acc.path[-1] - s], emitted_lp
+
+    # ------------------------------------------------------------------ helpers
+
+    @staticmethod
+    def _collect(rounds: Iterator[list[int]], streamer) -> GenerationOutput:
+        while True:
+            try:
+                new = next(rounds)
+            except StopIteration as done:
+                return done.value
+            if streamer is not None and new:
+                streamer(new)
+
+
+def _choose_threads(threads: int | str | None):
+    """TreeDecoder's `threads` argument -> the ThreadChoice applied to torch (None: left alone)."""
+    from ..forward import threads as cpu_threads
+    if threads is None:
+        return None
+    if threads == "auto":
+        choice = cpu_threads.auto()
+    elif isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1:
+        choice = cpu_threads.explicit(threads, "threads=")
+    else:
+        raise ConfigError(f"threads must be 'auto', None or an integer >= 1, got {threads!r}")
+    torch.set_num_threads(choice.threads)
+    return choice
+
+
+def _exact_loop_only(cfg: DecodeConfig, what: str) -> None:
+    """ConfigError when `cfg` asks for what only the exact tree loop provides."""
+    asked = [name for name, on in (("logits processors / processor options", cfg.processing.active),
+                                   ("return_logprobs", cfg.return_logprobs)) if on]
+    if asked:
+        raise ConfigError(f"{' and '.join(asked)} need the exact tree loop; {what} does not support them")

@@ -1,0 +1,210 @@
+"""A round's proposal: the tree the target verifies, from up to three proposers.
+
+- the model drafter grows a tree under the target-initialised root, level by level, as its
+  policy shapes it (`mcsd.drafting.draft.grow_tree`);
+- the context drafter grafts free branches from the prompt, the output so far and the target's
+  recycled predictions beneath the root and the drafted nodes (`mcsd.drafting.context`);
+- with lossy_target_roots W, the target's own top-W tokens after the last accepted token are the
+  tree's first level (the MCSD paper's variant; not lossless, greedy only).
+
+After verification the proposers hear how the round went: the drafter's cache keeps the accepted
+path, context drafting counts its accepted nodes, the policy sees the drafted part's acceptance and
+the round's timings.
+
+Context drafting has a gate of its own (`policies.base.Gate`, as the learned policy has for the
+model drafter): a running value of the rounds it grafted into (its accepted nodes' worth in one-token
+steps, less its nodes' verify time, both from the costs, not this run's clock); while that is
+negative it sits out, and is tried again after `CONTEXT_PROBE_EVERY` rounds, waiting twice as long
+after each probe that lost, up to `CONTEXT_MAX_GAP`. Where context candidates are rarely the
+target's draw (sampling at high temperature) its rounds are then plain steps, without the lookups
+and their verify rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import SamplingConfig
+from ..core.tree import DraftTree
+from ..core.verify import Acceptance
+from ..drafting.context import ContextDrafter, Graft
+from ..drafting.draft import Drafter, GrownTree, grow_tree
+from ..drafting.policies import TreePolicy
+from ..drafting.policies.base import Gate
+
+CONTEXT_PROBE_EVERY = 3             # rounds without context drafting before it is tried again
+CONTEXT_MAX_GAP = 48                # the longest wait after probes that kept losing
+CONTEXT_MEMORY = 0.125              # weight of the latest grafting round in the gate's running value
+
+
+@dataclass
+class Proposal:
+    """One round's tree and where its parts came from.
+
+    Attributes:
+        grown: the tree to verify (context nodes merged in) with the draft distributions.
+        drafted: the model drafter's part of it (the root alone when nothing was drafted).
+        graft: context drafting's nodes, or None.
+        depth: levels the model drafter was asked for (0: none).
+    """
+
+    grown: GrownTree
+    drafted: DraftTree
+    graft: Graft | None
+    depth: int
+
+    def emitted(self, acc: Acceptance, lossy: bool) -> torch.Tensor:
+        """(k,) the tokens a round emits: the accepted path below the root, then the target's own next
+        token (lossy: not that one; the next round's candidate roots stand in for it)."""
+        new = self.grown.tree.tokens[acc.path[1:]]
+        return new if lossy else torch.cat([new, acc.next_token.reshape(1)])
+
+
+class Proposer:
+    """The proposers of one generation and what they learn from its rounds.
+
+    Args:
+        policy: shapes the model drafter's tree (also the root-only tree without a drafter).
+        drafter: the model drafter, or None.
+        context: the context drafter, or None.
+        lossy: W > 0: the target's top-W tokens are each round's candidate roots (needs a drafter).
+        context_costs: `mcsd.costs.profile.Costs` pricing a context node's verify time, or None.
+
+    Attributes:
+        hidden: the target layers whose hidden states the drafter reads (a tuple), or False.
+    """
+
+    def __init__(self, policy: TreePolicy, drafter: Drafter | None, context: ContextDrafter | None,
+                 lossy: int = 0, context_costs=None):
+        self.policy, self.drafter, self.context, self.context_costs = policy, drafter, context, context_costs
+        self.lossy = lossy if drafter is not None else 0
+        self.hidden = (tuple(getattr(drafter, "feature_layers", (-1,)))    # default: the last layer
+                       if getattr(drafter, "uses_target_hidden", False) else False)
+        self.roots: torch.Tensor | None = None          # lossy: (W,) this round's candidate roots
+        self._drafted_accepts: list[int] = []           # per round, the drafted part's accepted count
+        # context is right in bursts (a repeated span) and wrong in between: a long memory while it
+        # grafts, and a probe judged on its own round, so one that pays opens the gate again
+        self.context_gate = Gate(CONTEXT_PROBE_EVERY, CONTEXT_MAX_GAP, memory=CONTEXT_MEMORY, probe_alone=True)
+
+    def reset(self) -> None:
+        """Before the prefill: the policy and the drafter start a new sequence."""
+        self.policy.reset()
+        if self.drafter is not None:
+            self.drafter.reset()
+        self.context_gate.reset()
+
+    @property
+    def context_value(self) -> float:
+        """Running ms a grafting round gained; < 0: grafting loses (the context gate's value)."""
+        return self.context_gate.value
+
+    def start(self, prompt_ids: torch.Tensor, logits: torch.Tensor, prompt_hidden=None) -> None:
+        """After the prefill: the proposers read the prompt (T,) and the target's last logits (1, V)."""
+        if self.hidden:
+            self.drafter.observe_target(prompt_hidden)             # features of every prompt position
+        if self.context is not None:
+            self.context.reset(prompt_ids)
+            self.context.observe_logits(prompt_ids[-1:], logits[-1:])   # the prompt's last token's, recycled
+        if self.lossy:                     # the target's top-W become the first round's candidate roots
+            self.roots = logits[-1].topk(self.lossy).indices
+
+    def propose(self, sequence: torch.Tensor, remaining: int, sampling: SamplingConfig, gen,
+                scores=None, noise=None) -> Proposal:
+        """The tree beneath the root `sequence[-1]` ((T,) committed tokens) for a round that may emit
+        `remaining` more tokens; `scores` (`mcsd.core.processors.NodeScores`) processes drafted logits;
+        `noise` (`mcsd.core.sampling.PositionNoise`) ranks sampled candidates by the target's own noise."""
+        policy, drafter = self.policy, self.drafter
+        depth = min(policy.begin_round(), remaining - (0 if self.lossy else 1)) if drafter is not None else 0
+        if self.lossy:
+            depth = max(depth, 1)                           # the candidate roots are this round's level 1
+        grown = (grow_tree(drafter, policy, sequence, depth, sampling, gen, root_children=self.roots, scores=scores,
+                           noise=noise)
+                 if depth > 0 else GrownTree(DraftTree.root_only(policy.topology, sequence[-1]), None))
+        drafted, graft = grown.tree, None
+        if self.context is not None and self.context_gate.opens():   # free branches from the context, merged in
+            costs = self.context_costs
+            spent_ms = round_ms(drafted, costs)             # from costs, not this run's clock
+            probs = policy.node_probabilities()
+            expected = expected_tokens(policy, self._drafted_accepts, drafted.size)
+            graft = self.context.graft(drafted, sequence, expected, spent_ms, costs,
+                                       probs if probs is not None and probs.numel() == drafted.size else None)
+            grown = grown.with_graft(graft)
+        return Proposal(grown, drafted, graft, depth)
+
+    def observe(self, proposal: Proposal, acc: Acceptance, path_hidden: torch.Tensor | None,
+                last_logits: torch.Tensor, draft_ms: float, verify_ms: float,
+                forward_ms: float | None = None) -> None:
+        """After verification: commit the accepted path to the drafter's cache and tell the proposers
+        how the round went. `path_hidden` holds the target's hidden states along the committed path
+        (where the drafter reads them), `last_logits` (V,) the target's after the deepest accepted node;
+        `verify_ms` is the whole verification, `forward_ms` the target forward's part of it, if known."""
+        if self.hidden:
+            self.drafter.observe_target(path_hidden)                 # features of root .. deepest accepted
+        if self.drafter is not None and proposal.depth > 0:
+            self.drafter.commit(acc.path)
+        if proposal.graft is not None:
+            self.context.observe(proposal.graft, acc.path)
+            self._value_context(proposal, acc)
+        # the policy hears about its own tree: the accepted path's drafted part, and how much of it
+        # context drafting proposed too
+        self._drafted_accepts.append(int((acc.path < proposal.drafted.size).sum()) - 1)
+        self.policy.observe(self._drafted_accepts[-1], proposal.drafted, shared_prefix(proposal, acc))
+        self.policy.observe_timing(proposal.grown.tree, draft_ms, verify_ms, forward_ms)
+        if self.lossy:
+            self.roots = last_logits.topk(self.lossy).indices
+
+    def _value_context(self, proposal: Proposal, acc: Acceptance) -> None:
+        """What this round's grafted nodes were worth, into the context gate (needs costs)."""
+        costs = self.context_costs
+        if costs is None:
+            return
+        base, size = proposal.drafted.size, proposal.grown.tree.size
+        accepted = int((acc.path >= base).sum())                    # grafted nodes on the accepted path
+        self.context_gate.observe(accepted * costs.verify_ms(1) - (costs.verify_ms(size) - costs.verify_ms(base)))
+
+    def record(self, stats) -> None:
+        """The proposers' totals into a `GenerationStats`."""
+        if self.drafter is not None:
+            stats.draft_forwards = self.drafter.forwards
+        if self.context is not None:
+            stats.context_nodes, stats.context_accepted = self.context.proposed_nodes, self.context.accepted_nodes
+        stats.policy_s = getattr(self.policy, "predict_s", 0.0)
+
+
+def shared_prefix(proposal: Proposal, acc: Acceptance) -> int:
+    """How many accepted drafted nodes, from the root down, context drafting proposed as well (each
+    beneath one it proposed too, so it would have reached them without the drafted tree)."""
+    graft = proposal.graft
+    if graft is None or not graft.proposed:
+        return 0
+    shared, base = 0, proposal.drafted.size
+    for node in acc.path.tolist()[1:]:
+        if node >= base or node not in graft.proposed:
+            break
+        shared += 1
+    return shared
+
+
+def round_ms(tree: DraftTree, costs) -> float:
+    """A round's time before context nodes, in ms, from the costs alone (so that the graft, and the
+    output, do not depend on how long this run's forwards happened to take): the draft forwards that
+    grew `tree` (one per level but the last, over that level's nodes) and its verify."""
+    if costs is None:
+        return 0.0
+    widths = torch.bincount(tree.depth).tolist()[:-1]                 # nodes per level fed to the drafter
+    return sum(costs.draft_ms(w) for w in widths) + costs.verify_ms(tree.size)
+
+
+def expected_tokens(policy: TreePolicy, drafted_accepts: list[int], drafted_size: int) -> float:
+    """Tokens this round should emit before context nodes: 1 for the root alone, else the policy's
+    estimate for its tree where it has one, else 1 + the mean accepted from drafted trees in recent
+    rounds (context branches' acceptances are not the drafter's)."""
+    if drafted_size == 1:                     # the root alone: it is the one token for sure
+        return 1.0
+    own = policy.expected_tokens()
+    if own is not None:
+        return own
+    recent = drafted_accepts[-16:]
+    return 1.0 + sum(recent) / max(len(recent), 1)

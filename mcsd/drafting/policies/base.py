@@ -1,0 +1,158 @@
+"""The small protocol every tree policy follows, and the frontier it judges.
+
+A policy owns the *largest* tree it may grow (a `TreeTopology`, whose mask is
+built once) and decides, round by round, how much of it to use:
+
+- `bind_drafter(drafter)` is told the draft source once (for policies that
+  read its hidden states);
+- `begin_round()` returns the depth limit for this round;
+- `expand(frontier)` sees one level of frontier nodes (as tensors, in one
+  call), each with the draft distribution its children would be drawn from,
+  and returns how many children each gets; all zeros stops drafting;
+- `observe(n_accepted, tree)` hears how the round went, and
+  `observe_timing(tree, draft_ms, verify_ms, forward_ms)` what it took.
+
+Why decide per *parent* and not per drawn child: under sampling, a child's
+own token must not decide whether it is verified (keeping only the children
+the draft happens to like skews the candidates away from q and breaks exact
+rejection sampling). A decision made from the parent's distribution, before
+its children are drawn, never does. Under greedy decoding the children are
+the parent's top-k, so the same hook sees everything it needs.
+
+Policies never touch models, caches or masks; the decoder does that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...core.tree import DraftTree, TreeTopology
+
+
+@dataclass(frozen=True)
+class Frontier:
+    """The nodes whose children come next (F nodes at one depth).
+
+    Attributes:
+        depth: depth of the frontier nodes (their children land at depth + 1).
+        nodes: (F,) long indices in the current tree.
+        max_children: (F,) long, how many children the topology allows each.
+        probs: (F, V) float, the draft distribution each node's children are
+            drawn from (greedy: softmax of the draft logits; sampling: the
+            processed q_draft); (F, K) over a drafter's sub-vocabulary where it
+            scores one (`mcsd.drafting.draft.Drafter`), the other tokens' 0s left out.
+        tree: the tree grown so far (frontier included).
+    """
+
+    depth: int
+    nodes: torch.Tensor
+    max_children: torch.Tensor
+    probs: torch.Tensor
+    tree: DraftTree
+
+
+class Gate:
+    """Whether a proposer runs this round, from what its rounds have been worth.
+
+    `value` is a running mean of each run round's worth in ms (what it gained less what it cost, the
+    caller's arithmetic); while it is negative the proposer sits out and is tried again after
+    `probe_every` rounds, each probe that loses doubling the wait up to `max_gap`, and one that wins
+    resetting it. `memory` weighs the latest round in the mean; with `probe_alone` a probe is judged
+    on its own round, so one that pays opens the gate at once.
+    """
+
+    def __init__(self, probe_every: int, max_gap: int, memory: float = 0.5, probe_alone: bool = False):
+        self.probe_every, self.max_gap, self.memory, self.probe_alone = probe_every, max_gap, memory, probe_alone
+        self.reset()
+
+    def reset(self) -> None:
+        """Open: the next round runs."""
+        self.value = 0.0
+        self.skipped = 0                # rounds in a row sat out (0: the last round asked ran)
+        self.gap = self.probe_every     # rounds to sit out before the next probe
+
+    def opens(self) -> bool:
+        """Whether this round runs; call once a round."""
+        skip = self.value < 0 and self.skipped < self.gap
+        self.skipped = self.skipped + 1 if skip else 0
+        return not skip
+
+    @property
+    def ran(self) -> bool:
+        """The round `opens` was last asked about runs."""
+        return self.skipped == 0
+
+    def observe(self, value: float) -> None:
+        """What a round that ran was worth, in ms."""
+        was_losing = self.value < 0
+        self.value = value if was_losing and self.probe_alone else \
+            (1 - self.memory) * self.value + self.memory * value
+        if self.value >= 0:
+            self.gap = self.probe_every
+        elif was_losing:                                            # a probe that lost: wait longer next time
+            self.gap = min(2 * self.gap, self.max_gap)
+
+
+class TreePolicy:
+    """Base class: grow the whole topology every round (a static tree)."""
+
+    name = "base"
+    default_tree = "4,2,2"   # the largest tree this policy grows when none is given (benchmarks use it)
+
+    def __init__(self, topology: TreeTopology):
+        self.topology = topology
+
+    def begin_round(self) -> int:
+        """Depth limit for this round's tree."""
+        return self.topology.max_depth
+
+    def expand(self, frontier: Frontier) -> torch.Tensor | None:
+        """(F,) long children per frontier node (clamped to max_children), or None for the maximum."""
+        return None
+
+    def level_added(self, kept: torch.Tensor) -> None:
+        """Called after a level was appended. kept: (F, k) bool, which (frontier node, rank)
+        children exist (row-major = the order they were appended in)."""
+
+    def given_level(self, n: int) -> None:
+        """Called when the first level was given, not drafted (n candidate roots of the lossy
+        multi-root variant); they count as certain."""
+
+    def continue_drafting(self, tree: DraftTree, new_nodes: torch.Tensor) -> bool:
+        """Whether to run the next draft forward over `new_nodes` (the level just added)."""
+        return True
+
+    def bind_drafter(self, drafter) -> None:
+        """Called once by the decoder with its drafter. A policy that reads the draft's last hidden
+        states sets `drafter.keep_hidden = True` here and reads `drafter.last_hidden` ((F, H), the
+        frontier's rows, in order) in `expand`."""
+
+    wants_target_logits = False   # True: the decoder also calls observe_target after each verify
+
+    def observe_target(self, tree: DraftTree, logits: torch.Tensor) -> None:
+        """The target's logits (N, V) at every node of the verified tree (trace collection)."""
+
+    def observe(self, n_accepted: int, tree: DraftTree, shared: int = 0) -> None:
+        """Called after verification with the number of accepted draft tokens; `shared` of them, the
+        first, context drafting proposed too (they would have been accepted without this tree)."""
+
+    def observe_timing(self, tree: DraftTree, draft_ms: float, verify_ms: float,
+                       forward_ms: float | None = None) -> None:
+        """Called after each round with its measured draft time (policy decisions included), verify
+        time and, where known, the target forward's part of it, in milliseconds; cost-aware
+        policies correct their costs with it."""
+
+    def expected_tokens(self) -> float | None:
+        """Tokens this round's tree is expected to emit (the target's own included), once
+        drafting ended; None when the policy has no estimate. Prices context proposals."""
+        return None
+
+    def node_probabilities(self) -> torch.Tensor | None:
+        """(N,) each node of this round's tree's probability of being accepted, where the policy
+        estimates it (None otherwise). Prices context proposals beneath drafted nodes."""
+        return None
+
+    def reset(self) -> None:
+        """Called at the start of every generation."""

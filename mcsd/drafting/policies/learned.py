@@ -1,0 +1,421 @@
+"""A learned tree policy: scikit-learn acceptance models decide which branches to grow and when to stop.
+
+For every candidate child (frontier node f, sibling rank r) the policy builds
+one feature row (`candidate_features`, columns `FEATURE_NAMES`) and asks an
+acceptance model, in one batched call per level, for P(accepted | parent
+accepted). Multiplying along the path gives each candidate's probability of
+being on the accepted path, i.e. its expected contribution to the tokens a
+round emits. Candidates are added best first while they raise the expected
+tokens per second of the round, with costs from the device profile (verify
+time against tree size, draft time per level). When none pays, drafting stops.
+
+Models are stored as plain JSON parameters (logistic regression coefficients,
+or gradient-boosted regression trees as arrays), evaluated here with torch;
+loading never runs code from the file. scikit-learn is only needed to *fit*
+them (tools/train_decision_models.py).
+
+Exactness: the decision for node f's children uses only f's own draft
+distribution and its ancestors, before any child is drawn (see base.py), so
+greedy and sampled output stay exactly the target's.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from ...config import ConfigError
+from ...core.tree import DraftTree, TreeTopology
+from ...costs.profile import Costs
+from ...loading.models import ModelLoadError, models_dir
+from .base import Frontier, Gate, TreePolicy
+
+FEATURE_NAMES = (
+    "q_rank",         # draft probability of the candidate (its rank-r probability under the parent)
+    "top1",           # parent's draft distribution: top-1 probability
+    "margin",         # top-1 minus top-2 probability
+    "entropy",        # entropy (nats)
+    "depth",          # depth of the candidate
+    "path_logp",      # cumulative draft log-probability of the path to the candidate
+    "rank",           # sibling rank
+    "parent_pred",    # predicted probability that the parent is on the accepted path (root: 1)
+    "recent_accept",  # running mean of per-depth acceptance in this sequence
+)
+FORMAT = "mcsd-acceptance-model"
+FORMAT_VERSION = 1
+
+
+def candidate_features(frontier: Frontier, k: int, parent_pred: torch.Tensor, recent: float) -> torch.Tensor:
+    """One feature row per (frontier node, rank < k).
+
+    Args:
+        frontier: the level being expanded (its `probs` is (F, V)).
+        k: ranks considered per node.
+        parent_pred: (F,) path probability of each frontier node.
+        recent: running acceptance rate of this sequence.
+    Returns:
+        (F, k, len(FEATURE_NAMES)) float32.
+    """
+    probs = frontier.probs.float()
+    top = torch.topk(probs, max(k, 2), dim=-1).values                                  # (F, k')
+    entropy = -(probs * probs.clamp_min(1e-12).log()).sum(-1)                          # (F,)
+    f, kk = probs.shape[0], k
+    q_rank = top[:, :k]                                                                 # (F, k)
+    logp = frontier.tree.logp[frontier.nodes].float()                                  # (F,)
+    cols = [
+        q_rank,
+        top[:, :1].expand(f, kk),
+        (top[:, 0] - top[:, 1])[:, None].expand(f, kk),
+        entropy[:, None].expand(f, kk),
+        torch.full((f, kk), float(frontier.depth + 1), device=probs.device),
+        logp[:, None] + q_rank.clamp_min(1e-12).log(),
+        torch.arange(kk, device=probs.device, dtype=torch.float32)[None].expand(f, kk),
+        parent_pred.float()[:, None].expand(f, kk),
+        torch.full((f, kk), float(recent), device=probs.device),
+    ]
+    return torch.stack(cols, dim=-1)
+
+
+# ---------------------------------------------------------------------------- models as data
+
+class AcceptanceModel:
+    """P(candidate accepted | parent accepted) from a JSON parameter file; evaluated with torch."""
+
+    def __init__(self, spec: dict, source: str = "<dict>"):
+        if spec.get("format") != FORMAT or spec.get("version") != FORMAT_VERSION:
+            raise ValueError(f"{source}: not an mcsd acceptance model (format {spec.get('format')!r}, "
+                             f"version {spec.get('version')!r}; expected {FORMAT!r} v{FORMAT_VERSION})")
+        names = tuple(spec.get("features", ()))
+        if not names or any(n not in FEATURE_NAMES for n in names):
+            raise ValueError(f"{source}: unknown features {[n for n in names if n not in FEATURE_NAMES]}; "
+                             f"this mcsd knows {list(FEATURE_NAMES)}")
+        self.columns = torch.tensor([FEATURE_NAMES.index(n) for n in names])
+        self.kind = spec.get("kind")
+        self.meta = spec.get("meta", {})
+        try:
+            if self.kind == "logistic":
+                self.mean = torch.tensor(spec["mean"], dtype=torch.float32)
+                self.scale = torch.tensor(spec["scale"], dtype=torch.float32)
+                self.coef = torch.tensor(spec["coef"], dtype=torch.float32)
+                self.intercept = float(spec["intercept"])
+                shapes = {self.mean.numel(), self.scale.numel(), self.coef.numel()}
+                if shapes != {len(names)}:
+                    raise ValueError("coefficient count does not match the feature list")
+            elif self.kind == "gbt":
+                self.init = float(spec["init"])
+                self.learning_rate = float(spec["learning_rate"])
+                self.forest = _Forest([_Tree(t, len(names)) for t in spec["trees"]])
+            else:
+                raise ValueError(f"unknown model kind {self.kind!r}")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{source}: malformed acceptance model ({exc})") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> "AcceptanceModel":
+        try:
+            return cls(json.loads(Path(path).read_text()), str(path))
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"cannot use acceptance model {path}: {exc}") from None
+
+    def predict_proba(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (..., len(FEATURE_NAMES)) -> (...) probabilities."""
+        z = x.float()[..., self.columns.to(x.device)]
+        if self.kind == "logistic":
+            logit = ((z - self.mean.to(z.device)) / self.scale.to(z.device)) @ self.coef.to(z.device) + self.intercept
+        else:
+            logit = self.init + self.learning_rate * self.forest(z)
+        return torch.sigmoid(logit)
+
+
+class _Tree:
+    """A regression tree as flat arrays (sklearn's tree_ layout), checked; evaluated by `_Forest`."""
+
+    def __init__(self, t: dict, n_features: int):
+        self.left = torch.tensor(t["left"], dtype=torch.long)
+        self.right = torch.tensor(t["right"], dtype=torch.long)
+        self.feature = torch.tensor(t["feature"], dtype=torch.long)
+        self.threshold = torch.tensor(t["threshold"], dtype=torch.float32)
+        self.value = torch.tensor(t["value"], dtype=torch.float32)
+        n = self.left.numel()
+        if not (self.right.numel() == self.feature.numel() == self.threshold.numel() == self.value.numel() == n):
+            raise ValueError("tree arrays differ in length")
+        inner = self.left >= 0
+        if (self.feature[inner] >= n_features).any() or (self.left[inner] >= n).any() or (self.right[inner] >= n).any():
+            raise ValueError("tree refers to a feature or node that does not exist")
+        self.depth = int(t.get("max_depth", 32))
+
+
+class _Forest:
+    """All trees of an ensemble in padded (trees, nodes) arrays, traversed together.
+
+    One pass per level of the deepest tree, whatever the number of trees: the
+    policy calls this once per draft level, so its cost is a few dozen small
+    tensor ops, not a few per tree.
+    """
+
+    def __init__(self, trees: list[_Tree]):
+        if not trees:
+            raise ValueError("an ensemble needs at least one tree")
+        width = max(t.left.numel() for t in trees)
+        self.depth = max(t.depth for t in trees)
+
+        def stack(attr, fill):
+            rows = [torch.cat([getattr(t, attr), torch.full((width - getattr(t, attr).numel(),), fill,
+                                                           dtype=getattr(t, attr).dtype)]) for t in trees]
+            return torch.stack(rows).flatten()                          # (T * width,)
+        self.left, self.right = stack("left", -1), stack("right", -1)
+        self.feature, self.threshold, self.value = stack("feature", 0), stack("threshold", 0.0), stack("value", 0.0)
+        self.offset = torch.arange(len(trees)) * width                  # (T,) first node of each tree
+
+    def __call__(self, z: torch.Tensor) -> torch.Tensor:
+        """z: (..., D) -> (...) the sum of the trees' leaf values."""
+        dev = z.device
+        left, right, feat, thr = (a.to(dev) for a in (self.left, self.right, self.feature, self.threshold))
+        rows = z.reshape(-1, z.shape[-1])                                # (R, D)
+        offset = self.offset.to(dev)[None]                               # (1, T)
+        idx = offset.expand(rows.shape[0], -1)                           # (R, T) current node of each tree
+        for _ in range(self.depth):
+            go_left = rows.gather(1, feat[idx].clamp_min(0)) <= thr[idx]
+            child = torch.where(go_left, left[idx], right[idx])          # local index in its tree; -1 at a leaf
+            idx = torch.where(left[idx] >= 0, offset + child, idx)
+        return self.value.to(dev)[idx].sum(-1).reshape(z.shape[:-1])
+
+
+# ---------------------------------------------------------------------------- the policy
+
+class LearnedPolicy(TreePolicy):
+    """Grow the branches whose predicted path acceptance pays for their draft and verify time.
+
+    Expected tokens of a round = 1 (the target's own token) + the sum of the
+    tree nodes' path probabilities; its time = the draft levels run + the
+    verify of all nodes. Candidates are taken best first while they raise
+    tokens per millisecond; the next draft level runs only if its best
+    plausible gain (the new nodes' path probabilities times the recent
+    acceptance rate) pays for that level's draft time.
+
+    Drafting itself is gated, so that the policy is never much slower than
+    plain decoding: a running mean of what drafting has been worth per round
+    (accepted tokens times a target step, less the draft and extra verify
+    time spent) decides whether the next round drafts at all. While it is
+    negative the draft sits out and is tried again after `probe_every`
+    plain rounds; each probe that loses doubles the wait (up to
+    `max_probe_gap`), so on a machine or text where drafting never pays the
+    probes cost a few percent at most, and one that wins resets it. A round
+    without drafting is a plain target step; the draft catches up on the
+    skipped tokens in its next forward (`base.Gate`, which context drafting
+    shares). The gate opens again at each generation's `reset`, so a request's
+    trees never depend on the requests before it.
+
+    Costs come from this machine's calibrated profile, fixed for the run,
+    so that the trees grown (and in bfloat16, where a tree's size changes
+    the target's rounding, the output) depend only on the inputs and the
+    profile, not on how long this run's forwards happened to take.
+    `observe_timing` still compares every round's target forward with the
+    profile; a profile that persistently disagrees is flagged for
+    measuring again (see `mcsd.costs.profile.Costs`). With `online_costs` the
+    measured times also correct the costs within the run (faster to adapt to
+    a machine that slowed down; trees then vary from run to run).
+
+    Acceptance is the drafter's: a drafter whose folder ships its own model
+    (`acceptance.json`, fit on that drafter's traces) replaces the generic
+    one when the decoder binds it, since how often a draft probability of,
+    say, 0.6 is accepted differs from drafter to drafter. A model passed
+    as `model` is always kept.
+
+    Args:
+        topology: the largest tree allowed (depth and fan-out bounds).
+        model: an AcceptanceModel, or a path to one (default: the drafter's
+            own model where it ships one, else the generic shipped model).
+        costs: device costs (default: `Costs.default()`; see `Costs.from_profile`).
+        online_costs: correct the costs within the run from measured round times
+            (default False: costs fixed for the run, trees repeatable).
+
+    Attributes:
+        model_source: where the acceptance model came from (a path, or "given").
+    """
+
+    name = "learned"
+    default_tree = "4,3,2,2,1,1,1,1"
+    uses_device_profile = True          # the decoder passes costs from the cached device profile
+    probe_every = 3                     # plain rounds before drafting is tried again
+    max_probe_gap = 48                  # the longest wait after probes that kept losing
+
+    def __init__(self, topology: TreeTopology, model: AcceptanceModel | str | Path | None = None,
+                 costs: Costs | None = None, online_costs: bool = False):
+        super().__init__(topology)
+        self._model_given = model is not None
+        path = None if isinstance(model, AcceptanceModel) else Path(model if model is not None
+                                                                   else default_model_path())
+        self.model = model if path is None else AcceptanceModel.load(path)
+        self.model_source = "given" if path is None else str(path)
+        self.costs = costs or Costs.default()
+        if not isinstance(online_costs, bool):
+            raise ConfigError(f"online_costs must be true or false, got {online_costs!r}")
+        self.costs.online = online_costs
+        self.predict_s = 0.0          # feature building + prediction time, for the overhead report
+        self.reset()
+
+    def bind_drafter(self, drafter) -> None:
+        own = drafter_model_path(drafter)
+        if own is not None and not self._model_given:
+            self.model, self.model_source = AcceptanceModel.load(own), str(own)
+
+    def reset(self) -> None:
+        """A new generation: everything starts over, the draft gate included, so that a request's
+        trees (and so, in bfloat16, its rounding) never depend on the requests before it."""
+        self.recent = 0.5
+        self.predict_s = 0.0
+        self.forget()
+
+    def forget(self) -> None:
+        """Forget what drafting has been worth (the next round drafts)."""
+        self.gate = Gate(self.probe_every, self.max_probe_gap)
+
+    @property
+    def draft_value(self) -> float:
+        """Running ms gained per drafted round; < 0: drafting loses (the gate's value)."""
+        return self.gate.value
+
+    @draft_value.setter
+    def draft_value(self, value: float) -> None:
+        self.gate.value = value
+
+    def begin_round(self) -> int:
+        self._path_pred = torch.ones(1, device=self.topology.parents.device)   # the root is certain
+        self._draft_ms = self.costs.draft_ms(1)                               # the root's draft step
+        self._draft_base_ms = self.costs.base_draft_ms(1)                     # the same, uncorrected
+        self._last = None
+        return self.topology.max_depth if self.gate.opens() else 0
+
+    def expand(self, frontier: Frontier) -> torch.Tensor:
+        t0 = time.perf_counter()
+        k = int(frontier.max_children.max())
+        parent_pred = self._path_pred[frontier.nodes]                                  # (F,)
+        x = candidate_features(frontier, k, parent_pred, self.recent)                 # (F, k, D)
+        path = self.model.predict_proba(x) * parent_pred[:, None]                    # (F, k)
+        allowed = torch.arange(k, device=path.device)[None] < frontier.max_children[:, None]
+        path = torch.where(allowed, path, torch.zeros_like(path))
+        counts = self._choose(path, frontier.tree.size)
+        self._last = path
+        self.predict_s += time.perf_counter() - t0
+        return counts
+
+    def _choose(self, path: torch.Tensor, n_now: int) -> torch.Tensor:
+        """Best first, while expected tokens per ms increase; ranks stay contiguous per node."""
+        tokens = float(self._path_pred.sum())
+        time_now = self._draft_ms + self.costs.verify_ms(n_now)
+        flat = path.flatten()
+        take = torch.zeros(flat.numel(), dtype=torch.bool)
+        values = flat.tolist()
+        for i in sorted(range(len(values)), key=values.__getitem__, reverse=True):
+            dt = self.costs.verify_ms(n_now + 1) - self.costs.verify_ms(n_now)
+            if values[i] <= 0 or (tokens + values[i]) * time_now <= tokens * (time_now + dt):
+                break
+            take[i] = True
+            tokens, time_now, n_now = tokens + values[i], time_now + dt, n_now + 1
+        return take.view(path.shape).long().cumprod(dim=1).sum(dim=1).to(path.device)
+
+    def level_added(self, kept: torch.Tensor) -> None:
+        k = kept.shape[1]
+        self._path_pred = torch.cat([self._path_pred, self._last[:, :k][kept]])
+
+    def given_level(self, n: int) -> None:
+        self._path_pred = torch.cat([self._path_pred, self._path_pred.new_ones(n)])
+
+    def continue_drafting(self, tree: DraftTree, new_nodes: torch.Tensor) -> bool:
+        width = new_nodes.numel()
+        gain = float(self._path_pred[new_nodes].max()) * self.recent         # best next child, roughly
+        tokens = float(self._path_pred.sum())
+        time_now = self._draft_ms + self.costs.verify_ms(tree.size)
+        extra = self.costs.draft_ms(width) + self.costs.verify_ms(tree.size + 1) - self.costs.verify_ms(tree.size)
+        if (tokens + gain) * time_now <= tokens * (time_now + extra):
+            return False
+        self._draft_ms += self.costs.draft_ms(width)
+        self._draft_base_ms += self.costs.base_draft_ms(width)
+        return True
+
+    def node_probabilities(self) -> torch.Tensor | None:
+        return getattr(self, "_path_pred", None)
+
+    def expected_tokens(self) -> float | None:
+        path = getattr(self, "_path_pred", None)
+        return None if path is None else float(path.sum())
+
+    def observe(self, n_accepted: int, tree: DraftTree, shared: int = 0) -> None:
+        self.recent = recent_acceptance(self.recent, n_accepted, tree)
+        if self.gate.ran:                                          # this round drafted
+            # worth what only drafting brought: tokens context drafting proposed too came without it
+            step = self.costs.verify_ms(1)
+            self.gate.observe((n_accepted - shared) * step
+                              - (self._draft_ms + self.costs.verify_ms(tree.size) - step))
+
+    def observe_timing(self, tree: DraftTree, draft_ms: float, verify_ms: float,
+                       forward_ms: float | None = None) -> None:
+        self.costs.observe("verify", tree.size, self.costs.base_verify_ms(tree.size), verify_ms, forward_ms)
+        if self.gate.ran:
+            self.costs.observe("draft", None, self._draft_base_ms, draft_ms)
+
+
+def recent_acceptance(recent: float, n_accepted: int, tree: DraftTree) -> float:
+    """The `recent_accept` feature: a running mean of accepted / drafted depth per round."""
+    drafted = int(tree.depth.max())
+    return 0.8 * recent + 0.2 * (n_accepted / drafted) if drafted else recent
+
+
+def default_model_path() -> Path:
+    """The shipped acceptance model: models/decision-models/acceptance.json."""
+    return models_dir() / "decision-models" / "acceptance.json"
+
+
+def drafter_model_path(drafter) -> Path | None:
+    """The acceptance model a drafter ships beside its weights (`<its folder>/acceptance.json`), if any.
+
+    A drafter's folder is its `directory` (a feature head's, set when it is
+    loaded; a standalone draft model's, the folder it was loaded from).
+    """
+    folder = getattr(drafter, "directory", None)
+    path = Path(folder) / "acceptance.json" if folder else None
+    return path if path is not None and path.is_file() else None
+
+
+def export_sklearn(estimator, feature_names=FEATURE_NAMES, meta: dict | None = None) -> dict:
+    """Parameters of a fitted scikit-learn model as a JSON-ready dict (for AcceptanceModel).
+
+    Supports `Pipeline(StandardScaler, LogisticRegression)` (or a bare
+    LogisticRegression) and a binary `GradientBoostingClassifier` with its
+    default prior initialisation.
+    """
+    import math
+
+    import numpy as np
+    import sklearn
+    from sklearn.ensemble import GradientBoostingClassifier
+    from sklearn.linear_model import LogisticRegression
+
+    names = list(feature_names)
+    spec = {"format": FORMAT, "version": FORMAT_VERSION, "features": names,
+            "meta": {"sklearn": sklearn.__version__, **(meta or {})}}
+    steps = dict(estimator.steps) if hasattr(estimator, "steps") else {"model": estimator}
+    model = list(steps.values())[-1]
+    if isinstance(model, LogisticRegression):
+        scaler = next((s for s in steps.values() if hasattr(s, "scale_")), None)
+        mean = scaler.mean_ if scaler is not None else np.zeros(len(names))
+        scale = scaler.scale_ if scaler is not None else np.ones(len(names))
+        spec.update(kind="logistic", mean=[float(v) for v in mean], scale=[float(v) for v in scale],
+                    coef=[float(v) for v in model.coef_[0]], intercept=float(model.intercept_[0]))
+    elif isinstance(model, GradientBoostingClassifier):
+        prior = float(model.init_.class_prior_[1])
+        trees = []
+        for est in model.estimators_[:, 0]:
+            t = est.tree_
+            trees.append({"left": t.children_left.tolist(), "right": t.children_right.tolist(),
+                          "feature": t.feature.tolist(), "threshold": t.threshold.tolist(),
+                          "value": t.value[:, 0, 0].tolist(), "max_depth": int(t.max_depth)})
+        spec.update(kind="gbt", init=math.log(prior / (1 - prior)), learning_rate=float(model.learning_rate),
+                    trees=trees)
+    else:
+        raise TypeError(f"cannot export {type(model).__name__}; use logistic regression or gradient boosting")
+    return spec

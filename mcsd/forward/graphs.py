@@ -1,0 +1,177 @@
+"""Blocks of the engine's own forward in fixed shapes, captured once as CUDA graphs and replayed.
+
+On a GPU a small model's forward is bound by the host: transformers' forward of
+a SmolLM2-135M-shaped model took 31-32 ms for 1 to 64 rows on an H100, the same
+forward replayed as a captured CUDA graph 3.2-3.9 ms (docs/results.md). A graph
+replays fixed shapes at fixed addresses, so here:
+
+- a block of Q rows runs padded to the smallest bucket B >= Q (`BUCKETS`);
+  the padding rows (token 0, the block's last position) write their keys and
+  values at the slots after the block, which the commit never keeps, and see
+  only themselves, so every row stays finite and no real row sees them;
+- attention always spans the cache's whole capacity, the additive mask hiding
+  what lies past the block: the key length is fixed, the prefix length is in
+  the mask (the "dynamically sliced" mask, sliced by values, not by shape);
+  slots never written are zeroed when the buffers are made (a masked slot
+  still enters the product with weight 0, and 0 times a NaN is a NaN);
+- the inputs (tokens, positions, write slots, mask) are persistent buffers per
+  bucket, filled in place before each replay; the outputs are copied out of the
+  graph's own buffers (the next replay of that bucket writes over them, and a
+  caller may still hold an earlier block's logits).
+
+A graph is captured per (bucket, hidden-state selection) on first use and kept
+while the cache keeps its buffers; when `StaticCache.reserve` grows them, every
+graph is captured again (once). Blocks past the largest bucket (long prompts)
+are the caller's to run at their own shape (`mcsd.forward.lm.CachedLM` does).
+
+Without capture (the CPU, `--cuda-graphs off`), `StaticBlocks` runs the same
+padded shapes eagerly: that is how the CPU tests check that padding and the
+full-width mask leave the tokens unchanged.
+
+Limitations: batch 1; the engine's own forward only (`mcsd.forward.llama`); capture
+needs CUDA and a model whose forward makes no host synchronisation (the Llama
+family's does not).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from .llama import LeanForward
+from .static_cache import StaticCache
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)     # block rows a forward is padded to
+
+
+def bucket_of(rows: int) -> int | None:
+    """The smallest bucket holding `rows`, or None past the largest (run at its own shape)."""
+    return next((b for b in BUCKETS if b >= rows), None)
+
+
+@dataclass
+class _Entry:
+    """One bucket's persistent inputs, its graph (or None: eager) and that graph's outputs."""
+
+    tokens: torch.Tensor             # (1, B) long
+    positions: torch.Tensor          # (1, B) long
+    slots: torch.Tensor              # (B,) long
+    mask: torch.Tensor               # (1, 1, B, capacity) additive, model dtype
+    graph: "torch.cuda.CUDAGraph | None" = None
+    logits: torch.Tensor | None = None
+    states: torch.Tensor | None = None
+
+
+class StaticBlocks:
+    """Run `LeanForward` blocks padded to buckets over the whole cache, captured as CUDA graphs.
+
+    Args:
+        lean: the engine's own forward of the model.
+        capture: capture and replay CUDA graphs (needs the model on CUDA); False runs the padded
+            shapes eagerly.
+
+    Attributes:
+        captures: graphs captured so far; capture_s: seconds spent capturing them (warm-up included).
+        failure: why capturing was given up (a warning said so once; the same shapes then run
+            eagerly), or None.
+    """
+
+    def __init__(self, lean: LeanForward, capture: bool):
+        self.lean, self.capture = lean, capture
+        self._entries: dict[tuple[int, tuple[int, ...]], _Entry] = {}
+        self._buffers: torch.Tensor | None = None  # the cache buffer the entries were made for
+        self.captures, self.capture_s = 0, 0.0
+        self.failure: str | None = None           # why capture was given up, if it was
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: StaticCache,
+                 start: int, hidden: tuple[int, ...] = (), last_logits: bool = False):
+        """One block of at most `BUCKETS[-1]` rows after `start` cache entries.
+
+        Args:
+            tokens, positions: (Q,) long.
+            mask: (1, 1, Q, start + Q) additive mask over the entries before and in the block.
+            cache: the sequence's cache (room is reserved here).
+            start: entries held before the block; the block's rows go to start .. start+Q-1.
+            hidden: hidden-state indices to return (see `LeanForward`).
+            last_logits: only the last row's logits are wanted.
+        Returns:
+            (logits (Q, V), or (1, V) with last_logits; states (Q, len(hidden) * H) or None).
+        """
+        q = tokens.numel()
+        b = bucket_of(q)
+        if b is None:
+            raise ValueError(f"a block of {q} rows is past the largest bucket ({BUCKETS[-1]}); run it unpadded")
+        cache.reserve(start + b)
+        if self._buffers is not cache.keys:                    # new buffers: every graph is captured again
+            self._entries.clear()
+            self._buffers = cache.keys
+            # attention reads every slot with weight 0 past the block, and 0 * nan is nan: the slots
+            # never written must hold finite values (later, stale entries do)
+            cache.keys[:, :, :, cache.length:].zero_()
+            cache.values[:, :, :, cache.length:].zero_()
+        key = (b, tuple(hidden))
+        entry = self._entries.get(key)
+        fresh = entry is None
+        if fresh:
+            entry = self._entries[key] = self._new_entry(b, cache)
+        self._fill(entry, tokens, positions, mask, start)
+        if fresh and self.capture:
+            try:
+                self._capture(entry, cache, hidden)
+            except Exception as exc:             # a forward that cannot be captured still runs, eagerly
+                self.capture, self.failure = False, f"{type(exc).__name__}: {exc}"
+                entry.graph = None
+                warnings.warn(f"mcsd: CUDA graph capture failed ({self.failure}); running the same shapes "
+                              f"eagerly", RuntimeWarning, stacklevel=2)
+        if entry.graph is not None:
+            entry.graph.replay()
+        else:
+            entry.logits, entry.states = self.lean(entry.tokens, entry.positions, entry.mask, cache, entry.slots,
+                                                   hidden)
+        logits = entry.logits[0, q - 1:q] if last_logits else entry.logits[0, :q]
+        states = None if entry.states is None else entry.states[0, :q]
+        if entry.graph is not None:             # the graph's buffers: the next replay writes over them
+            logits, states = logits.clone(), None if states is None else states.clone()
+        return logits, states
+
+    def _new_entry(self, b: int, cache: StaticCache) -> _Entry:
+        dev = cache.device
+        return _Entry(tokens=torch.zeros(1, b, dtype=torch.long, device=dev),
+                      positions=torch.zeros(1, b, dtype=torch.long, device=dev),
+                      slots=torch.zeros(b, dtype=torch.long, device=dev),
+                      mask=torch.zeros(1, 1, b, cache.capacity, dtype=cache.dtype, device=dev))
+
+    @staticmethod
+    def _fill(entry: _Entry, tokens, positions, mask, start: int) -> None:
+        """The block into the entry's buffers, in place (the addresses a graph reads stay)."""
+        q, b = tokens.numel(), entry.tokens.shape[1]
+        entry.tokens.zero_()
+        entry.tokens[0, :q] = tokens
+        entry.positions[0, :q] = positions
+        entry.positions[0, q:] = positions[-1]
+        torch.arange(start, start + b, out=entry.slots)
+        entry.mask.fill_(torch.finfo(entry.mask.dtype).min)
+        entry.mask[0, 0, :q, :start + q] = mask[0, 0]
+        pad = torch.arange(q, b, device=entry.mask.device)
+        entry.mask[0, 0, pad, start + pad] = 0                  # a padding row sees itself alone
+
+    def _capture(self, entry: _Entry, cache: StaticCache, hidden: tuple[int, ...]) -> None:
+        """Warm the forward up on a side stream, then capture it over the entry's buffers."""
+        t0 = time.perf_counter()
+        run = lambda: self.lean(entry.tokens, entry.positions, entry.mask, cache, entry.slots, hidden)  # noqa: E731
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            entry.logits, entry.states = run()
+        entry.graph = graph
+        torch.cuda.synchronize()
+        self.captures += 1
+        self.capture_s += time.perf_counter() - t0

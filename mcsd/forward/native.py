@@ -1,0 +1,285 @@
+"""The engine's native library (`q4_kernel.c`): the Q4_1 and Q8_0 products of q4 weights, an RMS norm,
+attention over a static cache, and a whole Llama-family decoder layer on Q4_1 weights in one call,
+built once per machine with the C compiler.
+
+torch's CPU int4 kernel dequantises its weights again for every block of a few rows, so a 9-row
+tree verify costs several 1-row steps. `q4_kernel.c` dequantises a block of output rows once and
+reads it with every input row, and it computes each row exactly as it would alone (see the file).
+
+The source ships with the package; the first use compiles it with `$CC` (else `cc`) into the mcsd
+cache, keyed by the source, the flags and the compiler, and loads it with ctypes. It is used only on
+x86-64 Linux CPUs with AVX2 and FMA, and only where it shares torch's OpenMP runtime (a second
+runtime's threads would spin against torch's on the same cores). Anything else (no compiler, another
+CPU, a failed build, `MCSD_NATIVE=0`) leaves the q4 weights on torch's int4 kernel, and `reason()`
+says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from ..config import ConfigError
+
+SOURCE = Path(__file__).with_name("q4_kernel.c")
+FLAGS = ["-O3", "-std=c11", "-ffp-contract=off", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
+LIBS = ["-lm"]
+VERSION = 15                           # mcsd_q4_abi() of q4_kernel.c; cost profiles are keyed by it too
+_lock = threading.Lock()
+_state: dict = {}                       # "lib": the loaded library or None, "reason": why not
+
+
+class _Weight(ctypes.Structure):
+    """mcsd_q4w: a Q4_1 weight (N, K) and its optional bias."""
+    _fields_ = [("codes", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
+
+
+class LayerWeights(ctypes.Structure):
+    """mcsd_layer_t: one decoder layer's weights as `layer` reads them (see `layer_weights`)."""
+    _fields_ = [("norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
+                ("k_norm", ctypes.c_void_p), ("eps", ctypes.c_float), ("post_eps", ctypes.c_float),
+                ("qk_eps", ctypes.c_float), ("scale", ctypes.c_float), ("qkv", _Weight), ("o", _Weight),
+                ("gate_up", _Weight), ("down", _Weight), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
+                ("head_dim", ctypes.c_int64)]
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _openmp_runtimes() -> set[str]:
+    """The OpenMP runtime files mapped into this process."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return set()
+    names = ("libgomp", "libiomp", "libomp")
+    return {os.path.realpath(line.split()[-1]) for line in maps.splitlines()
+            if any(n in line.rsplit("/", 1)[-1] for n in names)}
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _build(cc: str) -> Path:
+    from ..loading.cache import cache_dir, cache_subdir, cache_writes
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS + LIBS).encode() + version.encode()).hexdigest()[:16]
+    lib = cache_dir() / "native" / f"q4_kernel-{key}.so"
+    if lib.is_file():                                   # built before: a read-only cache serves it
+        return lib
+    folder = cache_subdir("native")                     # checked writable before the build
+    from ..loading.progress import stage
+    with cache_writes(folder), tempfile.TemporaryDirectory(dir=folder) as tmp, \
+            stage(f"compiling the q4 kernel with {Path(cc).name} (once; cached in {folder})"):
+        out = Path(tmp) / lib.name
+        proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out), *LIBS], capture_output=True, text=True,
+                              timeout=300, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-400:]}")
+        out.replace(lib)
+    return lib
+
+
+def _load():
+    if os.environ.get("MCSD_NATIVE", "1") == "0":
+        return None, "MCSD_NATIVE=0"
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None, f"built for x86-64 Linux only ({platform.system()} {platform.machine()})"
+    missing = {"avx2", "fma"} - _cpu_flags()
+    if missing:
+        return None, f"this CPU lacks {', '.join(sorted(missing))}"
+    cc = _compiler()
+    if cc is None:
+        return None, "no C compiler (set CC, or install gcc)"
+    before = _openmp_runtimes()
+    try:
+        lib = ctypes.CDLL(str(_build(cc)))
+    except (OSError, RuntimeError, subprocess.SubprocessError, ConfigError) as exc:
+        # a compiler error, an unwritable cache, a library that will not load
+        return None, f"the native kernel could not be built: {exc}"
+    if len(_openmp_runtimes()) > max(1, len(before)):
+        return None, "the native kernel would start an OpenMP runtime beside torch's"
+    lib.mcsd_q4_abi.restype = ctypes.c_int
+    if lib.mcsd_q4_abi() != VERSION:
+        return None, "the native kernel in the cache is of another version"
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.mcsd_q4_mm.argtypes = [p, i64, i64, p, p, p, i64, p, ctypes.c_int]
+    lib.mcsd_q4_mm.restype = ctypes.c_int
+    lib.mcsd_q8_mm.argtypes = [p, i64, i64, p, p, i64, p, ctypes.c_int]
+    lib.mcsd_q8_mm.restype = ctypes.c_int
+    lib.mcsd_rms_norm.argtypes = [p, i64, i64, p, ctypes.c_float, p]
+    lib.mcsd_rms_norm.restype = None
+    lib.mcsd_attention.argtypes = [p, p, p, i64, i64, p, i64, i64, i64, i64, i64, ctypes.c_float, p, ctypes.c_int]
+    lib.mcsd_attention.restype = None
+    lib.mcsd_layer.argtypes = [ctypes.POINTER(LayerWeights), p, p, i64, p, p, p, p, i64, p, i64, p, i64,
+                               ctypes.c_int]
+    lib.mcsd_layer.restype = ctypes.c_int
+    lib.mcsd_top_p.argtypes = [p, i64, i64, ctypes.c_float, p, ctypes.c_int]
+    lib.mcsd_top_p.restype = ctypes.c_int
+    lib.mcsd_draw.argtypes = [p, i64, i64, ctypes.c_float, p, p, ctypes.c_int]
+    lib.mcsd_draw.restype = ctypes.c_int
+    lib.mcsd_gumbel.argtypes = [p, i64, p, i64, i64, p]
+    lib.mcsd_gumbel.restype = None
+    return lib, "built from mcsd/forward/q4_kernel.c with " + Path(cc).name
+
+
+def library():
+    """The loaded native library, or None (then `reason()` says why). Built on first call."""
+    with _lock:
+        if "lib" not in _state:
+            _state["lib"], _state["reason"] = _load()
+        return _state["lib"]
+
+
+def reason() -> str:
+    """Why the native kernel is or is not in use."""
+    library()
+    return _state["reason"]
+
+
+def reset() -> None:
+    """Forget the loaded state (tests: to look again after changing MCSD_NATIVE)."""
+    with _lock:
+        _state.clear()
+
+
+def _lib():
+    lib = _state.get("lib") or library()          # no lock once loaded: a forward makes ~150 calls
+    if lib is None:
+        raise RuntimeError(f"the native q4 kernel is not available: {reason()}")
+    return lib
+
+
+def q4_mm(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """x (M, K) float32 times the Q4_1 weight (codes (N, K / 2) uint8, d and m (N, K / 32) float32),
+    transposed: (M, N) float32. Every tensor contiguous on the CPU; the caller checks shapes."""
+    rows, k = x.shape
+    out = torch.empty(rows, codes.shape[0], dtype=torch.float32)
+    if _lib().mcsd_q4_mm(x.data_ptr(), rows, k, codes.data_ptr(), d.data_ptr(), m.data_ptr(), codes.shape[0],
+                         out.data_ptr(), torch.get_num_threads()) != 0:
+        raise MemoryError("the native q4 kernel could not allocate its dequantisation buffer")
+    return out
+
+
+def q8_mm(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """x (M, K) float32 times the Q8_0 weight (codes (N, K) int8, d (N, K / 32) float32), transposed."""
+    rows, k = x.shape
+    out = torch.empty(rows, codes.shape[0], dtype=torch.float32)
+    if _lib().mcsd_q8_mm(x.data_ptr(), rows, k, codes.data_ptr(), d.data_ptr(), codes.shape[0], out.data_ptr(),
+                         torch.get_num_threads()) != 0:
+        raise MemoryError("the native q4 kernel could not allocate its dequantisation buffer")
+    return out
+
+
+def top_p(scores: torch.Tensor, mass: float) -> torch.Tensor:
+    """Nucleus filtering of float32 `scores` (..., V) on the CPU: -inf where a token is dropped (the
+    probability of the tokens ranked above it, by score then by lower index, already reaches `mass`),
+    in one call per block of rows instead of torch's sort or partial sorts (see `mcsd_top_p`)."""
+    x = scores.contiguous()
+    out = torch.empty_like(x)
+    v = x.shape[-1]
+    if _lib().mcsd_top_p(x.data_ptr(), x.numel() // v, v, mass, out.data_ptr(), torch.get_num_threads()):
+        raise MemoryError("the native top-p filter could not allocate its scratch rows")
+    return out
+
+
+def draw(scaled: torch.Tensor, mass: float, keys: torch.Tensor) -> torch.Tensor:
+    """Gumbel-max draws from float32 `scaled` scores (R, V) on the CPU (temperature applied, top token
+    0), nucleus-filtered with `mass` (none at 1), row r under position key `keys[r]` ((R,) int64,
+    the bits of a uint64): (R,) long, the kept token with the largest score + noise (see `mcsd_draw`)."""
+    x, k = scaled.contiguous(), keys.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    if _lib().mcsd_draw(x.data_ptr(), x.shape[0], x.shape[1], mass, k.data_ptr(), out.data_ptr(),
+                        torch.get_num_threads()):
+        raise MemoryError("the native draw could not allocate its scratch rows")
+    return out
+
+
+def gumbel(keys: torch.Tensor, ids: torch.Tensor, pairs: bool = False) -> torch.Tensor:
+    """Standard Gumbel noise for (R,) int64 position keys on the CPU: for the tokens ids (K,) at every
+    key, (R, K) float32; with `pairs`, for (R,) ids, token r at key r, (R,) (see `mcsd_gumbel`)."""
+    k, i = keys.contiguous(), ids.contiguous()
+    cols = 1 if pairs else i.numel()
+    out = torch.empty(k.numel(), cols, dtype=torch.float32)
+    _lib().mcsd_gumbel(k.data_ptr(), k.numel(), i.data_ptr(), cols, 1 if pairs else 0, out.data_ptr())
+    return out.view(-1) if pairs else out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Llama RMS norm of float32 `x` (..., K), K a multiple of 8, with float32 `weight` (K,):
+    one call instead of torch's seven operations. Every tensor contiguous on the CPU."""
+    out = torch.empty_like(x)
+    k = x.shape[-1]
+    _lib().mcsd_rms_norm(x.data_ptr(), x.numel() // k, k, weight.data_ptr(), eps, out.data_ptr())
+    return out
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: int, mask: torch.Tensor,
+              scale: float) -> torch.Tensor:
+    """Attention of float32 queries q (Q, H, D) over the first `length` positions of a static cache's
+    key / value buffers (H_kv, capacity, D), heads grouped, with an additive mask (Q, length) whose last
+    dimension is contiguous: (Q, H, D). What torch's SDPA computes, in one call; each row on its own."""
+    rows, heads, dim = q.shape
+    kv_heads, capacity, _ = keys.shape
+    out = torch.empty_like(q)
+    _lib().mcsd_attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), capacity, length, mask.data_ptr(),
+                          mask.stride(0), rows, heads, kv_heads, dim, scale, out.data_ptr(),
+                          torch.get_num_threads())
+    return out
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    if t is None:
+        return None
+    if t.dtype != torch.float32 and t.dtype != torch.uint8 or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"the native layer reads contiguous float32 / uint8 CPU tensors, not {t.dtype} "
+                         f"{tuple(t.shape)} on {t.device}")
+    return t.data_ptr()
+
+
+def layer_weights(norm, post_norm, q_norm, k_norm, eps: float, post_eps: float, qk_eps: float, scale: float,
+                  products: dict, heads: int, kv_heads: int, head_dim: int) -> LayerWeights:
+    """A decoder layer's weights for `layer`: float32 norm weights (q_norm / k_norm None where the model
+    has none) and four Q4_1 products, `products[name] = (codes, d, m, bias or None)` for "qkv" (rows q, k,
+    v), "o", "gate_up" (rows gate, up) and "down". The result points into the tensors: the caller keeps
+    them alive as long as it."""
+    weights = {}
+    for name in ("qkv", "o", "gate_up", "down"):
+        codes, d, m, bias = products[name]
+        weights[name] = _Weight(_ptr(codes), _ptr(d), _ptr(m), _ptr(bias), codes.shape[0], 2 * codes.shape[1])
+    return LayerWeights(_ptr(norm), _ptr(post_norm), _ptr(q_norm), _ptr(k_norm), eps, post_eps, qk_eps, scale,
+                        **weights, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+
+
+def layer(weights: LayerWeights, h: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+          keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, length: int, mask: torch.Tensor) -> None:
+    """One decoder layer in one call (`mcsd_layer` in q4_kernel.c): float32 rows h (..., Q, C) in, `out`
+    of its shape written (it may be h); the block's keys and values written into the cache buffers
+    (H_kv, capacity, D) at `slots` (Q,) int64; attention over their first `length` entries under the
+    additive mask (Q, length) (last dimension contiguous); cos and sin (Q, D), sin signed as
+    `mcsd.forward.llama` makes it. Every tensor contiguous on the CPU; the caller checks shapes."""
+    if _lib().mcsd_layer(ctypes.byref(weights), h.data_ptr(), out.data_ptr(), h.numel() // h.shape[-1],
+                         cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[1],
+                         slots.data_ptr(), length, mask.data_ptr(), mask.stride(0), torch.get_num_threads()) != 0:
+        raise MemoryError("the native layer could not allocate its buffers")

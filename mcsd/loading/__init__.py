@@ -1,0 +1,1 @@
+"""Where models and prompts come from: sources, presets, GGUF conversion, the cache folder, prompt sets."""

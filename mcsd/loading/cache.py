@@ -1,0 +1,62 @@
+"""Where mcsd keeps files: the per-user cache and the shipped models/ folder.
+
+Everything mcsd writes (the downloaded GGUF, the converted target, device
+profiles) goes under the cache through `cache_subdir` and `cache_writes`, so a
+cache that cannot be written (read-only, immutable, inside /proc, a file) is
+one error naming the path and what to do, raised before the work that would
+fill it. Reading a cache that is already complete needs no write access.
+
+No torch here: the command line reads these before anything heavy is imported.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+from ..config import ConfigError
+
+
+def cache_dir() -> Path:
+    """Root of mcsd's per-user cache: $MCSD_CACHE, else ~/.cache/mcsd."""
+    return Path(os.environ.get("MCSD_CACHE") or Path.home() / ".cache" / "mcsd").expanduser()
+
+
+def models_dir() -> Path:
+    """Where shipped artefacts live: $MCSD_MODELS_DIR, else the project's models/ folder."""
+    env = os.environ.get("MCSD_MODELS_DIR")
+    if env:
+        return Path(env).expanduser()
+    here = Path(__file__).resolve().parent
+    for candidate in (here.parent / "models", Path(sys.prefix) / "share" / "mcsd" / "models"):
+        if candidate.is_dir():
+            return candidate
+    return here.parent / "models"
+
+
+@contextmanager
+def cache_writes(path: Path):
+    """Writes under the cache: an OSError inside becomes one ConfigError naming `path` and what to do."""
+    try:
+        yield
+    except OSError as exc:
+        where = exc.filename or path
+        raise ConfigError(f"cannot write the mcsd cache {cache_dir()}: {exc.strerror or exc} ({where}); "
+                          f"set MCSD_CACHE to a writable directory") from None
+
+
+def cache_subdir(*parts: str) -> Path:
+    """`cache_dir() / parts`, created when missing and checked writable (a file is made and removed).
+
+    Raises:
+        ConfigError: naming the path, when it cannot be created or written.
+    """
+    path = cache_dir().joinpath(*parts)
+    with cache_writes(path):
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    return path
