@@ -30,11 +30,11 @@ def models_dir() -> Path:
     env = os.environ.get("MCSD_MODELS_DIR")
     if env:
         return Path(env).expanduser()
-    here = Path(__file__).resolve().parent
-    for candidate in (here.parent / "models", Path(sys.prefix) / "share" / "mcsd" / "models"):
+    repo = Path(__file__).resolve().parents[2]              # mcsd/loading/cache.py -> the checkout
+    for candidate in (repo / "models", Path(sys.prefix) / "share" / "mcsd" / "models"):
         if candidate.is_dir():
             return candidate
-    return here.parent / "models"
+    return repo / "models"
 
 
 @contextmanager

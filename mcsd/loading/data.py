@@ -38,7 +38,7 @@ def group_of(category: str) -> str:
 
 
 # The Spec-Bench question file shipped with the project (see benchmarks/data/spec_bench/README.md).
-SHIPPED_SPEC_BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "data" / "spec_bench" / "question.jsonl"
+SHIPPED_SPEC_BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "spec_bench" / "question.jsonl"
 SHIPPED_SHA256 = "4b6d33e79484f9841c487ee87d1cf6aa8c6066f61d5d482ff09e5a007fafdf04"
 
 
