@@ -106,6 +106,7 @@ class Bench:
             prompts = stratified(prompts, opt("--bench-per-group"))
         self.prompts = [(p, torch.tensor(chat_ids(self.tokenizer, p.text))) for p in prompts]
         self.decoders: dict = {}                       # (tree, policy) -> TreeDecoder, reused across prompts
+        self.workers: dict = {}                        # name -> llama_worker.Worker (another engine's process)
         self.baseline: dict[int, list[int]] = {}      # question_id -> tokens of the reference method
         self.baseline_time: dict[int, float] = {}
         from mcsd.costs.profile import load_or_measure
@@ -129,7 +130,14 @@ class Bench:
             "hf_assistant": getattr(getattr(self.assistant, "config", None), "_name_or_path", None),
         }
 
+    def close(self) -> None:
+        """End the worker processes the session started."""
+        while self.workers:
+            self.workers.popitem()[1].close()
+
 
 @pytest.fixture(scope="session")
 def bench(request):
-    return Bench(request.config)
+    b = Bench(request.config)
+    yield b
+    b.close()

@@ -12,11 +12,13 @@ it runs the standalone draft model, as Hugging Face assisted generation does.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from llama_worker import LlamaCppWorker, Worker
 
 from mcsd import TreeDecoder
 from mcsd.drafting.policies import POLICIES
@@ -141,12 +143,11 @@ def _mcsd(bench, ids, tree: str | None, policy: str = "static", baseline: bool =
 
 def llama_cpp_unavailable(bench) -> str | None:
     """Why llama.cpp cannot run the bench's target, or None: the `llama` extra (llama-cpp-python)
-    must be installed and the target must be a preset, whose GGUF is what mcsd converted it from."""
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return ("llama-cpp-python is not installed (pip install -e '.[llama]'; it builds llama.cpp from "
-                "source, about 30 minutes on 2 cores)")
+    must be installed and the target must be a preset, whose GGUF is what mcsd converted it from.
+    Only looked up here: llama.cpp is never imported into the benchmark's own process."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return ("llama-cpp-python is not installed (python tools/build_llama_cpp.py, or pip install -e '.[llama]'; "
+                "it builds llama.cpp from source, about 30 minutes on 2 cores)")
     if bench.target_preset is None:
         return "llama.cpp runs a preset's GGUF; --bench-target is not a preset"
     if bench.device != "cpu":
@@ -154,30 +155,30 @@ def llama_cpp_unavailable(bench) -> str | None:
     return None
 
 
-def _llama_cpp(bench, ids) -> Run:
-    """llama.cpp on the GGUF the target was converted from: greedy (top-1) or the bench's sampling, its prompt ids,
-    torch's thread count; prompt processing is timed, as the engine's prefill is."""
-    llm = bench.decoders.get("llama_cpp")
-    if llm is None:
-        from llama_cpp import Llama
-
+def llama_cpp_worker(bench) -> Worker:
+    """The session's llama.cpp process, started on first use with the preset's GGUF and torch's thread
+    count, and warmed up on the first prompt (4 tokens), as the bench warms the target up, so no
+    prompt's timing carries llama.cpp's first-call overheads. The bench closes it at the end."""
+    worker = bench.workers.get("llama_cpp")
+    if worker is None:
         from mcsd.loading.models import fetch_preset_gguf
-        llm = bench.decoders["llama_cpp"] = Llama(
-            model_path=str(fetch_preset_gguf(bench.target_preset)), n_ctx=2048, n_threads=torch.get_num_threads(),
-            n_threads_batch=torch.get_num_threads(), verbose=False)
-    eos = {llm.token_eos(), bench.tokenizer.convert_tokens_to_ids("<|im_end|>")}
-    tokens = []
-    llm.reset()
-    t0 = time.perf_counter()
+        worker = bench.workers["llama_cpp"] = LlamaCppWorker(fetch_preset_gguf(bench.target_preset),
+                                                             threads=torch.get_num_threads())
+        worker.generate(bench.prompts[0][1].tolist(), 4)
+    return worker
+
+
+def _llama_cpp(bench, ids) -> Run:
+    """llama.cpp on the GGUF the target was converted from, in its own process (`benchmarks/llama_worker.py`):
+    greedy (top-1) or the bench's sampling, its prompt ids; prompt processing is timed, as the engine's
+    prefill is. The seconds are the worker's own timing of the decoding, not the pipe's round trip."""
     sampling = bench.sampling
-    if sampling:
-        llm.set_seed(bench.seed_for(ids))
-    for tok in llm.generate(ids.tolist(), top_k=0 if sampling else 1, top_p=sampling.get("top_p", 1.0),
-                            temp=sampling.get("temperature", 0.0), repeat_penalty=1.0, reset=True):
-        tokens.append(int(tok))
-        if tok in eos or len(tokens) >= bench.max_new_tokens:
-            break
-    return Run(tokens, time.perf_counter() - t0, len(tokens))
+    stop = bench.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    tokens, seconds = llama_cpp_worker(bench).generate(
+        ids.tolist(), bench.max_new_tokens, temperature=sampling.get("temperature", 0.0),
+        top_p=sampling.get("top_p", 1.0), seed=bench.seed_for(ids) if sampling else None,
+        stop_ids=[stop] if isinstance(stop, int) else [])
+    return Run(tokens, seconds, len(tokens))
 
 
 def all_methods() -> list[Method]:
