@@ -1,7 +1,8 @@
 """Shared setup for the speed comparisons: options, the model pair, the prompts, the baseline's results.
 
-Run:  pytest benchmarks/ --benchmark-only --benchmark-json=bench.json
-      (add --bench-full for the whole held-out split, --bench-smoke for a 1-prompt, 16-token check)
+Run:  pytest benchmarks/test_speed.py --benchmark-only --benchmark-json=bench.json && python tools/bench_report.py bench.json
+      (add --bench-full for the whole held-out split, --bench-smoke for a 1-prompt, 16-token check;
+      docs/benchmarks.md has the commands)
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ class Bench:
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "prompts": len(self.prompts), "max_new_tokens": self.max_new_tokens,
             "temperature": self.temperature, "top_p": self.top_p,
+            "llama_cpp": "in its own process",           # see methods.llama_cpp_worker
             "drafter": "model" if self.draft_is_model else type(self.draft).__name__,
             "hf_assistant": getattr(getattr(self.assistant, "config", None), "_name_or_path", None),
         }

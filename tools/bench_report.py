@@ -72,12 +72,25 @@ def tree_size(spec: str | None) -> int:
     return total
 
 
+def header(rows: list[dict], env: dict) -> str:
+    """The run's settings in one line: weights, dtype, greedy or sampled, interleaved or not, and
+    where llama.cpp ran. JSON from before `--bench-weights` existed ran dense weights."""
+    temperature = env.get("temperature") or 0.0
+    decoding = "greedy" if not temperature else f"sampled at T {temperature:g}, top-p {env.get('top_p', 1.0):g}"
+    order = "interleaved prompt by prompt" if any(r.get("interleaved") for r in rows) else "one method after another"
+    line = f"## {env.get('weights') or 'dense'} weights, {env.get('dtype')}, {decoding}, {order}"
+    if any(r.get("family") == "llama_cpp" for r in rows):
+        line += f"; llama.cpp {env.get('llama_cpp', 'in the benchmark process (before it had its own)')}"
+    return line
+
+
 def markdown(rows: list[dict], env: dict) -> str:
     if not rows:                                  # only the forward profile ran
         return "\n".join(forward_markdown(env.get("forward", []))[1:]) + "\n"
     when = env.get("datetime") or datetime.now(timezone.utc).isoformat()
-    lines = [f"Machine: {env.get('processor')} ({env.get('cpu_count')} cores, {env.get('threads')} threads"
-             f"{', ' + env['cuda'] if env.get('cuda') else ''}); {env.get('device')}, {env.get('dtype')}; "
+    lines = [header(rows, env), "",
+             f"Machine: {env.get('processor')} ({env.get('cpu_count')} cores, {env.get('threads')} threads"
+             f"{', ' + env['cuda'] if env.get('cuda') else ''}); {env.get('device')}; "
              f"torch {env.get('torch')}, transformers {env.get('transformers')}; "
              f"{env.get('prompts')} prompts x {env.get('max_new_tokens')} new tokens; {when[:10]}.", ""]
     lines += ["| method | tree | tokens/s | speedup | tau | accept by depth | same output as baseline |",
