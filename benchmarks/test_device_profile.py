@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 
-from mcsd.costs.profile import DEFAULT_SIZES, measure, stand_in
+from mcsd.costs.timing import DEFAULT_SIZES, measure, stand_in
 from mcsd.forward.attention import xformers_unavailable_reason
 
 BACKENDS = ["sdpa", "xformers"]

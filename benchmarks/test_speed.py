@@ -43,7 +43,7 @@ def skip_reason(bench, method) -> str | None:
         return "compiling takes about a minute per shape on a CPU; not in the smoke run"
     if method.policy is not None:
         from mcsd.drafting.policies import make_policy, resolve_policy
-        from mcsd.loading.models import ModelLoadError
+        from mcsd.errors import ModelLoadError
         try:
             make_policy(resolve_policy(method.policy), method.tree)
         except ModelLoadError as exc:            # e.g. a learned policy whose model is not shipped yet

@@ -49,7 +49,7 @@ def word_tokenizer(vocab: int = VOCAB, eos: str = "w01", extra: str | None = Non
 @pytest.fixture
 def fresh_cache(tmp_path, monkeypatch):
     """An empty profile cache for one test (its tmp_path): nothing an earlier test measured is found."""
-    monkeypatch.setattr("mcsd.costs.profile.cache_dir", lambda: tmp_path)
+    monkeypatch.setattr("mcsd.costs.store.cache_dir", lambda: tmp_path)
     return tmp_path
 
 
@@ -58,10 +58,10 @@ def private_profile_cache(tmp_path_factory):
     """Cost profiles measured by tests go to a temporary folder, never the user's cache."""
     mp = pytest.MonkeyPatch()
     folder = tmp_path_factory.mktemp("mcsd-cache")
-    mp.setattr("mcsd.costs.profile.cache_dir", lambda: folder)
+    mp.setattr("mcsd.costs.store.cache_dir", lambda: folder)
     # whether the machine looks quiet right now must not decide whether a test measures again
     # (a profile measured on a busy machine is kept); tests of that patch it themselves
-    mp.setattr("mcsd.costs.profile.quiet_now", lambda threads_used=None: False)
+    mp.setattr("mcsd.costs.timing.quiet_now", lambda threads_used=None: False)
     yield folder
     mp.undo()
 

@@ -10,8 +10,11 @@ import pytest
 import torch
 
 from mcsd import TreeDecoder
-from mcsd.costs import profile
-from mcsd.costs.profile import Costs, DeviceProfile, load_cached, load_or_measure, measure, profile_path, robust_timings
+from mcsd.costs import profile, store, timing
+from mcsd.costs.cost_model import Costs
+from mcsd.costs.profile import DeviceProfile
+from mcsd.costs.store import load_cached, load_or_measure, profile_path
+from mcsd.costs.timing import measure, robust_timings
 from mcsd.forward.attention import set_backend
 
 PROMPT = torch.tensor([3, 17, 42, 5, 9, 11])
@@ -71,7 +74,7 @@ def test_a_slow_spell_is_summarised_away_and_the_envelope_is_monotone():
 
 def test_a_measured_profile_records_its_spread_and_what_was_measured_again(target, random_draft, monkeypatch):
     latency, _ = fake_latency(absurd_calls=5)                 # the pilot run and both rounds of 4 rows
-    monkeypatch.setattr(profile._ModelTimer, "latency", lambda self, n: latency("any", n, "onednn"))
+    monkeypatch.setattr(timing._ModelTimer, "latency", lambda self, n: latency("any", n, "onednn"))
     prof = measure(target, random_draft, busy_check=Quiet(), **QUICK)
     assert prof.verify_ms[4] == 14.0 and prof.best_ms("verify")[4] == 14.0
     assert "verify:onednn:4" in prof.meta["remeasured"]
@@ -82,16 +85,16 @@ def test_a_measured_profile_records_its_spread_and_what_was_measured_again(targe
 def test_a_busy_measurement_is_provisional_and_measured_again_when_quiet(target, random_draft, fresh_cache,
                                                                          monkeypatch):
     latency, _ = fake_latency()                               # consistent timings: only the busy check decides
-    monkeypatch.setattr(profile._ModelTimer, "latency", lambda self, n: latency("any", n, "onednn"))
-    monkeypatch.setattr(profile, "BusyCheck", lambda: Quiet("other processes used 1.0 cores"))
+    monkeypatch.setattr(timing._ModelTimer, "latency", lambda self, n: latency("any", n, "onednn"))
+    monkeypatch.setattr(timing, "BusyCheck", lambda: Quiet("other processes used 1.0 cores"))
     busy = load_or_measure(target, random_draft, quiet=True, **QUICK)
     assert busy.meta["provisional"]
-    monkeypatch.setattr(profile, "quiet_now", lambda threads_used=None: False)
+    monkeypatch.setattr(timing, "quiet_now", lambda threads_used=None: False)
     assert load_cached(target, random_draft) is not None          # still busy: the provisional one serves
-    monkeypatch.setattr(profile, "quiet_now", lambda threads_used=None: True)
+    monkeypatch.setattr(timing, "quiet_now", lambda threads_used=None: True)
     assert load_cached(target, random_draft) is None              # quiet: measure again
     assert load_cached(target, random_draft, remeasure=False) is not None   # --no-calibrate keeps it
-    monkeypatch.setattr(profile, "BusyCheck", Quiet)
+    monkeypatch.setattr(timing, "BusyCheck", Quiet)
     dec = TreeDecoder(target, random_draft)
     assert dec.costs_source == "measured" and dec.calibration_s > 0
     assert load_cached(target, random_draft).meta["provisional"] is None
@@ -124,10 +127,10 @@ def poisoned(target, draft, factor=1000.0):
 
 def test_a_profile_cached_from_a_busy_run_is_replaced_after_contrary_evidence(target, random_draft,
                                                                                fresh_cache, monkeypatch):
-    monkeypatch.setattr(profile, "BusyCheck", Quiet)
-    monkeypatch.setattr(profile, "quiet_now", lambda threads_used=None: True)
+    monkeypatch.setattr(timing, "BusyCheck", Quiet)
+    monkeypatch.setattr(timing, "quiet_now", lambda threads_used=None: True)
     latency, _ = fake_latency()                                # what measuring finds: 10 + rows ms
-    monkeypatch.setattr(profile._ModelTimer, "latency", lambda self, n: latency("any", n, "onednn"))
+    monkeypatch.setattr(timing._ModelTimer, "latency", lambda self, n: latency("any", n, "onednn"))
     for model in (target, random_draft):                       # the attention the decoder runs: part of the key
         set_backend(model, "auto")
     load_or_measure(target, random_draft, quiet=True, **QUICK)
@@ -154,14 +157,14 @@ def test_a_stale_flag_that_measuring_again_does_not_confirm_changes_nothing(targ
                                                                              monkeypatch):
     """A profile flagged stale (a slow spell during a run) and measured again within the noise keeps
     its figures, so the kernel paths and trees (and a bfloat16 output) stay; a real change replaces it."""
-    monkeypatch.setattr(profile, "BusyCheck", Quiet)
-    monkeypatch.setattr(profile, "quiet_now", lambda threads_used=None: True)
+    monkeypatch.setattr(timing, "BusyCheck", Quiet)
+    monkeypatch.setattr(timing, "quiet_now", lambda threads_used=None: True)
     scale = {"factor": 1.0}
     latency, _ = fake_latency()
-    monkeypatch.setattr(profile._ModelTimer, "latency", lambda self, n: latency("any", n, "onednn") * scale["factor"])
+    monkeypatch.setattr(timing._ModelTimer, "latency", lambda self, n: latency("any", n, "onednn") * scale["factor"])
     first = load_or_measure(target, random_draft, quiet=True, **QUICK)
     assert first.verify_ms[1] == 11.0
-    profile.mark_stale(target, random_draft, "the last 8 plain steps took 1.36x the profile's time")
+    store.mark_stale(target, random_draft, "the last 8 plain steps took 1.36x the profile's time")
     scale["factor"] = 1.15                                     # measuring noise
     again = load_or_measure(target, random_draft, quiet=True, **QUICK)
     assert again.verify_ms == first.verify_ms and again.draft_ms == first.draft_ms
@@ -169,7 +172,7 @@ def test_a_stale_flag_that_measuring_again_does_not_confirm_changes_nothing(targ
     assert load_cached(target, random_draft).verify_ms == first.verify_ms          # cached as confirmed
     assert load_or_measure(target, random_draft, quiet=True, force=True, **QUICK).verify_ms[1] == \
         pytest.approx(11 * 1.15)                               # --calibrate on an unflagged profile: new figures
-    profile.mark_stale(target, random_draft, "the last 8 plain steps took 2.0x the profile's time")
+    store.mark_stale(target, random_draft, "the last 8 plain steps took 2.0x the profile's time")
     scale["factor"] = 2.0                                      # the machine really changed
     changed = load_or_measure(target, random_draft, quiet=True, **QUICK)
     assert changed.verify_ms[1] == pytest.approx(22.0) and "confirmed" not in changed.meta
@@ -214,15 +217,15 @@ def test_a_ratio_that_measuring_again_confirmed_is_expected_from_then_on(target,
     forward that the profile does not time, or a spell of a drifting machine). Flagged once and
     confirmed by measuring again, that ratio is expected beside the profile's own: later runs at
     either do not flag the profile again (no measuring every other start); a ratio off both does."""
-    monkeypatch.setattr(profile, "BusyCheck", Quiet)
-    monkeypatch.setattr(profile, "quiet_now", lambda threads_used=None: True)
+    monkeypatch.setattr(timing, "BusyCheck", Quiet)
+    monkeypatch.setattr(timing, "quiet_now", lambda threads_used=None: True)
     latency, _ = fake_latency()
-    monkeypatch.setattr(profile._ModelTimer, "latency", lambda self, n: latency("any", n, "onednn"))
+    monkeypatch.setattr(timing._ModelTimer, "latency", lambda self, n: latency("any", n, "onednn"))
     first = load_or_measure(target, random_draft, quiet=True, **QUICK)
 
     def run(prof, ratio):
         costs = Costs.from_profile(prof, source="cached")
-        costs.on_stale = lambda reason: profile.mark_stale(target, random_draft, reason, ratio=costs.stale_ratio)
+        costs.on_stale = lambda reason: store.mark_stale(target, random_draft, reason, ratio=costs.stale_ratio)
         for _ in range(8):
             costs.observe("verify", 1, costs.base_verify_ms(1), costs.base_verify_ms(1) * ratio)
         return costs
@@ -243,7 +246,7 @@ def test_baseline_calibrates_nothing(model_dirs, fresh_cache, monkeypatch, capsy
 
     def no_measuring(*args, **kwargs):
         raise AssertionError("measured")
-    monkeypatch.setattr(profile, "measure", no_measuring)
+    monkeypatch.setattr(timing, "measure", no_measuring)
     pair = ["--target", str(model_dirs / "target"), "--draft", str(model_dirs / "draft")]
     for dtype in ("auto", "float32", "bfloat16"):
         assert main(pair + ["--prompt", "w03 w17", "--max-new-tokens", "4", "--baseline", "--threads", "1",
@@ -258,11 +261,11 @@ def test_baseline_calibrates_nothing(model_dirs, fresh_cache, monkeypatch, capsy
 def test_trees_do_not_depend_on_this_runs_clock(target, random_draft, fresh_cache, monkeypatch, draft_kind):
     """Two runs whose forwards seem to take very different, jittering times grow the same trees
     and emit the same tokens: the costs are the cached profile's, fixed for the run."""
-    monkeypatch.setattr(profile, "BusyCheck", Quiet)
+    monkeypatch.setattr(timing, "BusyCheck", Quiet)
     load_or_measure(target, random_draft, quiet=True, **QUICK)
     # these clocks contradict the profile, which is flagged; kept here (as on a busy machine) so both
     # runs start from the same profile
-    monkeypatch.setattr(profile, "quiet_now", lambda threads_used=None: False)
+    monkeypatch.setattr(timing, "quiet_now", lambda threads_used=None: False)
     draft = random_draft if draft_kind == "model" else [random_draft, "context"]
 
     def run(clock, **options):

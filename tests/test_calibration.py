@@ -8,7 +8,8 @@ import torch
 from conftest import tiny_llama
 
 from mcsd import TreeDecoder
-from mcsd.costs.profile import Costs, load_cached, load_or_measure, profile_path
+from mcsd.costs.cost_model import Costs
+from mcsd.costs.store import load_cached, load_or_measure, profile_path
 from mcsd.decoding.choice import choose_dtype, expected_rate
 from mcsd.drafting.policies import LearnedPolicy
 
@@ -166,16 +167,16 @@ def test_a_feature_heads_steps_are_timed_after_a_target_forward(monkeypatch):
     caches: the profile times every head step right after a target forward, as decoding runs it."""
     from test_feature_draft import random_head
 
-    from mcsd.costs import profile
+    from mcsd.costs import timing
     from mcsd.drafting.feature_draft import FeatureDrafter
     target = tiny_llama(0)
     drafter = FeatureDrafter(random_head(target), target)
     order = []
-    for cls, name in ((profile._ModelTimer, "target"), (profile._HeadTimer, "head")):
+    for cls, name in ((timing._ModelTimer, "target"), (timing._HeadTimer, "head")):
         def spy(self, n, _inner=cls.latency, _name=name):
             order.append(_name)
             return _inner(self, n)
         monkeypatch.setattr(cls, "latency", spy)
-    prof = profile.measure(target, drafter, **QUICK)
+    prof = timing.measure(target, drafter, **QUICK)
     heads = [i for i, name in enumerate(order) if name == "head"]
     assert heads and prof.draft_ms and all(order[i - 1] == "target" for i in heads)

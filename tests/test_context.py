@@ -14,7 +14,7 @@ from mcsd.config import ConfigError, SamplingConfig
 from mcsd.core.sampling import sample_without_replacement
 from mcsd.core.tree import DraftTree, TreeTopology, ancestor_mask
 from mcsd.core.verify import accept_sampling
-from mcsd.costs.profile import Costs
+from mcsd.costs.cost_model import Costs
 from mcsd.drafting.context import ContextConfig, ContextDrafter, ContextStore, NGramIndex, parse_drafter_spec
 
 # ---------------------------------------------------------------------------- lookup

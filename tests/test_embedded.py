@@ -11,8 +11,9 @@ import torch
 
 from mcsd import TreeDecoder, load_model_pair
 from mcsd.cli import main
+from mcsd.loading.cache import models_dir
 from mcsd.loading.data import chat_ids
-from mcsd.loading.models import PRESETS, models_dir
+from mcsd.loading.presets import PRESETS
 
 
 @pytest.fixture(scope="module")

@@ -95,7 +95,7 @@ def test_save_and_load_round_trip(target, tmp_path):
 
 def test_load_pair_with_a_feature_head_directory(model_dirs, tmp_path, target):
     from mcsd import load_model_pair
-    from mcsd.loading.models import ModelLoadError
+    from mcsd.errors import ModelLoadError
     random_head(target, sub_vocab=24).save(tmp_path / "head")
     t, drafter, tok = load_model_pair(str(model_dirs / "target"), str(tmp_path / "head"), dtype="float32")
     assert isinstance(drafter, FeatureDrafter)
@@ -111,7 +111,8 @@ def test_load_pair_with_a_feature_head_directory(model_dirs, tmp_path, target):
 def test_device_profile_times_a_feature_drafter(target, fresh_cache):
     """Tree policies get draft costs for a feature head too, cached under a key of its own (the cache
     starts empty: profiles key the architecture)."""
-    from mcsd.costs.profile import load_or_measure, measure, profile_path
+    from mcsd.costs.store import load_or_measure, profile_path
+    from mcsd.costs.timing import measure
     from mcsd.decoding.calibration import device_costs
     drafter = FeatureDrafter(random_head(target), target, name="tiny-head")
     prof = measure(target, drafter, sizes=(1, 4), prefix_len=16, repeats=2, draft_sizes=(1, 2))

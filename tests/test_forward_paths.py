@@ -10,7 +10,6 @@ import types
 import pytest
 import torch
 from conftest import tiny_llama
-from transformers import DynamicCache
 
 from mcsd import TreeDecoder
 from mcsd.forward import kv_cache

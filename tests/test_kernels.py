@@ -6,7 +6,10 @@ import torch
 from conftest import tiny_llama
 
 from mcsd import TreeDecoder
-from mcsd.costs.profile import ATEN_MAX_ROWS, Costs, DeviceProfile, load_or_measure
+from mcsd.costs.cost_model import Costs
+from mcsd.costs.profile import DeviceProfile
+from mcsd.costs.store import load_or_measure
+from mcsd.costs.timing import ATEN_MAX_ROWS
 from mcsd.drafting.feature_draft import FeatureDrafter
 from mcsd.forward import kernels
 from mcsd.forward.lm import CachedLM
@@ -392,7 +395,7 @@ def test_a_decoder_on_prepacked_weights_holds_them_once(monkeypatch, fresh_cache
     assert dec.target.path == "lean"                            # the engine's own forward reads the copies too
     assert dec.calibration.costs().verify == {1: 8.0, 8: 9.0, 32: 15.0}        # priced as it runs
     # measuring again times the plain paths on plain weights, then they are held once more
-    from mcsd.costs.profile import measure
+    from mcsd.costs.timing import measure
     measure(model, draft, **QUICK)
     assert kernels.released(model) == 0 and not kernels.is_packed(model)
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())

@@ -228,7 +228,7 @@ def test_a_feature_drafter_beside_a_native_q4_target_drafts_on_q8_0_and_stays_ex
 def test_a_pairs_profile_is_found_under_one_name_before_and_after_the_codes(tmp_path):
     """--weights auto looks a q4 candidate's costs up before converting the pair, and they are stored
     after (the feature head then on its Q8_0 codes): one file, so a warm start measures nothing."""
-    from mcsd.costs.profile import profile_path
+    from mcsd.costs.store import profile_path
     from mcsd.drafting.feature_draft import FeatureDrafter
     dense = _family("llama")
     before = profile_path(dense, FeatureDrafter(_feature_head(32, 64), dense), torch.float32, weights="q4")

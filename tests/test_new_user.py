@@ -155,9 +155,9 @@ def test_an_unknown_name_without_a_draft_says_it_is_no_model(monkeypatch, tmp_pa
 # ---------------------------------------------------------------------------- the profile cache
 
 def _measure_in(cache, target_dir, draft_dir, monkeypatch, calibrate):
-    from mcsd.costs.profile import load_or_measure
+    from mcsd.costs.store import load_or_measure
     from mcsd.drafting.pair import load_model
-    monkeypatch.setattr("mcsd.costs.profile.cache_dir", lambda: cache)
+    monkeypatch.setattr("mcsd.costs.store.cache_dir", lambda: cache)
     t, d = load_model(str(target_dir), "float32"), load_model(str(draft_dir), "float32", role="draft")
     return load_or_measure(t, d, measure_if_missing=calibrate, quiet=True, sizes=(1, 2), repeats=2)
 
@@ -174,11 +174,11 @@ def test_a_complete_cache_serves_from_another_path(model_dirs, tmp_path, monkeyp
 
 def test_a_profile_that_cannot_be_written_serves_the_run_and_is_said_once(model_dirs, tmp_path, monkeypatch,
                                                                             capsys):
-    from mcsd.costs.profile import load_or_measure
+    from mcsd.costs.store import load_or_measure
     from mcsd.drafting.pair import load_model
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    monkeypatch.setattr("mcsd.costs.profile.cache_dir", lambda: blocker / "cache")    # under a file: nothing is made
+    monkeypatch.setattr("mcsd.costs.store.cache_dir", lambda: blocker / "cache")    # under a file: nothing is made
     t = load_model(str(model_dirs / "target"), "float32")
     d = load_model(str(model_dirs / "draft"), "float32", role="draft")
     prof = load_or_measure(t, d, sizes=(1, 2), repeats=2)

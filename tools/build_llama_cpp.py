@@ -56,7 +56,8 @@ def build(cmake_args: str, jobs: int) -> None:
 _SMOKE = """
 import json, sys, time
 from llama_cpp import Llama, llama_print_system_info
-from mcsd.loading.models import PRESETS, fetch_preset_gguf
+from mcsd.loading.presets import PRESETS
+from mcsd.loading.models import fetch_preset_gguf
 llm = Llama(model_path=str(fetch_preset_gguf(PRESETS[sys.argv[1]])), n_ctx=512, n_threads=int(sys.argv[2]), verbose=False)
 ids = llm.tokenize(b"The capital of France is")
 t0 = time.perf_counter()

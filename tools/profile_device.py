@@ -20,14 +20,15 @@ import argparse
 import json
 from pathlib import Path
 
-from mcsd.costs.profile import STAND_INS
+from mcsd.costs.timing import STAND_INS
 
 
 def _load(args):
     from mcsd import load_model_pair
-    from mcsd.costs.profile import stand_in
+    from mcsd.costs.timing import stand_in
     from mcsd.drafting.pair import load_feature_drafter, load_model
-    from mcsd.loading.models import PRESETS, preset_draft_dir
+    from mcsd.loading.models import preset_draft_dir
+    from mcsd.loading.presets import PRESETS
     if args.stand_in is None:
         return load_model_pair(args.target, args.draft, dtype=args.dtype, device=args.device,
                                drafter=args.drafter)[:2]
@@ -60,7 +61,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from mcsd.costs.profile import DEFAULT_SIZES, load_or_measure, measure, profile_path
+    from mcsd.costs.store import load_or_measure, profile_path
+    from mcsd.costs.timing import DEFAULT_SIZES, measure
     from mcsd.forward.attention import set_backend
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 def main(argv=None) -> int:
     from mcsd.config import WEIGHTS
-    from mcsd.costs.profile import STAND_INS
+    from mcsd.costs.timing import STAND_INS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", help="target source (default: the embedded preset)")
     ap.add_argument("--stand-in", choices=sorted(STAND_INS), help="a random-weight model of this architecture")
@@ -51,7 +51,8 @@ def main(argv=None) -> int:
     import torch
 
     from mcsd.costs.forward_profile import breakdown, format_table, memory_floor, to_json
-    from mcsd.costs.profile import machine_info, stand_in
+    from mcsd.costs.profile import machine_info
+    from mcsd.costs.timing import stand_in
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.stand_in:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 
 def main(argv=None) -> int:
-    from mcsd.costs.profile import STAND_INS
+    from mcsd.costs.timing import STAND_INS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", help="target source (default: the embedded preset)")
     ap.add_argument("--stand-in", choices=sorted(STAND_INS), help="a random-weight model of this architecture")
@@ -41,7 +41,8 @@ def main(argv=None) -> int:
 
     import torch
 
-    from mcsd.costs.profile import machine_info, stand_in
+    from mcsd.costs.profile import machine_info
+    from mcsd.costs.timing import stand_in
     from mcsd.forward.attention import causal_allowed
     from mcsd.forward.graphs import bucket_of
     from mcsd.forward.lm import CachedLM

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..costs import profile
+from ..costs import cost_model, profile, store, timing
 from ..drafting.policies import POLICIES
 from ..forward import kernels, quant
 from ..forward.lm import CachedLM
@@ -31,7 +31,7 @@ class Calibration:
             nothing prices trees.
         seconds: time spent measuring in this run.
         note: "; provisional: ..." when a measurement was taken on a busy machine, a note when it
-            confirmed a profile flagged stale (`profile.settle`), else None.
+            confirmed a profile flagged stale (`store.settle`), else None.
         kernels_note: which matmul path small blocks run on, or None.
     """
 
@@ -48,7 +48,7 @@ class Calibration:
             self._note(*self._fetched)
         return self._fetched[0]
 
-    def costs(self) -> profile.Costs:
+    def costs(self) -> cost_model.Costs:
         """Costs from this machine's profile; a stale verdict flags the cached profile for measuring again."""
         self.profile()
         costs = costs_of(*self._fetched)
@@ -73,7 +73,7 @@ class Calibration:
         if kernels.packable(self.target.dtype, self.target.device):
             # the target alone needs only its paths: from any cached profile of it, never measured
             alone = target_alone and not self.calibrate
-            self.use_kernels(_held_once(profile.load_target_costs(self.target.model), alone=True) if alone
+            self.use_kernels(_held_once(store.load_target_costs(self.target.model), alone=True) if alone
                              else self.profile())
 
     def _q4_note(self) -> str | None:
@@ -117,11 +117,11 @@ class Calibration:
                     notes[-1] += ", its plain weights let go"
         self.kernels_note = "; ".join(notes) or None
 
-    def refresh(self, costs: profile.Costs | None) -> None:
+    def refresh(self, costs: cost_model.Costs | None) -> None:
         """Measure again, on a quiet machine, where the last generation found the profile stale, and run
         the next one on the new kernel paths and costs. `costs` is updated in place (the policy and
         context drafting share it)."""
-        if costs is None or costs.stale is None or not profile.quiet_now():
+        if costs is None or costs.stale is None or not timing.quiet_now():
             return
         prof, source = device_profile(self.target.model, self.draft, calibrate=True)
         prof = _held_once(prof)
@@ -149,7 +149,7 @@ def _held_once(prof, alone: bool = False):
     `ATEN_MAX_ROWS` nodes; a draft runs levels of every width it was timed at."""
     if prof is None:
         return None
-    trees = tuple(n for n in prof.verify_ms if n <= profile.ATEN_MAX_ROWS)
+    trees = tuple(n for n in prof.verify_ms if n <= timing.ATEN_MAX_ROWS)
     return prof.hold_once({"verify": (1,) if alone else trees, "draft": tuple(prof.draft_ms)})
 
 
@@ -160,25 +160,25 @@ def _timed(draft):
 
 def _stale_marker(target, draft, costs):
     """on_stale for Costs: flag the cached profile so that the next start measures again."""
-    return lambda reason: profile.mark_stale(target, _timed(draft), reason, ratio=costs.stale_ratio)
+    return lambda reason: store.mark_stale(target, _timed(draft), reason, ratio=costs.stale_ratio)
 
 
 def device_profile(target, draft, calibrate: bool | None = None) -> tuple:
     """(this machine's profile for the pair or None, where it came from): the cached one, measured when
     missing (or when `calibrate` is True); None with `calibrate=False` and nothing cached."""
-    prof = None if calibrate else profile.load_cached(target, _timed(draft), remeasure=calibrate is None)
+    prof = None if calibrate else store.load_cached(target, _timed(draft), remeasure=calibrate is None)
     if prof is not None:
         return prof, "cached"
     if calibrate is False:
         return None, "default"
-    return profile.load_or_measure(target, _timed(draft), force=True), "measured"
+    return store.load_or_measure(target, _timed(draft), force=True), "measured"
 
 
-def costs_of(prof, source: str) -> profile.Costs:
+def costs_of(prof, source: str) -> cost_model.Costs:
     """Costs from a profile (see `device_profile`); generic defaults without one."""
-    return profile.Costs.from_profile(prof, source=source) if prof is not None else profile.Costs.default()
+    return cost_model.Costs.from_profile(prof, source=source) if prof is not None else cost_model.Costs.default()
 
 
-def device_costs(target, draft, calibrate: bool | None = None) -> profile.Costs:
+def device_costs(target, draft, calibrate: bool | None = None) -> cost_model.Costs:
     """This machine's costs for the pair (see `device_profile`)."""
     return costs_of(*device_profile(target, draft, calibrate))

@@ -19,7 +19,9 @@ from pathlib import Path
 
 import torch
 
-from ..costs.profile import Costs, host_key, load_cached, load_or_measure, load_target_costs, needs_remeasure
+from ..costs.cost_model import Costs
+from ..costs.profile import host_key
+from ..costs.store import load_cached, load_or_measure, load_target_costs, needs_remeasure
 
 # Acceptance barely depends on the dtype; the comparison turns on the costs. Measured for the
 # preset's feature head, a static chain at greedy decoding's roots on 96 held-out prompts:

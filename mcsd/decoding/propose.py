@@ -70,7 +70,7 @@ class Proposer:
         drafter: the model drafter, or None.
         context: the context drafter, or None.
         lossy: W > 0: the target's top-W tokens are each round's candidate roots (needs a drafter).
-        context_costs: `mcsd.costs.profile.Costs` pricing a context node's verify time, or None.
+        context_costs: `mcsd.costs.cost_model.Costs` pricing a context node's verify time, or None.
 
     Attributes:
         hidden: the target layers whose hidden states the drafter reads (a tuple), or False.

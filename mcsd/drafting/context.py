@@ -434,7 +434,7 @@ class ContextDrafter:
             sequence: (T,) committed tokens ending with the root.
             expected_tokens: tokens the round is expected to emit without context nodes (>= 1).
             round_ms: the round's time so far (draft time spent + verify of `tree`) in ms.
-            costs: `mcsd.costs.profile.Costs` for the marginal verify time of a node, or None
+            costs: `mcsd.costs.cost_model.Costs` for the marginal verify time of a node, or None
                 (then only `max_nodes` and `min_score` bound the graft).
             node_probs: (N,) each drafted node's probability of being accepted, where the
                 policy estimates it; default: its draft path probability exp(logp).

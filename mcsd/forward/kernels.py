@@ -7,7 +7,7 @@ fixed cost that dominates a forward of one or two rows: for SmolLM2-135M in
 bfloat16 on a 2-core AVX512-BF16 EPYC, a 1-token step took 43 ms through
 oneDNN and 25 ms through ATen's kernels, a 16-token verify 50 ms against
 136 ms. Decoding is mostly forwards of a few rows, so the calibration
-(`mcsd.costs.profile.measure`) times both paths per block size and the engine runs
+(`mcsd.costs.timing.measure`) times both paths per block size and the engine runs
 each forward on the faster one.
 
 The switch is torch's process-wide `torch.backends.mkldnn.enabled` flag, set

@@ -31,9 +31,9 @@ import torch
 from ..config import DTYPE_NAMES, ConfigError
 from ..errors import ModelLoadError, TokenizerMismatchError
 from .cache import cache_dir, cache_subdir, cache_writes, models_dir
-from .presets import DEFAULT_PRESET, DRAFTERS, PRESETS, Preset
+from .presets import DRAFTERS, PRESETS, Preset
 from .progress import bars_wanted, say, stage, transformers_bars
-from .sources import check_source, resolve_source
+from .sources import resolve_source
 
 DTYPES = {alias: getattr(torch, name) for alias, name in DTYPE_NAMES.items()}
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
+from mcsd.loading.cache import cache_dir
 from mcsd.loading.data import load_prompts as load_prompts_file
-from mcsd.loading.models import cache_dir
 
 DEFAULT_TARGET = "smollm2-135m"          # the embedded preset; any model source works
 

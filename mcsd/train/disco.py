@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from mcsd.drafting.policies.disco import DISCO_FEATURES, FORMAT, FORMAT_VERSION, DiscoClassifier
-from mcsd.loading.models import models_dir
+from mcsd.loading.cache import models_dir
 from mcsd.train import portable
 from mcsd.train.decision_models import load_traces, trace_command
 from mcsd.train.length_data import (

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from mcsd.drafting.feature_draft import FeatureHead, FeatureHeadConfig
 from mcsd.drafting.pair import load_model
-from mcsd.loading.models import cache_dir
+from mcsd.loading.cache import cache_dir
 from mcsd.train import data as target_data
 from mcsd.train import portable
 

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from mcsd.drafting.policies.specdecpp import AcceptanceHead, SpecDecHead
-from mcsd.loading.models import models_dir
+from mcsd.loading.cache import models_dir
 from mcsd.train import portable
 from mcsd.train.decision_models import load_traces, trace_command
 from mcsd.train.length_data import (

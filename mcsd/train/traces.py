@@ -47,8 +47,8 @@ from mcsd import TreeDecoder, load_model_pair
 from mcsd.core.tree import DraftTree, TreeTopology
 from mcsd.drafting.policies.base import Frontier, TreePolicy
 from mcsd.drafting.policies.learned import FEATURE_NAMES, candidate_features, recent_acceptance
+from mcsd.loading.cache import cache_dir
 from mcsd.loading.data import chat_ids, load_prompts, stratified
-from mcsd.loading.models import cache_dir
 
 GROUPS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag", "other")
 

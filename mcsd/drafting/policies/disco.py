@@ -43,7 +43,7 @@ import torch
 
 from ...core.tree import TreeTopology
 from ...errors import ModelLoadError
-from ...loading.models import models_dir
+from ...loading.cache import models_dir
 from .base import Frontier, TreePolicy
 from .svip import check_min_depth, check_unit_interval, entropy_nats
 

@@ -29,8 +29,9 @@ import torch
 
 from ...config import ConfigError
 from ...core.tree import DraftTree, TreeTopology
-from ...costs.profile import Costs
-from ...loading.models import ModelLoadError, models_dir
+from ...costs.cost_model import Costs
+from ...errors import ModelLoadError
+from ...loading.cache import models_dir
 from .base import Frontier, Gate, TreePolicy
 
 FEATURE_NAMES = (
@@ -215,7 +216,7 @@ class LearnedPolicy(TreePolicy):
     profile, not on how long this run's forwards happened to take.
     `observe_timing` still compares every round's target forward with the
     profile; a profile that persistently disagrees is flagged for
-    measuring again (see `mcsd.costs.profile.Costs`). With `online_costs` the
+    measuring again (see `mcsd.costs.cost_model.Costs`). With `online_costs` the
     measured times also correct the costs within the run (faster to adapt to
     a machine that slowed down; trees then vary from run to run).
 

@@ -46,7 +46,7 @@ from torch import nn
 from ...config import ConfigError
 from ...core.tree import TreeTopology
 from ...errors import ModelLoadError
-from ...loading.models import models_dir
+from ...loading.cache import models_dir
 from .base import Frontier, TreePolicy
 from .svip import check_min_depth, check_unit_interval
 

@@ -1,0 +1,200 @@
+"""The profile store: one cached profile per (machine, pair, dtype, device, attention, threads) as JSON
+under `<cache>/profiles/`, measured on first use, flagged stale or provisional and measured again only
+where that cannot land inside a generation.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from ..config import ConfigError
+from ..forward import kernels, quant
+from ..loading.cache import cache_dir, cache_writes
+from . import timing
+from .profile import MEASURED_SINCE, DeviceProfile, _model_key, _model_name, host_key
+
+CALIBRATION_REPEATS = 4     # the quick measurement a first generation makes: 2 rounds of 2 runs (see measure)
+
+
+def profile_path(target, draft, dtype=None, weights: str | None = None) -> Path:
+    """Cache file for this machine, pair, dtype, device, attention backend and thread count;
+    `weights="q4"` names the target's profile on its 4-bit codes before they are attached."""
+    dev = next(target.parameters()).device
+    dtype = dtype or next(target.parameters()).dtype
+    # a drafter's key leaves out its own codes: it runs on them exactly when the target runs on the native
+    # q4 kernel (`FeatureDrafter.follow_target_weights`), which the target's key says, before and after
+    parts = [_model_key(target, q4=weights == "q4"), _model_key(draft, codes=False) if draft is not None else "-",
+             str(dtype), str(dev),
+             str(getattr(target.config, "_attn_implementation", None)), str(torch.get_num_threads()),
+             json.dumps(host_key(dev), sort_keys=True)]
+    if kernels.switchable(dtype, dev):
+        parts.append("onednn-aten-packed")            # profiles timed on every matmul path
+    elif kernels.packable(dtype, dev):
+        parts.append("default-packed")                # timed with and without prepacked weights
+    parts.append(f"measured-{MEASURED_SINCE}")         # profiles measured the way this version measures
+    key = "|".join(parts)
+    digest = hashlib.sha1(key.encode()).hexdigest()[:12]
+    return cache_dir() / "profiles" / f"{digest}.json"
+
+
+def _readable(path: Path, device) -> DeviceProfile | None:
+    """The profile in `path` if it is readable and was measured on this machine."""
+    try:
+        prof = DeviceProfile.from_json(path.read_text())
+    except (OSError, ValueError, KeyError, TypeError):
+        return None                                   # unreadable: measure again
+    here, host = host_key(device), prof.meta.get("host", {})
+    if {k: host.get(k) for k in here} != here:
+        return None                                   # measured on another machine
+    return prof
+
+
+def needs_remeasure(prof: DeviceProfile) -> str | None:
+    """Why a cached profile should be measured again (provisional: measured on a busy machine;
+    stale: later runs' timings disagreed with it), or None."""
+    return prof.meta.get("stale") or prof.meta.get("provisional")
+
+
+def load_cached(target, draft=None, dtype=None, remeasure: bool = True,
+                weights: str | None = None) -> DeviceProfile | None:
+    """The cached profile for this setup, if there is a readable one measured on this machine.
+
+    With `remeasure`, a profile flagged for measuring again (`needs_remeasure`)
+    is passed over (None: the caller measures) when the machine is quiet now;
+    on a busy machine it is still returned, since measuring again would only
+    measure the noise again.
+    """
+    dev = next(target.parameters()).device
+    prof = _readable(profile_path(target, draft, dtype, weights), dev)
+    if prof is not None and remeasure and needs_remeasure(prof) and timing.quiet_now():
+        return None
+    return prof
+
+
+def load_target_costs(target, dtype=None) -> DeviceProfile | None:
+    """A cached profile holding this target's verify costs in this setup, measured alone or with any
+    drafter (its verify tables are the same either way), without measuring anything; for runs of
+    the target alone (`--baseline`). A profile flagged for measuring again serves too."""
+    dev = next(target.parameters()).device
+    own = _readable(profile_path(target, None, dtype), dev)
+    if own is not None:
+        return own
+    dtype = str(dtype or next(target.parameters()).dtype).replace("torch.", "")
+    want = {"target_key": _model_key(target), "dtype": dtype, "device": str(dev),
+            "attention": getattr(target.config, "_attn_implementation", None), "threads": torch.get_num_threads()}
+    folder = cache_dir() / "profiles"
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else ():
+        prof = _readable(path, dev)
+        if prof is not None and all(prof.meta.get(k) == v for k, v in want.items()):
+            return prof
+    return None
+
+
+def mark_stale(target, draft, reason: str, dtype=None, ratio: float | None = None) -> bool:
+    """Flag the cached profile of this setup for measuring again at the next start (`load_cached`);
+    `ratio`: the rounds' measured time over the profile's that flagged it. False where there is none
+    or the cache cannot be written."""
+    path = profile_path(target, draft, dtype)
+    prof = _readable(path, next(target.parameters()).device)
+    if prof is None:
+        return False
+    prof.meta["stale"] = reason
+    prof.meta["stale_ratio"] = ratio
+    try:
+        path.write_text(prof.to_json())
+    except OSError:
+        return False
+    return True
+
+
+AGREE_RATIO = 1.25           # a new measurement this close to a flagged profile's, size by size, confirms it
+
+
+def agrees(old: DeviceProfile, new: DeviceProfile, bound: float = AGREE_RATIO) -> float | None:
+    """The largest ratio between the two profiles' costs (fastest path, each size both measured)
+    when every one is within `bound` (either way), else None."""
+    worst = 1.0
+    for role in ("verify", "draft"):
+        a, b = old.best_ms(role), new.best_ms(role)
+        if a.keys() != b.keys():
+            return None
+        for n in a:
+            worst = max(worst, a[n] / b[n], b[n] / a[n])
+    return worst if worst <= bound else None
+
+
+def settle(old: DeviceProfile, new: DeviceProfile) -> DeviceProfile:
+    """A flagged profile measured again: where the new figures agree with it (`agrees`), the old
+    ones stay (with the flag cleared), so that the kernel paths and the trees they price, and
+    with them a bfloat16 run's output, do not move with measuring noise; else the new profile."""
+    if new.meta.get("provisional") or old.meta.get("provisional"):
+        return new                  # a busy measurement on either side confirms nothing
+    worst = agrees(old, new)
+    if worst is None:
+        return new
+    kept = copy.deepcopy(old)
+    # the rounds' ratio that flagged it is then how decoding compares with these figures on this
+    # machine (the work around a forward that a profile does not time), not a change: expected from now
+    kept.meta.update(stale=None, stale_ratio=None, provisional=None,
+                     calibration_s=new.meta.get("calibration_s", 0.0),
+                     confirmed={"flag": old.meta.get("stale"), "largest_ratio": round(worst, 3),
+                                "observed": old.meta.get("stale_ratio")})
+    return kept
+
+
+def load_or_measure(target, draft=None, measure_if_missing: bool = True, force: bool = False,
+                    quiet: bool = False, **kwargs) -> DeviceProfile | None:
+    """The cached profile for this setup, measured (and cached) on first use, when `force`d, or when
+    the cached one is flagged and the machine is quiet now (`load_cached`).
+
+    A measurement prints one line on stderr (unless `quiet`), and a second when
+    the machine was busy meanwhile (the profile is then provisional). A cached
+    profile flagged stale that the new measurement confirms keeps its figures
+    (`settle`). Keyword arguments go to `measure`; the
+    default is a quick calibration (`CALIBRATION_REPEATS`).
+    """
+    path = profile_path(target, draft)
+    prof = None if force else load_cached(target, draft)
+    if prof is not None or not measure_if_missing:
+        return prof
+    flagged = _readable(path, next(target.parameters()).device)
+    if flagged is not None and not flagged.meta.get("stale"):
+        flagged = None
+    if not quiet:
+        dtype = str(next(target.parameters()).dtype).replace("torch.", "")
+        if quant.attached(target):
+            dtype = f"q4 weights, {dtype} compute"
+        n = torch.get_num_threads()
+        print(f"mcsd: measuring this machine's costs for {_model_name(target)} ({dtype}, {n} thread"
+              f"{'s' if n > 1 else ''}; cached in {path.parent})...", file=sys.stderr, flush=True)
+    unwritable = None                                 # a cache that cannot be written: the costs serve this run
+    try:
+        with cache_writes(path.parent):
+            path.parent.mkdir(parents=True, exist_ok=True)
+    except ConfigError as exc:
+        unwritable = str(exc)
+    kwargs.setdefault("repeats", CALIBRATION_REPEATS)
+    prof = timing.measure(target, draft, **kwargs)
+    if flagged is not None:
+        prof = settle(flagged, prof)
+        if prof.meta.get("confirmed") and not quiet:
+            print(f"mcsd: measured again within {prof.meta['confirmed']['largest_ratio'] - 1:.0%} of the cached "
+                  f"costs, which stay", file=sys.stderr, flush=True)
+    if prof.meta.get("provisional") and not quiet:
+        print(f"mcsd: the machine was busy while measuring ({prof.meta['provisional']}): these costs serve "
+              f"until a quieter start measures again", file=sys.stderr, flush=True)
+    if unwritable is None:
+        try:
+            with cache_writes(path.parent):
+                path.write_text(prof.to_json())
+        except ConfigError as exc:
+            unwritable = str(exc)
+    if unwritable is not None and not quiet:
+        print(f"mcsd: {unwritable.split(';')[0]}; these costs serve this run only", file=sys.stderr, flush=True)
+    return prof
