@@ -45,3 +45,6 @@ def test_the_report_names_the_weights_dtype_and_decoding_first(tmp_path):
     old = report["header"]([{**row, "family": "llama_cpp", "interleaved": False}], {"dtype": "bfloat16"})
     assert old == ("## dense weights, bfloat16, greedy, one method after another; llama.cpp in the benchmark "
                    "process (before it had its own)")
+    same = report["_same"]
+    assert (same({"equal_to_baseline": True}), same({"mismatched_prompts": [3, 5]}), same({})) == \
+        ("yes", "no (2 prompts)", "-")                                # "-": no baseline ran to compare with

@@ -61,6 +61,14 @@ def _fmt(x, spec=".2f"):
     return "-" if x is None else format(x, spec)
 
 
+def _same(row: dict) -> str:
+    """yes, no (on how many prompts), or - where no baseline ran to compare with."""
+    if row.get("equal_to_baseline"):
+        return "yes"
+    mismatched = row.get("mismatched_prompts", [])
+    return f"no ({len(mismatched)} prompts)" if mismatched else "-"
+
+
 def tree_size(spec: str | None) -> int:
     """Draft nodes of a k-config ("4,2,2" -> 28); 0 for none."""
     if not spec:
@@ -99,7 +107,7 @@ def markdown(rows: list[dict], env: dict) -> str:
         depth = " ".join(f"{a:.2f}" for a in r.get("accept_by_depth", [])[:6]) or "-"
         lines.append(f"| {r['method']} | {r.get('tree') or '-'} | {_fmt(r['tokens_per_s'], '.1f')} | "
                      f"{_fmt(r.get('speedup'))} | {_fmt(r['tau'])} | {depth} | "
-                     f"{'yes' if r.get('equal_to_baseline') else 'no (' + str(len(r.get('mismatched_prompts', []))) + ' prompts)'} |")
+                     f"{_same(r)} |")
     groups = sorted({g for r in rows for g in r.get("by_category", {})})
     if groups:
         lines += ["", "Speedup (tau) by category group:", "",
