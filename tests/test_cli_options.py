@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mcsd import cli
+from mcsd.cli import args as cli_args
+from mcsd.cli import generate as cli_run
 from mcsd.cli import main
 from mcsd.loading import sources
 
@@ -102,7 +103,7 @@ def test_a_hub_id_without_network_fails_at_once(monkeypatch, tmp_path, capsys):
         raise OSError("network unreachable")
 
     monkeypatch.setattr(sources.socket, "create_connection", refuse)
-    monkeypatch.setattr(cli, "_load_models", lambda args: pytest.fail("loaded a model"))
+    monkeypatch.setattr(cli_run, "load_models", lambda args: pytest.fail("loaded a model"))
     t0 = time.perf_counter()
     assert main(["--target", "no-such-org/no-such-model", "--baseline", "--prompt", "w03"]) == 2
     assert time.perf_counter() - t0 < 2.0
@@ -115,11 +116,11 @@ def test_a_cached_hub_id_without_network_loads_offline(monkeypatch, tmp_path):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     (tmp_path / "models--org--model").mkdir()
     monkeypatch.setattr(sources.socket, "create_connection", lambda *a, **k: (_ for _ in ()).throw(OSError("down")))
-    args = cli.build_parser().parse_args(["--target", "org/model", "--baseline"])
+    args = cli_args.build_parser().parse_args(["--target", "org/model", "--baseline"])
     constants = sys.modules.get("huggingface_hub.constants")
     was = getattr(constants, "HF_HUB_OFFLINE", None)
     try:
-        cli._check_hub(args)
+        cli_args.check_hub(args)
         import os
         assert os.environ["HF_HUB_OFFLINE"] == "1"
     finally:
@@ -163,7 +164,7 @@ def test_library_tools_answer_help(tool):
 
 def test_stats_label_the_expected_rate_as_a_ranking(model_dirs, monkeypatch, capsys):
     """--dtype auto's reason quotes a cost model's expected tokens/s; --stats says it is no forecast."""
-    monkeypatch.setattr(cli, "_auto_dtype", lambda t, d, a: (t, d, "float32",
+    monkeypatch.setattr(cli_run, "_auto_dtype", lambda t, d, a: (t, d, "float32",
                                                               "float32: 59.1 expected tokens/s with chains of 2"))
     assert main(["--target", str(model_dirs / "target"), "--draft", str(model_dirs / "draft"), "--tree", "2",
                  "--policy", "static", "--prompt", "w03", "--max-new-tokens", "4", "--stats"]) == 0

@@ -268,7 +268,7 @@ def test_unknown_setting_is_named():
 
 
 def test_cli_policy_options():
-    from mcsd.cli import parse_policy_options
+    from mcsd.cli.args import parse_policy_options
     assert parse_policy_options(["h=0.4", "min_depth=2", "post_verify=false", "model=a.json"]) == \
         {"h": 0.4, "min_depth": 2, "post_verify": False, "model": "a.json"}
     for bad in (["h"], ["=1"], ["a b=1"]):

@@ -10,7 +10,8 @@ import pytest
 import torch
 from test_cli_options import _one_error_line, _pair, interrupt_after
 
-from mcsd import TreeDecoder, cli
+from mcsd import TreeDecoder
+from mcsd.cli import args as cli
 from mcsd.cli import main
 from mcsd.config import ConfigError
 from mcsd.errors import ModelLoadError
@@ -69,7 +70,7 @@ def test_an_output_that_cannot_be_written_fails_before_loading(model_dirs, tmp_p
 
 def test_a_writable_output_is_not_left_behind_by_the_check(tmp_path):
     out = tmp_path / "out.jsonl"
-    cli._check_writable(str(out), "--output")
+    cli.check_writable(str(out), "--output")
     assert not out.exists()
 
 

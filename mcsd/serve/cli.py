@@ -16,20 +16,19 @@ import os
 import signal
 import sys
 
-from ..cli import (
-    DEFAULT_PRESET,
+from ..cli.args import (
+    Parser,
     UsageError,
-    _build_decoder,
-    _check_args,
-    _check_hub,
-    _drafter_kinds,
-    _load_models,
-    _Parser,
     add_model_arguments,
+    check_args,
+    check_hub,
+    drafter_kinds,
     parse_policy_options,
 )
+from ..cli.generate import build_decoder, load_models
 from ..config import ConfigError
 from ..errors import ModelLoadError
+from ..loading.presets import DEFAULT_PRESET
 
 log = logging.getLogger("mcsd.serve")
 
@@ -44,7 +43,7 @@ _GENERATE_DEFAULTS = dict(baseline=False, max_new_tokens=1, prompt=None, prompt_
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="mcsd-serve",
+    p = Parser(prog="mcsd-serve",
                 description="Serve lossless tree speculative decoding over OpenAI's API (/v1/chat/completions, "
                             "/v1/completions, /v1/models, /health, /metrics). One model pair per server, chosen "
                             f"as mcsd-generate chooses it; without --target/--draft the embedded pair "
@@ -105,8 +104,8 @@ def _is_loopback(host: str) -> bool:
 
 def _build(args):
     """On the worker thread: the pair, the decoder, one warm-up generation."""
-    target, draft, tokenizer = _load_models(args)
-    decoder, dtype_reason = _build_decoder(args, target, draft, tokenizer)
+    target, draft, tokenizer = load_models(args)
+    decoder, dtype_reason = build_decoder(args, target, draft, tokenizer)
     log.info("decoder: policy %s, tree %s, dtype %s, weights %s, threads %d (%s), attention %s", args.policy,
              args.tree, dtype_reason or args.dtype, args.weights, args.thread_choice.threads,
              args.thread_choice.reason, decoder.attention)
@@ -130,11 +129,11 @@ def serve(args) -> int:
     from ..drafting.policies import POLICIES, resolve_policy
     parse_policy_options(args.policy_option)
     args.policy = resolve_policy(args.policy, lossy=args.lossy_target_roots > 0,
-                                 drafting=not _drafter_kinds(args)[2])
+                                 drafting=not drafter_kinds(args)[2])
     if args.tree is None:
         args.tree = POLICIES[args.policy].default_tree if args.policy in POLICIES else "4,2,2"
-    _check_args(args)
-    _check_hub(args)
+    check_args(args)
+    check_hub(args)
 
     # the gauges read `engine` when /metrics is rendered, by then assigned below
     metrics = Metrics(lambda: {"queue_depth": engine.queue_depth, "running": int(engine.busy)})
