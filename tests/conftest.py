@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,17 +54,70 @@ def fresh_cache(tmp_path, monkeypatch):
     return tmp_path
 
 
+def user_cache() -> Path:
+    """The cache mcsd would use outside the tests: $MCSD_CACHE, else ~/.cache/mcsd."""
+    return Path(os.environ.get("MCSD_CACHE") or Path.home() / ".cache" / "mcsd").expanduser()
+
+
+USER_CACHE = user_cache()          # read before the session fixture below points $MCSD_CACHE elsewhere
+LINKED = ("gguf", "models", "q4", "native")    # read-only inputs the tests may reuse; profiles never
+
+
 @pytest.fixture(scope="session", autouse=True)
-def private_profile_cache(tmp_path_factory):
-    """Cost profiles measured by tests go to a temporary folder, never the user's cache."""
-    mp = pytest.MonkeyPatch()
+def private_cache(tmp_path_factory):
+    """Everything the tests write goes to a temporary cache ($MCSD_CACHE for this process and the
+    servers and commands it starts), never the user's. What the user's cache already holds of the
+    read-only inputs (the downloaded GGUF, the converted preset, q4 codes, the native kernel) is
+    linked in, so the embedded-model tests do not fetch and convert it again; its cost profiles are
+    not (tests fix their costs: `fixed_costs`)."""
     folder = tmp_path_factory.mktemp("mcsd-cache")
-    mp.setattr("mcsd.costs.store.cache_dir", lambda: folder)
+    for sub in LINKED:
+        source = USER_CACHE / sub
+        if source.is_dir():
+            (folder / sub).mkdir()
+            for entry in source.iterdir():
+                if not entry.name.startswith("."):
+                    (folder / sub / entry.name).symlink_to(entry.resolve())
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MCSD_CACHE", str(folder))
     # whether the machine looks quiet right now must not decide whether a test measures again
     # (a profile measured on a busy machine is kept); tests of that patch it themselves
     mp.setattr("mcsd.costs.timing.quiet_now", lambda threads_used=None: False)
     yield folder
     mp.undo()
+
+
+# Made-up costs every profile a test measures gets (`fixed_costs`): a verify of n rows 10 + n ms, a draft
+# level of width w 2 + 0.2 w ms, on torch's default path alone (no matmul path is chosen).
+FIXED_VERIFY_MS = lambda n: 10.0 + n           # noqa: E731
+FIXED_DRAFT_MS = lambda w: 2.0 + 0.2 * w       # noqa: E731
+
+
+def fixed_measure(target, draft=None, sizes=None, prefix_len: int = 200, repeats: int = 20, draft_sizes=None,
+                  busy_check=None):
+    """`mcsd.costs.timing.measure` with nothing timed: the same costs on every machine, however busy."""
+    from mcsd.costs import timing
+    from mcsd.costs.profile import DeviceProfile, _model_key, _model_name, machine_info
+    sizes, draft_sizes = sizes or timing.DEFAULT_SIZES, draft_sizes or timing.DEFAULT_DRAFT_SIZES
+    weight = target.get_input_embeddings().weight
+    meta = {"target": _model_name(target), "draft": _model_name(draft) if draft is not None else None,
+            "target_key": _model_key(target), "dtype": str(weight.dtype).replace("torch.", ""),
+            "device": str(weight.device), "attention": getattr(target.config, "_attn_implementation", None),
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "repeats": repeats,
+            "host": machine_info(str(weight.device)), "spread": {}, "remeasured": [], "lowered": [],
+            "provisional": None, "calibration_s": 0.0, "fixed_for_tests": True}
+    return DeviceProfile(verify_ms={n: FIXED_VERIFY_MS(n) for n in sizes},
+                         draft_ms={w: FIXED_DRAFT_MS(w) for w in draft_sizes} if draft is not None else {},
+                         prefix_len=prefix_len, meta=meta)
+
+
+@pytest.fixture(autouse=True)
+def fixed_costs(request, monkeypatch):
+    """No test's outcome may hang on how busy the machine is: every profile measured in a test has
+    the costs of `fixed_measure` (so the same trees, and the plain weights on torch's default matmul
+    path, wherever it runs). Tests of the measuring itself carry `@pytest.mark.measures`."""
+    if request.node.get_closest_marker("measures") is None:
+        monkeypatch.setattr("mcsd.costs.timing.measure", fixed_measure)
 
 
 def write_tiny_gguf(path, vocab: int = 64, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,
@@ -136,6 +190,34 @@ def target():
 @pytest.fixture(scope="session")
 def random_draft():
     return tiny_llama(1, layers=1)
+
+
+SHARED_MODELS = ("target", "random_draft")
+
+
+def _state(model) -> dict:
+    """What a test must leave as it found it in a shared model: its parameters (values, dtype, none let
+    go), and no prepacked copies or 4-bit codes attached to it."""
+    from mcsd.forward import kernels, quant
+    return {"params": {name: p.detach().clone() for name, p in model.named_parameters()},
+            "packed": kernels.is_packed(model), "released": kernels.released(model), "q4": quant.attached(model),
+            "forwards": {name for name, m in model.named_modules() if "forward" in m.__dict__}}
+
+
+@pytest.fixture(autouse=True)
+def shared_models_untouched(request):
+    """The session's shared models are never changed by a test (packed, let go, cast, attached to codes,
+    trained): a test that needs to change one makes its own (`tiny_llama`)."""
+    models = {name: request.getfixturevalue(name) for name in SHARED_MODELS if name in request.fixturenames}
+    before = {name: _state(model) for name, model in models.items()}
+    yield
+    for name, model in models.items():
+        after = _state(model)
+        same = after["params"].keys() == before[name]["params"].keys() and all(
+            a.dtype == b.dtype and a.device == b.device and (a.is_meta or torch.equal(a, b))
+            for a, b in zip(after["params"].values(), before[name]["params"].values()))
+        assert same and {k: v for k, v in after.items() if k != "params"} == \
+            {k: v for k, v in before[name].items() if k != "params"}, f"this test changed the shared {name!r} model"
 
 
 @pytest.fixture(scope="session")

@@ -82,6 +82,7 @@ def test_a_measured_profile_records_its_spread_and_what_was_measured_again(targe
     assert prof.meta["provisional"] is None and prof.meta["calibration_s"] >= 0
 
 
+@pytest.mark.measures
 def test_a_busy_measurement_is_provisional_and_measured_again_when_quiet(target, random_draft, fresh_cache,
                                                                          monkeypatch):
     latency, _ = fake_latency()                               # consistent timings: only the busy check decides
@@ -125,6 +126,7 @@ def poisoned(target, draft, factor=1000.0):
     return prof
 
 
+@pytest.mark.measures
 def test_a_profile_cached_from_a_busy_run_is_replaced_after_contrary_evidence(target, random_draft,
                                                                                fresh_cache, monkeypatch):
     monkeypatch.setattr(timing, "BusyCheck", Quiet)
@@ -153,6 +155,7 @@ def test_a_profile_cached_from_a_busy_run_is_replaced_after_contrary_evidence(ta
     assert first.tokens == second.tokens                       # float32: exact either way
 
 
+@pytest.mark.measures
 def test_a_stale_flag_that_measuring_again_does_not_confirm_changes_nothing(target, random_draft, fresh_cache,
                                                                              monkeypatch):
     """A profile flagged stale (a slow spell during a run) and measured again within the noise keeps

@@ -162,6 +162,7 @@ def test_weights_auto_is_dense_with_a_dtype_given(q4_gguf_file, capsys):
     assert json.loads(capsys.readouterr().out)["settings"]["weights"] == "dense"
 
 
+@pytest.mark.measures
 def test_a_feature_heads_steps_are_timed_after_a_target_forward(monkeypatch):
     """On a CPU a round's first head step finds the target's weights, not its own, in the processor's
     caches: the profile times every head step right after a target forward, as decoding runs it."""

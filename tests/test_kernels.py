@@ -88,6 +88,7 @@ def test_cached_lm_runs_each_block_on_its_path(target):
     assert torch.backends.mkldnn.enabled
 
 
+@pytest.mark.measures
 def test_profile_times_both_paths_for_small_blocks(target, random_draft, monkeypatch):
     monkeypatch.setattr(kernels, "switchable", lambda dtype, device: True)
     prof = load_or_measure(target, random_draft, force=True, quiet=True, **QUICK)
@@ -109,8 +110,11 @@ def test_costs_are_those_of_the_faster_path():
     assert DeviceProfile(verify_ms=ONEDNN_MS).kernel_table("verify") is None    # one path timed: no choice
 
 
+@pytest.mark.measures
 @pytest.mark.parametrize("policy,tree", [("static", "2,2,1"), ("learned", None)])
-def test_decoder_applies_the_measured_paths_and_stays_lossless(target, random_draft, monkeypatch, policy, tree):
+def test_decoder_applies_the_measured_paths_and_stays_lossless(monkeypatch, policy, tree):
+    # models of its own: the measured paths may give them prepacked copies
+    target, random_draft = tiny_llama(0), tiny_llama(1, layers=1)
     reference = TreeDecoder(target, None, attention="sdpa").generate_baseline(PROMPT, max_new_tokens=40).tokens
     monkeypatch.setattr(kernels, "switchable", lambda dtype, device: True)
     dec = TreeDecoder(target, random_draft, tree=tree, policy=policy, calibrate=True)
@@ -139,9 +143,10 @@ def test_nothing_is_switched_where_it_cannot_matter(monkeypatch):
     assert dec.target.kernels is None and dec.kernels_note is None
 
 
+@pytest.mark.measures
 @pytest.mark.skipif(not kernels.packable(torch.float32, "cpu"), reason="no oneDNN on this CPU")
 @pytest.mark.parametrize("policy,tree", [("static", "2,2,1"), ("learned", None)])
-def test_float32_on_prepacked_weights_stays_lossless(target, random_draft, policy, tree):
+def test_float32_on_prepacked_weights_stays_lossless(policy, tree):
     model, draft = tiny_llama(0), tiny_llama(1, layers=1)
     reference = TreeDecoder(model, None, calibrate=False).generate_baseline(PROMPT, max_new_tokens=40).tokens
     dec = TreeDecoder(model, draft, tree=tree, policy=policy, calibrate=True)
@@ -284,6 +289,7 @@ def test_bfloat16_decoding_on_prepacked_weights_matches_plain_onednn():
     assert (packed.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.85
 
 
+@pytest.mark.measures
 @needs_packing
 def test_calibration_times_prepacked_weights_and_the_decoder_packs_them():
     model, draft = tiny_llama(0).to(torch.bfloat16), tiny_llama(1, layers=1).to(torch.bfloat16)
@@ -375,6 +381,7 @@ def test_plain_weights_let_go_for_their_prepacked_copy(fresh_cache):
         copy.deepcopy(model).model.layers[0].self_attn.q_proj(x)
 
 
+@pytest.mark.measures
 @pytest.mark.skipif(not kernels.packable(torch.float32, "cpu"), reason="no oneDNN on this CPU")
 def test_a_decoder_on_prepacked_weights_holds_them_once(monkeypatch, fresh_cache):
     from mcsd.costs.forward_profile import resident_bytes
@@ -386,7 +393,7 @@ def test_a_decoder_on_prepacked_weights_holds_them_once(monkeypatch, fresh_cache
     packed_wins = DeviceProfile(verify_ms={1: 10.0, 8: 12.0, 32: 20.0}, verify_packed_ms={1: 8.0, 8: 9.0, 32: 15.0},
                                 draft_ms={1: 2.0, 8: 3.0}, draft_packed_ms={1: 2.5, 8: 3.5})
     monkeypatch.setattr(calibration, "device_profile", lambda *a, **k: (packed_wins, "cached"))
-    dec = TreeDecoder(model, draft, policy="static", tree="2,2,1")
+    dec = TreeDecoder(model, draft, policy="static", tree="2,2,1", release_weights=True)
     held = resident_bytes(model)
     assert kernels.released(model) and not kernels.released(draft)             # the draft runs plain
     assert held["dense"] < dense / 10 and held["prepacked"] >= dense * 0.9
@@ -401,3 +408,33 @@ def test_a_decoder_on_prepacked_weights_holds_them_once(monkeypatch, fresh_cache
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
     dec.calibration.use_kernels(dec.calibration.profile())
     assert kernels.released(model) and dec.generate(PROMPT, max_new_tokens=30).tokens == reference
+
+
+PACKED_WINS = DeviceProfile(verify_ms={1: 10.0, 8: 12.0, 32: 20.0}, verify_packed_ms={1: 8.0, 8: 9.0, 32: 15.0},
+                            draft_ms={1: 2.0, 8: 3.0}, draft_packed_ms={1: 1.5, 8: 2.5})
+
+
+@pytest.mark.skipif(not kernels.packable(torch.float32, "cpu"), reason="no oneDNN on this CPU")
+def test_the_users_models_stay_usable_after_a_decoder_on_prepacked_weights(monkeypatch):
+    """A profile where prepacked weights win every block: the decoder makes the copies beside the plain
+    weights (the models are the user's), so the pair can be cast and given to a new decoder afterwards."""
+    import copy
+
+    from mcsd.decoding import calibration
+    from mcsd.drafting.pair import cast_pair
+    model, draft = tiny_llama(0), tiny_llama(1, layers=1)
+    twin_model, twin_draft = copy.deepcopy(model), copy.deepcopy(draft)
+    monkeypatch.setattr(calibration, "device_profile", lambda *a, **k: (copy.deepcopy(PACKED_WINS), "cached"))
+    dec = TreeDecoder(model, draft, policy="static", tree="2,2,1")
+    assert kernels.is_packed(model) and kernels.is_packed(draft)
+    assert kernels.released(model) == kernels.released(draft) == 0 and "let go" not in dec.kernels_note
+    first = dec.generate(PROMPT, max_new_tokens=20).tokens
+    assert first == TreeDecoder(model, None, calibrate=False).generate_baseline(PROMPT, max_new_tokens=20).tokens
+    assert all(not p.is_meta for p in (*model.parameters(), *draft.parameters()))
+    cast_pair(model, draft, "bfloat16")
+    cast_pair(twin_model, twin_draft, "bfloat16")
+    again = TreeDecoder(model, draft, policy="static", tree="2,2,1").generate(PROMPT, max_new_tokens=20)
+    plain = TreeDecoder(twin_model, twin_draft, policy="static", tree="2,2,1").generate(PROMPT, max_new_tokens=20)
+    assert len(again.tokens) == 20 and again.tokens == plain.tokens
+    with torch.no_grad():                          # and the model runs by itself, as transformers runs it
+        assert torch.equal(model(PROMPT[None]).logits, twin_model(PROMPT[None]).logits)

@@ -25,6 +25,8 @@ class Calibration:
         draft: the draft as given (a causal LM or a Drafter): what the profile is measured with.
         calibrate: None (default): the cached profile, measured when missing or stale on a quiet
             machine; True: measure again; False: never measure (cached profile, else generic costs).
+        release_weights: where every block runs on prepacked weights, let the models' plain weights go
+            for the copies (`mcsd.forward.kernels.pack`); only for models nothing else uses.
 
     Attributes:
         source: where the costs in use came from ("cached", "measured", "default"), or None when
@@ -35,8 +37,10 @@ class Calibration:
         kernels_note: which matmul path small blocks run on, or None.
     """
 
-    def __init__(self, target: CachedLM, drafter, draft, calibrate: bool | None = None):
+    def __init__(self, target: CachedLM, drafter, draft, calibrate: bool | None = None,
+                 release_weights: bool = False):
         self.target, self.drafter, self.draft, self.calibrate = target, drafter, draft, calibrate
+        self.release_weights = release_weights
         self.source, self.seconds, self.note, self.kernels_note = None, 0.0, None, None
         self._fetched: tuple | None = None
 
@@ -110,7 +114,7 @@ class Calibration:
                 continue                                        # every linear layer runs on its codes
             notes.append(f"{label}{' (the rest)' if rest else ''}: {table.describe()}")
             if table.uses_packed and module is not None:       # prepacked weights are made once, here
-                kernels.pack(module, release=table.packed_only)
+                kernels.pack(module, release=table.packed_only and self.release_weights)
                 if kernels.joined(module):
                     notes[-1] += " (q / k / v as one product)"
                 if kernels.released(module):

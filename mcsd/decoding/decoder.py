@@ -84,6 +84,17 @@ class TreeDecoder:
         cuda_graphs: on CUDA, the engine's own forward (Llama family) runs every block
             padded to a bucket of rows and replays each bucket's forward as a CUDA
             graph captured once (`mcsd.forward.graphs`); False runs the same shapes eagerly.
+        release_weights: False (the default) leaves the models usable as given: where the
+            profile runs a model's linear layers on prepacked oneDNN weights
+            (`mcsd.forward.kernels`), the copies are made beside the plain weights, which
+            stay, so the models can still be cast (`cast_pair`), copied, saved or handed to
+            another decoder. True lets the plain weights go where the copies serve every
+            block size, saving their memory: only for models nothing else uses (the
+            command line and the server load their own).
+
+    What building a decoder does to the models: it may give linear layers a prepacked
+    copy of their weight (used only while it is fresh: a layer whose weight was changed
+    or cast reads its plain weight again), and sets torch's thread count (`threads`).
 
     Attributes:
         threads: the `mcsd.forward.threads.ThreadChoice` made (its `reason` says why), or None.
@@ -96,13 +107,14 @@ class TreeDecoder:
 
     def __init__(self, target, draft=None, tokenizer=None, tree=None, policy="auto",
                  attention: str = "auto", policy_options: dict | None = None, lossy_target_roots: int = 0,
-                 calibrate: bool | None = None, threads: int | str | None = "auto", cuda_graphs: bool = True):
+                 calibrate: bool | None = None, threads: int | str | None = "auto", cuda_graphs: bool = True,
+                 release_weights: bool = False):
         self.threads = _choose_threads(threads)
         self.target, self.tokenizer = CachedLM(target, cuda_graphs=cuda_graphs), tokenizer
         self.lossy_roots = int(lossy_target_roots)
         parts = resolve(target, draft, tree, policy, attention, self.lossy_roots, cuda_graphs)
         self.drafter, self.context, self.attention = parts.drafter, parts.context, parts.attention
-        self.calibration = Calibration(self.target, self.drafter, parts.draft, calibrate)
+        self.calibration = Calibration(self.target, self.drafter, parts.draft, calibrate, release_weights)
         self.policy = make_policy(parts.policy, parts.tree, **self.calibration.policy_options(parts.policy,
                                                                                               policy_options))
         if self.drafter is not None:

@@ -319,17 +319,37 @@ def read_codes(gguf_path: str | Path, num_heads: int, num_kv_heads: int) -> dict
 
 
 def _cache_file(gguf_path: Path) -> Path:
-    from ..loading.cache import cache_subdir
+    """Where the codes of `gguf_path` are cached; nothing is made or written (a complete read-only
+    cache serves them as it is)."""
+    from ..loading.cache import cache_dir
     st = gguf_path.stat()
     # "h8": the file also holds a Q8_0 head's codes (`HEAD`), when the GGUF has one
-    return cache_subdir("q4") / f"{gguf_path.stem}-{st.st_size}-{st.st_mtime_ns}-h8.safetensors"
+    return cache_dir() / "q4" / f"{gguf_path.stem}-{st.st_size}-{st.st_mtime_ns}-h8.safetensors"
+
+
+def _keep(flat: dict, cached: Path) -> None:
+    """Write the codes to the cache (whole or not at all); a cache that cannot be written is said in
+    one line, and the codes serve this run only."""
+    from safetensors.torch import save_file
+
+    from ..config import ConfigError
+    from ..loading.cache import cache_subdir, cache_writes
+    from ..loading.progress import say
+    try:
+        folder = cache_subdir(cached.parent.name)
+        with cache_writes(folder):
+            tmp = cached.with_suffix(".tmp")
+            save_file(flat, str(tmp))
+            tmp.replace(cached)
+    except ConfigError as exc:
+        say(f"{str(exc).split(';')[0]}; the 4-bit codes serve this run only")
 
 
 def codes(gguf_path: str | Path, num_heads: int, num_kv_heads: int) -> tuple[dict[str, Codes], bool]:
     """`read_codes`, kept in the mcsd cache (safetensors, keyed by the file's name, size and
     modification time). Returns (codes, whether they came from the cache)."""
     from safetensors import SafetensorError
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     gguf_path = Path(gguf_path).expanduser().resolve()
     if not gguf_path.is_file():
@@ -359,9 +379,7 @@ def codes(gguf_path: str | Path, num_heads: int, num_kv_heads: int) -> tuple[dic
         flat[f"{name}.q"] = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
         flat[f"{name}.d"], flat[f"{name}.m"] = d.contiguous(), m.contiguous()
     if flat:
-        tmp = cached.with_suffix(".tmp")
-        save_file(flat, str(tmp))
-        tmp.replace(cached)
+        _keep(flat, cached)
     return out, False
 
 
