@@ -28,6 +28,7 @@ What it writes (all float32, a few hundred kilobytes):
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import sys
@@ -123,7 +124,9 @@ def write_original(head, path: Path, target_cfg) -> None:
     save_file(state, str(path / "model.safetensors"))
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.parse_args(argv)                       # no options: it writes tests/fixtures/eagle3/ afresh
     from importlib import metadata
 
     import transformers

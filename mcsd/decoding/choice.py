@@ -158,6 +158,6 @@ def _candidate_copy(target, draft, name: str, gguf: Path | None):
         return target, draft
     from ..drafting.feature_draft import FeatureDrafter
     t = copy.deepcopy(target)
-    d = FeatureDrafter(copy.deepcopy(draft.head), t, name=draft.name) if isinstance(draft, FeatureDrafter) \
+    d = draft.bound_to(t, copy.deepcopy(draft.head)) if isinstance(draft, FeatureDrafter) \
         else copy.deepcopy(draft)
     return _convert(t, d, dtype, name == Q4, gguf)

@@ -286,16 +286,26 @@ class FeatureDrafter:
             self.q8_layers = quant.attach_q8(self.module)
         return self.q8_layers
 
-    def reset(self) -> None:
+    def bound_to(self, target: nn.Module, head=None) -> "FeatureDrafter":
+        """A drafter of this kind, name, window and folder over `head` (default: this one's) bound to
+        `target` (a converted or copied target)."""
+        return type(self)(self.head if head is None else head, target, name=self.name, window=self.window,
+                          directory=self.directory)
+
+    def _empty_cache(self):
+        """An empty cache for the head's blocks (this drafter's buffers kept where they fit)."""
         if llama.unsupported_reason(self.head.body) is None:
             if self._lean is None or self._lean.model is not self.head.body:
                 self._lean = llama.LeanForward(self.head.body)
             else:
                 self._lean.refresh()                     # modules replaced since (q8 codes, packed copies)
-            self.cache = self._lean.empty_cache(self.cache)
-        else:
-            from transformers import DynamicCache
-            self._lean, self.cache = None, DynamicCache()
+            return self._lean.empty_cache(self.cache)
+        from transformers import DynamicCache
+        self._lean = None
+        return DynamicCache()
+
+    def reset(self) -> None:
+        self.cache = self._empty_cache()
         self.forwards = 0
         # fused target features of positions _first .. _first+len-1; positions before the head's cache
         # length are never read again and are dropped, and new states are fused once per drafted round
@@ -334,16 +344,21 @@ class FeatureDrafter:
         prefix = kv_cache.cache_length(self.cache) - (allowed.shape[1] - tokens.numel())
         mask = additive_mask(allowed, prefix, self.dtype)
         with kernels.running(self.kernels, tokens.numel()):
-            if self._lean is None:
-                pred = self.head(feats[None], self.embed(tokens)[None], positions[None], mask, self.cache)[0]
-            else:                                        # the head's forward, its layers on the engine's own
-                head, n = self.head, tokens.numel()
-                x = head.inputs(feats, self.embed(tokens))[None]                                # (1, Q, w)
-                slots = self.cache.next_slots(n)
-                pred = head.expand(self._lean.states(x, positions[None], mask, self.cache, slots))[0]
-                self.cache.length += n
+            pred = self._block(feats, self.embed(tokens), positions, mask)
         self.forwards += 1
         return pred                                                               # (Q, H)
+
+    def _block(self, feats, embeds, positions, mask):
+        """(Q, H) features, (Q, H) next-token embeddings, (Q,) positions, (1, 1, Q, K) additive mask ->
+        (Q, H) predicted features; the block's keys and values join the cache."""
+        if self._lean is None:
+            return self.head(feats[None], embeds[None], positions[None], mask, self.cache)[0]
+        head, n = self.head, embeds.shape[0]             # the head's forward, its layers on the engine's own
+        x = head.inputs(feats, embeds)[None]                                                    # (1, Q, w)
+        slots = self.cache.next_slots(n)
+        pred = head.expand(self._lean.states(x, positions[None], mask, self.cache, slots))[0]
+        self.cache.length += n
+        return pred
 
     @property
     def vocab_ids(self) -> torch.Tensor | None:

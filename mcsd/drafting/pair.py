@@ -1,5 +1,6 @@
 """A target and its drafter, loaded and checked together: a draft model that shares the target's
-tokenizer, or a feature head bound to the target; the target's q4 weights attached here.
+tokenizer, or a feature head (mcsd's or a published EAGLE-3 one) bound to the target; the target's q4
+weights attached here.
 
 The pair is refused when the draft's tokenizer differs from the target's (vocabulary or special
 tokens): drafts would then propose ids that mean something else to the target.
@@ -26,6 +27,7 @@ from ..loading.models import (
 )
 from ..loading.presets import DEFAULT_PRESET, PRESETS
 from ..loading.sources import check_source
+from .eagle3 import Eagle3Drafter, Eagle3FormatError, eagle3_layout, load_eagle3_head
 from .feature_draft import FeatureDrafter, FeatureHead, is_feature_head
 
 
@@ -70,6 +72,39 @@ def load_feature_drafter(source: str, target, dtype="bfloat16"):
                           name=folder.name, directory=folder)
 
 
+def load_eagle3_drafter(source: str, target, dtype="bfloat16"):
+    """A published EAGLE-3 head (either layout, `mcsd.drafting.eagle3`), checked against the target
+    (width, vocabulary, the layers it reads) and bound to it.
+
+    Raises:
+        ModelLoadError, one line naming the folder and the cause.
+    """
+    folder = Path(source).expanduser()
+    n_layers = int(getattr(target.config, "num_hidden_layers", 0) or 0)
+    try:
+        head = load_eagle3_head(folder, n_layers or None, parse_dtype(dtype))
+    except Eagle3FormatError as exc:
+        raise ModelLoadError(str(exc)) from None
+    hidden = target.get_input_embeddings().weight.shape[1]
+    vocab = target.get_output_embeddings().weight.shape[0]
+    if head.cfg.hidden != hidden:
+        raise ModelLoadError(f"EAGLE-3 head in {source} was made for hidden size {head.cfg.hidden}; "
+                             f"the target has {hidden}")
+    if head.cfg.vocab_size != vocab:
+        raise ModelLoadError(f"EAGLE-3 head in {source} was made for a vocabulary of {head.cfg.vocab_size}; "
+                             f"the target has {vocab}")
+    bad = [i for i in head.cfg.aux_layers if not 0 <= i < n_layers]
+    if bad:
+        raise ModelLoadError(f"EAGLE-3 head in {source} reads target layers {list(head.cfg.aux_layers)}; the "
+                             f"target has {n_layers} layers (ids 0..{n_layers - 1})")
+    if head.embed_tokens is not None and head.embed_tokens.weight.shape == target.get_input_embeddings().weight.shape \
+            and torch.equal(head.embed_tokens.weight, target.get_input_embeddings().weight):
+        head.embed_tokens = None                       # a copy of the target's: embed with the target's own
+    folder = folder.resolve()
+    return Eagle3Drafter(head.to(target.get_input_embeddings().weight.device), target, name=folder.name,
+                         directory=folder)
+
+
 def cast_pair(target, draft, dtype):
     """Convert a loaded pair to `dtype` in place (the target, and a draft model or a feature
     head, rebound to the converted target). Returns (target, draft)."""
@@ -81,7 +116,7 @@ def cast_pair(target, draft, dtype):
         quant.detach(draft.head)              # codes of its old weights go (the new drafter makes its own)
         head = draft.head.to(dtype)
         head.attach_lm_head(target.get_output_embeddings().weight)
-        draft = FeatureDrafter(head, target, name=draft.name, window=draft.window, directory=draft.directory)
+        draft = draft.bound_to(target, head)
     return target, draft
 
 
@@ -100,7 +135,8 @@ def load_model_pair(target: str | None = None, draft: str | None = None, dtype="
         target: target source (preset, directory, .gguf, hub id); None = the default preset.
         draft: draft source; None = the preset's draft (only valid with a preset target).
             A directory holding `feature_head.json` is a target-feature head and
-            comes back as a ready `FeatureDrafter` bound to the target.
+            comes back as a ready `FeatureDrafter` bound to the target; one holding an
+            EAGLE-3 head (original or speculators layout) comes back as an `Eagle3Drafter`.
         drafter: with a preset and no `draft`: "model" (standalone draft LM),
             "feature" (the head that reads the target's features), or None for
             the preset's default (`Preset.default_drafter`: the faster one).
@@ -127,6 +163,8 @@ def load_model_pair(target: str | None = None, draft: str | None = None, dtype="
     target_model = load_model(target, dtype, device, role="target", weights=weights)
     if is_feature_head(Path(draft).expanduser()):
         return target_model, load_feature_drafter(draft, target_model, dtype), tokenizer
+    if eagle3_layout(Path(draft).expanduser()) is not None:
+        return target_model, load_eagle3_drafter(draft, target_model, dtype), tokenizer
     draft_model = load_model(draft, dtype, draft_device, role="draft")
     draft_src = preset_path(draft, "draft")
     if _has_tokenizer(draft_src):

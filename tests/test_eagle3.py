@@ -1,0 +1,281 @@
+"""EAGLE-3 heads: the library's own logits (fixtures made by `speculators`, tools/make_eagle3_fixtures.py),
+lossless greedy and sampled drafting, export to both layouts, and bad heads refused in one line."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_follows_target, tiny_llama
+
+from mcsd import TreeDecoder
+from mcsd.core.tree import DraftTree, TreeTopology
+from mcsd.drafting.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Head, eagle3_layout
+from mcsd.drafting.pair import load_eagle3_drafter
+from mcsd.errors import ModelLoadError
+
+FIXTURES = Path(__file__).parent / "fixtures" / "eagle3"
+LAYOUTS = ["speculators", "speculators-qwen3", "original"]
+PROMPT = torch.tensor([3, 17, 42, 5, 9, 11])
+
+
+@pytest.fixture(scope="module")
+def fixture_target():
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(FIXTURES / "target", dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def library():
+    from safetensors.torch import load_file
+    return load_file(FIXTURES / "logits.safetensors")
+
+
+def chain(root: int, tokens: list[int]) -> DraftTree:
+    """A chain tree: the root, then one node a level with `tokens`."""
+    tree = DraftTree.root_only(TreeTopology.from_spec(",".join("1" * len(tokens))), torch.tensor(root))
+    for depth, tok in enumerate(tokens, 1):
+        tree.append_level(torch.tensor([tok]), torch.tensor([depth - 1]), torch.zeros(1), torch.tensor([depth]))
+    return tree
+
+
+# ------------------------------------------------------------------ the library's logits
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layouts_are_recognised(layout):
+    assert eagle3_layout(FIXTURES / layout) == ("original" if layout == "original" else "speculators")
+    assert eagle3_layout(FIXTURES / "target") is None
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_target_states_are_the_ones_the_library_read(fixture_target, library, layout):
+    """The target layers the loaded head names, read by the engine's forward, are the hidden states the
+    library's forward was given (so the layer ids mean the same in both)."""
+    from mcsd.forward.lm import CachedLM
+    drafter = load_eagle3_drafter(str(FIXTURES / layout), fixture_target, "float32")
+    lm = CachedLM(fixture_target)
+    lm.reset()
+    seq = library["sequence"]
+    _, states = lm.extend(seq[:-1], hidden=drafter.feature_layers)
+    assert torch.allclose(states, library[f"{layout}.hidden"], atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_drafter_gives_the_library_logits_first_and_chained(fixture_target, library, layout):
+    """At every position: the first step (begin_round) and two chained steps (tree steps down a chain,
+    the teacher-forced tokens the library fed) equal the library's logits within 1e-4."""
+    drafter = load_eagle3_drafter(str(FIXTURES / layout), fixture_target, "float32")
+    seq, hidden, want = library["sequence"], library[f"{layout}.hidden"], library[f"{layout}.logits"]
+    T = hidden.shape[0]
+    padded = torch.cat([seq, torch.zeros(2, dtype=torch.long)])      # the library feeds 0 past the end
+    for q in range(T):
+        drafter.reset()
+        drafter.observe_target(hidden[:q + 1])
+        got = [drafter.begin_round(seq[:q + 2])]
+        tree = chain(int(seq[q + 1]), [int(padded[q + 2]), int(padded[q + 3])])
+        for depth in (1, 2):
+            got.append(drafter.step(tree, torch.tensor([depth]))[0])
+        for k in range(3):
+            assert (got[k] - want[k, q]).abs().max() < 1e-4, (layout, q, k)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_head_forward_gives_the_library_logits(fixture_target, library, layout):
+    """The head's transformers-cache forward (what training runs), unrolled as the library's forward is,
+    over the whole sequence at once."""
+    from transformers import DynamicCache
+    drafter = load_eagle3_drafter(str(FIXTURES / layout), fixture_target, "float32")
+    head, seq, want = drafter.head, library["sequence"], library[f"{layout}.logits"]
+    T = want.shape[1]
+    cache, feats = DynamicCache(), head.fused(library[f"{layout}.hidden"])[None]
+    with torch.no_grad():
+        for k in range(3):
+            ids = torch.cat([seq[1 + k:], torch.zeros(k, dtype=torch.long)])
+            allowed = torch.cat([torch.ones(T, T, dtype=torch.bool).tril()] + [torch.eye(T, dtype=torch.bool)] * k, 1)
+            mask = torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)[None, None]
+            feats = head(feats, drafter.embed(ids)[None], torch.arange(1 + k, T + 1 + k)[None], mask, cache)
+            assert (head.sub_scores(feats)[0] - want[k]).abs().max() < 1e-4, (layout, k)
+
+
+def test_a_head_storing_a_copy_of_the_target_embedding_embeds_with_the_target(fixture_target):
+    drafter = load_eagle3_drafter(str(FIXTURES / "speculators"), fixture_target, "float32")
+    assert drafter.head.embed_tokens is None and drafter.embed is fixture_target.get_input_embeddings()
+
+
+def test_load_model_pair_reads_an_eagle3_folder(fixture_target, tmp_path):
+    from mcsd import load_model_pair
+    shutil.copytree(FIXTURES / "target", tmp_path / "target")
+    from conftest import word_tokenizer
+    word_tokenizer(vocab=96).save_pretrained(tmp_path / "target")
+    target, drafter, _ = load_model_pair(str(tmp_path / "target"), str(FIXTURES / "original"), dtype="float32")
+    assert isinstance(drafter, Eagle3Drafter) and drafter.feature_layers == (2, 4, 5)   # EAGLE-3's default for 8
+    ref = TreeDecoder(target, None, attention="sdpa").generate_baseline(PROMPT, max_new_tokens=24).tokens
+    assert TreeDecoder(target, drafter, tree="3,2,1", policy="static", attention="sdpa").generate(
+        PROMPT, max_new_tokens=24).tokens == ref
+
+
+# ------------------------------------------------------------------ lossless drafting
+
+def random_eagle3(target, aux=(0, 1, 3), draft_vocab=0, norm_before_residual=False, seed=5, kind="llama"):
+    """A random EAGLE-3 head for `target` (norms away from 1); draft_vocab > 0: a random draft vocabulary."""
+    torch.manual_seed(seed)
+    tc = target.config
+    layer = dict(model_type=kind, hidden_size=tc.hidden_size, intermediate_size=48, num_hidden_layers=1,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=tc.hidden_size // 4,
+                 max_position_embeddings=256, rms_norm_eps=1e-6, vocab_size=tc.vocab_size, rope_theta=10000.0)
+    cfg = Eagle3Config(hidden=tc.hidden_size, vocab_size=tc.vocab_size, draft_vocab=draft_vocab or tc.vocab_size,
+                       layer_config=layer, aux_layers=aux, norm_before_residual=norm_before_residual)
+    head = Eagle3Head(cfg).eval().requires_grad_(False)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+        if draft_vocab:
+            ids = torch.randperm(tc.vocab_size)[:draft_vocab].sort().values
+            head.d2t.copy_(ids - torch.arange(draft_vocab))
+    return head
+
+
+@pytest.fixture(scope="module")
+def deep_target():
+    return tiny_llama(4, layers=4)
+
+
+@pytest.fixture(scope="module")
+def deep_reference(deep_target):
+    return TreeDecoder(deep_target, None, attention="sdpa").generate_baseline(PROMPT, max_new_tokens=48).tokens
+
+
+@pytest.mark.parametrize("spec", ["1,1,1", "4,2,2"])
+@pytest.mark.parametrize("draft_vocab", [0, 24])
+def test_random_eagle3_head_is_lossless_greedy(deep_target, deep_reference, spec, draft_vocab):
+    drafter = Eagle3Drafter(random_eagle3(deep_target, draft_vocab=draft_vocab), deep_target)
+    out = TreeDecoder(deep_target, drafter, tree=spec, policy="static", attention="sdpa").generate(
+        PROMPT, max_new_tokens=48)
+    assert out.tokens == deep_reference
+    assert out.stats.draft_forwards > 0
+
+
+@pytest.mark.parametrize("policy", ["heuristic", "auto"])
+def test_eagle3_head_under_other_policies_is_lossless(deep_target, deep_reference, policy, fresh_cache):
+    head = random_eagle3(deep_target, draft_vocab=24, norm_before_residual=True, kind="qwen3")
+    out = TreeDecoder(deep_target, Eagle3Drafter(head, deep_target), policy=policy, attention="sdpa").generate(
+        PROMPT, max_new_tokens=48)
+    assert out.tokens == deep_reference
+
+
+def test_eagle3_head_with_context_drafting_is_lossless(deep_target, deep_reference):
+    from mcsd.drafting.context import ContextDrafter
+    drafter = Eagle3Drafter(random_eagle3(deep_target, draft_vocab=24), deep_target)
+    dec = TreeDecoder(deep_target, [drafter, ContextDrafter()], tree="3,2", policy="static", attention="sdpa")
+    assert dec.generate(PROMPT, max_new_tokens=48).tokens == deep_reference
+
+
+def test_sampling_with_an_eagle3_head_is_exact():
+    from mcsd.config import SamplingConfig
+    small = tiny_llama(10, vocab=8, layers=3, sharpness=6.0, hidden=16)
+    drafter = Eagle3Drafter(random_eagle3(small, aux=(0, 1, 2), draft_vocab=5, seed=2), small)
+    dec = TreeDecoder(small, drafter, tree="3,2", policy="static", attention="sdpa")
+    assert_follows_target(dec, small, SamplingConfig(1.0), n=1200)
+
+
+def test_sampling_with_top_p_and_an_eagle3_head_is_exact():
+    from mcsd.config import SamplingConfig
+    small = tiny_llama(11, vocab=8, layers=3, sharpness=4.0, hidden=16)
+    drafter = Eagle3Drafter(random_eagle3(small, aux=(0, 1, 2), seed=3, norm_before_residual=True), small)
+    dec = TreeDecoder(small, drafter, tree="2,2", policy="static", attention="sdpa")
+    assert_follows_target(dec, small, SamplingConfig(0.8, top_p=0.9), n=1200)
+
+
+def test_bfloat16_pair_converts_with_its_head(fixture_target):
+    import copy
+    from mcsd.drafting.pair import cast_pair
+    target = copy.deepcopy(fixture_target)
+    drafter = load_eagle3_drafter(str(FIXTURES / "original"), target, "float32")
+    target, drafter = cast_pair(target, drafter, "bfloat16")
+    assert isinstance(drafter, Eagle3Drafter) and drafter.head.fc.weight.dtype == torch.bfloat16
+    out = TreeDecoder(target, drafter, tree="2,2", policy="static", attention="sdpa").generate(PROMPT, max_new_tokens=8)
+    assert len(out.tokens) == 8
+
+
+# ------------------------------------------------------------------ bad heads: one line
+
+def _one_line(exc) -> str:
+    msg = str(exc.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_mismatched_head_and_target_are_refused(fixture_target, tmp_path):
+    other_vocab = tiny_llama(3, vocab=64, layers=8, hidden=32)
+    with pytest.raises(ModelLoadError, match="vocabulary of 96; the target has 64") as exc:
+        load_eagle3_drafter(str(FIXTURES / "speculators"), other_vocab, "float32")
+    _one_line(exc)
+    wider = tiny_llama(3, vocab=96, layers=8, hidden=48)
+    with pytest.raises(ModelLoadError, match="hidden size 32; the target has 48") as exc:
+        load_eagle3_drafter(str(FIXTURES / "original"), wider, "float32")
+    _one_line(exc)
+    shallow = tiny_llama(3, vocab=96, layers=5, hidden=32)
+    with pytest.raises(ModelLoadError, match=r"reads target layers \[1, 4, 6\]; the target has 5 layers") as exc:
+        load_eagle3_drafter(str(FIXTURES / "speculators"), shallow, "float32")
+    _one_line(exc)
+
+
+def _copy(layout, tmp_path) -> Path:
+    dest = tmp_path / layout
+    shutil.copytree(FIXTURES / layout, dest)
+    return dest
+
+
+@pytest.mark.parametrize("layout", ["speculators", "original"])
+def test_truncated_or_malformed_heads_are_refused(fixture_target, tmp_path, layout):
+    d = _copy(layout, tmp_path)
+    weights = d / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ModelLoadError, match="weights are unreadable") as exc:
+        load_eagle3_drafter(str(d), fixture_target, "float32")
+    _one_line(exc)
+    weights.unlink()
+    with pytest.raises(ModelLoadError, match="no EAGLE-3 head weights") as exc:
+        load_eagle3_drafter(str(d), fixture_target, "float32")
+    _one_line(exc)
+    shutil.rmtree(d)
+    d = _copy(layout, tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    if layout == "speculators":
+        del cfg["transformer_layer_config"]
+        match = "config is malformed"
+    else:
+        cfg["num_attention_heads"] = 3                       # the weights no longer fit the config
+        match = "draft layer config is not usable|do not match its config"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=match) as exc:
+        load_eagle3_drafter(str(d), fixture_target, "float32")
+    _one_line(exc)
+
+
+def test_missing_weights_and_unsupported_options_are_refused(fixture_target, tmp_path):
+    from safetensors.torch import load_file, save_file
+    d = _copy("original", tmp_path)
+    state = load_file(d / "model.safetensors")
+    del state["fc.weight"], state["d2t"], state["t2d"]
+    save_file(state, str(d / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="no d2t") as exc:
+        load_eagle3_drafter(str(d), fixture_target, "float32")
+    _one_line(exc)
+    d = _copy("speculators", tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["norm_output"] = True
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="option norm_output is not supported") as exc:
+        load_eagle3_drafter(str(d), fixture_target, "float32")
+    _one_line(exc)
+
+
+def test_cli_exits_2_with_one_line_for_a_mismatched_head(model_dirs, capsys):
+    from mcsd.cli import main
+    code = main(["--target", str(model_dirs / "target"), "--draft", str(FIXTURES / "speculators"),
+                 "--dtype", "float32", "--prompt", "w03"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "vocabulary of 96; the target has 64" in err, err
