@@ -248,11 +248,11 @@ def test_list_models_names_both_drafters_and_the_default(capsys):
     assert "--drafter model:" in out and preset.draft_dir in out and preset.feature_dir in out
 
 
-def test_readme_flag_table_names_the_default_drafter():
+def test_the_flag_reference_names_the_default_drafter():
     from pathlib import Path
 
     from mcsd.loading.presets import DEFAULT_PRESET, PRESETS
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
     row = next(line for line in readme.splitlines() if line.startswith("| `--drafter` |"))
     default = PRESETS[DEFAULT_PRESET].default_drafter
     assert f"`{default}` (default" in row and row.count("default") == 1
