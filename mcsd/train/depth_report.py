@@ -117,6 +117,40 @@ def decoding(target, drafter, examples: list[dict], depth: int = 3, max_new_toke
     return result
 
 
+def chain_acceptance(target, drafter, prompts: list[list[int]], settings=((0.0, 1.0), (0.7, 0.95), (1.0, 1.0)),
+                     seeds=(0, 1), depth: int = 3, max_new_tokens: int = 128) -> list[dict]:
+    """A drafter's acceptance along a static chain of `depth` nodes in real decoding, per sampling setting.
+
+    Each (temperature, top_p) in `settings` decodes every prompt (token ids, chat-formatted by the
+    caller) once greedily, or once per seed when sampling, with the default shared-noise verify: a
+    drafted token is accepted exactly when it is the target's draw at its position, so acceptance
+    at depth 1 is how often the drafter's first guess is the target's own next token. Returns one
+    row per setting: acceptance at each depth given the depth above (`GenerationStats`'s
+    accepted / offered, summed over prompts and seeds), the rounds that reached each depth, and
+    tau (tokens per target forward).
+    """
+    from mcsd import TreeDecoder
+
+    dec = TreeDecoder(target, drafter, tree=",".join(["1"] * depth), policy="static", threads=None)
+    rows = []
+    for temperature, top_p in settings:
+        accepted, offered, tokens, forwards = [0] * depth, [0] * depth, 0, 0
+        for ids in prompts:
+            for seed in (seeds if temperature > 0 else seeds[:1]):
+                out = dec.generate(torch.as_tensor(ids, dtype=torch.long), max_new_tokens=max_new_tokens,
+                                   temperature=temperature, top_p=top_p, seed=seed)
+                for d, (a, o) in enumerate(zip(out.stats.accepted_by_depth, out.stats.offered_by_depth)):
+                    accepted[d] += a
+                    offered[d] += o
+                tokens += len(out.tokens)
+                forwards += out.stats.target_forwards
+        rows.append({"temperature": temperature, "top_p": top_p,
+                     "acceptance": [round(a / o, 4) if o else None for a, o in zip(accepted, offered)],
+                     "reached": offered, "tau": round(tokens / max(forwards, 1), 3),
+                     "generations": len(prompts) * (len(seeds) if temperature > 0 else 1)})
+    return rows
+
+
 def differs(a: float, n_a: int, b: float, n_b: int, z: float = 2.0) -> bool:
     """Whether two acceptance rates differ by more than `z` standard errors of their difference."""
     if not n_a or not n_b:

@@ -154,6 +154,31 @@ def depth_report_main(args, data_dir: Path) -> None:
         write_figures(Path(args.depth_report), args, indent=1, depth_report=result)
 
 
+def chain_acceptance_main(args) -> None:
+    """--chain-acceptance: a feature head's acceptance along a static chain in decoding, greedy and
+    sampled, on held-out Spec-Bench prompts, with the pair as the command line loads it."""
+    from mcsd.drafting.pair import load_model_pair
+    from mcsd.loading.data import chat_ids, load_prompts, stratified
+    from mcsd.train import depth_report
+
+    target, drafter, tokenizer = load_model_pair(args.target, args.chain_acceptance, dtype=args.dtype,
+                                                 weights=args.weights)
+    prompts = stratified(load_prompts(split="heldout"), args.per_group or 1)
+    ids = [chat_ids(tokenizer, p.text) for p in prompts]
+    settings = [(float(t), 0.95 if 0 < float(t) < 1 else 1.0) for t in args.temperatures.split(",")]
+    rows = depth_report.chain_acceptance(target, drafter, ids, settings, seeds=tuple(range(args.seeds)),
+                                         max_new_tokens=args.max_new_tokens)
+    result = {"rows": rows, "prompts": len(prompts), "dtype": args.dtype, "weights": args.weights,
+              "threads": args.threads, "max_new_tokens": args.max_new_tokens,
+              "what": "static chain 1,1,1, shared-noise verify (a drafted token is accepted exactly when it is "
+                      "the target's draw), held-out Spec-Bench prompts (question_id % 5 == 0), chat template"}
+    for row in rows:
+        print(f"T {row['temperature']:.1f} top-p {row['top_p']:.2f}: acceptance by depth {row['acceptance']}, "
+              f"tau {row['tau']} ({row['generations']} generations)")
+    if not args.no_card:
+        write_figures(Path(args.chain_acceptance), args, indent=1, chain_acceptance=result)
+
+
 def per_category(draft, examples: list[dict], pad_id: int, max_len: int) -> dict:
     """Top-1 / top-4 agreement by Spec-Bench category."""
     out = {}
@@ -185,6 +210,13 @@ def main(argv=None):
                              "(target_data.py generate, then teacher --store-layers)")
     parser.add_argument("--dtype", default="float32", help="with --depth-report: the target's dtype")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="with --depth-report: decoding length")
+    parser.add_argument("--chain-acceptance", default=None, metavar="HEAD",
+                        help="this drafter's acceptance along a static chain 1,1,1 in decoding, greedy and sampled "
+                             "(--temperatures), on held-out Spec-Bench prompts; written on its card")
+    parser.add_argument("--temperatures", default="0,0.7,1.0",
+                        help="with --chain-acceptance: sampling temperatures (top-p 0.95 below 1.0)")
+    parser.add_argument("--seeds", type=int, default=2, help="with --chain-acceptance: seeds per sampled prompt")
+    parser.add_argument("--weights", default="q4", help="with --chain-acceptance: the target's weights")
     parser.add_argument("--per-group", type=int, default=None,
                         help="with --depth-report: the first N prompts of each category group (default: all)")
     args = parser.parse_args(argv)
@@ -195,6 +227,8 @@ def main(argv=None):
         return feature_head_main(args, data_dir)
     if args.depth_report:
         return depth_report_main(args, data_dir)
+    if args.chain_acceptance:
+        return chain_acceptance_main(args)
 
     # 1. the target's own greedy responses to held-out prompts (cached, resumable)
     engine.main(["--target", args.target, "--data-dir", str(data_dir), "--threads", str(args.threads),
