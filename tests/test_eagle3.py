@@ -279,3 +279,104 @@ def test_cli_exits_2_with_one_line_for_a_mismatched_head(model_dirs, capsys):
                  "--dtype", "float32", "--prompt", "w03"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "vocabulary of 96; the target has 64" in err, err
+
+
+# ------------------------------------------------------------------ export and training
+
+def _same_scores(a: Eagle3Head, b: Eagle3Head, feats_width: int):
+    """Both heads give the same draft scores over the whole vocabulary on a random block."""
+    from transformers import DynamicCache
+    g = torch.Generator().manual_seed(0)
+    states = torch.randn(1, 5, feats_width, generator=g)
+    embeds = torch.randn(1, 5, a.cfg.hidden, generator=g)
+    pos = torch.arange(1, 6)[None]
+    with torch.no_grad():
+        outs = [h.scores(h(h.fused(states), embeds, pos, None, DynamicCache())) for h in (a, b)]
+    assert torch.equal(a.vocab_ids, b.vocab_ids) and torch.allclose(outs[0], outs[1], atol=1e-6)
+
+
+@pytest.mark.parametrize("aux", [(1, 2, 3), (0, 1, 3)])
+def test_export_writes_both_layouts_and_reads_them_back(deep_target, tmp_path, aux):
+    from mcsd.train.eagle3_export import write_original, write_speculators
+    head = random_eagle3(deep_target, aux=aux, draft_vocab=24, norm_before_residual=True)
+    embed = deep_target.get_input_embeddings().weight
+    write_speculators(head, tmp_path / "spec", "tiny-target", embed, card={"note": "test"})
+    cfg = json.loads((tmp_path / "spec" / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3" and cfg["norm_before_residual"] is True
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == list(aux)
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "tiny-target"
+    drafter = load_eagle3_drafter(str(tmp_path / "spec"), deep_target, "float32")
+    _same_scores(head, drafter.head, 3 * head.cfg.hidden)
+    if 0 in aux:                                  # SGLang's ids name layer outputs: layer 0's input has none
+        with pytest.raises(ValueError, match="cannot name"):
+            write_original(head, tmp_path / "orig", target_layers=4)
+        return
+    write_original(head, tmp_path / "orig", target_layers=4)
+    cfg = json.loads((tmp_path / "orig" / "config.json").read_text())
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in aux]
+    assert eagle3_layout(tmp_path / "orig") == "original"
+    back = load_eagle3_drafter(str(tmp_path / "orig"), deep_target, "float32")
+    assert back.feature_layers == aux and back.head.cfg.norm_before_residual
+    _same_scores(head, back.head, 3 * head.cfg.hidden)
+
+
+@pytest.mark.parametrize("source,layout", [("original", "speculators"), ("speculators", "original")])
+def test_export_tool_converts_a_library_head(fixture_target, library, tmp_path, source, layout):
+    """A head the library made, rewritten in the other layout by the tool, still gives the library's logits."""
+    from mcsd.train.eagle3_export import main
+    assert main([str(FIXTURES / source), str(tmp_path / "out"), "--layout", layout,
+                 "--target", str(FIXTURES / "target")]) == 0
+    assert eagle3_layout(tmp_path / "out") == layout
+    drafter = load_eagle3_drafter(str(tmp_path / "out"), fixture_target, "float32")
+    hidden, want = library[f"{source}.hidden"], library[f"{source}.logits"]
+    drafter.observe_target(hidden)
+    assert (drafter.begin_round(library["sequence"]) - want[0, -1]).abs().max() < 1e-4
+
+
+def test_export_refuses_what_the_original_layout_cannot_hold(deep_target, tmp_path):
+    from mcsd.train.eagle3_export import write_original
+    layer = dict(random_eagle3(deep_target).cfg.layer_config, num_hidden_layers=2)
+    two = Eagle3Head(Eagle3Config(hidden=32, vocab_size=64, draft_vocab=64, layer_config=layer, aux_layers=(1, 2, 3)))
+    with pytest.raises(ValueError, match="one draft layer, not 2"):
+        write_original(two, tmp_path / "x", target_layers=4)
+
+
+def test_trainer_writes_an_eagle3_head_that_drafts_losslessly(tmp_path, monkeypatch):
+    """tools/train_feature_drafter.py --arch eagle3: a few updates on stored target layers, written in the
+    speculators layout, read back by --draft's loader, drafting exactly."""
+    from conftest import word_tokenizer
+    from mcsd.train import data as td
+    from mcsd.train import engine
+    from mcsd.train import feature_head as tfd
+    monkeypatch.setenv("MCSD_CACHE", str(tmp_path / "cache"))
+    target = tiny_llama(0, layers=4)
+    target.save_pretrained(tmp_path / "target")
+    word_tokenizer().save_pretrained(tmp_path / "target")
+    data = tmp_path / "data"
+    for run, n, seed in (("fit", 8, 1), ("held", 2, 2)):
+        g = torch.Generator().manual_seed(seed)
+        prompts = [torch.randint(3, 64, (4,), generator=g).tolist() for _ in range(n)]
+        outs = engine.generate_batch(target, prompts, max_new_tokens=16, eos_ids=(1,), pad_id=0, topk=4)
+        td.start_run(data, "runs", run, {"split": "fit" if run == "fit" else "heldout"})
+        td.save_shard(data, "runs", run, [{"key": f"{run}-{i}/0", "prompt_id": f"{run}-{i}", "category": "qa",
+                                           "prompt": torch.tensor(p, dtype=torch.int32), **o}
+                                          for i, (p, o) in enumerate(zip(prompts, outs))], {"n_sequences": n})
+        engine.main(["--target", str(tmp_path / "target"), "--data-dir", str(data), "--threads", "1",
+                     "teacher", run, "--store-layers", "1,2,3"])
+    out = tmp_path / "head"
+    assert tfd.main(["--target", str(tmp_path / "target"), "--data-dir", str(data), "--runs", "fit",
+                     "--heldout-run", "held", "--window", "16", "--sub-vocab", "40", "--max-updates", "3",
+                     "--threads", "1", "--arch", "eagle3", "--feature-layers", "1,2,3", "--verifier", "org/tiny",
+                     "--out", str(out)]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3" and cfg["draft_vocab_size"] <= 40
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "org/tiny"
+    card = json.loads((out / "card.json").read_text())
+    assert card["architecture"]["kind"] == "EAGLE-3 draft head" and len(card["heldout_agreement"]) == 3
+    drafter = load_eagle3_drafter(str(out), target, "float32")
+    ref = TreeDecoder(target, None, attention="sdpa").generate_baseline(PROMPT, max_new_tokens=24).tokens
+    assert TreeDecoder(target, drafter, tree="3,2", policy="static", attention="sdpa").generate(
+        PROMPT, max_new_tokens=24).tokens == ref
+    with pytest.raises(SystemExit, match="three distinct target layers"):
+        tfd.main(["--target", str(tmp_path / "target"), "--data-dir", str(data), "--runs", "fit",
+                  "--arch", "eagle3", "--feature-layers", "1,2", "--out", str(tmp_path / "bad")])

@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.parse_args(argv)                       # no options: it writes tests/fixtures/eagle3/ afresh
     from importlib import metadata
-
+    import speculators  # noqa: F401  (first: nothing is removed where the library is missing)
     import transformers
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM

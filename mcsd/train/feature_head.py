@@ -46,11 +46,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mcsd.drafting.feature_draft import FeatureHead, FeatureHeadConfig
+from mcsd.drafting.feature_draft import FeatureHead, FeatureHeadConfig, default_feature_layers
 from mcsd.drafting.pair import load_model
 from mcsd.loading.cache import cache_dir
 from mcsd.train import data as target_data
 from mcsd.train import portable
+from mcsd.train.eagle3_export import new_eagle3_head, write_speculators
 
 
 def sub_vocabulary(examples: list[dict], size: int, vocab: int) -> torch.Tensor:
@@ -289,6 +290,15 @@ def main(argv=None) -> int:
                          "training a shipped head on new data; the size options below are then ignored, and "
                          "--feature-layers with -1 among them widens a v1 head to a v2 one that starts out "
                          "drafting exactly as it did")
+    ap.add_argument("--arch", choices=("mcsd", "eagle3"), default="mcsd",
+                    help="mcsd: this project's head (no MLP, scored by the target's LM head rows); eagle3: "
+                         "EAGLE-3's (fc over three target layers, a decoder layer with an MLP, its own LM head "
+                         "over the sub-vocabulary), written in the speculators layout that vLLM serves "
+                         "(tools/export_eagle3.py writes the original layout for SGLang); it reads "
+                         "--feature-layers (default EAGLE-3's 2, L/2, L-3), and --hidden does not apply")
+    ap.add_argument("--verifier", default=None,
+                    help="with --arch eagle3: the target's name as vLLM will find it, written into the head's "
+                         "config (default: --target)")
     ap.add_argument("--hidden", type=int, default=0, help="head width (0 = the target's)")
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--feature-layers", default="",
@@ -344,6 +354,16 @@ def main(argv=None) -> int:
     if not any(keep is None or pid in keep for pid in prompts):   # (not just the first streamed chunk)
         sys.exit("no training examples with hidden states; run tools/target_data.py teacher RUN --store-hidden first")
     feature_layers = tuple(int(x) for x in args.feature_layers.split(",") if x.strip())
+    eagle3 = args.arch == "eagle3"
+    if eagle3:
+        n_layers = target.config.num_hidden_layers
+        feature_layers = feature_layers or default_feature_layers(n_layers)
+        if args.init is not None:
+            sys.exit("--arch eagle3 trains a new head; --init goes on from mcsd heads only")
+        if len(feature_layers) != 3 or len(set(feature_layers)) != 3 or not all(0 <= i < n_layers for i in feature_layers):
+            sys.exit(f"an EAGLE-3 head reads three distinct target layers among 0..{n_layers - 1} (layer inputs), "
+                     f"not {list(feature_layers)}")
+        args.feat_weight = 0.0               # its outputs are not the target's features: scores alone train it
     saved = FeatureHead.load(args.init) if args.init is not None else None
     widen = saved is not None and not saved.cfg.feature_layers and bool(feature_layers)
     if saved is not None and not widen:
@@ -389,6 +409,9 @@ def main(argv=None) -> int:
         init_file = args.init / "card.json"
         init_card = json.loads(init_file.read_text()) if init_file.is_file() else {}
         print(f"starting from {args.init}" + (f", widened to target layers {list(feature_layers)}" if widen else ""))
+    elif eagle3:
+        sub = sub_vocabulary(train, args.sub_vocab, vocab)
+        head = new_eagle3_head(target, feature_layers, sub, layers=args.layers).to(device)
     else:
         sub = sub_vocabulary(train, args.sub_vocab, vocab)
         cfg = FeatureHeadConfig(target_hidden=target.config.hidden_size, hidden=args.hidden, layers=args.layers,
@@ -477,7 +500,8 @@ def main(argv=None) -> int:
     metrics = agreement(head, embed, held, args.window, device) if held else []
     for m in metrics:
         print(f"held-out step {m['step']}: top-1 {m['top1']:.3f}, top-4 {m['top4']:.3f} ({m['positions']} positions)")
-    card = {"architecture": {"kind": "target-feature draft head", **cfg.__dict__},
+    kind = "EAGLE-3 draft head" if eagle3 else "target-feature draft head"
+    card = {"architecture": {"kind": kind, **cfg.__dict__},
             "parameters": sum(p.numel() for p in head.parameters() if p.requires_grad),
             "data": {"runs": run_provenance(data_dir, args.runs), "subset": args.subset, "responses": responses,
                      "positions": positions},
@@ -489,6 +513,12 @@ def main(argv=None) -> int:
     if init_card is not None:
         card["continued_from"] = {k: init_card.get(k) for k in ("data", "training", "heldout_agreement", "command",
                                                                 "continued_from") if k in init_card}
-    head.save(args.out, card=portable(card))
+    if eagle3:                                   # the layout vLLM serves, which --draft reads back
+        write_speculators(head.cpu(), args.out, args.verifier or args.target or "HuggingFaceTB/SmolLM2-135M-Instruct",
+                          target.get_input_embeddings().weight, speculative_tokens=args.steps_unrolled,
+                          verifier_architectures=getattr(target.config, "architectures", None) or ["LlamaForCausalLM"],
+                          card=portable(card))
+    else:
+        head.save(args.out, card=portable(card))
     print(f"wrote {args.out}")
     return 0
