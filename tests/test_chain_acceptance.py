@@ -25,5 +25,5 @@ def test_a_random_draft_is_accepted_less_often(target, random_draft):
                             max_new_tokens=12)
     for row in rows:
         assert row["acceptance"][0] < 1.0, row
-        # depth 2 is offered only where depth 1 was accepted
-        assert row["reached"][1] == round(row["acceptance"][0] * row["reached"][0])
+        # depth 2 is offered only where depth 1 was accepted (less near the end of a generation)
+        assert row["reached"][1] <= round(row["acceptance"][0] * row["reached"][0])
