@@ -380,3 +380,16 @@ def test_trainer_writes_an_eagle3_head_that_drafts_losslessly(tmp_path, monkeypa
     with pytest.raises(SystemExit, match="three distinct target layers"):
         tfd.main(["--target", str(tmp_path / "target"), "--data-dir", str(data), "--runs", "fit",
                   "--arch", "eagle3", "--feature-layers", "1,2", "--out", str(tmp_path / "bad")])
+
+
+def test_cli_drafts_with_an_eagle3_folder(tmp_path, capsys):
+    from conftest import word_tokenizer
+    from mcsd.cli import main
+    shutil.copytree(FIXTURES / "target", tmp_path / "target")
+    word_tokenizer(vocab=96).save_pretrained(tmp_path / "target")
+    common = ["--target", str(tmp_path / "target"), "--dtype", "float32", "--prompt", "w03 w17 w42",
+              "--max-new-tokens", "12", "--json"]
+    assert main(common + ["--baseline"]) == 0
+    want = json.loads(capsys.readouterr().out)["tokens"]
+    assert main(common + ["--draft", str(FIXTURES / "original"), "--policy", "static", "--tree", "2,2"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == want
