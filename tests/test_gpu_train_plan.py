@@ -1,0 +1,31 @@
+"""tools/gpu_train_head.py's plan holds on a machine without a GPU: the runs it names are in the store,
+and every flag of every command it would run is one that command takes."""
+
+import re
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+tool = runpy.run_path(str(REPO / "tools" / "gpu_train_head.py"), run_name="plan")
+
+
+def test_the_plan_runs_what_the_store_holds_through_flags_the_tools_take(tmp_path):
+    runs = tool["store_runs"]()
+    assert "magpie-greedy-cuda" in runs and "magpie-t08" in runs
+    steps = tool["plan"](runs, tmp_path / "head", 4.8, 256)
+    assert [s for s, _ in steps][-3:] == ["held-out answers", "teacher", "train"]
+    helps = {}
+    for _, cmd in steps:
+        script = cmd[1]
+        sub = cmd[4] if script.endswith("target_data.py") else None
+        key = (script, sub)
+        if key not in helps:
+            argv = [sys.executable, script] + ([sub] if sub else []) + ["--help"]
+            helps[key] = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300).stdout
+        flags = [w for w in cmd[2:] if w.startswith("--")]
+        top = subprocess.run([sys.executable, script, "--help"], cwd=REPO, capture_output=True, text=True,
+                             timeout=300).stdout if sub else ""
+        for flag in flags:
+            assert re.search(rf"{re.escape(flag)}\b", helps[key] + top), f"{script} {sub or ''} takes no {flag}"

@@ -1,0 +1,90 @@
+"""Train the embedded pair's feature head on a GPU in one bounded run, from the token store alone.
+
+On a machine with a GPU and this repository (the committed token store `data/smollm2-135m/`
+and the embedded target carried in, see tools/gpu_check.py), the run:
+
+1. reads the chosen response runs out of the store (`target_data.py from-store`),
+2. labels them with one teacher-forced pass of the target on the GPU, keeping the layers the
+   head reads (`teacher --store-layers 2,15,-1`), and the held-out answers likewise,
+3. goes on training the shipped head (`--init`) on every position, for what is left of the
+   time budget (several passes over the store where the GPU is fast enough),
+4. writes the new head, its card and a JSON of each stage's time into `--out` ($OUT on the
+   GPU machine, so that it comes back).
+
+    python tools/gpu_train_head.py --out $OUT/head-gpu --budget-min 8
+    python tools/gpu_train_head.py --dry-run          # print the plan
+
+`--runs` picks the runs (default: every greedy and sampled Magpie run in the store).
+Nothing here is imported by the package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+STORE = REPO / "data" / "smollm2-135m"
+HEAD = REPO / "models" / "smollm2-135m-feature-head"
+LAYERS = "2,15,-1"
+HELDOUT = "heldout-greedy"
+
+
+def store_runs() -> list[str]:
+    """The Magpie response runs the store holds, greedy and sampled."""
+    manifest = json.loads((STORE / "manifest.json").read_text())
+    return sorted(r for r in manifest["runs"] if r.startswith("magpie-"))
+
+
+def plan(runs: list[str], out: Path, train_min: float, batch: int) -> list[tuple[str, list[str]]]:
+    """(stage, argv) in order; argv runs from the repository root."""
+    data = [sys.executable, "tools/target_data.py", "--dtype", "bfloat16"]
+    steps = [(f"from-store {r}", data + ["from-store", "--run", r]) for r in runs]
+    steps.append(("held-out answers", data + ["generate", "--run", HELDOUT, "--split", "heldout"]))
+    steps.append(("teacher", data + ["teacher", *runs, HELDOUT, "--store-layers", LAYERS,
+                                     "--batch-size", "512", "--token-budget", "262144"]))
+    steps.append(("train", [sys.executable, "tools/train_feature_drafter.py", "--init", str(HEAD), "--runs", *runs,
+                            "--heldout-run", HELDOUT, "--out", str(out), "--time-budget-min", f"{train_min:.2f}",
+                            "--lr", "2e-4", "--bf16", "--batch", str(batch), "--resident-positions", "0"]))
+    return steps
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "head-gpu")
+    ap.add_argument("--runs", nargs="*", default=None, help="store runs to train on (default: every Magpie run)")
+    ap.add_argument("--budget-min", type=float, default=8.0, help="the whole run, loading included")
+    ap.add_argument("--train-share", type=float, default=0.6, help="of the budget, for training itself")
+    ap.add_argument("--batch", type=int, default=256, help="training windows a step (large on a GPU)")
+    ap.add_argument("--dry-run", action="store_true")
+    args = ap.parse_args(argv)
+    runs = args.runs or store_runs()
+    steps = plan(runs, args.out, args.budget_min * args.train_share, args.batch)
+    if args.dry_run:
+        for stage, cmd in steps:
+            print(f"{stage}: {' '.join(cmd)}")
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    record = {"runs": runs, "budget_min": args.budget_min, "stages": []}
+    t0 = time.time()
+    for stage, cmd in steps:
+        started = time.time()
+        result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+        record["stages"].append({"stage": stage, "command": " ".join(cmd), "seconds": round(time.time() - started, 1),
+                                 "returncode": result.returncode, "tail": result.stdout[-2000:] + result.stderr[-2000:]})
+        (args.out / "gpu_train.json").write_text(json.dumps(record, indent=1) + "\n")
+        print(f"{stage}: {time.time() - started:.0f} s (rc {result.returncode})", flush=True)
+        if result.returncode != 0:
+            return result.returncode
+    record["total_s"] = round(time.time() - t0, 1)
+    (args.out / "gpu_train.json").write_text(json.dumps(record, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
