@@ -95,6 +95,24 @@ def test_v2_head_end_to_end_from_the_teacher_stage(setup):
         tfd.main(common + ["--feature-layers", "0,2", "--out", str(tmp_path / "y")])
 
 
+def test_wider_soft_labels_are_stored_recorded_and_trained_on(setup):
+    """teacher --topk 16 keeps the target's 16 likeliest tokens a position (the manifest says so), and the
+    trainer's loss takes them as they come."""
+    tmp_path, common, _ = setup
+    data = Path(common[common.index("--data-dir") + 1])
+    from conftest import word_tokenizer
+
+    from mcsd.train.data import load_examples, read_manifest
+    word_tokenizer().save_pretrained(tmp_path / "target")
+    for run in ("fit", "held"):
+        engine.main(["--target", str(tmp_path / "target"), "--data-dir", str(data), "--threads", "1",
+                     "teacher", run, "--store-layers", "1,2", "--topk", "16"])
+    assert read_manifest(data)["teacher"]["fit"]["settings"]["topk"] == 16
+    example = load_examples(data, ["fit"], with_hidden=True)[0]
+    assert example["topk_ids"].shape[1] == 16 and example["topk_probs"].shape[1] == 16
+    assert tfd.main(common + ["--feature-layers", "1,2", "--out", str(tmp_path / "wide")]) == 0
+
+
 def test_v1_head_widened_to_v2_goes_on_from_where_it_was(setup):
     """--init V1 --feature-layers 1,-1: a v2 head that starts out drafting as the v1 head did (with a zero
     learning rate its held-out agreement is the v1 head's, to the position), then trains its fusion."""

@@ -566,7 +566,7 @@ def run_teacher(args):
     data_dir = Path(args.data_dir)
     model, tokenizer = load_target(args.target, dtype=args.dtype)
     for run in args.runs:
-        settings = {"topk": TOPK, "store_hidden": args.store_hidden, "target": Path(args.target).name,
+        settings = {"topk": args.topk, "store_hidden": args.store_hidden, "target": Path(args.target).name,
                     "dtype": str(pick_dtype(args.dtype)).removeprefix("torch.")}
         if args.store_layers:
             settings["store_layers"] = list(args.store_layers)
@@ -577,7 +577,7 @@ def run_teacher(args):
         bar = tqdm(total=sum(lengths), desc=f"teacher {run}", unit="tok", dynamic_ncols=True)
         for batch in length_batches(lengths, args.batch_size, args.token_budget):
             t_batch = time.time()
-            outs = teacher_batch(model, [records[i] for i in batch], TOPK, args.store_hidden,
+            outs = teacher_batch(model, [records[i] for i in batch], args.topk, args.store_hidden,
                                  _pad_id(tokenizer), tuple(args.store_layers))
             tokens = sum(len(records[i]["response"]) for i in batch)
             save_shard(data_dir, "teacher", run, outs, {"n_sequences": len(outs), "n_tokens": tokens,
@@ -690,6 +690,9 @@ def main(argv=None):
                         "high layers, what a v2 feature head reads; implies --store-hidden)")
     t.add_argument("--batch-size", type=int, default=16)
     t.add_argument("--token-budget", type=int, default=4096, help="padded tokens per batch")
+    t.add_argument("--topk", type=int, default=TOPK,
+                   help="the target's most likely tokens kept per position with their probabilities, the head's "
+                        "soft labels (wider: closer to the whole distribution, which sampled acceptance follows)")
 
     sub.add_parser("status", help="print what is stored")
 
