@@ -53,10 +53,12 @@ class GenerationStats:
     def other_s(self) -> float:
         return max(self.wall_s - self.prefill_s - self.draft_s - self.verify_s, 0.0)
 
-    def record_round(self, tree: DraftTree, n_accepted: int) -> None:
-        drafted_depth = int(tree.depth.max())
+    def record_round(self, tree: DraftTree | None, n_accepted: int, drafted_depth: int | None = None,
+                     nodes: int | None = None) -> None:
+        """One round: its tree (or, read nowhere on the host, its depth and node count) and its accepted count."""
+        drafted_depth = int(tree.depth.max()) if drafted_depth is None else drafted_depth
         self.rounds += 1
-        self.tree_nodes += tree.size - 1
+        self.tree_nodes += (tree.size if nodes is None else nodes) - 1
         self.accepted_per_round.append(n_accepted)
         for d in range(min(drafted_depth, n_accepted + 1)):
             if d >= len(self.offered_by_depth):

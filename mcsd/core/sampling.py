@@ -99,7 +99,8 @@ def _top_p_torch(scores: torch.Tensor, mass: float) -> torch.Tensor:
     49,152 entries on a 2-core CPU, against about 1 ms). The decision is made on the candidates'
     descending cumulative mass either way, so every path keeps the same set. (..., V) -> (..., V)."""
     log_norm = torch.logsumexp(scores, dim=-1, keepdim=True)                       # (..., 1)
-    for k in _top_p_sizes(scores, log_norm, mass):
+    # off the CPU one full sort: the partial sorts' checks would each read a value on the host
+    for k in _top_p_sizes(scores, log_norm, mass) if scores.device.type == "cpu" else (None,):
         if k is None:
             top, order = torch.sort(scores, dim=-1, descending=True)
         else:
@@ -277,6 +278,27 @@ class PositionNoise:
     def position_keys(self, positions: torch.Tensor) -> torch.Tensor:
         """(M,) positions -> (M,) int64 keys on the CPU (one host read of the positions)."""
         return torch.tensor([_mix(self.seed, p) for p in positions.tolist()], dtype=torch.long)
+
+    def device_keys(self, positions: torch.Tensor) -> torch.Tensor:
+        """(M,) long positions -> (M,) int64 keys where the positions are, in torch operations: the
+        same bits as `position_keys` (`_mix`), with no host read (the fixed-shape round's draws)."""
+        z = (positions.long() + 1) * _as_int64(_MIX1) + _as_int64((self.seed * _GOLDEN) & _MASK64)
+        z = (z ^ _shr(z, 30)) * _as_int64(_MIX1)
+        z = (z ^ _shr(z, 27)) * _as_int64(_MIX2)
+        return _shr(z ^ _shr(z, 31), 1)
+
+    def keyed(self, scores: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`keys` with position keys (M,) int64 already made (`device_keys`): (M, V) scores + g, or (M, K)
+        over the tokens `ids`; no host read."""
+        cols = torch.arange(scores.shape[-1], device=scores.device) if ids is None else ids.long()
+        return scores.float() + self._at(keys, cols).to(scores.device)
+
+    def draw_keyed(self, logits: torch.Tensor, cfg: SamplingConfig, keys: torch.Tensor) -> torch.Tensor:
+        """`draw_logits` with position keys (M,) int64 already made (`device_keys`): the same draws, no
+        host read."""
+        if _native_draw(logits, cfg):
+            return native.draw(_scaled(logits, cfg), cfg.top_p, keys)
+        return self.keyed(processed_scores(logits, cfg), keys).argmax(-1)
 
     def gumbel(self, positions: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
         """(M,) long positions -> (M, V) float32 standard Gumbel noise on the noise's device, or (M, K)

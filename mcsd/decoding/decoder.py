@@ -36,7 +36,7 @@ from ..drafting.pearl import PearlMode
 from ..drafting.policies import TreePolicy, make_policy
 from ..forward import kernels
 from ..forward.lm import CachedLM
-from . import prompts
+from . import fixed_round, prompts
 from .calibration import Calibration
 from .propose import Proposer
 from .resolve import resolve
@@ -84,6 +84,10 @@ class TreeDecoder:
         cuda_graphs: on CUDA, the engine's own forward (Llama family) runs every block
             padded to a bucket of rows and replays each bucket's forward as a CUDA
             graph captured once (`mcsd.forward.graphs`); False runs the same shapes eagerly.
+        round: how a round runs: "auto" (the default) in fixed shapes on the device where the target
+            sits on CUDA and the generation allows it, else the loop below; "fixed" in fixed shapes
+            wherever it runs (a ConfigError where the generation does not allow it: see
+            `mcsd.decoding.fixed_round`; on a CPU eagerly, for tests); "loop" always the loop.
         release_weights: False (the default) leaves the models usable as given: where the
             profile runs a model's linear layers on prepacked oneDNN weights
             (`mcsd.forward.kernels`), the copies are made beside the plain weights, which
@@ -108,7 +112,10 @@ class TreeDecoder:
     def __init__(self, target, draft=None, tokenizer=None, tree=None, policy="auto",
                  attention: str = "auto", policy_options: dict | None = None, lossy_target_roots: int = 0,
                  calibrate: bool | None = None, threads: int | str | None = "auto", cuda_graphs: bool = True,
-                 release_weights: bool = False):
+                 release_weights: bool = False, round: str = "auto"):
+        if round not in fixed_round.ROUNDS:
+            raise ConfigError(f"round must be one of {', '.join(fixed_round.ROUNDS)}, got {round!r}")
+        self.round = round
         self.threads = _choose_threads(threads)
         self.target, self.tokenizer = CachedLM(target, cuda_graphs=cuda_graphs), tokenizer
         self.lossy_roots = int(lossy_target_roots)
@@ -218,7 +225,8 @@ class TreeDecoder:
         proposer = Proposer(self.policy, self.drafter, self.context, self.lossy_roots, self.context_costs)
         if proposer.lossy:
             _exact_loop_only(cfg, "lossy_target_roots")
-        return (yield from self._decode(prompt_ids, cfg, proposer, on_round))
+        rounds = fixed_round.choose(self, self.round, cfg, proposer, on_round)
+        return (yield from self._decode(prompt_ids, cfg, proposer, on_round, rounds))
 
     def encode(self, prompt) -> torch.Tensor:
         """Prompt (str, list of ids, or tensor) -> (T,) long ids on the target's device."""
@@ -229,7 +237,7 @@ class TreeDecoder:
 
     @torch.inference_mode()
     def _decode(self, prompt_ids: torch.Tensor, cfg: DecodeConfig, proposer: Proposer,
-                on_round=None) -> Iterator[list[int]]:
+                on_round=None, rounds: fixed_round.FixedRound | None = None) -> Iterator[list[int]]:
         policy, drafter = proposer.policy, proposer.drafter
         if isinstance(policy, PearlMode) and drafter is not None:    # draft and target run concurrently
             _exact_loop_only(cfg, "policy 'pearl'")
@@ -248,8 +256,13 @@ class TreeDecoder:
         stats.target_forwards += 1
         stats.prefill_s = time.perf_counter() - t_start
         yield emitted.add(new, new_lp)
+        if rounds is not None:
+            rounds.start(sequence, noise)
 
         while emitted.finish is None:
+            if rounds is not None:   # 1-6 in fixed shapes on the device, the emitted tokens read once
+                yield emitted.add(rounds.run(cfg.max_new_tokens - len(emitted.tokens), stats))
+                continue
             # 1-2. propose: the drafter's tree under the root, context branches merged in
             t0 = time.perf_counter()
             proposal = proposer.propose(sequence, cfg.max_new_tokens - len(emitted.tokens), cfg.sampling, gen, proc,

@@ -340,6 +340,11 @@ class FeatureDrafter:
         self._features, self._first = kept, start
         return kept
 
+    def features_from(self, start: int) -> torch.Tensor:
+        """(n, H) fused target features of positions start.. observed so far (the first read of the
+        fixed-shape round, `mcsd.decoding.fixed_round`, which runs the head's blocks itself)."""
+        return self._features_from(start)
+
     def _run(self, feats, tokens, positions, allowed):
         prefix = kv_cache.cache_length(self.cache) - (allowed.shape[1] - tokens.numel())
         mask = additive_mask(allowed, prefix, self.dtype)

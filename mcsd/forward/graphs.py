@@ -52,6 +52,23 @@ def bucket_of(rows: int) -> int | None:
     return next((b for b in BUCKETS if b >= rows), None)
 
 
+def capture_graph(run):
+    """Warm `run` (a function of no arguments over persistent buffers) up twice on a side stream, then
+    capture it as a CUDA graph; returns (the graph, what the captured call returned: its own buffers,
+    which each replay writes over)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    torch.cuda.synchronize()
+    return graph, out
+
+
 @dataclass
 class _Entry:
     """One bucket's persistent inputs, its graph (or None: eager) and that graph's outputs."""

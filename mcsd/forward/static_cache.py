@@ -91,6 +91,17 @@ class StaticCache:
                 buf[:, :, :, prefix_len:prefix_len + k] = buf.index_select(3, src)
         self.length = prefix_len + k
 
+    def commit_rows(self, prefix_len: int, rows: torch.Tensor, kept: int) -> None:
+        """`commit` with the accepted offsets as a device tensor, read nowhere on the host: the entries
+        at offsets `rows` (R,) after `prefix_len` are gathered and written at prefix_len .. prefix_len+R-1
+        whatever their values (the fixed-shape round's padded path), and the first `kept` of them stay.
+        The buffers must hold prefix_len + R positions (the verified block wrote at least that many)."""
+        r = rows.numel()
+        src = rows.to(self.device) + prefix_len
+        for buf in (self.keys, self.values):
+            buf[:, :, :, prefix_len:prefix_len + r] = buf.index_select(3, src)     # gather, then write
+        self.length = prefix_len + kept
+
     def nbytes(self) -> int:
         """Bytes the buffers take."""
         return 0 if self.keys is None else 2 * self.keys.nbytes

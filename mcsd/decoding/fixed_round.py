@@ -1,0 +1,347 @@
+"""The tree round in fixed shapes on the device, with one host read a round (the feature head's round).
+
+On a GPU the round as `TreeDecoder`'s loop runs it is bound by the host: every level of the tree
+waits for Python (a policy's decision, a slice whose size is a tensor's value, an acceptance walk),
+so the device idles between small kernels. Here the whole round is fixed shapes over preallocated
+buffers, so every forward can be replayed as a CUDA graph and nothing in the round reads a tensor's
+value, except once at its end:
+
+1. catch-up: the feature head reads the last round's accepted positions (the target's features
+   along the accepted path and the tokens that followed them) as one block padded to a bucket,
+   over the head's own static cache; the new root's predicted feature gives level 1's scores;
+2. growth: each level's tokens are the top-k ranks of their parents' scores (greedy: of the
+   draft's probabilities; sampling: of log q + g, the shared noise the target draws with at the
+   children's position), gathered by the static topology's (parent, rank) of each node
+   (`mcsd.core.static_tree.level_children`); the head steps over each level but the last, each
+   a block padded to a bucket, its keys and values at fixed slots after the root's entry;
+3. verify: the target's forward over the whole tree (`mcsd.forward.graphs.StaticBlocks`: padded
+   to a bucket, captured on CUDA), its draws after each node (argmax, or the seeded Gumbel draw);
+4. accept: Medusa style over the topology's root-to-leaf paths (`accept_paths`): the same path as
+   the loop's greedy matching;
+5. read: the count and the emitted tokens, in one (D+2,) tensor, read once;
+6. commit: the target's cache keeps the accepted entries (`StaticCache.commit_rows`, a gather and
+   a write of D+1 entries whatever was accepted); the head's cache drops the tree (a length).
+
+What is exact: the output. Greedy float32 output equals `generate`'s; sampled output follows the
+target's processed distribution, and since a sampled token is the target's own seeded draw at its
+position, a seed gives the loop's text (on a CPU the same draw routine; on CUDA torch's). The trees
+equal the loop's for a static policy, except that a candidate the draft filtered out (no finite
+key) stays in the buffers, never accepted, where the loop leaves it out.
+
+Limitations (each falls back to the loop under `round="auto"`, and is refused under
+`round="fixed"` with its reason):
+- the drafter is a `FeatureDrafter` whose head runs on the engine's own forward (Llama layers);
+- the policy is "static" (the whole topology every round). The learned policy's per-level pruning
+  and draft gate read the draft's probabilities on the host at every level; here they would be a
+  tensor operation or a choice among precomputed topologies from the last read: not built yet;
+- no context drafting (its grafted nodes are found by host-side lookups), no lossy roots, no
+  rejection sampling, no logits processors or log-probabilities, no `on_round` callback;
+- trees of at most 64 nodes (the largest bucket), drafted to their full depth every round (the
+  rounds near `max_new_tokens` draft deeper than they can accept, and accept no deeper);
+- on the CPU the same shapes run eagerly (slower than the loop there: it is not the CPU default).
+Timings on CUDA (`draft_s`, `verify_s`) are the host's launch times, not the device's.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ConfigError, DecodeConfig
+from ..core.output import GenerationStats
+from ..core.sampling import PositionNoise, logits_to_probs
+from ..core.static_tree import StaticTree, accept_paths, emitted_tokens, level_children
+from ..drafting.feature_draft import FeatureDrafter
+from ..drafting.policies.static import StaticPolicy
+from ..forward import graphs
+from ..forward.attention import additive_mask, causal_allowed
+from ..forward.lm import CachedLM
+
+ROUNDS = ("auto", "fixed", "loop")
+
+
+def unavailable(decoder, cfg: DecodeConfig, proposer, on_round=None) -> str | None:
+    """Why the fixed-shape round cannot run this generation (None: it can)."""
+    drafter = proposer.drafter
+    if not isinstance(drafter, FeatureDrafter) or drafter._lean is None:
+        return "it drafts with a feature head on the engine's own forward only"
+    if type(proposer.policy) is not StaticPolicy:
+        return f"it grows static trees only, not policy {proposer.policy.name!r}"
+    if proposer.context is not None:
+        return "context drafting's grafted nodes run on the loop"
+    if proposer.lossy:
+        return "lossy_target_roots runs on the loop"
+    if not cfg.sampling.greedy and cfg.sampling.method != "gumbel":
+        return "rejection sampling runs on the loop"
+    if cfg.processing.active or cfg.return_logprobs:
+        return "logits processors and log-probabilities run on the loop"
+    if on_round is not None:
+        return "on_round callbacks run on the loop"
+    if decoder.target._running is None:
+        return "the target does not run on the engine's own forward"
+    if proposer.policy.topology.max_depth < 1:
+        return "its tree drafts nothing"
+    if graphs.bucket_of(proposer.policy.topology.size) is None:
+        return f"its tree has more than {graphs.BUCKETS[-1]} nodes"
+    return None
+
+
+def choose(decoder, choice: str, cfg: DecodeConfig, proposer, on_round=None) -> "FixedRound | None":
+    """The fixed-shape round for this generation, or None for the loop. "auto": fixed on CUDA where it
+    can run; "loop": never; "fixed": always (a ConfigError saying why where it cannot)."""
+    if choice == "loop" or (choice == "auto" and decoder.target.device.type != "cuda"):
+        return None
+    decoder.target.reset()                       # which forward runs the target is decided at a reset
+    reason = unavailable(decoder, cfg, proposer, on_round)
+    if reason is not None:
+        if choice == "fixed":
+            raise ConfigError(f"round='fixed' cannot run this generation: {reason}")
+        return None
+    return FixedRound(decoder.target, proposer.drafter, proposer.policy.topology, cfg, decoder.target.cuda_graphs)
+
+
+@dataclass
+class _Block:
+    """One bucket's persistent inputs for the head, its graph (or None: eager) and that graph's outputs."""
+
+    feats: torch.Tensor             # (B, H) features the rows read
+    tokens: torch.Tensor            # (B,) long
+    positions: torch.Tensor         # (1, B) long
+    slots: torch.Tensor             # (B,) long
+    mask: torch.Tensor              # (1, 1, B, capacity) additive
+    graph: "torch.cuda.CUDAGraph | None" = None
+    pred: torch.Tensor | None = None     # (B, H) predicted features
+    scores: torch.Tensor | None = None   # (B, K) scores over the head's (sub-)vocabulary
+
+
+class HeadBlocks:
+    """The feature head's blocks over its static cache, padded to buckets, captured as CUDA graphs.
+
+    As `mcsd.forward.graphs.StaticBlocks` does for the target: a block of Q rows runs padded to the
+    smallest bucket B >= Q, its padding rows writing after the block and seeing only themselves, and
+    attention spans the cache's whole capacity with the additive mask hiding the rest.
+
+    Args:
+        drafter: the feature drafter (its head runs on the engine's own forward).
+        capture: capture CUDA graphs (needs CUDA); False runs the same shapes eagerly.
+    """
+
+    def __init__(self, drafter: FeatureDrafter, capture: bool):
+        self.drafter, self.capture = drafter, capture
+        self._entries: dict[int, _Block] = {}
+        self._buffers = None
+        self.captures, self.capture_s, self.failure = 0, 0.0, None
+
+    def _run(self, e: _Block):
+        d = self.drafter
+        head, cache = d.head, d.cache
+        x = head.inputs(e.feats, d.embed(e.tokens))[None]                              # (1, B, w)
+        pred = head.expand(d._lean.states(x, e.positions, e.mask, cache, e.slots))[0]   # (B, H)
+        return pred, d._scores(pred)                                                    # (B, K)
+
+    def __call__(self, feats: torch.Tensor, tokens: torch.Tensor, first_position: int, start: int,
+                 rows_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One block of Q rows written at cache slots start .. start+Q-1.
+
+        Args:
+            feats: (Q, H) the features the rows read; tokens: (Q,) long the tokens that followed.
+            first_position: the first row's position; the rows' are consecutive, or all
+                `first_position` with `rows_mask` (one tree level).
+            start: the block's first slot (the cache then holds start + Q entries).
+            rows_mask: (Q, start + Q) additive mask over the slots the rows may see, or None: every
+                entry before the block, and the block's rows causally.
+        Returns:
+            (pred (Q, H), scores (Q, K)): views of the bucket's outputs, valid until its next call.
+        """
+        q = tokens.numel()
+        b = graphs.bucket_of(q)
+        cache = self.drafter.cache
+        cache.length = start                        # what a reallocation must keep
+        cache.reserve(start + b)
+        if self._buffers is not cache.keys:                 # new buffers: every graph captured again
+            self._entries.clear()
+            self._buffers = cache.keys
+            cache.keys[:, :, :, cache.length:].zero_()
+            cache.values[:, :, :, cache.length:].zero_()
+        e = self._entries.get(b)
+        fresh = e is None
+        if fresh:
+            dev, dtype = cache.device, cache.dtype
+            e = self._entries[b] = _Block(torch.zeros(b, feats.shape[-1], dtype=dtype, device=dev),
+                                          torch.zeros(b, dtype=torch.long, device=dev),
+                                          torch.zeros(1, b, dtype=torch.long, device=dev),
+                                          torch.zeros(b, dtype=torch.long, device=dev),
+                                          torch.zeros(1, 1, b, cache.capacity, dtype=dtype, device=dev))
+        # the block into the bucket's buffers, in place
+        e.feats.zero_()
+        e.feats[:q] = feats
+        e.tokens.zero_()
+        e.tokens[:q] = tokens
+        if rows_mask is None:
+            torch.arange(first_position, first_position + b, out=e.positions[0])
+            e.positions[0, q:] = first_position + q - 1
+        else:
+            e.positions.fill_(first_position)
+        torch.arange(start, start + b, out=e.slots)
+        low = torch.finfo(e.mask.dtype).min
+        e.mask.fill_(low)
+        if rows_mask is None:
+            e.mask[0, 0, :q, :start + q] = additive_mask(causal_allowed(q, cache.device), start, cache.dtype)[0, 0]
+        else:
+            e.mask[0, 0, :q, :start + q] = rows_mask
+        pad = torch.arange(q, b, device=cache.device)
+        e.mask[0, 0, pad, start + pad] = 0
+        if fresh and self.capture:
+            try:
+                t0 = time.perf_counter()
+                e.graph, (e.pred, e.scores) = graphs.capture_graph(lambda: self._run(e))
+                self.captures += 1
+                self.capture_s += time.perf_counter() - t0
+            except Exception as exc:                         # runs eagerly instead
+                self.capture, self.failure, e.graph = False, f"{type(exc).__name__}: {exc}", None
+                warnings.warn(f"mcsd: CUDA graph capture of the feature head failed ({self.failure}); running "
+                              f"the same shapes eagerly", RuntimeWarning, stacklevel=2)
+        if e.graph is not None:
+            e.graph.replay()
+        else:
+            e.pred, e.scores = self._run(e)
+        cache.length = start + q
+        self.drafter.forwards += 1
+        return e.pred[:q], e.scores[:q]
+
+
+class FixedRound:
+    """One generation's rounds in fixed shapes (see the module's docstring).
+
+    Args:
+        target: the decoder's target (`CachedLM` on the engine's own forward); its blocks are padded
+            to buckets from here on (captured on CUDA).
+        drafter: the feature drafter.
+        topology: the static tree grown every round (at most 64 nodes).
+        cfg: the generation's settings.
+        cuda_graphs: capture the head's blocks as CUDA graphs on CUDA.
+    """
+
+    def __init__(self, target: CachedLM, drafter: FeatureDrafter, topology, cfg: DecodeConfig,
+                 cuda_graphs: bool = True):
+        self.target, self.drafter, self.cfg = target, drafter, cfg
+        self.device = target.device
+        self.tree = StaticTree.of(topology, self.device)
+        self.hidden = tuple(drafter.feature_layers)
+        self.sampling = cfg.sampling
+        self.noise = None
+        if not cfg.sampling.greedy:
+            vocab = target.model.get_input_embeddings().weight.shape[0]
+            self.noise = PositionNoise(cfg.seed, vocab, self.device)
+        self.ids = None if drafter.vocab_ids is None else drafter.vocab_ids.to(self.device)
+        capture = cuda_graphs and self.device.type == "cuda"
+        self.blocks = HeadBlocks(drafter, capture)
+        target.static_blocks, target.cuda_graphs = True, cuda_graphs
+        # the tree's additive mask among its own nodes, in the two models' dtypes
+        self.tree_mask = additive_mask(self.tree.allowed, 0, drafter.dtype)[0, 0]      # (N, N)
+
+    # ------------------------------------------------------------------ set-up
+
+    def start(self, sequence: torch.Tensor, noise: PositionNoise | None = None) -> None:
+        """After the prefill (`sequence` (T+1,): the prompt and the root): the head reads the prompt's
+        last `window` positions, eagerly at their own shape (before the rounds, not one of them)."""
+        if noise is not None:
+            self.noise = noise
+        d = self.drafter                         # reset by the prefill, the prompt's features observed
+        t_end = sequence.numel() - 1
+        offset = 0 if d.window is None else max(0, t_end - d.window)
+        n = t_end - offset
+        feats = d.features_from(offset)[:n]
+        cache = d.cache
+        cache.reserve(n)
+        x = d.head.inputs(feats, d.embed(sequence[offset + 1:t_end + 1]))[None]
+        positions = torch.arange(offset + 1, t_end + 1, device=self.device)[None]
+        mask = additive_mask(causal_allowed(n, self.device), 0, d.dtype)
+        pred = d.head.expand(d._lean.states(x, positions, mask, cache, torch.arange(n, device=self.device)))[0]
+        cache.length = n
+        d.forwards += 1
+        self.root_pos = t_end                    # the root's position in the sequence
+        self.root_pred = pred[-1:]               # (1, H) its predicted feature
+        self.root_scores = d._scores(self.root_pred)
+        self.pending = None                      # (feats (D+1, H), tokens (D+1,), rows) to catch up on
+        self._root = sequence[-1:]               # (1,) the root token, on the device
+
+    # ------------------------------------------------------------------ one round
+
+    def run(self, remaining: int, stats: GenerationStats) -> list[int]:
+        """One round that may emit `remaining` more tokens; returns the tokens it emits (read once)."""
+        tree, d = self.tree, self.drafter
+        t0 = time.perf_counter()
+        if self.pending is not None:             # 1. the head reads the last round's accepted positions
+            feats, tokens, rows = self.pending
+            pred, scores = self.blocks(feats[:rows], tokens[:rows], self.root_pos - rows + 1, d.cache.length)
+            self.root_pred, self.root_scores = pred[rows - 1:rows], scores[rows - 1:rows]
+        tokens, valid = self._grow()             # 2. the tree, level by level
+        t1 = time.perf_counter()
+        n, path, next_token, states = self._verify(tokens, valid, remaining - 1)    # 3-4.
+        out = emitted_tokens(tokens, path, n, next_token)                           # (D+2,)
+        values = out.tolist()                    # 5. the round's one host read
+        accepted = values[0]
+        new = values[1:accepted + 2]
+        # 6. commit: the target keeps the accepted entries, the head drops the tree but the root's entry
+        self.target.cache.commit_rows(self.root_pos, path, accepted + 1)
+        d.cache.truncate(self._root_slot + 1)
+        self.pending = (d.head.fused(states.index_select(0, path)).to(d.dtype), out[1:], accepted + 1)
+        self.root_pos += accepted + 1
+        t2 = time.perf_counter()
+        stats.draft_s += t1 - t0
+        stats.verify_s += t2 - t1
+        stats.target_forwards += 1
+        stats.record_round(None, accepted, drafted_depth=tree.max_depth, nodes=tree.size)
+        return new
+
+    def _grow(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole topology's tokens (N,) and which nodes may be accepted (N,) bool, no host read."""
+        tree, d = self.tree, self.drafter
+        root = self.target_root()
+        tokens, valid = [root], [torch.ones(1, dtype=torch.bool, device=self.device)]
+        self._root_slot = d.cache.length - 1                # node i sits at slot root_slot + i
+        pred, scores = self.root_pred, self.root_scores
+        for depth in range(1, tree.max_depth + 1):
+            keys = self._keys(scores, self.root_pos + depth)                # (W_{d-1}, K)
+            level, ok = level_children(keys, tree.parent_row[depth], tree.rank[depth], tree.fan_out[depth], self.ids)
+            tokens.append(level)
+            valid.append(ok & valid[-1][tree.parent_row[depth]])
+            if depth == tree.max_depth:
+                break
+            lo, hi = tree.levels[depth]
+            start = self._root_slot + lo
+            rows_mask = torch.zeros(hi - lo, start + (hi - lo), dtype=d.dtype, device=self.device)
+            rows_mask[:, self._root_slot:] = self.tree_mask[lo:hi, :hi]
+            pred, scores = self.blocks(pred[tree.parent_row[depth]], level, self.root_pos + depth, start, rows_mask)
+            pred, scores = pred.clone(), scores.clone()     # the bucket's buffers: the next step may reuse it
+        return torch.cat(tokens), torch.cat(valid)
+
+    def target_root(self) -> torch.Tensor:
+        """(1,) the root token: the target's own draw, kept on the device between rounds."""
+        return self._root
+
+    def _keys(self, scores: torch.Tensor, position: int) -> torch.Tensor:
+        """What a level's candidates are ranked by: the draft's probabilities (greedy), or log q + g at
+        the children's `position` (sampling), as `mcsd.drafting.draft.grow_tree` ranks them."""
+        if self.noise is None:
+            return scores.float().softmax(-1)
+        probs = logits_to_probs(scores, self.sampling)
+        at = torch.full((scores.shape[0],), position, dtype=torch.long, device=self.device)
+        return self.noise.keyed(probs.log(), self.noise.device_keys(at), self.ids)
+
+    def _verify(self, tokens: torch.Tensor, valid: torch.Tensor, depth_limit: int):
+        """The target's forward over the tree, its draws, the accepted path (all on the device)."""
+        tree = self.tree
+        positions = tree.depth + self.root_pos
+        logits, states = self.target.forward(tokens, positions, tree.allowed, hidden=self.hidden)   # (N, V)
+        if self.noise is None:
+            draws = logits.argmax(-1)
+        else:                                   # the target's seeded draw after each node, at T + depth
+            draws = self.noise.draw_keyed(logits, self.sampling, self.noise.device_keys(positions + 1))
+        n, path, next_token = accept_paths(tree, tokens, draws, valid, depth_limit)
+        self._root = next_token
+        return n, path, next_token, states
