@@ -143,7 +143,9 @@ def accept_paths(tree: StaticTree, tokens: torch.Tensor, draws: torch.Tensor, va
         inside &= cols[None] <= depth_limit
     run = (on_path & inside).long().cumprod(dim=1)                             # (L, D+1) 1 while all matched
     lengths = run.sum(dim=1)                                                    # (L,) nodes accepted, root incl.
-    best = torch.argmax(lengths)                                                # first longest
+    # the longest; between equally long ones the lowest deepest node (the loop's rule, where siblings repeat)
+    deepest = tree.paths.gather(1, (lengths - 1)[:, None])[:, 0]               # (L,)
+    best = torch.argmax(lengths * (tree.size + 1) - deepest)
     n = lengths[best].reshape(1) - 1                                            # (1,)
     path = tree.paths[best]                                                     # (D+1,)
     # past the accepted part the path repeats its deepest accepted node

@@ -1,0 +1,277 @@
+"""The tree round in fixed shapes (`mcsd.decoding.fixed_round`): the same path as the loop's acceptance,
+greedy output equal to `generate`, sampled output following the target, and at most one host read a
+round (counted on the CPU; on CUDA by torch's sync debug mode)."""
+
+import contextlib
+
+import pytest
+import torch
+from conftest import assert_follows_target, tiny_llama
+from test_feature_draft import random_head, random_v2_head
+
+from mcsd import TreeDecoder
+from mcsd.config import ConfigError, SamplingConfig
+from mcsd.core.sampling import PositionNoise
+from mcsd.core.static_tree import StaticTree, accept_paths, emitted_tokens, level_children
+from mcsd.core.tree import DraftTree, TreeTopology
+from mcsd.core.verify import accept_greedy
+from mcsd.drafting.feature_draft import FeatureDrafter
+from mcsd.forward.static_cache import StaticCache
+
+PROMPT = torch.tensor([3, 17, 42, 5, 9, 11])
+
+# every way a tensor's value reaches the host (a device sync on CUDA)
+READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy")
+
+
+@contextlib.contextmanager
+def counting_host_reads():
+    """Inside the block, every call of a Tensor method that reads its value on the host is listed."""
+    seen: list[str] = []
+    own = {name: name in torch.Tensor.__dict__ for name in READS}
+    saved = {name: getattr(torch.Tensor, name) for name in READS}
+    saved_nonzero = torch.nonzero
+
+    def counted(name, method):
+        def read(*args, **kwargs):
+            seen.append(name)
+            return method(*args, **kwargs)
+        return read
+
+    for name in READS:
+        setattr(torch.Tensor, name, counted(name, saved[name]))
+    torch.nonzero = counted("torch.nonzero", saved_nonzero)
+    try:
+        yield seen
+    finally:
+        torch.nonzero = saved_nonzero
+        for name in READS:
+            if own[name]:
+                setattr(torch.Tensor, name, saved[name])
+            else:
+                delattr(torch.Tensor, name)
+
+
+def reads_per_round(decoder, prompt, **options) -> tuple[list[list[str]], list[int]]:
+    """The host reads of each round of one generation (the prefill's not counted), and its tokens."""
+    rounds, tokens = [], []
+    stream = decoder.stream(prompt, **options)
+    tokens += next(stream)                                    # the prefill
+    while True:
+        with counting_host_reads() as seen:
+            try:
+                new = next(stream)
+            except StopIteration:
+                break
+        rounds.append(list(seen))
+        tokens += new
+    return rounds, tokens
+
+
+def fixed_decoder(target, head, spec="4,2,2", **kw):
+    return TreeDecoder(target, FeatureDrafter(head, target), tree=spec, policy="static", attention="sdpa",
+                       calibrate=False, round="fixed", **kw)
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(target):
+    """`generate`'s own greedy tokens after PROMPT."""
+    with torch.no_grad():
+        out = target.generate(PROMPT[None], attention_mask=torch.ones(1, PROMPT.numel(), dtype=torch.long),
+                              max_new_tokens=60, do_sample=False, pad_token_id=0)
+    return out[0, PROMPT.numel():].tolist()
+
+
+# ---------------------------------------------------------------------------- the tensor helpers
+
+@pytest.mark.parametrize("spec", ["1", "1,1,1", "4,2,2", "3,2,2,1", [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]])
+def test_accept_paths_is_the_loops_greedy_acceptance(spec):
+    """On random tokens and draws (made to match often), the same path, count and next token."""
+    topo = TreeTopology.from_spec(spec)
+    tree = StaticTree.of(topo)
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        tokens = torch.randint(0, 4, (topo.size,), generator=g)
+        draws = torch.randint(0, 4, (topo.size,), generator=g)
+        limit = None if trial % 3 else int(torch.randint(0, topo.max_depth + 1, (1,), generator=g))
+        kept = topo.depth <= (topo.max_depth if limit is None else limit)
+        ids = kept.nonzero().squeeze(1)
+        acc = accept_greedy(tokens[ids], topo.parents[ids], topo.depth[ids], topo.mask[ids][:, ids], draws[ids])
+        n, path, next_token = accept_paths(tree, tokens, draws, depth_limit=limit)
+        assert int(n) == acc.n_accepted
+        assert torch.equal(ids[acc.path], path[:int(n) + 1])
+        assert int(next_token) == int(acc.next_token)
+        assert (path[int(n) + 1:] == path[int(n)]).all()
+
+
+def test_invalid_candidates_are_never_accepted():
+    tree = StaticTree.of(TreeTopology.from_spec("2,1"))          # root, a, b, a0, b0
+    tokens, draws = torch.tensor([9, 1, 2, 3, 4]), torch.tensor([1, 3, 0, 7, 7])
+    n, path, _ = accept_paths(tree, tokens, draws)
+    assert int(n) == 2 and path.tolist() == [0, 1, 3]
+    n, path, next_token = accept_paths(tree, tokens, draws, valid=torch.tensor([True, True, True, False, True]))
+    assert int(n) == 1 and path.tolist() == [0, 1, 1] and int(next_token) == 3
+    assert emitted_tokens(tokens, path, n, next_token).tolist() == [1, 1, 3, 3]
+
+
+def test_level_children_take_each_parents_ranks():
+    keys = torch.tensor([[0.1, 0.5, 0.3, float("-inf")], [0.9, float("-inf"), float("-inf"), float("-inf")]])
+    tokens, valid = level_children(keys, torch.tensor([0, 0, 1, 1]), torch.tensor([0, 1, 0, 1]), 2)
+    assert tokens[:3].tolist() == [1, 2, 0] and valid.tolist() == [True, True, True, False]
+    ids = torch.tensor([10, 11, 12, 13])
+    assert level_children(keys, torch.tensor([0]), torch.tensor([1]), 2, ids)[0].tolist() == [12]
+
+
+def test_device_keys_are_the_position_keys():
+    noise = PositionNoise(123456789, 64, "cpu")
+    positions = torch.tensor([0, 1, 7, 300, 10**6])
+    assert torch.equal(noise.device_keys(positions), noise.position_keys(positions))
+
+
+def test_commit_rows_keeps_what_commit_keeps():
+    a, b = (StaticCache(2, 1, 4, torch.float32, "cpu") for _ in range(2))
+    for cache in (a, b):
+        cache.reserve(20)
+        torch.manual_seed(0)
+        cache.keys.copy_(torch.randn_like(cache.keys))
+        cache.values.copy_(torch.randn_like(cache.values))
+        cache.length = 12
+    a.commit(5, torch.tensor([0, 2, 5]))
+    b.commit_rows(5, torch.tensor([0, 2, 5, 5]), 3)
+    assert a.length == b.length == 8
+    assert torch.equal(a.keys[:, :, :, :8], b.keys[:, :, :, :8])
+    assert torch.equal(a.values[:, :, :, :8], b.values[:, :, :, :8])
+
+
+# ---------------------------------------------------------------------------- the round
+
+@pytest.mark.parametrize("spec", ["1,1,1", "4,2,2", "3,2,2,1"])
+@pytest.mark.parametrize("sub_vocab", [0, 24])
+def test_greedy_fixed_round_equals_generate(target, hf_greedy, spec, sub_vocab):
+    """float32 greedy output token-identical to `generate`, and the same acceptances as the loop's."""
+    out = fixed_decoder(target, random_head(target, sub_vocab), spec).generate(PROMPT, max_new_tokens=60)
+    assert out.tokens == hf_greedy
+    loop = TreeDecoder(target, FeatureDrafter(random_head(target, sub_vocab), target), tree=spec, policy="static",
+                       attention="sdpa", calibrate=False, round="loop").generate(PROMPT, max_new_tokens=60)
+    assert out.stats.accepted_per_round == loop.stats.accepted_per_round
+    assert out.stats.draft_forwards > 0
+
+
+def test_v2_head_and_a_short_window(target, hf_greedy):
+    head = random_v2_head(target, (1, -1), sub_vocab=24)
+    dec = TreeDecoder(target, FeatureDrafter(head, target, window=3), tree="3,2,1", policy="static",
+                      attention="sdpa", calibrate=False, round="fixed")
+    assert dec.generate(PROMPT, max_new_tokens=60).tokens == hf_greedy
+
+
+@pytest.mark.parametrize("options", [dict(temperature=0.8, seed=3), dict(temperature=0.8, top_p=0.9, seed=4),
+                                     dict(temperature=1.0, top_k=5, seed=5)])
+def test_sampled_text_is_the_loops_for_a_seed(target, options):
+    """A sampled token is the target's own seeded draw at its position: the loop's text, and here (the
+    same static trees) its acceptances too."""
+    fixed = fixed_decoder(target, random_head(target, 24)).generate(PROMPT, max_new_tokens=40, **options)
+    loop = TreeDecoder(target, FeatureDrafter(random_head(target, 24), target), tree="4,2,2", policy="static",
+                       attention="sdpa", calibrate=False, round="loop").generate(PROMPT, max_new_tokens=40, **options)
+    assert fixed.tokens == loop.tokens
+    assert fixed.stats.accepted_per_round == loop.stats.accepted_per_round
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(1.0), SamplingConfig(0.7, top_k=5), SamplingConfig(1.3, top_p=0.8)],
+                         ids=["t1", "t0.7-k5", "t1.3-p0.8"])
+def test_sampling_follows_the_target_distribution(sampling):
+    """Chi-square goodness of fit of 1,200 seeded runs' first two tokens against exact enumeration."""
+    small = tiny_llama(10, vocab=8, layers=1, sharpness=6.0, hidden=16)
+    dec = fixed_decoder(small, random_head(small, sub_vocab=5, seed=2), "3,2")
+    assert_follows_target(dec, small, sampling, n=1200)
+
+
+@pytest.mark.parametrize("options", [{}, dict(temperature=0.8, seed=3), dict(temperature=0.9, top_p=0.9, seed=1)],
+                         ids=["greedy", "t0.8", "t0.9-p0.9"])
+def test_at_most_one_host_read_a_round(target, hf_greedy, options):
+    """Every round reads one tensor on the host (the emitted tokens), and nothing else."""
+    dec = fixed_decoder(target, random_head(target, 24))
+    rounds, tokens = reads_per_round(dec, PROMPT, max_new_tokens=60, **options)
+    assert len(rounds) > 10
+    assert all(len(seen) <= 1 for seen in rounds), [seen for seen in rounds if len(seen) > 1][:3]
+    assert sum(map(len, rounds)) >= len(rounds) - 1           # the count is read (the last call: the output)
+    if not options:
+        assert tokens == hf_greedy
+
+
+def test_the_loop_reads_more_and_the_counter_sees_it(target):
+    """The counter is not blind: the loop's rounds read the host several times each."""
+    dec = TreeDecoder(target, FeatureDrafter(random_head(target), target), tree="4,2,2", policy="static",
+                      attention="sdpa", calibrate=False, round="loop")
+    rounds, _ = reads_per_round(dec, PROMPT, max_new_tokens=20)
+    assert max(map(len, rounds)) > 1
+
+
+# ---------------------------------------------------------------------------- what it refuses
+
+def test_the_cpu_default_runs_the_loop(target):
+    dec = TreeDecoder(target, FeatureDrafter(random_head(target), target), tree="4,2,2", policy="static",
+                      attention="sdpa", calibrate=False)
+    assert dec.round == "auto"
+    rounds, _ = reads_per_round(dec, PROMPT, max_new_tokens=20)
+    assert max(map(len, rounds)) > 1                          # the loop, as before
+
+
+@pytest.mark.parametrize("draft, policy, reason", [
+    ("context", "static", "feature head"),
+    ("head+context", "static", "context drafting"),
+    ("head", "heuristic", "static trees"),
+])
+def test_fixed_round_refuses_what_it_cannot_run(target, draft, policy, reason):
+    head = FeatureDrafter(random_head(target), target)
+    drafts = {"context": "context", "head": head, "head+context": [head, "context"]}
+    dec = TreeDecoder(target, drafts[draft], tree="2,1", policy=policy, attention="sdpa", calibrate=False,
+                      round="fixed")
+    with pytest.raises(ConfigError, match=reason):
+        dec.generate(PROMPT, max_new_tokens=5)
+    dec.round = "auto"                                        # the same generation on the loop
+    assert len(dec.generate(PROMPT, max_new_tokens=5).tokens) == 5
+
+
+def test_processors_and_a_bad_round_value(target):
+    dec = fixed_decoder(target, random_head(target))
+    with pytest.raises(ConfigError, match="processors"):
+        dec.generate(PROMPT, max_new_tokens=5, repetition_penalty=1.3)
+    with pytest.raises(ConfigError, match="round must be one of"):
+        TreeDecoder(target, None, calibrate=False, round="graphs")
+
+
+# ---------------------------------------------------------------------------- on CUDA
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("options", [{}, dict(temperature=0.8, seed=3)], ids=["greedy", "t0.8"])
+def test_cuda_rounds_synchronise_once(options):
+    """On CUDA, torch's sync debug mode counts the synchronisations: at most one a round (the read of
+    the emitted tokens) once every bucket's graph is captured; float32 greedy equals `generate`."""
+    import warnings
+    target = tiny_llama(0).cuda()
+    prompt = PROMPT.cuda()
+    dec = fixed_decoder(target, random_head(target, 24))
+    dec.generate(prompt, max_new_tokens=60, **options)         # captures every bucket's graphs
+    stream = dec.stream(prompt, max_new_tokens=60, **options)
+    tokens = list(next(stream))
+    per_round = []
+    while True:
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    new = next(stream)
+                except StopIteration:
+                    break
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        per_round.append(sum("synchroniz" in str(w.message) for w in caught))
+        tokens += new
+    assert len(per_round) > 10 and max(per_round) <= 1, per_round
+    if not options:
+        with torch.no_grad():
+            ref = target.generate(prompt[None], attention_mask=torch.ones_like(prompt)[None], max_new_tokens=60,
+                                  do_sample=False, pad_token_id=0)
+        assert tokens == ref[0, PROMPT.numel():].tolist()
