@@ -41,14 +41,17 @@ def test_readme_is_a_guide_and_links_what_it_dropped():
 
 
 def test_every_generate_line_in_readme_parses(tmp_path, monkeypatch):
-    from mcsd.cli.args import build_parser, check_args
+    from mcsd.cli.args import build_parser, check_args, drafter_kinds
+    from mcsd.drafting.policies import POLICIES, resolve_policy
     from mcsd.loading.presets import PRESETS
     monkeypatch.chdir(tmp_path)                          # where `--output results.jsonl` would go
     lines = command_lines("mcsd-generate")
     assert len(lines) >= 5
     for argv in lines:
         args = build_parser().parse_args(argv)          # a typo in a flag exits here
-        args.tree = args.tree or "4,2,2"                  # as the run fills it in from the policy
+        args.policy = resolve_policy(args.policy, lossy=args.lossy_target_roots > 0,    # as the run does
+                                     drafting=not args.baseline and not drafter_kinds(args)[2])
+        args.tree = args.tree or POLICIES[args.policy].default_tree
         if args.target is None or args.target in PRESETS:   # the reader's own models are not here
             check_args(args)                              # values are checked before anything loads
 
