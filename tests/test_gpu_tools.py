@@ -1,0 +1,62 @@
+"""The prepared GPU run's scripts, on the CPU: the GGUF carried in parts comes back whole, and
+tools/gpu_check.py runs every stage on a tiny random pair and writes its JSON."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tool(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_split_and_join_give_back_the_same_file(tmp_path):
+    carry = tool("gpu_carry")
+    source = tmp_path / "model.gguf"
+    source.write_bytes(bytes(range(256)) * 4099 + b"tail")
+    manifest = carry.split(source, tmp_path / "parts", parts=2)
+    sizes = [p["size"] for p in manifest["parts"]]
+    assert sum(sizes) == source.stat().st_size and max(sizes) - min(sizes) <= 1
+    joined = carry.join(tmp_path / "parts", tmp_path / "cache")
+    assert joined.name == "model.gguf" and carry.sha256(joined) == carry.sha256(source)
+    with pytest.raises(ValueError, match="sha256"):          # not the preset's file
+        carry.join(tmp_path / "parts", tmp_path / "cache", expected=carry.PRESET_SHA256)
+
+
+def test_join_refuses_a_missing_or_damaged_part(tmp_path):
+    carry = tool("gpu_carry")
+    source = tmp_path / "m.gguf"
+    source.write_bytes(b"x" * 1000)
+    carry.split(source, tmp_path / "parts")
+    (tmp_path / "parts" / "part1").write_bytes(b"y" * 500)
+    with pytest.raises(ValueError, match="sha256"):
+        carry.join(tmp_path / "parts", tmp_path / "cache")
+    (tmp_path / "parts" / "part1").unlink()
+    with pytest.raises(ValueError, match="part1"):
+        carry.join(tmp_path / "parts", tmp_path / "cache")
+
+
+def test_tree_without_the_left_out_folders_is_smaller(tmp_path):
+    carry = tool("gpu_carry")
+    assert carry.tree_bytes(leave_out=()) >= carry.tree_bytes()
+
+
+def test_gpu_check_runs_every_stage_on_a_tiny_pair(tmp_path):
+    out = tmp_path / "check.json"
+    rc = tool("gpu_check").main(["--tiny", "--device", "cpu", "--dtype", "float32", "--no-pytest", "--prompts", "2",
+                                 "--max-new-tokens", "12", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert rc == 0 and "error" not in report, report.get("traceback")
+    assert report["environment"]["torch"]
+    bench = report["stages"]["bench"]
+    assert set(bench["settings"]["greedy"]) == {"hf_static", "hf_greedy", "plain_loop", "context", "cli_default",
+                                                "fixed_round"}
+    assert bench["rounds"]["fixed_round"] == "fixed" and "hf_static" in bench["first_call_s"]
+    assert len(report["stages"]["sync_profile"]["fixed_round/greedy"]["syncs_per_round"]) == 16
