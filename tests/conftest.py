@@ -94,7 +94,7 @@ FIXED_DRAFT_MS = lambda w: 2.0 + 0.2 * w       # noqa: E731
 
 
 def fixed_measure(target, draft=None, sizes=None, prefix_len: int = 200, repeats: int = 20, draft_sizes=None,
-                  busy_check=None):
+                  busy_check=None, budget_s=None):
     """`mcsd.costs.timing.measure` with nothing timed: the same costs on every machine, however busy."""
     from mcsd.costs import timing
     from mcsd.costs.profile import DeviceProfile, _model_key, _model_name, machine_info

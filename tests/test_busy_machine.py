@@ -144,14 +144,17 @@ def test_a_profile_cached_from_a_busy_run_is_replaced_after_contrary_evidence(ta
     assert dec.policy.costs.stale and "faster" in dec.policy.costs.stale
     assert dec.policy.costs.verify[1] == 11_000.0              # fixed for the run that found it stale
     assert load_cached(target, random_draft, remeasure=False).meta["stale"]    # flagged in the cache
-    # the same decoder measures again before its next generation (a new one would at its start)
-    stream = dec.stream(PROMPT, max_new_tokens=60, ignore_eos=True)
-    next(stream)
+    # a generation never measures, the next one on the same decoder included ...
+    again = dec.generate(PROMPT, max_new_tokens=60, ignore_eos=True)
+    assert dec.costs_source == "cached" and dec.calibration_s == 0 and again.tokens == first.tokens
+    # ... a new decoder measures again at its start, or this one when asked to
+    assert TreeDecoder(target, random_draft).costs_source == "measured"
+    assert dec.recalibrate()
     assert dec.costs_source == "measured" and dec.policy.costs.stale is None
     assert dec.policy.costs.verify[1] == 11.0 and dec.calibration_s > 0
     fresh = load_cached(target, random_draft)
     assert fresh is not None and not fresh.meta.get("stale") and fresh.verify_ms[1] == 11.0
-    second = dec._collect(stream, None)
+    second = dec.generate(PROMPT, max_new_tokens=60, ignore_eos=True)
     assert first.tokens == second.tokens                       # float32: exact either way
 
 
@@ -284,3 +287,26 @@ def test_trees_do_not_depend_on_this_runs_clock(target, random_draft, fresh_cach
     # with corrections from measured times asked for, the clock does shape the trees
     assert run(FakeClock(1, step_ms=0.01), online_costs=True)[1] != run(FakeClock(2, step_ms=500.0),
                                                                       online_costs=True)[1]
+
+
+@pytest.mark.measures
+def test_a_first_measurement_on_a_slow_machine_is_bounded_and_provisional(target, random_draft, fresh_cache,
+                                                                          monkeypatch):
+    """Past its budget no further round starts: a slow machine gets what the first pass measured,
+    marked provisional, rather than minutes of measuring. The clock is a fake: every timed forward
+    moves it on by 10 s."""
+    clock = [0.0]
+
+    def latency(self, n):
+        clock[0] += 10.0
+        return 10.0 + n
+    monkeypatch.setattr(timing._ModelTimer, "latency", latency)
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(timing, "BusyCheck", Quiet)
+    prof = load_or_measure(target, random_draft, quiet=True, **QUICK)
+    steps = len(QUICK["sizes"]) + len(QUICK["draft_sizes"])      # float32 here: how many paths depends on oneDNN
+    assert prof.meta["provisional"].startswith("cut short after 30 s")
+    assert clock[0] <= 10.0 * (1 + 3 * 2 * steps)               # the first forward and the warm-up pass, no round
+    assert prof.verify_ms[1] == 11.0 and set(prof.verify_ms) == set(QUICK["sizes"])
+    unbounded = measure(target, random_draft, busy_check=Quiet(), **QUICK)      # no budget: every round
+    assert unbounded.meta["provisional"] is None

@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -16,10 +15,12 @@ import torch
 from ..config import ConfigError
 from ..forward import kernels, quant
 from ..loading.cache import cache_dir, cache_writes
+from ..loading.progress import say
 from . import timing
 from .profile import MEASURED_SINCE, DeviceProfile, _model_key, _model_name, host_key
 
 CALIBRATION_REPEATS = 4     # the quick measurement a first generation makes: 2 rounds of 2 runs (see measure)
+CALIBRATION_BUDGET_S = 30.0  # past this, no further round of that measurement starts (a busy machine): provisional
 
 
 def profile_path(target, draft, dtype=None, weights: str | None = None) -> Path:
@@ -153,8 +154,10 @@ def load_or_measure(target, draft=None, measure_if_missing: bool = True, force: 
     """The cached profile for this setup, measured (and cached) on first use, when `force`d, or when
     the cached one is flagged and the machine is quiet now (`load_cached`).
 
-    A measurement prints one line on stderr (unless `quiet`), and a second when
-    the machine was busy meanwhile (the profile is then provisional). A cached
+    A measurement says one line (`mcsd.loading.progress.say`: stderr, or the
+    server's log) unless `quiet`, and a second when the machine was busy
+    meanwhile or it was cut short at `CALIBRATION_BUDGET_S` (the profile is
+    then provisional). A cached
     profile flagged stale that the new measurement confirms keeps its figures
     (`settle`). Keyword arguments go to `measure`; the
     default is a quick calibration (`CALIBRATION_REPEATS`).
@@ -171,8 +174,8 @@ def load_or_measure(target, draft=None, measure_if_missing: bool = True, force: 
         if quant.attached(target):
             dtype = f"q4 weights, {dtype} compute"
         n = torch.get_num_threads()
-        print(f"mcsd: measuring this machine's costs for {_model_name(target)} ({dtype}, {n} thread"
-              f"{'s' if n > 1 else ''}; cached in {path.parent})...", file=sys.stderr, flush=True)
+        say(f"measuring this machine's costs for {_model_name(target)} ({dtype}, {n} thread"
+            f"{'s' if n > 1 else ''}; cached in {path.parent})...")
     unwritable = None                                 # a cache that cannot be written: the costs serve this run
     try:
         with cache_writes(path.parent):
@@ -180,15 +183,16 @@ def load_or_measure(target, draft=None, measure_if_missing: bool = True, force: 
     except ConfigError as exc:
         unwritable = str(exc)
     kwargs.setdefault("repeats", CALIBRATION_REPEATS)
+    kwargs.setdefault("budget_s", CALIBRATION_BUDGET_S)
     prof = timing.measure(target, draft, **kwargs)
     if flagged is not None:
         prof = settle(flagged, prof)
         if prof.meta.get("confirmed") and not quiet:
-            print(f"mcsd: measured again within {prof.meta['confirmed']['largest_ratio'] - 1:.0%} of the cached "
-                  f"costs, which stay", file=sys.stderr, flush=True)
+            say(f"measured again within {prof.meta['confirmed']['largest_ratio'] - 1:.0%} of the cached "
+                f"costs, which stay")
     if prof.meta.get("provisional") and not quiet:
-        print(f"mcsd: the machine was busy while measuring ({prof.meta['provisional']}): these costs serve "
-              f"until a quieter start measures again", file=sys.stderr, flush=True)
+        say(f"the machine was busy while measuring ({prof.meta['provisional']}): these costs serve "
+            f"until a quieter start measures again")
     if unwritable is None:
         try:
             with cache_writes(path.parent):
@@ -196,5 +200,5 @@ def load_or_measure(target, draft=None, measure_if_missing: bool = True, force: 
         except ConfigError as exc:
             unwritable = str(exc)
     if unwritable is not None and not quiet:
-        print(f"mcsd: {unwritable.split(';')[0]}; these costs serve this run only", file=sys.stderr, flush=True)
+        say(f"{unwritable.split(';')[0]}; these costs serve this run only")
     return prof

@@ -109,12 +109,14 @@ class Timings:
         spread: {step: (second-best round median - best) / best}; 0 with one round.
         remeasured: steps timed in extra rounds (large spread, or inconsistent with a neighbour).
         lowered: steps the envelope lowered (a smaller block measured slower than a larger one).
+        cut_short: rounds were left out at the deadline.
     """
 
     ms: dict
     spread: dict
     remeasured: set
     lowered: set
+    cut_short: bool = False
 
 
 def _summary(rounds: list[list[float]]) -> tuple[float, float]:
@@ -124,7 +126,7 @@ def _summary(rounds: list[list[float]]) -> tuple[float, float]:
 
 
 def robust_timings(plan: list[tuple], latency, gen: torch.Generator, rounds: int = 3, per_round: int = 2,
-                   remeasure_passes: int = REMEASURE_PASSES) -> Timings:
+                   remeasure_passes: int = REMEASURE_PASSES, deadline: float | None = None) -> Timings:
     """Time every step of `plan` robustly against a machine whose speed drifts.
 
     A step is (role, rows, path). Each round times every step `per_round`
@@ -141,6 +143,8 @@ def robust_timings(plan: list[tuple], latency, gen: torch.Generator, rounds: int
         plan: the steps.
         latency: latency(role, rows, path) -> ms, one timed forward.
         gen: shuffles the order.
+        deadline: a `time.perf_counter()` reading past which no further round starts (the first
+            always runs); the timings are then `cut_short`.
     Returns:
         Timings.
     """
@@ -153,18 +157,29 @@ def robust_timings(plan: list[tuple], latency, gen: torch.Generator, rounds: int
         for i in torch.randperm(len(order), generator=gen).tolist():
             samples[order[i]][-1].append(latency(*order[i]))
 
-    for _ in range(max(1, rounds)):
+    def late() -> bool:
+        return deadline is not None and time.perf_counter() > deadline
+
+    cut = False
+    for i in range(max(1, rounds)):
+        if i and late():
+            cut = True
+            break
         one_round(plan)
     remeasured: set = set()
     for _ in range(remeasure_passes):
         suspects = _suspects({s: _summary(r) for s, r in samples.items()})
         if not suspects:
             break
+        if late():
+            cut = True
+            break
         remeasured |= suspects
         one_round([s for s in plan if s in suspects])
     summary = {s: _summary(r) for s, r in samples.items()}
     ms, lowered = _envelope({s: v[0] for s, v in summary.items()})
-    return Timings(ms=ms, spread={s: v[1] for s, v in summary.items()}, remeasured=remeasured, lowered=lowered)
+    return Timings(ms=ms, spread={s: v[1] for s, v in summary.items()}, remeasured=remeasured, lowered=lowered,
+                   cut_short=cut)
 
 
 def _lines(steps) -> dict[tuple, list[tuple]]:
@@ -246,7 +261,8 @@ def quiet_now(threads_used: int | None = None) -> bool:
 
 
 def measure(target, draft=None, sizes=DEFAULT_SIZES, prefix_len: int = 200, repeats: int = 20,
-            draft_sizes=DEFAULT_DRAFT_SIZES, busy_check: BusyCheck | None = None) -> DeviceProfile:
+            draft_sizes=DEFAULT_DRAFT_SIZES, busy_check: BusyCheck | None = None,
+            budget_s: float | None = None) -> DeviceProfile:
     """Measure verify latency per tree size (and draft latency per level width), robustly.
 
     `draft` is a causal LM or a target-feature drafter (`mcsd.drafting.feature_draft`).
@@ -266,6 +282,9 @@ def measure(target, draft=None, sizes=DEFAULT_SIZES, prefix_len: int = 200, repe
     A measurement taken while the machine was busy (`BusyCheck`) is marked
     provisional in meta["provisional"] (the reason): it serves the run that
     made it and is measured again on a later quiet start (`load_cached`).
+    So is one cut short by `budget_s`: past that many seconds no further round
+    starts (the warm-up pass alone serves when it ran past the budget), so a
+    busy machine bounds the time a first measurement takes.
     """
     t_start = time.perf_counter()
     busy_check = busy_check or BusyCheck()
@@ -307,13 +326,21 @@ def measure(target, draft=None, sizes=DEFAULT_SIZES, prefix_len: int = 200, repe
         pilot = {step: latency(*step) for step in plan}             # warms every shape up, in order of size
         plan = _prune(plan, pilot)
         rounds = max(1, min(3, repeats // 2))
-        timed = robust_timings(plan, latency, gen, rounds=rounds, per_round=-(-repeats // rounds))
+        deadline = None if budget_s is None else t_start + budget_s
+        if deadline is not None and time.perf_counter() > deadline:   # the warm-up pass is what there is
+            ms, lowered = _envelope({step: pilot[step] for step in plan})
+            timed = Timings(ms=ms, spread={}, remeasured=set(), lowered=lowered, cut_short=True)
+        else:
+            timed = robust_timings(plan, latency, gen, rounds=rounds, per_round=-(-repeats // rounds),
+                                   deadline=deadline)
     finally:
         if draft is not None and _is_feature_drafter(draft):
             draft.kernels = saved
         for module in made:
             kernels.unpack(module)
     provisional = busy_check.finish()
+    if provisional is None and timed.cut_short:
+        provisional = f"cut short after {budget_s:g} s (the machine was slow to measure)"
     spread = statistics.median(timed.spread.values()) if timed.spread else 0.0
     if provisional is None and spread > SPREAD_LIMIT:
         provisional = f"timings spread by {spread:.0%} between rounds (median)"

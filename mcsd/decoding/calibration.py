@@ -1,9 +1,10 @@
 """A decoder's view of this machine: the cost profile of its target and drafter, the costs a policy
 or context drafting prices trees with, and the matmul path each forward runs on.
 
-The profile is looked up once per decoder (measured when none is cached, see
-`mcsd.costs.profile`); when the rounds of a generation find it stale, it is measured
-again before the next generation on a quiet machine, never within one.
+The profile is looked up once per decoder, while it is built (measured when none is cached,
+see `mcsd.costs.store`); when the rounds of a generation find it stale, the cached profile is
+flagged and measured again by the next decoder built on a quiet machine, or when the caller asks
+(`TreeDecoder.recalibrate`), never inside a generation.
 """
 
 from __future__ import annotations
@@ -121,19 +122,22 @@ class Calibration:
                     notes[-1] += ", its plain weights let go"
         self.kernels_note = "; ".join(notes) or None
 
-    def refresh(self, costs: cost_model.Costs | None) -> None:
-        """Measure again, on a quiet machine, where the last generation found the profile stale, and run
-        the next one on the new kernel paths and costs. `costs` is updated in place (the policy and
-        context drafting share it)."""
-        if costs is None or costs.stale is None or not timing.quiet_now():
-            return
+    def remeasure(self, costs: cost_model.Costs | None, force: bool = False) -> bool:
+        """Measure again where a generation found the profile stale and the machine is quiet (or
+        always with `force`), and run the next generations on the new kernel paths and costs. `costs`
+        is updated in place (the policy and context drafting share it). Returns whether it measured."""
+        if not force and (costs is None or costs.stale is None or not timing.quiet_now()):
+            return False
         prof, source = device_profile(self.target.model, self.draft, calibrate=True)
         prof = _held_once(prof)
         self._note(prof, source)
-        costs.rebase(costs_of(prof, source))
-        self.source = source
+        self._fetched = (prof, source)
+        if costs is not None:
+            costs.rebase(costs_of(prof, source))
+            self.source = source
         if kernels.packable(self.target.dtype, self.target.device):
             self.use_kernels(prof)
+        return True
 
     def _note(self, prof, source: str) -> None:
         """Remember what measuring cost this run and whether it was provisional, for --stats."""

@@ -76,6 +76,10 @@ class TreeDecoder:
             again; False never measures (cached profile, else a generic
             default). Without a drafter nothing is measured (unless True):
             the target's matmul paths come from any cached profile of it.
+            Measuring happens here, while the decoder is built, never inside
+            `generate` (see `recalibrate`); a first measurement on a busy
+            machine stops after `mcsd.costs.store.CALIBRATION_BUDGET_S` and is
+            marked provisional.
         threads: torch's CPU threads, chosen before anything is measured: "auto"
             (the default, as on the command line: OMP_NUM_THREADS where set,
             else the cores other processes leave free, read over 0.1 s), a
@@ -220,13 +224,20 @@ class TreeDecoder:
         if baseline:
             return (yield from self._decode(prompt_ids, cfg, Proposer(self._baseline_policy, None, None)))
         check_lossy_roots(self.lossy_roots, cfg.sampling)
-        # between generations, never within one: measure again where the last one found the costs stale
-        self.calibration.refresh(getattr(self.policy, "costs", None) or self.context_costs)
         proposer = Proposer(self.policy, self.drafter, self.context, self.lossy_roots, self.context_costs)
         if proposer.lossy:
             _exact_loop_only(cfg, "lossy_target_roots")
         rounds = fixed_round.choose(self, self.round, cfg, proposer, on_round)
         return (yield from self._decode(prompt_ids, cfg, proposer, on_round, rounds))
+
+    def recalibrate(self, force: bool = False) -> bool:
+        """Measure this machine's costs again now, where a generation found the profile in use stale
+        (its rounds disagreed with it) and the machine is quiet, or always with `force`; the next
+        generations run on the new costs and matmul paths. A generation never measures: a stale
+        profile is flagged in the cache and measured again by the next decoder built (at the next
+        start), or here, where the caller chooses the moment (the server does not: it measures at
+        start-up only). Returns whether it measured."""
+        return self.calibration.remeasure(getattr(self.policy, "costs", None) or self.context_costs, force)
 
     def encode(self, prompt) -> torch.Tensor:
         """Prompt (str, list of ids, or tensor) -> (T,) long ids on the target's device."""

@@ -21,9 +21,22 @@ from contextlib import contextmanager
 _BAR_SWITCHES = ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS")   # tqdm's and huggingface_hub's own
 
 
+_logger: list = []          # a logging.Logger that takes `say`'s lines instead of stderr (`log_to`)
+
+
 def say(message: str) -> None:
-    """One line on stderr, prefixed so it reads apart from the generated text."""
+    """One line on stderr, prefixed so it reads apart from the generated text; or, in a process
+    that logs (`log_to`), one INFO record of its logger, in its format."""
+    if _logger:
+        _logger[0].info(message)
+        return
     print(f"mcsd: {message}", file=sys.stderr, flush=True)
+
+
+def log_to(logger) -> None:
+    """From now on `say`'s lines (measuring, compiling, converting) go to `logger` at INFO; None: back
+    to stderr. For a process with a log of its own (the server)."""
+    _logger[:] = [logger] if logger is not None else []
 
 
 def bars_wanted() -> bool:
