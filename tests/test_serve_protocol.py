@@ -21,7 +21,10 @@ def test_defaults_follow_openai():
     req = protocol.parse("chat", _chat(), MODEL)
     assert (req.temperature, req.top_p, req.n, req.stream, req.max_tokens) == (1.0, 1.0, 1, False, None)
     options = protocol.generate_options(req, prompt_len=10, choice=0, context_window=256)
-    assert options["max_new_tokens"] == 246                    # chat: the room left in the context window
+    assert options["max_new_tokens"] == 246                    # chat: the room left in the context window ...
+    roomy = protocol.generate_options(req, prompt_len=10, choice=0, context_window=8192)
+    assert roomy["max_new_tokens"] == protocol.CHAT_DEFAULT_MAX_TOKENS == 256     # ... or 256, whichever is less
+    assert protocol.generate_options(req, 10, 0, None)["max_new_tokens"] == 256
     comp = protocol.parse("completion", {"model": "tiny", "prompt": "w03"}, MODEL)
     assert protocol.generate_options(comp, 1, 0, 256)["max_new_tokens"] == 16   # completions: OpenAI's 16
 
@@ -183,7 +186,42 @@ def test_server_flag_mistakes_exit_2_in_one_line(capsys, args, fragment):
     assert err.startswith("mcsd-serve: error: ") and err.count("\n") == 1 and fragment in err
 
 
+def test_a_port_in_use_is_one_line_and_exit_2_before_anything_loads(capsys, monkeypatch, model_dirs):
+    import socket
+
+    from mcsd.serve import cli
+    monkeypatch.setattr(cli, "load_models", lambda args: pytest.fail("loaded the models"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        assert cli.main(["--target", str(model_dirs / "target"), "--draft", str(model_dirs / "draft"),
+                         "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"mcsd-serve: error: port {port} on 127.0.0.1 is in use; choose another with --port\n"
+
+
 def test_loopback_addresses():
     from mcsd.serve.cli import _is_loopback
     assert _is_loopback("127.0.0.1") and _is_loopback("::1") and _is_loopback("localhost")
     assert not _is_loopback("0.0.0.0") and not _is_loopback("192.168.1.4")
+
+
+def test_an_empty_unimplemented_field_asks_for_nothing_and_a_filled_one_is_refused():
+    for name, empty, filled in (("tools", [], [{"type": "function", "function": {"name": "f"}}]),
+                                ("logit_bias", {}, {"5": 10})):
+        assert protocol.parse("chat", _chat(**{name: empty}), MODEL).max_tokens is None
+        with pytest.raises(protocol.APIError, match=f"unsupported field.*{name}"):
+            protocol.parse("chat", _chat(**{name: filled}), MODEL)
+
+
+def test_the_server_reference_states_the_defaults_and_the_refused_fields():
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[1] / "docs" / "server.md").read_text()
+    facts = (f"`max_tokens`: {protocol.CHAT_DEFAULT_MAX_TOKENS}",
+             f"{protocol.COMPLETIONS_DEFAULT_MAX_TOKENS} for `/v1/completions`",
+             f"`temperature`: {protocol.DEFAULT_TEMPERATURE:g}")
+    for fact in facts:
+        assert fact in text, fact
+    for name in protocol.UNSUPPORTED:
+        assert f"`{name}`" in text, name

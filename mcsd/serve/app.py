@@ -33,7 +33,6 @@ from .protocol import APIError
 
 log = logging.getLogger("mcsd.serve")
 
-DISCONNECT_POLL_S = 0.1          # how often a waiting request asks whether its client is still there
 DRAIN_CAP_BYTES = 64 << 20       # an oversized body is read (and dropped) up to this, so the 413 arrives
 
 
@@ -60,6 +59,17 @@ class Settings:
     max_body_bytes: int = 1 << 20
     request_timeout_s: float = 600.0
     fault_injection: bool = False
+
+
+def _requests(n: int) -> str:
+    return f"{n} request" + ("" if n == 1 else "s")
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone: the server's `http.disconnect` (also what a request whose
+    answer is complete receives)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 class _ClientGone(Exception):
@@ -145,7 +155,7 @@ class _API:
         except QueueFull:               # Retry-After: the queue's expected wait at the mean generation time so far
             wait = max(1, round((self.engine.queue_depth + 1) * self.metrics.mean_generation_s()))
             return self._error(request, endpoint, APIError(
-                429, f"the server's queue is full ({self.engine.queue_depth} requests waiting); retry later",
+                429, f"the server's queue is full ({_requests(self.engine.queue_depth)} waiting); retry later",
                 "rate_limit_error", code="queue_full", headers={"Retry-After": str(wait)}), started)
         except Draining:
             return self._error(request, endpoint, APIError(503, "the server is shutting down", "server_error",
@@ -156,8 +166,10 @@ class _API:
         try:
             first = await self._next_event(request, job)    # a failure before any token keeps its own status
         except _ClientGone:
+            self._unwatch(job)
             return self._gone(request, endpoint, started)
         if first[0] not in ("tokens", "done", "end"):
+            self._unwatch(job)
             return self._failed(request, endpoint, first, started)
         if req.stream:
             return StreamingResponse(self._events(request, endpoint, req, job, first, prompt_tokens, started),
@@ -215,6 +227,8 @@ class _API:
                 event = await self._next_event(request, job)
         except _ClientGone:
             return self._gone(request, endpoint, started)
+        finally:
+            self._unwatch(job)
         choices, completion_tokens = [], 0
         for index in sorted(outputs):
             out = outputs[index]
@@ -284,6 +298,7 @@ class _API:
             raise
         finally:
             job.cancel.set()                          # whatever ended the stream, the job is over
+            self._unwatch(job)
         if status == 200:
             self._done(request, endpoint, 200, started, prompt_tokens, completion_tokens)
         elif status == 499:
@@ -292,26 +307,35 @@ class _API:
             self.metrics.request(endpoint, status)
 
     async def _next_event(self, request: Request, job: Job):
-        """The job's next event; _ClientGone (the job cancelled) once the client has disconnected."""
+        """The job's next event; _ClientGone (the job cancelled) once the client has disconnected.
+
+        Nothing polls: the wait ends at an event from the worker, at the client's disconnect (a task
+        per request waits for the server's `http.disconnect`), or at the job's time limit: waiting
+        requests that woke to ask would take the interpreter's lock from the decoding thread."""
+        if job.watch is None:
+            job.watch = asyncio.ensure_future(_disconnected(request))
         while True:
-            try:
-                event = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:                 # (the builtin TimeoutError from Python 3.11 on)
-                event = None
-            now = time.monotonic()
-            if event is None and now > job.deadline + 1.0:   # past its time limit and nothing from the worker
-                # (still queued, or in one long round): it ends here; the worker drops it or stops it
+            get = asyncio.ensure_future(job.events.get())
+            left = job.deadline + 1.0 - time.monotonic()
+            done, _ = await asyncio.wait({get, job.watch}, timeout=max(left, 0.0),
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if get in done:
+                return get.result()
+            get.cancel()
+            if job.watch in done:
                 job.cancel.set()
-                return ("timeout",)
-            if event is None or now - job.checked >= DISCONNECT_POLL_S:
-                job.checked = now
-                if await request.is_disconnected():
-                    job.cancel.set()
-                    raise _ClientGone()
-            if event is not None:
-                return event
+                raise _ClientGone()
+            # past its time limit and nothing from the worker (still queued, or in one long round):
+            # it ends here; the worker drops it or stops it
+            job.cancel.set()
+            return ("timeout",)
 
     # ------------------------------------------------------------------ helpers
+
+    @staticmethod
+    def _unwatch(job: Job) -> None:
+        if job.watch is not None:
+            job.watch.cancel()
 
     def _authorize(self, request: Request) -> None:
         key = self.settings.api_key

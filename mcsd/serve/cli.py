@@ -1,8 +1,10 @@
 """`mcsd-serve`: the model pair chosen by `mcsd-generate`'s flags, served over OpenAI's API on uvicorn.
 
-Start-up: the flags are checked before anything loads (one line and exit 2 for a mistake, as
-`mcsd-generate` does), then the worker thread loads the pair, builds the decoder and runs one short
-warm-up generation, and only then does the server listen. SIGTERM (or Ctrl-C) stops it gracefully:
+Start-up: the flags are checked and the address taken before anything loads (one line and exit 2
+for a mistake or a port in use, as `mcsd-generate` does), then the worker thread loads the pair,
+builds the decoder (measuring this machine's costs there when no profile is cached, or the cached one
+is stale and the machine quiet: never inside a request) and runs one short warm-up generation, and only
+then does the server listen. mcsd's own lines (measuring, compiling) go to the server's log. SIGTERM (or Ctrl-C) stops it gracefully:
 new requests are refused, those queued and in flight are answered, and it exits with 0.
 """
 
@@ -10,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import errno
 import ipaddress
 import logging
 import os
 import signal
+import socket
 import sys
 
 from ..cli.args import (
@@ -39,7 +43,8 @@ API_KEY_ENV = "MCSD_API_KEY"
 _GENERATE_DEFAULTS = dict(baseline=False, max_new_tokens=1, prompt=None, prompt_file=None, prompts_file=None,
                           output=None, show_tree=None, chat=True, system=None, temperature=0.0, top_k=0, top_p=1.0,
                           seed=None, stop=[], min_p=None, typical_p=None, repetition_penalty=None,
-                          no_repeat_ngram_size=None, min_new_tokens=None, logprobs=False, list_models=False)
+                          no_repeat_ngram_size=None, min_new_tokens=None, logprobs=False, list_models=False,
+                          stream=False, json=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,6 +107,29 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _bind(host: str, port: int) -> socket.socket:
+    """The listening address taken now, before the models load (uvicorn listens on this socket later).
+
+    Raises:
+        UsageError: the port is in use or the address cannot be had.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)     # as uvicorn does: a TIME_WAIT port serves
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise UsageError(f"port {port} on {host} is in use; choose another with --port") from None
+        raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    except (socket.gaierror, UnicodeError) as exc:
+        sock.close()
+        raise UsageError(f"cannot listen on {host}:{port}: {exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def _build(args):
     """On the worker thread: the pair, the decoder, one warm-up generation."""
     target, draft, tokenizer = load_models(args)
@@ -114,12 +142,10 @@ def _build(args):
 
 
 def serve(args) -> int:
-    import uvicorn
+    import uvicorn  # noqa: F401  (the serve extra: missing, it says so before anything loads)
 
     from ..forward.threads import snapshot
-    from .app import Settings, create_app
-    from .engine import Engine
-    from .metrics import Metrics
+    from ..loading.progress import log_to
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _check_server_args(args)
@@ -134,7 +160,24 @@ def serve(args) -> int:
         args.tree = POLICIES[args.policy].default_tree if args.policy in POLICIES else "4,2,2"
     check_args(args)
     check_hub(args)
+    sock = _bind(args.host, args.port)
+    log_to(logging.getLogger("mcsd"))                # measuring and compiling lines, in this log's format
+    try:
+        return _run(args, sock, api_key)
+    finally:
+        log_to(None)
+        sock.close()
 
+
+def _run(args, sock: socket.socket, api_key: str | None) -> int:
+    """Load, build and warm the decoder, then answer requests on `sock` until stopped."""
+    import uvicorn
+
+    from .app import Settings, create_app
+    from .engine import Engine
+    from .metrics import Metrics
+
+    port = sock.getsockname()[1]
     # the gauges read `engine` when /metrics is rendered, by then assigned below
     metrics = Metrics(lambda: {"queue_depth": engine.queue_depth, "running": int(engine.busy)})
     engine = Engine(lambda: _build(args), args.max_queue, metrics)
@@ -151,8 +194,9 @@ def serve(args) -> int:
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
             if not engine.draining:
-                log.info("%s: finishing %d request(s) in flight and queued, refusing new ones",
-                         signal.Signals(sig).name, engine.queue_depth + int(engine.busy))
+                n = engine.queue_depth + int(engine.busy)
+                log.info("%s: finishing %d request%s in flight and queued, refusing new ones",
+                         signal.Signals(sig).name, n, "" if n == 1 else "s")
             engine.drain()
             super().handle_exit(sig, frame)
 
@@ -167,11 +211,11 @@ def serve(args) -> int:
     if not _is_loopback(args.host):
         log.warning("listening on %s: reachable from other machines%s", args.host,
                     "" if api_key else "; no API key is set (--api-key or $" + API_KEY_ENV + ")")
-    log.info("serving %r on http://%s:%d (OpenAI API under /v1; %s)", settings.model_ids[0], args.host, args.port,
+    log.info("serving %r on http://%s:%d (OpenAI API under /v1; %s)", settings.model_ids[0], args.host, port,
              "API key required" if api_key else "no API key")
-    server.run()
+    server.run(sockets=[sock])
     engine.stop(timeout=5)
-    if not server.started:                           # could not listen (the port taken, ...)
+    if not server.started:                           # uvicorn could not start
         return 1
     log.info("stopped")
     return 0

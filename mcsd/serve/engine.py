@@ -62,7 +62,7 @@ class Job:
         self.cancel = threading.Event()
         self.started: float | None = None            # when the worker took it
         self.first_token: float | None = None
-        self.checked = 0.0                            # when the HTTP side last asked if the client is there
+        self.watch = None                             # the HTTP side's task that ends when the client leaves
 
     def emit(self, *event) -> None:
         try:

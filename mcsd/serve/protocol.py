@@ -3,7 +3,9 @@
 shape (`{"error": {"message", "type", "param", "code"}}`).
 
 A field the engine does not implement (`tools`, `response_format`, `logit_bias`, ...) is a 400 that
-names it, never ignored; so is a field OpenAI does not define. `null` counts as absent, as in OpenAI's API.
+names it, never ignored; so is a field OpenAI does not define. `null` counts as absent, as in OpenAI's
+API, and so does an empty value of an unimplemented field (`"tools": []`, `"logit_bias": {}`): it asks
+for nothing. docs/server.md lists the fields and defaults.
 Nothing here imports torch or touches a model: the tokenizer is passed in.
 """
 
@@ -21,7 +23,12 @@ MAX_N = 16                          # choices per request (generated one after a
 MAX_STOPS = 4                       # stop strings, as OpenAI allows
 MAX_TOP_LOGPROBS = 20               # chat's top_logprobs
 MAX_COMPLETION_LOGPROBS = 5         # completions' logprobs
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions; chat's is the room left
+# max_tokens when a request gives none: OpenAI's 16 for /v1/completions; for chat, 256 or the room the
+# context window leaves after the prompt, whichever is less (OpenAI's "the room left" ran a small model
+# on for thousands of tokens)
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+CHAT_DEFAULT_MAX_TOKENS = 256
+DEFAULT_TEMPERATURE = 1.0           # OpenAI's; 0 is greedy
 
 # Fields OpenAI defines that the engine does not implement: named in a 400 (a null counts as absent).
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias",
@@ -76,7 +83,7 @@ class Request:
     model: str
     prompts: list
     max_tokens: int | None = None                  # None: the endpoint's default
-    temperature: float = 1.0                       # OpenAI's default; 0 is greedy
+    temperature: float = DEFAULT_TEMPERATURE       # OpenAI's default; 0 is greedy
     top_p: float = 1.0
     n: int = 1
     seed: int | None = None
@@ -133,7 +140,7 @@ def parse(endpoint: str, body, model_ids: tuple[str, ...]) -> Request:
     if max_tokens is not None:
         req.max_tokens = _integer(max_tokens, "max_completion_tokens" if "max_completion_tokens" in given
                                   else "max_tokens", 1)
-    req.temperature = _number(given.get("temperature", 1.0), "temperature", 0.0, 2.0)
+    req.temperature = _number(given.get("temperature", DEFAULT_TEMPERATURE), "temperature", 0.0, 2.0)
     req.top_p = _number(given.get("top_p", 1.0), "top_p", 0.0, 1.0, low_open=True)
     req.n = _integer(given.get("n", 1), "n", 1, MAX_N)
     if "seed" in given:
@@ -340,10 +347,9 @@ def generate_options(req: Request, prompt_len: int, choice: int, context_window:
         if room is not None and max_new > room:
             raise bad(f"the prompt ({prompt_len} tokens) plus max_tokens ({max_new}) exceeds the model's context "
                       f"window of {context_window} tokens", param="max_tokens", code="context_length_exceeded")
-    elif req.endpoint == "completion":
-        max_new = min(COMPLETIONS_DEFAULT_MAX_TOKENS, room or COMPLETIONS_DEFAULT_MAX_TOKENS)
     else:
-        max_new = room or 4096                     # chat: up to the end of the context window, as OpenAI does
+        default = COMPLETIONS_DEFAULT_MAX_TOKENS if req.endpoint == "completion" else CHAT_DEFAULT_MAX_TOKENS
+        max_new = min(default, room or default)
     processors = []
     if req.frequency_penalty or req.presence_penalty:
         processors.append(Penalties(prompt_len, req.frequency_penalty, req.presence_penalty))
