@@ -6,7 +6,7 @@ command line's quick paths (`--help`, `--list-models`) do not pay for torch.
 
 from __future__ import annotations
 
-import importlib
+import importlib as _importlib
 
 __version__ = "0.1.0"
 
@@ -25,10 +25,11 @@ __all__ = list(_EXPORTS)
 def __getattr__(name: str):
     if name not in _EXPORTS:
         raise AttributeError(f"module 'mcsd' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    value = getattr(_importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
     globals()[name] = value                      # later lookups skip this function
     return value
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+    return sorted({n for n in globals() if not n.startswith("_") and n != "annotations"} | set(_EXPORTS)
+                  | {"__version__"})

@@ -99,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Generate text with lossless multi-candidate tree speculative decoding. "
                     f"Without --target/--draft the embedded pair {DEFAULT_PRESET!r} is used.")
     src, _ = add_model_arguments(p)
+    from .. import __version__
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     src.add_argument("--list-models", action="store_true", help="list the built-in presets and their drafters, "
                                                                 "and exit")
 
@@ -113,11 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
                           "a line to stdout or --output")
 
     gen = p.add_argument_group("generation")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--max-new-tokens", type=int, default=128, help="new tokens at most (default 128)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
     gen.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 = off (default)")
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--seed", type=int, default=None,
+                     help="sampling: the same seed gives the same text, whatever the trees (default: a fresh one "
+                          "each run)")
     gen.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     gen.add_argument("--min-p", type=float, default=None, help="sampling: drop tokens below MIN_P x the top one's "
                                                                "probability")
@@ -130,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--baseline", action="store_true", help="plain target-only decoding, for comparison")
 
     out = p.add_argument_group("output")
-    out.add_argument("--stream", action="store_true", help="print text as it is accepted")
+    out.add_argument("--stream", action="store_true", help="print text as it is accepted (not with --json)")
     out.add_argument("--stats", action="store_true", help="print tokens/s, tau and acceptance by depth to stderr")
     out.add_argument("--json", action="store_true", help="print one JSON object with text, tokens and stats")
     out.add_argument("--logprobs", action="store_true",
@@ -178,6 +182,9 @@ def check_args(args) -> None:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
     if args.weights == "q4" and args.device != "cpu":
         raise UsageError(f"--weights q4 runs on the CPU; drop --device {args.device}")
+    if args.draft is not None and not args.baseline:
+        from ..loading.sources import check_source
+        check_source(args.draft, "--draft")          # a bad draft file is named by its flag, before loading
     if (args.target is not None and args.draft is None and args.target not in PRESETS and not args.baseline
             and args.drafter != "context"):
         from ..loading.sources import check_source
@@ -187,6 +194,15 @@ def check_args(args) -> None:
     if args.draft is not None and args.target is None:
         raise UsageError(f"--draft needs --target: a draft is checked against the target whose tokenizer it "
                          f"shares; name that target (a preset works: --target {DEFAULT_PRESET} --draft DIR)")
+    if args.logprobs and not (args.json or args.prompts_file is not None):
+        raise UsageError("--logprobs is printed in the JSON result: add --json (or use --prompts-file)")
+    if args.stream and args.json:
+        raise UsageError("--stream prints the text as it comes, --json one object at the end; pass one of them")
+    if args.stream and args.prompts_file is not None:
+        raise UsageError("--stream prints one prompt's text as it comes; --prompts-file writes JSON results")
+    check_policy(args)
+    if args.device != "cpu" and args.device != "auto":
+        check_device(args.device)
     if args.output is not None and args.prompts_file is None:
         raise UsageError("--output writes --prompts-file results; for one prompt, redirect stdout")
     if args.output is not None:
@@ -231,6 +247,38 @@ def check_args(args) -> None:
             and (any(v is not None for v in processing(args).values()) or args.logprobs):
         raise UsageError("--repetition-penalty, --no-repeat-ngram-size, --min-new-tokens and --logprobs need the "
                          "exact tree loop; not with --lossy-target-roots or --policy pearl")
+
+
+def check_policy(args) -> None:
+    """--policy names a policy and each --policy-option one of its settings (the values are the policy's
+    to check, when it is made)."""
+    from ..drafting.policies import POLICIES
+    if args.policy == "auto":
+        return                                        # resolved to an installed policy when the run starts
+    if args.policy not in POLICIES:
+        raise UsageError(f"unknown policy {args.policy!r} (--policy); choose auto or one of "
+                         f"{', '.join(sorted(POLICIES))}")
+    options = parse_policy_options(args.policy_option)
+    if options:
+        import inspect
+        known = [n for n in inspect.signature(POLICIES[args.policy].__init__).parameters
+                 if n not in ("self", "topology")]
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise UsageError(f"--policy-option {unknown[0]}: policy {args.policy!r} has no such setting; its "
+                             f"settings: {', '.join(known) or 'none'}")
+
+
+def check_device(device: str) -> None:
+    """A CUDA device that this machine has (torch is imported for it, still before any model loads)."""
+    import torch
+    if not str(device).startswith("cuda"):
+        raise UsageError(f"unknown device {device!r} (--device); choose cpu, cuda, cuda:N or auto")
+    if not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: torch finds no CUDA device here; use --device cpu")
+    index = str(device).partition(":")[2]
+    if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
+        raise UsageError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
 def check_writable(path: str, flag: str) -> None:

@@ -89,22 +89,26 @@ def _auto_dtype(target, draft, args):
     from ..forward.attention import set_backend
     # the copies measured for each dtype run the attention the decoder will: one profile a dtype
     set_backend(target, args.attention)
-    # --baseline needs no costs: it measures nothing unless asked to (--calibrate)
-    calibrate = False if args.baseline and args.calibrate is None else args.calibrate
+    # --baseline runs the dtype and weights the default run would choose (so a comparison credits
+    # speculation alone): chosen as that run chooses them, with its drafter; a target with no default
+    # run (no draft) is priced alone, from cached costs only unless asked to measure (--calibrate)
+    alone = args.baseline and not _default_run_drafts(args)
+    calibrate = False if alone and args.calibrate is None else args.calibrate
     gguf = gguf_source(args.target or DEFAULT_PRESET) if args.weights == "auto" else None
-    choice = choose_dtype(target, draft, drafting=not args.baseline, calibrate=calibrate,
-                          free_draft=drafter_kinds(args)[2], borrow=args.baseline, gguf=gguf)
+    choice = choose_dtype(target, draft, drafting=not alone, calibrate=calibrate,
+                          free_draft=drafter_kinds(args)[2], borrow=alone, gguf=gguf)
     args.dtype_calibration_s, args.calibration_provisional = choice.calibration_s, choice.provisional
     args.weights = choice.weights
     if choice.dtype != "float32" or choice.weights != "dense":
         target, draft = apply_choice(target, draft, choice, gguf)
-    return target, draft, choice.dtype, choice.reason
+    reason = f"{choice.reason}; as the default run chooses it" if args.baseline and not alone else choice.reason
+    return target, draft, choice.dtype, reason
 
 
-
-
-
-
+def _default_run_drafts(args) -> bool:
+    """The run without --baseline would draft: a --draft, a preset's drafter, or context alone."""
+    from ..loading.presets import PRESETS
+    return args.draft is not None or (args.target or DEFAULT_PRESET) in PRESETS or drafter_kinds(args)[2]
 
 
 def load_models(args):
@@ -128,7 +132,9 @@ def load_models(args):
     load_dtype = "float32" if args.dtype == "auto" else args.dtype
     load_weights = "dense" if args.weights == "auto" else args.weights   # auto: decided once calibrated
     model_kind, _, context_only = drafter_kinds(args)
-    if args.baseline or context_only:
+    # --baseline with --dtype auto loads the default run's draft too, to choose as that run does (dropped then)
+    same_as_default = args.baseline and args.dtype == "auto" and _default_run_drafts(args)
+    if (args.baseline and not same_as_default) or context_only:
         target_src = args.target or DEFAULT_PRESET
         tokenizer = load_tokenizer(target_src)
         return load_model(target_src, load_dtype, args.device, role="target", weights=load_weights), None, tokenizer
@@ -153,6 +159,8 @@ def build_decoder(args, target, draft, tokenizer):
     dtype_reason = getattr(args, "dtype_fixed", None)
     if args.dtype == "auto":
         target, draft, args.dtype, dtype_reason = _auto_dtype(target, draft, args)
+    if args.baseline:
+        draft = None                                # loaded only to choose as the default run does
     if with_context and not args.baseline:
         from ..drafting.context import ContextDrafter
         context = ContextDrafter(store=Path(args.context_store).expanduser() if args.context_store else None)
@@ -161,7 +169,8 @@ def build_decoder(args, target, draft, tokenizer):
                           attention=args.attention, lossy_target_roots=args.lossy_target_roots,
                           calibrate=args.calibrate, policy_options=parse_policy_options(args.policy_option) or None,
                           cuda_graphs=args.cuda_graphs == "on",
-                          threads=None)             # chosen by _set_threads before the models loaded
+                          threads=None,             # chosen by _set_threads before the models loaded
+                          release_weights=True)     # the models are this command's own
     return decoder, dtype_reason
 
 

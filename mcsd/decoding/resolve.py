@@ -81,7 +81,9 @@ def model_drafter(target: torch.nn.Module, draft, attention: str, cuda_graphs: b
         return ModelDrafter(draft, cuda_graphs=cuda_graphs)
     if all(hasattr(draft, m) for m in ("begin_round", "step", "commit", "reset")):
         return draft
-    raise ConfigError(f"draft must be a causal LM or a Drafter, got {type(draft).__name__}")
+    got = repr(draft) if isinstance(draft, str) else type(draft).__name__
+    raise ConfigError(f"draft must be a causal LM, a Drafter, \"context\" (context drafting), a list of a "
+                      f"model drafter and \"context\", or None; got {got}")
 
 
 def split_drafters(draft):
