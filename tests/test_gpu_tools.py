@@ -48,9 +48,11 @@ def test_tree_without_the_left_out_folders_is_smaller(tmp_path):
     assert carry.tree_bytes(leave_out=()) >= carry.tree_bytes()
 
 
-def test_gpu_check_runs_every_stage_on_a_tiny_pair(tmp_path):
+def test_gpu_check_runs_every_stage_on_a_tiny_pair(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_run import main as gpu_main
     out = tmp_path / "check.json"
-    rc = tool("gpu_check").main(["--tiny", "--device", "cpu", "--dtype", "float32", "--no-pytest", "--prompts", "2",
+    rc = gpu_main(["--tiny", "--device", "cpu", "--dtype", "float32", "--no-pytest", "--prompts", "2",
                                  "--max-new-tokens", "12", "--out", str(out)])
     report = json.loads(out.read_text())
     assert rc == 0 and "error" not in report, report.get("traceback")
