@@ -402,7 +402,7 @@ def test_sigterm_finishes_the_request_in_flight_and_exits_0(serve_models, tmp_pa
         assert result["r"].status_code == 200
         assert result["r"].json()["usage"]["completion_tokens"] == 40
         assert srv.proc.wait(90) == 0
-        assert "SIGTERM: finishing 1 request(s)" in srv.log()
+        assert "SIGTERM: finishing 1 request in flight" in srv.log()
     finally:
         srv.stop()
 
