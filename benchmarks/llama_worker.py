@@ -60,7 +60,8 @@ class LlamaCppEngine:
         t0 = time.perf_counter()
         if temperature:
             llm.set_seed(seed)
-        for tok in llm.generate(ids, top_k=0 if temperature else 1, top_p=top_p, temp=temperature,
+        # min_p 0: llama-cpp-python's default (0.05) would cut tokens that the other engines' top-p keeps
+        for tok in llm.generate(ids, top_k=0 if temperature else 1, top_p=top_p, min_p=0.0, temp=temperature,
                                 repeat_penalty=1.0, reset=True):
             tokens.append(int(tok))
             if tok in stop or len(tokens) >= max_new_tokens:
