@@ -1,14 +1,7 @@
 """Turn a pytest-benchmark JSON from `benchmarks/` into a Markdown report and PNG plots.
 
-    pytest benchmarks/ --benchmark-only --benchmark-json=bench.json
-    python tools/bench_report.py bench.json --out bench-report/
-
-Writes `report.md` (overall table: speedup, tau, tokens/s, exactness; then a
-methods x category table of speedup and tau; then, where
-`benchmarks/test_forward_profile.py` ran, where a forward's time goes and the
-forward paths compared), `speedup_by_category.png` and `tau_vs_tree_size.png`,
-and prints the Markdown.
-"""
+`python tools/bench_report.py bench.json --out DIR` prints the report and writes it as `report.md` with
+the plots; the commands that make the JSON are in docs/benchmarks.md."""
 
 from __future__ import annotations
 

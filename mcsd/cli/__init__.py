@@ -57,6 +57,3 @@ def entry() -> None:
     gc.freeze()
     sys.exit(code)
 
-
-if __name__ == "__main__":
-    entry()
