@@ -67,7 +67,8 @@ class Bench:
         from mcsd import load_model_pair
         from mcsd.drafting.pair import load_model
         from mcsd.loading.data import chat_ids, load_prompts, stratified
-        from mcsd.loading.models import DEFAULT_PRESET, PRESETS, preset_draft_dir
+        from mcsd.loading.models import preset_draft_dir
+        from mcsd.loading.presets import DEFAULT_PRESET, PRESETS
 
         opt = config.getoption
         if opt("--bench-threads"):
@@ -110,7 +111,7 @@ class Bench:
         self.workers: dict = {}                        # name -> llama_worker.Worker (another engine's process)
         self.baseline: dict[int, list[int]] = {}      # question_id -> tokens of the reference method
         self.baseline_time: dict[int, float] = {}
-        from mcsd.costs.profile import load_or_measure
+        from mcsd.costs.store import load_or_measure
         load_or_measure(self.target, self.draft)       # calibration (once per machine) stays out of every timing
         load_or_measure(self.target, None)             # ... also the target alone (what context drafting prices)
         with torch.inference_mode():                   # first-call overheads stay out of every timing
