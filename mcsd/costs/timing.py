@@ -340,7 +340,7 @@ def measure(target, draft=None, sizes=DEFAULT_SIZES, prefix_len: int = 200, repe
             kernels.unpack(module)
     provisional = busy_check.finish()
     if provisional is None and timed.cut_short:
-        provisional = f"cut short after {budget_s:g} s (the machine was slow to measure)"
+        provisional = f"cut short after {budget_s:g} s of measuring"
     spread = statistics.median(timed.spread.values()) if timed.spread else 0.0
     if provisional is None and spread > SPREAD_LIMIT:
         provisional = f"timings spread by {spread:.0%} between rounds (median)"
