@@ -90,10 +90,11 @@ def _auto_dtype(target, draft, args):
     # the copies measured for each dtype run the attention the decoder will: one profile a dtype
     set_backend(target, args.attention)
     # --baseline runs the dtype and weights the default run would choose (so a comparison credits
-    # speculation alone): chosen as that run chooses them, with its drafter; a target with no default
-    # run (no draft) is priced alone, from cached costs only unless asked to measure (--calibrate)
+    # speculation alone): chosen as that run chooses them, with its drafter, from the costs that run
+    # cached; it measures nothing unless asked to (--calibrate), so before any default run has measured
+    # them the fixed rule of an uncalibrated choice decides. A target with no default run is priced alone.
     alone = args.baseline and not _default_run_drafts(args)
-    calibrate = False if alone and args.calibrate is None else args.calibrate
+    calibrate = False if args.baseline and args.calibrate is None else args.calibrate
     gguf = gguf_source(args.target or DEFAULT_PRESET) if args.weights == "auto" else None
     choice = choose_dtype(target, draft, drafting=not alone, calibrate=calibrate,
                           free_draft=drafter_kinds(args)[2], borrow=alone, gguf=gguf)
