@@ -4,11 +4,8 @@
 import os
 import re
 import shlex
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -88,39 +85,14 @@ def test_the_python_api_snippets_run_as_written(monkeypatch):
     assert again.tokens == sampled.tokens                # "the same text for the same seed"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_the_server_snippet_runs_against_the_served_default(tmp_path):
-    import httpx
-    port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1")
-    env.pop("MCSD_API_KEY", None)
-    log = tmp_path / "server.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "mcsd.serve", "--port", str(port), "--threads", "1"],
-                                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.5)
+    from serving import running_server
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    with running_server(["--threads", "1"], tmp_path / "server.log") as port:
         snippet = blocks("python")[0].replace("127.0.0.1:8000", f"127.0.0.1:{port}")
         result = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, env=env,
                                 timeout=600)
-        assert result.returncode == 0, result.stderr
-        text, tau = result.stdout.rstrip().rsplit(" ", 1)
-        assert text.strip() and float(tau) >= 1.0
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(120) == 0
+    assert result.returncode == 0, result.stderr
+    text, tau = result.stdout.rstrip().rsplit(" ", 1)
+    assert text.strip() and float(tau) >= 1.0

@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import perturbed, word_tokenizer
+from serving import running_server
 
 from mcsd.serve.cli import API_KEY_ENV
 from mcsd.serve.processors import FAULT_MARKER, SLOW_MARKER
@@ -561,24 +562,7 @@ def test_embedded_pair_chat_equals_mcsd_generate(tmp_path, capsys):
     prompt = "Name three rivers."
     assert main(flags + ["--chat", "--prompt", prompt, "--max-new-tokens", "48", "--json"]) == 0
     expected = json.loads(capsys.readouterr().out)["text"]
-    port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1")
-    env.pop(API_KEY_ENV, None)
-    log = tmp_path / "server.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "mcsd.serve", *flags, "--port", str(port)], stdout=out,
-                                stderr=subprocess.STDOUT, env=env, cwd=REPO)
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.5)
+    with running_server(flags, tmp_path / "server.log") as port:
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
         kwargs = dict(model="smollm2-135m", messages=[{"role": "user", "content": prompt}], max_tokens=48,
                       temperature=0)
@@ -587,6 +571,4 @@ def test_embedded_pair_chat_equals_mcsd_generate(tmp_path, capsys):
                                                                                                   stream=True)
                            if c.choices)
         assert streamed == expected
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(120) == 0
+
