@@ -95,7 +95,7 @@ class StaticTree:
 
 
 def level_children(keys: torch.Tensor, parent_row: torch.Tensor, rank: torch.Tensor, k: int,
-                   ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   ids: torch.Tensor | None = None, columns: bool = False):
     """One level's tokens from its parents' ranked candidates.
 
     Args:
@@ -108,12 +108,14 @@ def level_children(keys: torch.Tensor, parent_row: torch.Tensor, rank: torch.Ten
         ids: (K,) long token ids of the columns, or None (the columns are the token ids).
     Returns:
         (tokens (W,) long, valid (W,) bool: False where the parent had fewer than rank + 1 finite keys;
-        such a node is never accepted, as `mcsd.drafting.draft.grow_tree` leaves it out).
+        such a node is never accepted, as `mcsd.drafting.draft.grow_tree` leaves it out); with
+        `columns`, also (W,) long each node's column of its parent's row in `keys`.
     """
     top = torch.topk(keys, k, dim=-1)                                          # (F, k)
     cand = top.indices[parent_row, rank]                                        # (W,)
     valid = torch.isfinite(top.values[parent_row, rank])
-    return (cand if ids is None else ids[cand]), valid
+    tokens = cand if ids is None else ids[cand]
+    return (tokens, valid, cand) if columns else (tokens, valid)
 
 
 def accept_paths(tree: StaticTree, tokens: torch.Tensor, draws: torch.Tensor, valid: torch.Tensor | None = None,

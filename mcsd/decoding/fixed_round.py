@@ -54,11 +54,14 @@ from ..config import ConfigError, DecodeConfig
 from ..core.output import GenerationStats
 from ..core.sampling import PositionNoise, logits_to_probs
 from ..core.static_tree import StaticTree, accept_paths, emitted_tokens, level_children
+from ..core.tree import TreeTopology
 from ..drafting.feature_draft import FeatureDrafter
+from ..drafting.policies.learned import LearnedPolicy
 from ..drafting.policies.static import StaticPolicy
 from ..forward import graphs
 from ..forward.attention import additive_mask, causal_allowed
 from ..forward.lm import CachedLM
+from .fixed_pruning import DevicePruning
 
 ROUNDS = ("auto", "fixed", "loop")
 
@@ -68,8 +71,11 @@ def unavailable(decoder, cfg: DecodeConfig, proposer, on_round=None) -> str | No
     drafter = proposer.drafter
     if not isinstance(drafter, FeatureDrafter) or drafter._lean is None:
         return "it drafts with a feature head on the engine's own forward only"
-    if type(proposer.policy) is not StaticPolicy:
-        return f"it grows static trees only, not policy {proposer.policy.name!r}"
+    policy = proposer.policy
+    if type(policy) not in (StaticPolicy, LearnedPolicy):
+        return f"it grows static trees or the learned policy's, not policy {policy.name!r}"
+    if type(policy) is LearnedPolicy and policy.costs.online:
+        return "the learned policy's online_costs run on the loop"
     if proposer.context is not None:
         return "context drafting's grafted nodes run on the loop"
     if proposer.lossy:
@@ -100,7 +106,9 @@ def choose(decoder, choice: str, cfg: DecodeConfig, proposer, on_round=None) -> 
         if choice == "fixed":
             raise ConfigError(f"round='fixed' cannot run this generation: {reason}")
         return None
-    return FixedRound(decoder.target, proposer.drafter, proposer.policy.topology, cfg, decoder.target.cuda_graphs)
+    learned = proposer.policy if type(proposer.policy) is LearnedPolicy else None
+    return FixedRound(decoder.target, proposer.drafter, proposer.policy.topology, cfg, decoder.target.cuda_graphs,
+                      learned)
 
 
 @dataclass
@@ -220,16 +228,25 @@ class FixedRound:
         target: the decoder's target (`CachedLM` on the engine's own forward); its blocks are padded
             to buckets from here on (captured on CUDA).
         drafter: the feature drafter.
-        topology: the static tree grown every round (at most 64 nodes).
+        topology: the static tree drafted every round (at most 64 nodes).
         cfg: the generation's settings.
         cuda_graphs: capture the head's blocks as CUDA graphs on CUDA.
+        learned: the learned policy, which prunes the drafted topology on the device
+            (`mcsd.decoding.fixed_pruning`) and gates drafting on the host; None: a static tree.
+
+    Attributes:
+        kept: after a round, the topology's nodes its tree kept (the static tree's all), read with
+            the emitted tokens.
     """
 
     def __init__(self, target: CachedLM, drafter: FeatureDrafter, topology, cfg: DecodeConfig,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, learned: LearnedPolicy | None = None):
         self.target, self.drafter, self.cfg = target, drafter, cfg
         self.device = target.device
         self.tree = StaticTree.of(topology, self.device)
+        self.plain = StaticTree.of(TreeTopology.from_spec("0"), self.device)     # a round without drafting
+        self.pruning = None if learned is None else DevicePruning(learned, self.tree, self.device)
+        self.kept: list[int] = []
         self.hidden = tuple(drafter.feature_layers)
         self.sampling = cfg.sampling
         self.noise = None
@@ -266,37 +283,88 @@ class FixedRound:
         self.root_pos = t_end                    # the root's position in the sequence
         self.root_pred = pred[-1:]               # (1, H) its predicted feature
         self.root_scores = d._scores(self.root_pred)
-        self.pending = None                      # (feats (D+1, H), tokens (D+1,), rows) to catch up on
+        self.pending = []                        # [(feats (R, H), tokens (R,))] the head has yet to read
         self._root = sequence[-1:]               # (1,) the root token, on the device
 
     # ------------------------------------------------------------------ one round
 
     def run(self, remaining: int, stats: GenerationStats) -> list[int]:
         """One round that may emit `remaining` more tokens; returns the tokens it emits (read once)."""
-        tree, d = self.tree, self.drafter
+        tree, d, pruning = self.tree, self.drafter, self.pruning
         t0 = time.perf_counter()
-        if self.pending is not None:             # 1. the head reads the last round's accepted positions
-            feats, tokens, rows = self.pending
-            pred, scores = self.blocks(feats[:rows], tokens[:rows], self.root_pos - rows + 1, d.cache.length)
-            self.root_pred, self.root_scores = pred[rows - 1:rows], scores[rows - 1:rows]
-        tokens, valid = self._grow()             # 2. the tree, level by level
+        depth_limit = min(tree.max_depth, remaining - 1)
+        if pruning is not None and not (pruning.policy.gate.opens() and depth_limit >= 1):
+            return self._plain_round(stats, t0)      # the learned policy's gate: a plain target step
+        self._catch_up()                         # 1. the head reads the accepted positions it has not read
+        if pruning is not None:
+            pruning.begin(depth_limit)
+        tokens, valid = self._grow()             # 2. the tree, level by level (pruned by the policy)
         t1 = time.perf_counter()
-        n, path, next_token, states = self._verify(tokens, valid, remaining - 1)    # 3-4.
-        out = emitted_tokens(tokens, path, n, next_token)                           # (D+2,)
-        values = out.tolist()                    # 5. the round's one host read
+        read = []
+        if pruning is not None:
+            kept, counts = pruning.summary()
+            valid = valid & kept
+            read = [counts, kept.long()]
+        n, path, next_token, states = self._verify(tree, tokens, valid, remaining - 1)   # 3-4.
+        out = emitted_tokens(tokens, path, n, next_token)                                 # (D+2,)
+        values = torch.cat([out, *read]).tolist()    # 5. the round's one host read
         accepted = values[0]
         new = values[1:accepted + 2]
         # 6. commit: the target keeps the accepted entries, the head drops the tree but the root's entry
         self.target.cache.commit_rows(self.root_pos, path, accepted + 1)
         d.cache.truncate(self._root_slot + 1)
-        self.pending = (d.head.fused(states.index_select(0, path)).to(d.dtype), out[1:], accepted + 1)
+        self.pending.append((d.head.fused(states.index_select(0, path[:accepted + 1])).to(d.dtype),
+                             out[1:accepted + 2]))
         self.root_pos += accepted + 1
+        if pruning is not None:
+            counts = values[tree.max_depth + 2:-tree.size]
+            self.kept = [i for i, k in enumerate(values[-tree.size:]) if k]
+            pruning.observe(accepted, counts)
+            depth, nodes = counts[1], counts[0]
+        else:
+            self.kept = list(range(tree.size))
+            depth, nodes = tree.max_depth, tree.size
         t2 = time.perf_counter()
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1
         stats.target_forwards += 1
-        stats.record_round(None, accepted, drafted_depth=tree.max_depth, nodes=tree.size)
+        stats.record_round(None, accepted, drafted_depth=depth, nodes=nodes)
         return new
+
+    def _plain_round(self, stats: GenerationStats, t0: float) -> list[int]:
+        """A round without drafting (the gate sat it out): the target's step after the root, read once;
+        the head reads the root's entry with the next drafted round's."""
+        root = self.target_root()
+        n, path, next_token, states = self._verify(self.plain, root, None, 0)
+        out = emitted_tokens(root, path, n, next_token)                                 # (2,): 0, token
+        new = out.tolist()[1:]                   # the round's one host read
+        self.target.cache.commit_rows(self.root_pos, path, 1)
+        d = self.drafter
+        self.pending.append((d.head.fused(states).to(d.dtype), out[1:]))
+        self.root_pos += 1
+        self.kept = [0]
+        self.pruning.policy.observe_round(0, 0, 1, self.pruning.policy.round_draft_ms([]))
+        stats.verify_s += time.perf_counter() - t0
+        stats.target_forwards += 1
+        stats.record_round(None, 0, drafted_depth=0, nodes=1)
+        return new
+
+    def _catch_up(self) -> None:
+        """The head reads the committed positions it has not read yet (the last drafted round's accepted
+        path and any plain rounds' since), in blocks of at most the largest bucket; the last one's
+        predicted feature and scores are the new root's."""
+        if not self.pending:
+            return
+        d = self.drafter
+        feats = torch.cat([f for f, _ in self.pending])
+        tokens = torch.cat([t for _, t in self.pending])
+        self.pending = []
+        rows, step = tokens.numel(), graphs.BUCKETS[-1]
+        first = self.root_pos - rows + 1
+        for lo in range(0, rows, step):
+            hi = min(rows, lo + step)
+            pred, scores = self.blocks(feats[lo:hi], tokens[lo:hi], first + lo, d.cache.length)
+        self.root_pred, self.root_scores = pred[-1:], scores[-1:]
 
     def _grow(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole topology's tokens (N,) and which nodes may be accepted (N,) bool, no host read."""
@@ -306,8 +374,11 @@ class FixedRound:
         self._root_slot = d.cache.length - 1                # node i sits at slot root_slot + i
         pred, scores = self.root_pred, self.root_scores
         for depth in range(1, tree.max_depth + 1):
-            keys = self._keys(scores, self.root_pos + depth)                # (W_{d-1}, K)
-            level, ok = level_children(keys, tree.parent_row[depth], tree.rank[depth], tree.fan_out[depth], self.ids)
+            probs, keys = self._keys(scores, self.root_pos + depth)         # (W_{d-1}, K)
+            level, ok, columns = level_children(keys, tree.parent_row[depth], tree.rank[depth], tree.fan_out[depth],
+                                                self.ids, columns=True)
+            if self.pruning is not None:         # the learned policy's decisions for this level
+                self.pruning.level(depth, probs, columns, ok)
             tokens.append(level)
             valid.append(ok & valid[-1][tree.parent_row[depth]])
             if depth == tree.max_depth:
@@ -324,18 +395,19 @@ class FixedRound:
         """(1,) the root token: the target's own draw, kept on the device between rounds."""
         return self._root
 
-    def _keys(self, scores: torch.Tensor, position: int) -> torch.Tensor:
-        """What a level's candidates are ranked by: the draft's probabilities (greedy), or log q + g at
-        the children's `position` (sampling), as `mcsd.drafting.draft.grow_tree` ranks them."""
+    def _keys(self, scores: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft's probabilities (as the loop's `Frontier.probs`) and what a level's candidates are
+        ranked by: those probabilities (greedy), or log q + g at the children's `position` (sampling),
+        as `mcsd.drafting.draft.grow_tree` ranks them."""
         if self.noise is None:
-            return scores.float().softmax(-1)
+            probs = scores.float().softmax(-1)
+            return probs, probs
         probs = logits_to_probs(scores, self.sampling)
         at = torch.full((scores.shape[0],), position, dtype=torch.long, device=self.device)
-        return self.noise.keyed(probs.log(), self.noise.device_keys(at), self.ids)
+        return probs, self.noise.keyed(probs.log(), self.noise.device_keys(at), self.ids)
 
-    def _verify(self, tokens: torch.Tensor, valid: torch.Tensor, depth_limit: int):
-        """The target's forward over the tree, its draws, the accepted path (all on the device)."""
-        tree = self.tree
+    def _verify(self, tree: StaticTree, tokens: torch.Tensor, valid: torch.Tensor | None, depth_limit: int):
+        """The target's forward over `tree`, its draws, the accepted path (all on the device)."""
         positions = tree.depth + self.root_pos
         logits, states = self.target.forward(tokens, positions, tree.allowed, hidden=self.hidden)   # (N, V)
         if self.noise is None:

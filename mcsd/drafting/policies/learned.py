@@ -60,24 +60,74 @@ def candidate_features(frontier: Frontier, k: int, parent_pred: torch.Tensor, re
     Returns:
         (F, k, len(FEATURE_NAMES)) float32.
     """
-    probs = frontier.probs.float()
+    return level_features(frontier.probs, frontier.tree.logp[frontier.nodes], frontier.depth, k, parent_pred, recent)
+
+
+def level_features(probs: torch.Tensor, logp: torch.Tensor, depth: int, k: int, parent_pred: torch.Tensor,
+                   recent: float) -> torch.Tensor:
+    """`candidate_features` from tensors alone (the fixed-shape round has no `Frontier`).
+
+    Args:
+        probs: (F, V) the frontier nodes' draft distributions (or (F, K) over a sub-vocabulary).
+        logp: (F,) their paths' cumulative draft log-probabilities.
+        depth: the frontier's depth (its children land at depth + 1).
+        k: ranks considered per node.
+        parent_pred: (F,) path probability of each frontier node.
+        recent: running acceptance rate of this sequence.
+    Returns:
+        (F, k, len(FEATURE_NAMES)) float32.
+    """
+    probs = probs.float()
     top = torch.topk(probs, max(k, 2), dim=-1).values                                  # (F, k')
     entropy = -(probs * probs.clamp_min(1e-12).log()).sum(-1)                          # (F,)
     f, kk = probs.shape[0], k
     q_rank = top[:, :k]                                                                 # (F, k)
-    logp = frontier.tree.logp[frontier.nodes].float()                                  # (F,)
+    logp = logp.float()                                                                 # (F,)
     cols = [
         q_rank,
         top[:, :1].expand(f, kk),
         (top[:, 0] - top[:, 1])[:, None].expand(f, kk),
         entropy[:, None].expand(f, kk),
-        torch.full((f, kk), float(frontier.depth + 1), device=probs.device),
+        torch.full((f, kk), float(depth + 1), device=probs.device),
         logp[:, None] + q_rank.clamp_min(1e-12).log(),
         torch.arange(kk, device=probs.device, dtype=torch.float32)[None].expand(f, kk),
         parent_pred.float()[:, None].expand(f, kk),
         torch.full((f, kk), float(recent), device=probs.device),
     ]
     return torch.stack(cols, dim=-1)
+
+
+def choose_best_first(path: torch.Tensor, tokens: torch.Tensor, time_ms: torch.Tensor, n_now: torch.Tensor,
+                      verify_ms: torch.Tensor) -> torch.Tensor:
+    """`LearnedPolicy._choose` as tensor operations, nothing read on the host (the fixed-shape round).
+
+    The same arithmetic in the same order: the candidates sorted best first (a stable sort, so equal
+    values keep their row-major order, as Python's `sorted` keeps them), the running tokens and times
+    as float64 sums from the left (`cumsum`, sequential on a CPU), and the first candidate that does
+    not pay ends the choice.
+
+    Args:
+        path: (F, k) float32 candidates' path probabilities (0: not a candidate).
+        tokens: () float64 expected tokens of the tree so far (its path probabilities' sum).
+        time_ms: () float64 the round's time so far (draft levels + the verify of `n_now` nodes).
+        n_now: () long nodes in the tree so far.
+        verify_ms: (M,) float64 the verify time of n nodes at index n, for n up to the most
+            nodes a level can leave (indices past it are clamped; they are never reached).
+    Returns:
+        (F,) long children per node (its contiguous ranks from 0), as `_choose` returns them.
+    """
+    flat = path.flatten()
+    values, order = torch.sort(flat, descending=True, stable=True)                    # (M,)
+    v = values.double()
+    steps = torch.arange(v.numel(), device=v.device)
+    n = (n_now + steps).clamp_max(verify_ms.numel() - 2)
+    dt = verify_ms[n + 1] - verify_ms[n]                                                # (M,)
+    before = torch.cat([tokens.reshape(1), v[:-1]]).cumsum(0)                          # tokens before step i
+    times = torch.cat([time_ms.reshape(1), dt[:-1]]).cumsum(0)                          # time before step i
+    pays = (v > 0) & ((before + v) * times > before * (times + dt))
+    taken = pays.long().cumprod(0).bool()                                               # until the first that does not
+    take = torch.zeros_like(taken).scatter(0, order, taken)
+    return take.view(path.shape).long().cumprod(dim=1).sum(dim=1)
 
 
 # ---------------------------------------------------------------------------- models as data
@@ -120,6 +170,19 @@ class AcceptanceModel:
             return cls(json.loads(Path(path).read_text()), str(path))
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"cannot use acceptance model {path}: {exc}") from None
+
+    def to(self, device) -> "AcceptanceModel":
+        """A copy whose parameters sit on `device` (so that predicting there copies nothing to it)."""
+        import copy
+        out = copy.copy(self)
+        out.columns = self.columns.to(device)
+        if self.kind == "logistic":
+            out.mean, out.scale, out.coef = (t.to(device) for t in (self.mean, self.scale, self.coef))
+        else:
+            out.forest = copy.copy(self.forest)
+            for name in ("left", "right", "feature", "threshold", "value", "offset"):
+                setattr(out.forest, name, getattr(self.forest, name).to(device))
+        return out
 
     def predict_proba(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., len(FEATURE_NAMES)) -> (...) probabilities."""
@@ -346,12 +409,27 @@ class LearnedPolicy(TreePolicy):
         return None if path is None else float(path.sum())
 
     def observe(self, n_accepted: int, tree: DraftTree, shared: int = 0) -> None:
-        self.recent = recent_acceptance(self.recent, n_accepted, tree)
+        self.observe_round(n_accepted, int(tree.depth.max()), tree.size, self._draft_ms, shared)
+
+    def observe_round(self, n_accepted: int, drafted_depth: int, size: int, draft_ms: float,
+                      shared: int = 0) -> None:
+        """`observe` from a round's numbers (the fixed-shape round has no `DraftTree` on the host):
+        its tree's depth and size, and the draft levels' cost `draft_ms` (`round_draft_ms`)."""
+        self.recent = running_acceptance(self.recent, n_accepted, drafted_depth)
         if self.gate.ran:                                          # this round drafted
             # worth what only drafting brought: tokens context drafting proposed too came without it
             step = self.costs.verify_ms(1)
             self.gate.observe((n_accepted - shared) * step
-                              - (self._draft_ms + self.costs.verify_ms(tree.size) - step))
+                              - (draft_ms + self.costs.verify_ms(size) - step))
+
+    def round_draft_ms(self, widths) -> float:
+        """The draft levels' cost as `continue_drafting` sums it: the root's step, then each level
+        the head ran over (its width; 0 for a level it did not run), in order."""
+        total = self.costs.draft_ms(1)
+        for width in widths:
+            if width:
+                total += self.costs.draft_ms(width)
+        return total
 
     def observe_timing(self, tree: DraftTree, draft_ms: float, verify_ms: float,
                        forward_ms: float | None = None) -> None:
@@ -362,7 +440,11 @@ class LearnedPolicy(TreePolicy):
 
 def recent_acceptance(recent: float, n_accepted: int, tree: DraftTree) -> float:
     """The `recent_accept` feature: a running mean of accepted / drafted depth per round."""
-    drafted = int(tree.depth.max())
+    return running_acceptance(recent, n_accepted, int(tree.depth.max()))
+
+
+def running_acceptance(recent: float, n_accepted: int, drafted: int) -> float:
+    """`recent_acceptance` from the drafted depth alone."""
     return 0.8 * recent + 0.2 * (n_accepted / drafted) if drafted else recent
 
 
