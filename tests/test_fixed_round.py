@@ -6,8 +6,9 @@ import contextlib
 
 import pytest
 import torch
-from conftest import assert_follows_target, tiny_llama
+from conftest import FIXED_DRAFT_MS, FIXED_VERIFY_MS, assert_follows_target, tiny_llama
 from test_feature_draft import random_head, random_v2_head
+from test_learned_policy import constant_model, q_threshold_model
 
 from mcsd import TreeDecoder
 from mcsd.config import ConfigError, SamplingConfig
@@ -15,6 +16,9 @@ from mcsd.core.sampling import PositionNoise
 from mcsd.core.static_tree import StaticTree, accept_paths, emitted_tokens, level_children
 from mcsd.core.tree import DraftTree, TreeTopology
 from mcsd.core.verify import accept_greedy
+from mcsd.costs.cost_model import Costs
+from mcsd.decoding import fixed_round
+from mcsd.drafting.policies.learned import FORMAT, FORMAT_VERSION, AcceptanceModel, LearnedPolicy, choose_best_first
 from mcsd.drafting.feature_draft import FeatureDrafter
 from mcsd.forward.static_cache import StaticCache
 
@@ -206,6 +210,121 @@ def test_the_loop_reads_more_and_the_counter_sees_it(target):
     assert max(map(len, rounds)) > 1
 
 
+# ---------------------------------------------------------------------------- the learned policy
+
+# a logistic model over several features, so that trees are pruned, stop early and are gated
+MIXED = AcceptanceModel({"format": FORMAT, "version": FORMAT_VERSION, "kind": "logistic",
+                         "features": ["q_rank", "top1", "depth", "recent_accept", "path_logp"],
+                         "mean": [0.1, 0.2, 2.0, 0.3, -3.0], "scale": [0.1, 0.1, 1.0, 0.2, 2.0],
+                         "coef": [1.5, 0.5, -0.4, 1.0, 0.6], "intercept": 0.5})
+MODELS = {"mixed": MIXED, "q-threshold": q_threshold_model(0.05), "constant": constant_model(0.5)}
+
+
+def learned(spec="4,2,2", model="mixed"):
+    """The learned policy on the test profile's fixed costs (`conftest.fixed_measure`'s)."""
+    costs = Costs({n: FIXED_VERIFY_MS(n) for n in (1, 8, 16, 32, 64)}, {w: FIXED_DRAFT_MS(w) for w in (1, 8, 32)})
+    return LearnedPolicy(TreeTopology.from_spec(spec), model=MODELS[model], costs=costs)
+
+
+def learned_decoder(target, head, round, spec="4,2,2", model="mixed"):
+    return TreeDecoder(target, FeatureDrafter(head, target), policy=learned(spec, model), attention="sdpa",
+                       calibrate=False, round=round)
+
+
+@pytest.fixture
+def fixed_rounds(monkeypatch):
+    """The `FixedRound` of each generation, as `fixed_round.choose` makes it."""
+    made = []
+
+    def choose(*args, **kwargs):
+        made.append(fixed_round.choose.__wrapped__(*args, **kwargs))
+        return made[-1]
+    choose.__wrapped__ = fixed_round.choose
+    monkeypatch.setattr(fixed_round, "choose", choose)
+    return made
+
+
+def test_best_first_choice_on_the_device_is_the_policys():
+    """`choose_best_first` (tensors) takes the same children as `LearnedPolicy._choose` (host floats),
+    ties and zeros included."""
+    policy = learned()
+    table = torch.tensor([policy.costs.verify_ms(n) for n in range(40)], dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    for trial in range(500):
+        f, k = (int(torch.randint(1, 6, (1,), generator=g)) for _ in range(2))
+        path = torch.rand(f, k, generator=g) ** 3
+        path[torch.rand(f, k, generator=g) < 0.3] = 0
+        if trial % 5 == 0:
+            path[:] = path[0, 0]                                  # all tied
+        n_now = int(torch.randint(1, 20, (1,), generator=g))
+        policy._path_pred = torch.rand(n_now, generator=g)
+        policy._draft_ms = 2.2 + float(torch.rand(1, generator=g))
+        time_ms = torch.tensor(policy._draft_ms, dtype=torch.float64) + table[n_now]
+        on_device = choose_best_first(path, policy._path_pred.sum().double(), time_ms, torch.tensor(n_now), table)
+        assert torch.equal(on_device, policy._choose(path, n_now))
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("spec, sub_vocab", [("4,2,2", 0), ("3,2,2,1,1", 24)])
+@pytest.mark.parametrize("options", [{}, dict(temperature=0.8, seed=3)], ids=["greedy", "t0.8"])
+def test_learned_decisions_are_the_loops(target, hf_greedy, fixed_rounds, model, spec, sub_vocab, options):
+    """Round by round, the fixed round keeps the nodes the loop's learned policy grows (the gate's
+    plain rounds included), on the test profile's fixed costs; the output is the loop's, and greedy
+    `generate`'s."""
+    trees = []
+    loop = learned_decoder(target, random_head(target, sub_vocab), "loop", spec, model).generate(
+        PROMPT, max_new_tokens=60, on_round=lambda tree, acc: trees.append(sorted(tree.topo_ids.tolist())),
+        **options)
+    stream = learned_decoder(target, random_head(target, sub_vocab), "fixed", spec, model).stream(
+        PROMPT, max_new_tokens=60, **options)
+    tokens, kept = list(next(stream)), []
+    for new in stream:
+        tokens += new
+        kept.append(fixed_rounds[-1].kept)
+    assert kept == trees
+    assert tokens == loop.tokens
+    if not options:
+        assert tokens == hf_greedy
+    assert len(trees) > 10
+
+
+def test_learned_trees_vary_in_the_decision_test(target):
+    """The decision test is not vacuous: pruned trees, whole ones and the gate's plain rounds all occur."""
+    sizes, whole = set(), {TreeTopology.from_spec(spec).size for spec in ("4,2,2", "3,2,2,1,1")}
+    for model in MODELS:
+        for spec, sub_vocab in (("4,2,2", 0), ("3,2,2,1,1", 24)):
+            for options in ({}, dict(temperature=0.8, seed=3)):
+                dec = learned_decoder(target, random_head(target, sub_vocab), "loop", spec, model)
+                dec.generate(PROMPT, max_new_tokens=60, on_round=lambda tree, acc: sizes.add(tree.size), **options)
+    assert 1 in sizes and len(sizes - whole - {1}) >= 3
+
+
+@pytest.mark.parametrize("options", [{}, dict(temperature=0.8, seed=3)], ids=["greedy", "t0.8"])
+def test_learned_rounds_read_the_host_once(target, hf_greedy, options):
+    """The learned policy's rounds, plain ones included, read one tensor on the host each."""
+    dec = learned_decoder(target, random_head(target, 24), "fixed", "3,2,2,1,1", "constant")
+    rounds, tokens = reads_per_round(dec, PROMPT, max_new_tokens=60, **options)
+    assert len(rounds) > 10
+    assert all(len(seen) <= 1 for seen in rounds), [seen for seen in rounds if len(seen) > 1][:3]
+    if not options:
+        assert tokens == hf_greedy
+
+
+def test_learned_sampling_follows_the_target_distribution():
+    small = tiny_llama(10, vocab=8, layers=1, sharpness=6.0, hidden=16)
+    dec = learned_decoder(small, random_head(small, sub_vocab=5, seed=2), "fixed", "3,2", "constant")
+    assert assert_follows_target(dec, small, SamplingConfig(0.9, top_k=6), n=1200) > 0    # drafts were accepted
+
+
+def test_online_costs_run_on_the_loop(target):
+    policy = learned()
+    policy.costs.online = True
+    dec = TreeDecoder(target, FeatureDrafter(random_head(target), target), policy=policy, attention="sdpa",
+                      calibrate=False, round="fixed")
+    with pytest.raises(ConfigError, match="online_costs"):
+        dec.generate(PROMPT, max_new_tokens=5)
+
+
 # ---------------------------------------------------------------------------- what it refuses
 
 def test_the_cpu_default_runs_the_loop(target):
@@ -219,7 +338,7 @@ def test_the_cpu_default_runs_the_loop(target):
 @pytest.mark.parametrize("draft, policy, reason", [
     ("context", "static", "feature head"),
     ("head+context", "static", "context drafting"),
-    ("head", "heuristic", "static trees"),
+    ("head", "heuristic", "static trees or the learned"),
 ])
 def test_fixed_round_refuses_what_it_cannot_run(target, draft, policy, reason):
     head = FeatureDrafter(random_head(target), target)
@@ -245,13 +364,15 @@ def test_processors_and_a_bad_round_value(target):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("options", [{}, dict(temperature=0.8, seed=3)], ids=["greedy", "t0.8"])
-def test_cuda_rounds_synchronise_once(options):
+@pytest.mark.parametrize("policy", ["static", "learned"])
+def test_cuda_rounds_synchronise_once(options, policy):
     """On CUDA, torch's sync debug mode counts the synchronisations: at most one a round (the read of
     the emitted tokens) once every bucket's graph is captured; float32 greedy equals `generate`."""
     import warnings
     target = tiny_llama(0).cuda()
     prompt = PROMPT.cuda()
-    dec = fixed_decoder(target, random_head(target, 24))
+    dec = (fixed_decoder(target, random_head(target, 24)) if policy == "static"
+           else learned_decoder(target, random_head(target, 24), "fixed", "3,2,2,1,1", "constant"))
     dec.generate(prompt, max_new_tokens=60, **options)         # captures every bucket's graphs
     stream = dec.stream(prompt, max_new_tokens=60, **options)
     tokens = list(next(stream))

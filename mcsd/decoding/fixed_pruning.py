@@ -58,9 +58,10 @@ class DevicePruning:
         self.kept = [torch.ones(1, dtype=torch.bool, device=dev)]                # per depth, (W_d,)
         self.path_pred = [torch.ones(1, device=dev)]                              # 0 where pruned
         self.logp = [torch.zeros(1, device=dev)]
-        self.size = torch.ones((), dtype=torch.long, device=dev)
-        self.spent_ms = torch.full((), self.policy.costs.draft_ms(1), dtype=torch.float64, device=dev)
-        self.alive = torch.ones((), dtype=torch.bool, device=dev)                # drafting goes on
+        # (1,) tensors, looked up with index_select: indexing with a 0-dim tensor may read it on the host
+        self.size = torch.ones(1, dtype=torch.long, device=dev)
+        self.spent_ms = torch.full((1,), self.policy.costs.draft_ms(1), dtype=torch.float64, device=dev)
+        self.alive = torch.ones(1, dtype=torch.bool, device=dev)                 # drafting goes on
         self.widths: list[torch.Tensor] = []
 
     def level(self, depth: int, probs: torch.Tensor, columns: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -82,7 +83,7 @@ class DevicePruning:
         allowed &= kept_parent[:, None]
         path = torch.where(allowed, self.model.predict_proba(x) * pred_parent[:, None], 0.0)   # (F, k)
         tokens = torch.cat(self.path_pred).sum().double()
-        counts = choose_best_first(path, tokens, self.spent_ms + self.verify_ms[self.size], self.size,
+        counts = choose_best_first(path, tokens, self.spent_ms + self._verify(0), self.size,
                                    self.verify_ms)                                              # (F,)
         go = self.alive if depth <= self.depth_limit else torch.zeros_like(self.alive)
         kept = go & kept_parent[parent_row] & (rank < counts[parent_row]) & valid                # (W,)
@@ -95,25 +96,30 @@ class DevicePruning:
         self.size = self.size + kept.sum()
         if depth < min(self.depth_limit, tree.max_depth):                        # continue_drafting
             frontier = kept & self.has_children[depth]
-            width = frontier.sum()
+            width = frontier.sum().reshape(1)
             gain = torch.where(frontier, pred, float("-inf")).max().double() * self.recent
             tokens = torch.cat(self.path_pred).sum().double()
-            time_ms = self.spent_ms + self.verify_ms[self.size]
-            extra = self.draft_ms[width] + self.verify_ms[self.size + 1] - self.verify_ms[self.size]
+            time_ms = self.spent_ms + self._verify(0)
+            level_ms = self.draft_ms.index_select(0, width)
+            extra = level_ms + self._verify(1) - self._verify(0)
             go_on = self.alive & (width > 0) & ((tokens + gain) * time_ms > tokens * (time_ms + extra))
-            self.spent_ms = torch.where(go_on, self.spent_ms + self.draft_ms[width], self.spent_ms)
+            self.spent_ms = torch.where(go_on, self.spent_ms + level_ms, self.spent_ms)
             self.widths.append(torch.where(go_on, width, 0))
             self.alive = go_on
         else:
             self.alive = torch.zeros_like(self.alive)
         return kept
 
+    def _verify(self, more: int) -> torch.Tensor:
+        """(1,) float64 the verify time of the kept tree and `more` nodes."""
+        return self.verify_ms.index_select(0, self.size + more)
+
     def summary(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(kept (N,) bool every node, counts (2 + D',) long: the kept tree's size, its depth, then the
         width of each level the head ran over (0: not run)), for the round's one read."""
         kept = torch.cat(self.kept)
-        depth = (self.tree.depth * kept).max()
-        return kept, torch.stack([self.size, depth, *self.widths])
+        depth = (self.tree.depth * kept).max().reshape(1)
+        return kept, torch.cat([self.size, depth, *self.widths])
 
     def observe(self, n_accepted: int, counts: list[int]) -> None:
         """After the read: the policy's host state (the gate, `recent`) hears the round, as from the loop."""

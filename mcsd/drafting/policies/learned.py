@@ -108,9 +108,9 @@ def choose_best_first(path: torch.Tensor, tokens: torch.Tensor, time_ms: torch.T
 
     Args:
         path: (F, k) float32 candidates' path probabilities (0: not a candidate).
-        tokens: () float64 expected tokens of the tree so far (its path probabilities' sum).
-        time_ms: () float64 the round's time so far (draft levels + the verify of `n_now` nodes).
-        n_now: () long nodes in the tree so far.
+        tokens: () or (1,) float64 expected tokens of the tree so far (its path probabilities' sum).
+        time_ms: () or (1,) float64 the round's time so far (draft levels + the verify of `n_now` nodes).
+        n_now: () or (1,) long nodes in the tree so far.
         verify_ms: (M,) float64 the verify time of n nodes at index n, for n up to the most
             nodes a level can leave (indices past it are clamped; they are never reached).
     Returns:
@@ -121,7 +121,7 @@ def choose_best_first(path: torch.Tensor, tokens: torch.Tensor, time_ms: torch.T
     v = values.double()
     steps = torch.arange(v.numel(), device=v.device)
     n = (n_now + steps).clamp_max(verify_ms.numel() - 2)
-    dt = verify_ms[n + 1] - verify_ms[n]                                                # (M,)
+    dt = verify_ms.index_select(0, n + 1) - verify_ms.index_select(0, n)                # (M,)
     before = torch.cat([tokens.reshape(1), v[:-1]]).cumsum(0)                          # tokens before step i
     times = torch.cat([time_ms.reshape(1), dt[:-1]]).cumsum(0)                          # time before step i
     pays = (v > 0) & ((before + v) * times > before * (times + dt))
