@@ -316,6 +316,23 @@ def test_learned_sampling_follows_the_target_distribution():
     assert assert_follows_target(dec, small, SamplingConfig(0.9, top_k=6), n=1200) > 0    # drafts were accepted
 
 
+@pytest.mark.parametrize("spec, covered", [("3,2,2,1,1", True), (None, False)])
+def test_auto_takes_the_learned_policy_where_the_tree_fits(target, spec, covered):
+    """What round="auto" runs in fixed shapes on CUDA: the learned policy on trees of at most 64 nodes;
+    its own default topology (281 nodes) runs the loop."""
+    from mcsd.core import processors
+    from mcsd.decoding.propose import Proposer
+    dec = TreeDecoder(target, FeatureDrafter(random_head(target), target), tree=spec, policy="learned",
+                      attention="sdpa", calibrate=False)
+    assert dec.round == "auto"
+    dec.target.reset()
+    proposer = Proposer(dec.policy, dec.drafter, dec.context, 0, dec.context_costs)
+    reason = fixed_round.unavailable(dec, processors.request(target, PROMPT.numel()), proposer)
+    assert (reason is None) == covered, reason
+    if not covered:
+        assert "64 nodes" in reason
+
+
 def test_online_costs_run_on_the_loop(target):
     policy = learned()
     policy.costs.online = True

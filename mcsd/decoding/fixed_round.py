@@ -22,22 +22,34 @@ value, except once at its end:
 6. commit: the target's cache keeps the accepted entries (`StaticCache.commit_rows`, a gather and
    a write of D+1 entries whatever was accepted); the head's cache drops the tree (a length).
 
+With the learned policy the whole topology is still drafted, and its decisions are made on the
+device as the tree grows (`mcsd.decoding.fixed_pruning`): which children each node keeps, and
+whether the next level runs; a pruned node stays in the buffers and is masked out of the
+acceptance, so shapes stay fixed. Its draft gate and running acceptance rate stay on the host: the
+round's one read also carries the kept tree's size, depth, drafted level widths and nodes. A round
+the gate sits out is the target's step after the root alone (the head reads its entry with the
+next drafted round's).
+
 What is exact: the output. Greedy float32 output equals `generate`'s; sampled output follows the
 target's processed distribution, and since a sampled token is the target's own seeded draw at its
 position, a seed gives the loop's text (on a CPU the same draw routine; on CUDA torch's). The trees
 equal the loop's for a static policy, except that a candidate the draft filtered out (no finite
-key) stays in the buffers, never accepted, where the loop leaves it out.
+key) stays in the buffers, never accepted, where the loop leaves it out. For the learned policy
+the kept nodes equal the loop's tree where the inputs are equal, except for a decision within
+rounding of a tie (sums over the padded buffers, padded head blocks: see `fixed_pruning`).
 
 Limitations (each falls back to the loop under `round="auto"`, and is refused under
 `round="fixed"` with its reason):
 - the drafter is a `FeatureDrafter` whose head runs on the engine's own forward (Llama layers);
-- the policy is "static" (the whole topology every round). The learned policy's per-level pruning
-  and draft gate read the draft's probabilities on the host at every level; here they would be a
-  tensor operation or a choice among precomputed topologies from the last read: not built yet;
+- the policy is "static" or "learned" (fixed costs: its `online_costs` runs on the loop, and the
+  round's measured times do not reach its costs or their staleness check); the other dynamic
+  policies run on the loop;
 - no context drafting (its grafted nodes are found by host-side lookups), no lossy roots, no
   rejection sampling, no logits processors or log-probabilities, no `on_round` callback;
 - trees of at most 64 nodes (the largest bucket), drafted to their full depth every round (the
-  rounds near `max_new_tokens` draft deeper than they can accept, and accept no deeper);
+  rounds near `max_new_tokens` draft deeper than they can accept, and accept no deeper). The
+  learned policy's own default topology (281 nodes) is larger: with it, and so on the command
+  line's default (which also grafts context nodes), generations run the loop;
 - on the CPU the same shapes run eagerly (slower than the loop there: it is not the CPU default).
 Timings on CUDA (`draft_s`, `verify_s`) are the host's launch times, not the device's.
 """
