@@ -14,12 +14,13 @@ from mcsd import TreeDecoder
 from mcsd.config import ConfigError, SamplingConfig
 from mcsd.core.sampling import PositionNoise
 from mcsd.core.static_tree import StaticTree, accept_paths, emitted_tokens, level_children
-from mcsd.core.tree import DraftTree, TreeTopology
+from mcsd.core.tree import TreeTopology
 from mcsd.core.verify import accept_greedy
 from mcsd.costs.cost_model import Costs
 from mcsd.decoding import fixed_round
-from mcsd.drafting.policies.learned import FORMAT, FORMAT_VERSION, AcceptanceModel, LearnedPolicy, choose_best_first
 from mcsd.drafting.feature_draft import FeatureDrafter
+from mcsd.drafting.policies.acceptance import FORMAT, FORMAT_VERSION, AcceptanceModel
+from mcsd.drafting.policies.learned import LearnedPolicy, choose_best_first
 from mcsd.forward.static_cache import StaticCache
 
 PROMPT = torch.tensor([3, 17, 42, 5, 9, 11])

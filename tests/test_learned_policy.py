@@ -10,8 +10,9 @@ import torch
 from mcsd import TreeDecoder
 from mcsd.core.tree import DraftTree, TreeTopology
 from mcsd.drafting.policies import FEATURE_NAMES, AcceptanceModel, LearnedPolicy
+from mcsd.drafting.policies.acceptance import FORMAT, FORMAT_VERSION, candidate_features, export_sklearn
 from mcsd.drafting.policies.base import Frontier
-from mcsd.drafting.policies.learned import FORMAT, FORMAT_VERSION, Costs, candidate_features, export_sklearn
+from mcsd.drafting.policies.learned import Costs
 from mcsd.errors import ModelLoadError
 
 PROMPT = torch.tensor([3, 17, 42, 5, 9, 11])

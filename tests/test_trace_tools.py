@@ -10,7 +10,7 @@ import torch
 from mcsd import TreeDecoder
 from mcsd.core.tree import TreeTopology
 from mcsd.drafting.policies import AcceptanceModel, LearnedPolicy
-from mcsd.drafting.policies.learned import FEATURE_NAMES
+from mcsd.drafting.policies.acceptance import FEATURE_NAMES
 from mcsd.train import decision_models as train_decision_models
 from mcsd.train import traces as collect_traces
 

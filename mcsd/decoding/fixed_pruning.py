@@ -27,7 +27,8 @@ from __future__ import annotations
 import torch
 
 from ..core.static_tree import StaticTree
-from ..drafting.policies.learned import LearnedPolicy, choose_best_first, level_features
+from ..drafting.policies.acceptance import level_features
+from ..drafting.policies.learned import LearnedPolicy, choose_best_first
 
 
 class DevicePruning:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mcsd.drafting.policies.learned import FEATURE_NAMES, AcceptanceModel, export_sklearn
+from mcsd.drafting.policies.acceptance import FEATURE_NAMES, AcceptanceModel, export_sklearn
 from mcsd.loading.cache import models_dir
 from mcsd.train import portable
 from mcsd.train.length_data import path_labels

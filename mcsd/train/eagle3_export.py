@@ -181,6 +181,7 @@ def export(source: str | Path, out: str | Path, layout: str, target, verifier: s
 
 def main(argv=None) -> int:
     import argparse
+
     from mcsd.drafting.eagle3 import Eagle3FormatError
     from mcsd.drafting.pair import load_model
     ap = argparse.ArgumentParser(description="Write an EAGLE-3 head (either layout, e.g. one trained with "

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from mcsd.costs.profile import DeviceProfile
-from mcsd.drafting.policies.learned import FEATURE_NAMES
+from mcsd.drafting.policies.acceptance import FEATURE_NAMES
 
 COL = {name: i for i, name in enumerate(FEATURE_NAMES)}
 

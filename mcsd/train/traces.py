@@ -1,7 +1,7 @@
 """Record, for every drafted node, its features and whether the target accepted it: training data for tree policies.
 
 The engine runs with a wide static tree; the policy hooks see each level's
-candidates (features as in `mcsd.drafting.policies.learned.candidate_features`) and,
+candidates (features as in `mcsd.drafting.policies.acceptance.candidate_features`) and,
 after the one verify forward, the target's logits at every node, so every
 node gets a *conditional* label, not only those on the accepted path:
 
@@ -45,8 +45,9 @@ from tqdm import tqdm
 
 from mcsd import TreeDecoder, load_model_pair
 from mcsd.core.tree import DraftTree, TreeTopology
+from mcsd.drafting.policies.acceptance import FEATURE_NAMES, candidate_features
 from mcsd.drafting.policies.base import Frontier, TreePolicy
-from mcsd.drafting.policies.learned import FEATURE_NAMES, candidate_features, recent_acceptance
+from mcsd.drafting.policies.learned import recent_acceptance
 from mcsd.loading.cache import cache_dir
 from mcsd.loading.data import chat_ids, load_prompts, stratified
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from ...config import ConfigError
 from ...core.tree import TreeTopology
+from .acceptance import FEATURE_NAMES, AcceptanceModel
 from .base import Frontier, TreePolicy
 from .disco import DiscoPolicy
 from .heuristic import ConfidencePolicy, HeuristicPolicy
-from .learned import FEATURE_NAMES, AcceptanceModel, LearnedPolicy
+from .learned import LearnedPolicy
 from .specdecpp import SpecDecPPPolicy
 from .static import StaticPolicy
 from .svip import SVIPPolicy
