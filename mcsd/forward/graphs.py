@@ -178,17 +178,7 @@ class StaticBlocks:
     def _capture(self, entry: _Entry, cache: StaticCache, hidden: tuple[int, ...]) -> None:
         """Warm the forward up on a side stream, then capture it over the entry's buffers."""
         t0 = time.perf_counter()
-        run = lambda: self.lean(entry.tokens, entry.positions, entry.mask, cache, entry.slots, hidden)  # noqa: E731
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                run()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            entry.logits, entry.states = run()
-        entry.graph = graph
-        torch.cuda.synchronize()
+        entry.graph, (entry.logits, entry.states) = capture_graph(
+            lambda: self.lean(entry.tokens, entry.positions, entry.mask, cache, entry.slots, hidden))
         self.captures += 1
         self.capture_s += time.perf_counter() - t0
