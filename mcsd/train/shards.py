@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import time
@@ -99,14 +98,6 @@ def read_keys(path: Path) -> list[str]:
     """The keys of one shard, without decompressing its token arrays."""
     with np.load(path, allow_pickle=False) as z:
         return [str(k) for k in z["keys"]]
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 class ShardStore:
