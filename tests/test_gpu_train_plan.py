@@ -16,16 +16,18 @@ def test_the_plan_runs_what_the_store_holds_through_flags_the_tools_take(tmp_pat
     assert "magpie-greedy-cuda" in runs and "magpie-t08" in runs
     steps = tool["plan"](runs, tmp_path / "head", 4.8, 256)
     assert [s for s, _ in steps][-3:] == ["held-out answers", "teacher", "train"]
-    helps = {}
+    helps: dict[tuple, str] = {}
+
+    def help_text(*words: str) -> str:
+        """A tool's (or a subcommand's) --help, run once each."""
+        if words not in helps:
+            helps[words] = subprocess.run([sys.executable, *words, "--help"], cwd=REPO, capture_output=True,
+                                          text=True, timeout=300).stdout
+        return helps[words]
+
     for _, cmd in steps:
         script = cmd[1]
         sub = cmd[4] if script.endswith("target_data.py") else None
-        key = (script, sub)
-        if key not in helps:
-            argv = [sys.executable, script] + ([sub] if sub else []) + ["--help"]
-            helps[key] = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300).stdout
-        flags = [w for w in cmd[2:] if w.startswith("--")]
-        top = subprocess.run([sys.executable, script, "--help"], cwd=REPO, capture_output=True, text=True,
-                             timeout=300).stdout if sub else ""
-        for flag in flags:
-            assert re.search(rf"{re.escape(flag)}\b", helps[key] + top), f"{script} {sub or ''} takes no {flag}"
+        text = help_text(script) + (help_text(script, sub) if sub else "")
+        for flag in (w for w in cmd[2:] if w.startswith("--")):
+            assert re.search(rf"{re.escape(flag)}\b", text), f"{script} {sub or ''} takes no {flag}"

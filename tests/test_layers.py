@@ -22,10 +22,15 @@ LAYERS = (
 )
 
 
+def _holds(name: str, module: str) -> bool:
+    """A subpackage or module name holds itself and what lies below it; the root package only itself."""
+    return module == name or ("." in name and module.startswith(name + "."))
+
+
 def layer_of(module: str, layers=LAYERS) -> int:
     """Index of `module`'s layer in `layers` (0 = top); KeyError for a module no layer names."""
-    for rank, (_, prefixes) in enumerate(layers):
-        if any(module == p or module.startswith(p + ".") for p in prefixes if p.count(".") or module == p):
+    for rank, (_, names) in enumerate(layers):
+        if any(_holds(name, module) for name in names):
             return rank
     raise KeyError(module)
 

@@ -64,6 +64,19 @@ def _rates(counts: dict[str, list[list[int]]]) -> dict:
                   for d, (a, o) in enumerate(zip(acc, off))] for key, (acc, off) in counts.items()}
 
 
+def _chain_decoder(target, drafter, depth: int):
+    """The product's decoder with a static chain of `depth` nodes (no policy, no context)."""
+    from mcsd import TreeDecoder
+    return TreeDecoder(target, drafter, tree=",".join(["1"] * depth), policy="static", threads=None)
+
+
+def _count(counts: list[list[int]], stats) -> None:
+    """Add one generation's accepted / offered rounds by depth into `counts` ([accepted, offered])."""
+    for d, (a, o) in enumerate(zip(stats.accepted_by_depth, stats.offered_by_depth)):
+        counts[0][d] += a
+        counts[1][d] += o
+
+
 def replayed(head, embed, examples: list[dict], depth: int = 3, max_new_tokens: int = 128) -> dict:
     """{"all": [...], group: [...]}: teacher-forced chains, counted only at the positions greedy
     decoding roots its rounds at. Decoding's first round is rooted at the response's first token;
@@ -98,9 +111,7 @@ def decoding(target, drafter, examples: list[dict], depth: int = 3, max_new_toke
     """{"all": [...], group: [...]}: per depth, acceptance given the depth above and rounds that
     reached it, decoding each example's prompt greedily with a static chain; also how many
     outputs equal the stored responses (the same target and dtype write the same tokens)."""
-    from mcsd import TreeDecoder
-
-    dec = TreeDecoder(target, drafter, tree=",".join(["1"] * depth), policy="static", threads=None)
+    dec = _chain_decoder(target, drafter, depth)
     counts: dict[str, list[list[int]]] = {}
     same = 0
     for ex in examples:
@@ -108,10 +119,7 @@ def decoding(target, drafter, examples: list[dict], depth: int = 3, max_new_toke
                            ignore_eos=ignore_eos)
         same += out.tokens == ex["response"][:len(out.tokens)].tolist()
         for key in ("all", group_of(ex["category"])):
-            acc, off = counts.setdefault(key, [[0] * depth, [0] * depth])
-            for d, (a, o) in enumerate(zip(out.stats.accepted_by_depth, out.stats.offered_by_depth)):
-                acc[d] += a
-                off[d] += o
+            _count(counts.setdefault(key, [[0] * depth, [0] * depth]), out.stats)
     result = _rates(counts)
     result["outputs_equal_to_stored"] = f"{same}/{len(examples)}"
     return result
@@ -129,25 +137,21 @@ def chain_acceptance(target, drafter, prompts: list[list[int]], settings=((0.0, 
     accepted / offered, summed over prompts and seeds), the rounds that reached each depth, and
     tau (tokens per target forward).
     """
-    from mcsd import TreeDecoder
-
-    dec = TreeDecoder(target, drafter, tree=",".join(["1"] * depth), policy="static", threads=None)
+    dec = _chain_decoder(target, drafter, depth)
     rows = []
     for temperature, top_p in settings:
-        accepted, offered, tokens, forwards = [0] * depth, [0] * depth, 0, 0
-        for ids in prompts:
-            for seed in (seeds if temperature > 0 else seeds[:1]):
-                out = dec.generate(torch.as_tensor(ids, dtype=torch.long), max_new_tokens=max_new_tokens,
-                                   temperature=temperature, top_p=top_p, seed=seed)
-                for d, (a, o) in enumerate(zip(out.stats.accepted_by_depth, out.stats.offered_by_depth)):
-                    accepted[d] += a
-                    offered[d] += o
-                tokens += len(out.tokens)
-                forwards += out.stats.target_forwards
+        counts, tokens, forwards = [[0] * depth, [0] * depth], 0, 0
+        runs = [(ids, seed) for ids in prompts for seed in (seeds if temperature > 0 else seeds[:1])]
+        for ids, seed in runs:
+            out = dec.generate(torch.as_tensor(ids, dtype=torch.long), max_new_tokens=max_new_tokens,
+                               temperature=temperature, top_p=top_p, seed=seed)
+            _count(counts, out.stats)
+            tokens += len(out.tokens)
+            forwards += out.stats.target_forwards
+        by_depth = _rates({"chain": counts})["chain"]
         rows.append({"temperature": temperature, "top_p": top_p,
-                     "acceptance": [round(a / o, 4) if o else None for a, o in zip(accepted, offered)],
-                     "reached": offered, "tau": round(tokens / max(forwards, 1), 3),
-                     "generations": len(prompts) * (len(seeds) if temperature > 0 else 1)})
+                     "acceptance": [r["acceptance"] for r in by_depth], "reached": [r["reached"] for r in by_depth],
+                     "tau": round(tokens / max(forwards, 1), 3), "generations": len(runs)})
     return rows
 
 
