@@ -88,11 +88,6 @@ class StaticTree:
     def max_depth(self) -> int:
         return len(self.levels) - 1
 
-    def width(self, d: int) -> int:
-        """Nodes at depth d."""
-        lo, hi = self.levels[d]
-        return hi - lo
-
 
 def level_children(keys: torch.Tensor, parent_row: torch.Tensor, rank: torch.Tensor, k: int,
                    ids: torch.Tensor | None = None, columns: bool = False):

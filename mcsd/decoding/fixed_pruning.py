@@ -58,6 +58,7 @@ class DevicePruning:
         self.recent = self.policy.recent
         self.kept = [torch.ones(1, dtype=torch.bool, device=dev)]                # per depth, (W_d,)
         self.path_pred = [torch.ones(1, device=dev)]                              # 0 where pruned
+        self.tokens = torch.cat(self.path_pred).sum().double()     # expected tokens of the kept tree
         self.logp = [torch.zeros(1, device=dev)]
         # (1,) tensors, looked up with index_select: indexing with a 0-dim tensor may read it on the host
         self.size = torch.ones(1, dtype=torch.long, device=dev)
@@ -83,8 +84,7 @@ class DevicePruning:
         allowed = torch.arange(k, device=dev)[None] < self.max_children[depth - 1][:, None]    # (F, k)
         allowed &= kept_parent[:, None]
         path = torch.where(allowed, self.model.predict_proba(x) * pred_parent[:, None], 0.0)   # (F, k)
-        tokens = torch.cat(self.path_pred).sum().double()
-        counts = choose_best_first(path, tokens, self.spent_ms + self._verify(0), self.size,
+        counts = choose_best_first(path, self.tokens, self.spent_ms + self._verify(0), self.size,
                                    self.verify_ms)                                              # (F,)
         go = self.alive if depth <= self.depth_limit else torch.zeros_like(self.alive)
         kept = go & kept_parent[parent_row] & (rank < counts[parent_row]) & valid                # (W,)
@@ -93,17 +93,17 @@ class DevicePruning:
         logp = torch.where(kept, logp_parent[parent_row] + q.log(), 0.0)
         self.kept.append(kept)
         self.path_pred.append(pred)
+        self.tokens = torch.cat(self.path_pred).sum().double()
         self.logp.append(logp)
         self.size = self.size + kept.sum()
         if depth < min(self.depth_limit, tree.max_depth):                        # continue_drafting
             frontier = kept & self.has_children[depth]
             width = frontier.sum().reshape(1)
             gain = torch.where(frontier, pred, float("-inf")).max().double() * self.recent
-            tokens = torch.cat(self.path_pred).sum().double()
             time_ms = self.spent_ms + self._verify(0)
             level_ms = self.draft_ms.index_select(0, width)
             extra = level_ms + self._verify(1) - self._verify(0)
-            go_on = self.alive & (width > 0) & ((tokens + gain) * time_ms > tokens * (time_ms + extra))
+            go_on = self.alive & (width > 0) & ((self.tokens + gain) * time_ms > self.tokens * (time_ms + extra))
             self.spent_ms = torch.where(go_on, self.spent_ms + level_ms, self.spent_ms)
             self.widths.append(torch.where(go_on, width, 0))
             self.alive = go_on
