@@ -182,12 +182,11 @@ def check_args(args) -> None:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
     if args.weights == "q4" and args.device != "cpu":
         raise UsageError(f"--weights q4 runs on the CPU; drop --device {args.device}")
+    from ..loading.sources import check_source
     if args.draft is not None and not args.baseline:
-        from ..loading.sources import check_source
         check_source(args.draft, "--draft")          # a bad draft file is named by its flag, before loading
     if (args.target is not None and args.draft is None and args.target not in PRESETS and not args.baseline
             and args.drafter != "context"):
-        from ..loading.sources import check_source
         check_source(args.target, "--target")         # what is wrong with the target comes first
         raise UsageError(f"--target {args.target} needs a --draft (or use --baseline, --drafter context, or a "
                          f"preset: {', '.join(PRESETS)})")
@@ -235,16 +234,16 @@ def check_args(args) -> None:
         if not png.parent.is_dir():
             raise UsageError(f"cannot write --show-tree {args.show_tree}: no directory {png.parent}")
     from ..core.tree import parse_tree_spec
+    options = {k: v for k, v in processing(args).items() if v is not None}
     decode = DecodeConfig(max_new_tokens=args.max_new_tokens, seed=args.seed, stop_strings=tuple(args.stop),
                           sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.min_p or 0.0,
                                                   1.0 if args.typical_p is None else args.typical_p),
-                          processing=ProcessingConfig(**{k: v for k, v in processing(args).items()
-                                                         if v is not None}))
+                          processing=ProcessingConfig(**options))
     if not args.baseline:
         check_lossy_roots(args.lossy_target_roots, decode.sampling)
     parse_tree_spec(args.tree)
     if (args.lossy_target_roots or args.policy == "pearl") and not args.baseline \
-            and (any(v is not None for v in processing(args).values()) or args.logprobs):
+            and (options or args.logprobs):
         raise UsageError("--repetition-penalty, --no-repeat-ngram-size, --min-new-tokens and --logprobs need the "
                          "exact tree loop; not with --lossy-target-roots or --policy pearl")
 

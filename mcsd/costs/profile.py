@@ -149,6 +149,7 @@ def _nvidia_driver() -> str | None:
 
 
 MEASURED_SINCE = 2          # how profiles are measured; a change names new cache files (2: head steps after a
+                            # target forward on a CPU)
 
 
 def drafter_module(draft) -> torch.nn.Module | None:

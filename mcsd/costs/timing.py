@@ -55,7 +55,6 @@ class _ModelTimer:
         elapsed = _ms(lm.device, lambda: lm.forward(tokens, pos, causal_allowed(n, lm.device)))
         lm.commit(self.prefix_len, torch.zeros(0, dtype=torch.long, device=lm.device))   # back to the prefix
         return elapsed
-                            # target forward on a CPU)
 
 
 class _HeadTimer:

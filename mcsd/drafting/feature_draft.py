@@ -327,7 +327,7 @@ class FeatureDrafter:
         """hidden: (n, L*H) the target's `feature_layers` states of newly committed positions."""
         self._pending.append(hidden)
 
-    def _features_from(self, start: int) -> torch.Tensor:
+    def features_from(self, start: int) -> torch.Tensor:
         """Fused features of positions start.. (fusing what was observed since the last call)."""
         if start < self._first:
             raise RuntimeError(f"feature drafter dropped the features of position {start} already")
@@ -339,11 +339,6 @@ class FeatureDrafter:
             self._pending = []
         self._features, self._first = kept, start
         return kept
-
-    def features_from(self, start: int) -> torch.Tensor:
-        """(n, H) fused target features of positions start.. observed so far (the first read of the
-        fixed-shape round, `mcsd.decoding.fixed_round`, which runs the head's blocks itself)."""
-        return self._features_from(start)
 
     def _run(self, feats, tokens, positions, allowed):
         prefix = kv_cache.cache_length(self.cache) - (allowed.shape[1] - tokens.numel())
@@ -395,7 +390,7 @@ class FeatureDrafter:
         if self._first + self._features.shape[0] + sum(h.shape[0] for h in self._pending) < t_end:
             raise RuntimeError("feature drafter is missing target features; observe_target was not called")
         n = t_end - start
-        pred = self._run(self._features_from(start)[:n], sequence[start + 1:t_end + 1],
+        pred = self._run(self.features_from(start)[:n], sequence[start + 1:t_end + 1],
                          torch.arange(start + 1, t_end + 1, device=self.device), causal_allowed(n, self.device))
         self._base = t_end - 1 - self._offset           # cache index of the root's entry
         self._slots = torch.zeros(1, dtype=torch.long, device=self.device)
