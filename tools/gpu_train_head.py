@@ -59,7 +59,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "head-gpu")
     ap.add_argument("--runs", nargs="*", default=None, help="store runs to train on (default: every Magpie run)")
     ap.add_argument("--budget-min", type=float, default=8.0, help="the whole run, loading included")
-    ap.add_argument("--train-share", type=float, default=0.6, help="of the budget, for training itself")
+    ap.add_argument("--train-share", type=float, default=0.6, help="of the budget, at most, for training itself "
+                    "(less when the data stages took more than the rest)")
     ap.add_argument("--batch", type=int, default=256, help="training windows a step (large on a GPU)")
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
@@ -72,9 +73,19 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     record = {"runs": runs, "budget_min": args.budget_min, "stages": []}
     t0 = time.time()
+    env = dict(os.environ)                  # the stages import mcsd from this checkout, installed or not
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     for stage, cmd in steps:
         started = time.time()
-        result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+        if stage == "train":                 # training gets what the data stages left of the budget
+            left = args.budget_min - (started - t0) / 60 - 0.75
+            if left < 0.5:
+                record["stages"].append({"stage": stage, "skipped": f"{left + 0.75:.1f} min of the budget left"})
+                (args.out / "gpu_train.json").write_text(json.dumps(record, indent=1) + "\n")
+                return 1
+            cmd = cmd[:]
+            cmd[cmd.index("--time-budget-min") + 1] = f"{min(left, args.budget_min * args.train_share):.2f}"
+        result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
         record["stages"].append({"stage": stage, "command": " ".join(cmd), "seconds": round(time.time() - started, 1),
                                  "returncode": result.returncode, "tail": result.stdout[-2000:] + result.stderr[-2000:]})
         (args.out / "gpu_train.json").write_text(json.dumps(record, indent=1) + "\n")

@@ -161,6 +161,8 @@ def sample_batch(
         (R, k) float16; with store_hidden hidden (R, H) float16.
     """
     device = next(model.parameters()).device
+    if pad_id is None:                  # a tokenizer without a pad token: padding is masked out anyway
+        pad_id = eos_ids[0] if eos_ids else 0
     B, P = len(prompts), max(len(p) for p in prompts)
     input_ids = torch.full((B, P), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((B, P), dtype=torch.long)
