@@ -9,6 +9,7 @@ from conftest import tiny_llama
 
 from mcsd import TreeDecoder
 from mcsd.costs.cost_model import Costs
+from mcsd.costs.profile import host_key
 from mcsd.costs.store import load_cached, load_or_measure, profile_path
 from mcsd.decoding.choice import choose_dtype, expected_rate
 from mcsd.drafting.policies import LearnedPolicy
@@ -145,10 +146,16 @@ def test_a_gguf_born_target_weighs_its_q4_weights_too(q4_gguf_file):
         pytest.skip("no CPU int4 kernel in this torch")
     t = load_model(str(q4_gguf_file), "float32")
     choice = choose_dtype(t, None, calibrate=True, quiet=True, free_draft=True, gguf=q4_gguf_file)
-    assert "q4" in choice.rates and "float32" in choice.rates
-    assert (choice.weights == "q4") == (max(choice.rates, key=choice.rates.get) == "q4")
+    native_bf16 = host_key(torch.device("cpu"))["onednn_bf16"]
+    takes = quant.dtypes()
+    pairs = {f"q4/{d}" for d in takes if d == "float32" or native_bf16 or len(takes) == 1}
+    assert pairs and ("q4/float32" in pairs) == (quant.kernel_name() == "native")
+    assert pairs <= choice.rates.keys() and "float32" in choice.rates  # every (weights, compute dtype) pair
+    best = max(choice.rates, key=choice.rates.get)
+    assert (choice.weights, choice.dtype) == (("q4", best[3:]) if best.startswith("q4/") else ("dense", best))
     assert quant.attached(t) == 0                                       # measured on a copy
-    assert load_cached(t, None, getattr(torch, quant.compute_dtype()), weights="q4") is not None
+    for pair in pairs:
+        assert load_cached(t, None, getattr(torch, pair[3:]), weights="q4") is not None
     again = choose_dtype(t, None, quiet=True, free_draft=True, gguf=q4_gguf_file)
     assert again.rates == choice.rates                                  # from the cache, nothing re-measured
     t, _ = apply_choice(t, None, DtypeChoice("bfloat16", "q4 chosen", {}, weights="q4"), q4_gguf_file)
@@ -181,3 +188,41 @@ def test_a_feature_heads_steps_are_timed_after_a_target_forward(monkeypatch):
     prof = timing.measure(target, drafter, **QUICK)
     heads = [i for i, name in enumerate(order) if name == "head"]
     assert heads and prof.draft_ms and all(order[i - 1] == "target" for i in heads)
+
+
+class _Priced:
+    """A stand-in profile whose method runs at `rate` tokens/s (the choice's pricing patched to read it)."""
+    meta: dict = {}
+
+    def __init__(self, rate):
+        self.rate = rate
+
+
+@pytest.mark.parametrize("fastest", ["q4/float32", "q4/bfloat16", "float32", "bfloat16"])
+def test_every_weights_and_compute_dtype_pair_is_weighed_and_the_fastest_runs(q4_gguf_file, monkeypatch, fastest):
+    """q4 weights with float32 compute is a candidate of its own beside q4 with bfloat16 (no fixed rule
+    picks the q4 compute dtype), the fastest measured pair is chosen and the others' figures are said."""
+    from mcsd.decoding import choice
+    from mcsd.drafting.pair import load_model
+    from mcsd.forward import quant
+    if quant.kernel_name() != "native":
+        pytest.skip("the native q4 kernel (float32 and bfloat16 activations) is not built here")
+    monkeypatch.setattr(choice, "host_key", lambda device: {"onednn_bf16": True})
+    rates = {"float32": 77.0, "bfloat16": 114.0, "q4/float32": 120.0, "q4/bfloat16": 133.0}
+    rates[fastest] = 200.0
+
+    def cached(target, draft, dtype, remeasure=True, weights=None):
+        name = str(dtype).removeprefix("torch.")
+        return _Priced(rates[f"q4/{name}" if weights == "q4" else name])
+    monkeypatch.setattr(choice, "load_cached", cached)
+    monkeypatch.setattr(choice.Costs, "from_profile", staticmethod(lambda prof: prof))
+    monkeypatch.setattr(choice, "expected_rate", lambda costs, *a, **k: (costs.rate, 2))
+    t = load_model(str(q4_gguf_file), "float32")
+    got = choice.choose_dtype(t, None, gguf=q4_gguf_file)
+    assert got.rates == rates
+    weights, _, dtype = fastest.rpartition("/")
+    assert (got.weights, got.dtype) == (weights or "dense", dtype)
+    for name, rate in rates.items():                  # the losing candidates' figures, in the reason
+        assert f"{rate:.1f}" in got.reason
+    only_q4 = choice.choose_dtype(t, None, gguf=q4_gguf_file, weights="q4")     # --weights q4 --dtype auto
+    assert set(only_q4.rates) == {"q4/float32", "q4/bfloat16"} and only_q4.weights == "q4"

@@ -61,6 +61,17 @@ def test_an_unknown_draft_says_what_is_accepted(target):
     assert "'garbage'" in str(err.value)
 
 
+def test_baseline_before_any_costs_are_cached_says_the_fixed_rule_chose(q4_gguf_file, tmp_path, monkeypatch,
+                                                                        capsys):
+    """--baseline measures nothing unless asked: with no cached costs it runs the uncalibrated rule's
+    choice and says so, rather than claiming to run as the default run chooses."""
+    monkeypatch.setattr("mcsd.costs.store.cache_dir", lambda: tmp_path)        # no profile cached
+    assert main(["--target", str(q4_gguf_file), "--drafter", "context", "--prompt", "ABCABC",
+                 "--max-new-tokens", "4", "--json", "--baseline"]) == 0
+    reason = json.loads(capsys.readouterr().out)["settings"]["dtype_reason"]
+    assert "fixed rule" in reason and "not cached" in reason and "as the default run chooses it" not in reason
+
+
 def test_baseline_runs_the_weights_and_dtype_the_default_run_chooses(q4_gguf_file, monkeypatch, capsys):
     """--baseline is chosen as the default run chooses (with its drafter), not as the target alone would
     run fastest: here a choice that answers q4 for a drafting run and float32 for plain steps."""

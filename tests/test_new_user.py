@@ -58,7 +58,7 @@ def test_the_python_api_chooses_threads_as_the_command_line_does(target, monkeyp
 
 @pytest.mark.parametrize("path", ["/nonexistent/dir/out.jsonl", "/proc/out.jsonl", "{tmp}"])
 def test_an_output_that_cannot_be_written_fails_before_loading(model_dirs, tmp_path, capsys, monkeypatch, path):
-    import mcsd.loading.models
+    import mcsd.drafting.pair
     monkeypatch.setattr(mcsd.drafting.pair, "load_model_pair", lambda *a, **k: pytest.fail("loaded a model"))
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "w03"}\n')
@@ -185,7 +185,46 @@ def test_a_profile_that_cannot_be_written_serves_the_run_and_is_said_once(model_
     prof = load_or_measure(t, d, sizes=(1, 2), repeats=2)
     assert prof is not None and prof.verify_ms
     err = capsys.readouterr().err
-    assert err.count("these costs serve this run only") == 1
+    assert err.count("these costs serve this process only") == 1
+    # kept for the rest of the process: asked again (as a second decoder would), nothing is measured
+    monkeypatch.setattr("mcsd.costs.timing.measure", lambda *a, **k: pytest.fail("measured twice"))
+    assert load_or_measure(t, d, sizes=(1, 2), repeats=2) is prof
+    assert capsys.readouterr().err == ""
+
+
+_MEASURE_IN_A_CHILD = """
+import json, sys, time
+import torch
+from mcsd.costs import store, timing
+from mcsd.drafting.pair import load_model
+real = timing.measure
+def slow(*args, **kwargs):          # long enough that the two processes overlap when started together
+    time.sleep(1.5)
+    prof = real(*args, **kwargs)
+    prof.meta["measured_by"] = sys.argv[2]
+    return prof
+timing.measure = slow
+torch.set_num_threads(1)
+t = load_model(sys.argv[1], "float32")
+prof = store.load_or_measure(t, None, quiet=True, sizes=(1, 2), repeats=1)
+print(json.dumps({"by": prof.meta["measured_by"], "verify": prof.verify_ms}))
+"""
+
+
+def test_processes_started_together_on_one_cache_run_from_one_measurement(model_dirs, tmp_path):
+    """The second process waits for the first one's measurement and reads it (a lock beside the profile),
+    so both run from the same costs; whichever order they reach it in, one measured."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, MCSD_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-c", _MEASURE_IN_A_CHILD, str(model_dirs / "target"), name],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for name in ("first", "second")]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert results[0] == results[1]                 # the same profile, measured by one of them
 
 
 def test_a_gguf_target_is_named_by_its_file(gguf_file):

@@ -95,14 +95,18 @@ def _auto_dtype(target, draft, args):
     # them the fixed rule of an uncalibrated choice decides. A target with no default run is priced alone.
     alone = args.baseline and not _default_run_drafts(args)
     calibrate = False if args.baseline and args.calibrate is None else args.calibrate
-    gguf = gguf_source(args.target or DEFAULT_PRESET) if args.weights == "auto" else None
+    gguf = gguf_source(args.target or DEFAULT_PRESET) if args.weights in ("auto", "q4") else None
     choice = choose_dtype(target, draft, drafting=not alone, calibrate=calibrate,
-                          free_draft=drafter_kinds(args)[2], borrow=alone, gguf=gguf)
+                          free_draft=drafter_kinds(args)[2], borrow=alone, gguf=gguf, weights=args.weights)
     args.dtype_calibration_s, args.calibration_provisional = choice.calibration_s, choice.provisional
     args.weights = choice.weights
     if choice.dtype != "float32" or choice.weights != "dense":
         target, draft = apply_choice(target, draft, choice, gguf)
-    reason = f"{choice.reason}; as the default run chooses it" if args.baseline and not alone else choice.reason
+    reason = choice.reason
+    if args.baseline and not alone:
+        reason += ("; as the default run chooses it" if choice.measured else
+                   "; the default run's costs are not cached yet, so the fixed rule chose (not a measurement: "
+                   "run once without --baseline, or pass --calibrate)")
     return target, draft, choice.dtype, reason
 
 
@@ -122,16 +126,23 @@ def load_models(args):
         from ..forward import quant
         from ..loading.models import parse_dtype
         allowed = quant.dtypes()
-        if args.dtype == "auto":
-            args.dtype = quant.compute_dtype()
-            args.dtype_fixed = f"{args.dtype}: --weights q4 computes in it here ({quant.describe_kernel()})"
+        if args.dtype == "auto" and (len(allowed) == 1 or args.device != "cpu"):
+            args.dtype = allowed[0]
+            args.dtype_fixed = f"{args.dtype}: --weights q4 computes in it alone here ({quant.describe_kernel()})"
+        elif args.dtype == "auto":
+            from ..loading.models import gguf_source
+            source = args.target or DEFAULT_PRESET
+            if gguf_source(source) is None:         # loaded dense first, so said here rather than at the load
+                raise UsageError(f"q4 weights are read from a Q4_1 GGUF file; {source!r} is neither one, nor a "
+                                 f"preset, nor a directory converted from one")
         elif str(parse_dtype(args.dtype)).removeprefix("torch.") not in allowed:
             raise UsageError(f"--weights q4 computes in {' or '.join(allowed)} here; drop --dtype {args.dtype} "
                              f"or pass --dtype {allowed[0]}")
     if args.weights == "auto" and (args.dtype != "auto" or args.device != "cpu"):
         args.weights = "dense"                      # auto weighs q4 against the dense dtypes, on the CPU only
     load_dtype = "float32" if args.dtype == "auto" else args.dtype
-    load_weights = "dense" if args.weights == "auto" else args.weights   # auto: decided once calibrated
+    # auto, or q4 with --dtype auto: loaded dense, the weights and dtype decided once calibrated
+    load_weights = "dense" if args.weights == "auto" or args.dtype == "auto" else args.weights
     model_kind, _, context_only = drafter_kinds(args)
     # --baseline with --dtype auto loads the default run's draft too, to choose as that run does (dropped then)
     same_as_default = args.baseline and args.dtype == "auto" and _default_run_drafts(args)

@@ -1,13 +1,20 @@
 """The profile store: one cached profile per (machine, pair, dtype, device, attention, threads) as JSON
 under `<cache>/profiles/`, measured on first use, flagged stale or provisional and measured again only
 where that cannot land inside a generation.
+
+Processes that share a cache measure a profile one at a time (an exclusive lock on a file beside
+it): a second process that wanted the same profile waits, then reads the first one's, so that two
+servers started together on an empty cache run from the same costs (and choose the same trees). A
+profile that could not be written (a read-only cache) is kept for the rest of the process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -21,6 +28,9 @@ from .profile import MEASURED_SINCE, DeviceProfile, _model_key, _model_name, hos
 
 CALIBRATION_REPEATS = 4     # the quick measurement a first generation makes: 2 rounds of 2 runs (see measure)
 CALIBRATION_BUDGET_S = 30.0  # past this, no further round of that measurement starts (a busy machine): provisional
+
+# profiles measured in this process that the cache could not keep (read-only): path -> profile
+_UNWRITTEN: dict[Path, DeviceProfile] = {}
 
 
 def profile_path(target, draft, dtype=None, weights: str | None = None) -> Path:
@@ -45,7 +55,10 @@ def profile_path(target, draft, dtype=None, weights: str | None = None) -> Path:
 
 
 def _readable(path: Path, device) -> DeviceProfile | None:
-    """The profile in `path` if it is readable and was measured on this machine."""
+    """The profile in `path` if it is readable and was measured on this machine (or was measured for
+    `path` in this process and could not be written)."""
+    if path in _UNWRITTEN:
+        return _UNWRITTEN[path]
     try:
         prof = DeviceProfile.from_json(path.read_text())
     except (OSError, ValueError, KeyError, TypeError):
@@ -166,6 +179,41 @@ def load_or_measure(target, draft=None, measure_if_missing: bool = True, force: 
     prof = None if force else load_cached(target, draft)
     if prof is not None or not measure_if_missing:
         return prof
+    seen = _written_at(path)
+    with _measuring(path):
+        if _written_at(path) != seen:                 # another process measured it while this one waited
+            prof = _readable(path, next(target.parameters()).device)
+            if prof is not None:
+                return prof
+        return _measure_and_keep(target, draft, path, quiet, kwargs)
+
+
+def _written_at(path: Path) -> int | None:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return None
+
+
+@contextlib.contextmanager
+def _measuring(path: Path):
+    """One process at a time measures the profile at `path`: an exclusive lock on `<path>.lock` (no lock
+    where the cache cannot be written or the platform has no `fcntl`: each process then measures)."""
+    try:
+        import fcntl
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)               # waits while another process measures
+        yield
+    finally:
+        os.close(fd)                                 # releases the lock
+
+
+def _measure_and_keep(target, draft, path: Path, quiet: bool, kwargs) -> DeviceProfile:
     flagged = _readable(path, next(target.parameters()).device)
     if flagged is not None and not flagged.meta.get("stale"):
         flagged = None
@@ -199,6 +247,8 @@ def load_or_measure(target, draft=None, measure_if_missing: bool = True, force: 
                 path.write_text(prof.to_json())
         except ConfigError as exc:
             unwritable = str(exc)
-    if unwritable is not None and not quiet:
-        say(f"{unwritable.split(';')[0]}; these costs serve this run only")
+    if unwritable is not None:
+        _UNWRITTEN[path] = prof                       # measured once a process, not at every load
+        if not quiet:
+            say(f"{unwritable.split(';')[0]}; these costs serve this process only")
     return prof

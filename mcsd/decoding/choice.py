@@ -1,11 +1,13 @@
-"""What the default runs on this machine: the dtype, and the weights (dense or the 4-bit codes of a
-GGUF-born target), whichever the calibrated costs say runs the method fastest.
+"""What the default runs on this machine: the weights (dense or the 4-bit codes of a GGUF-born target)
+and the dtype they compute in, whichever pair the calibrated costs say runs the method fastest.
 
 Each candidate is priced by `expected_rate` over its cost profile (`mcsd.costs.profile`),
-measured once per machine on a converted copy of the pair and cached: float32,
-bfloat16 where the CPU runs it natively (or bfloat16 and float16 on CUDA), and
-"q4" (the target's Q4_1 codes, `mcsd.forward.quant`, computing in `quant.compute_dtype()`) where the
-target comes from a GGUF file and a q4 kernel runs. Every
+measured once per machine on a converted copy of the pair and cached: dense float32, dense
+bfloat16 where the CPU runs it natively (or bfloat16 and float16 on CUDA), and the target's
+Q4_1 codes (`mcsd.forward.quant`) with each compute dtype the q4 kernel takes here ("q4/float32",
+"q4/bfloat16" where bfloat16 is native) where the target comes from a GGUF file and a q4 kernel
+runs. No pair is ruled out by a rule of thumb: on a 2-core Xeon with AVX512-BF16, q4 codes with
+float32 compute ran 1.5x the q4-with-bfloat16 pair that a fixed rule had chosen. Every
 candidate is exact in its own terms: float32 token for token with plain
 float32 decoding, the others with plain decoding in their own arithmetic (see
 README's "Exactness").
@@ -30,7 +32,16 @@ from ..costs.store import load_cached, load_or_measure, load_target_costs, needs
 # bfloat16 decoding on 48 of those prompts 0.56 / 0.64 / 0.71 after the seventh, 0.57 / 0.67 /
 # 0.70 after the eighth and 0.57 / 0.66 / 0.71 after the ninth (the shipped head; docs/training.md).
 ASSUMED_ACCEPTANCE = 0.55
-Q4 = "q4"                       # the candidate that runs the target's linear layers on its 4-bit codes
+Q4 = "q4"                       # the weights that run the target's linear layers on its 4-bit codes
+
+
+def q4_candidate(dtype: str) -> str:
+    """The candidate name of q4 weights computing in `dtype` ("q4/float32")."""
+    return f"{Q4}/{dtype}"
+
+
+def is_q4(name: str) -> bool:
+    return name == Q4 or name.startswith(Q4 + "/")
 
 
 def expected_rate(costs: Costs, drafting: bool, max_depth: int = 8,
@@ -49,12 +60,13 @@ def expected_rate(costs: Costs, drafting: bool, max_depth: int = 8,
 
 @dataclass(frozen=True)
 class DtypeChoice:
-    dtype: str                  # the dtype the pair runs in (`quant.compute_dtype()` for q4)
+    dtype: str                  # the dtype the pair computes in
     reason: str
     rates: dict                 # candidate -> expected tokens/s of the method on this machine
     calibration_s: float = 0.0  # time spent measuring for the choice in this run
     provisional: bool = False   # some profile it rests on was measured on a busy machine
     weights: str = "dense"      # "dense", or "q4": the target's linear layers on its GGUF's 4-bit codes
+    measured: bool = True       # False: no calibrated costs, the fixed rule of an uncalibrated run chose
 
 
 def q4_possible(target, gguf: Path | None) -> bool:
@@ -65,45 +77,45 @@ def q4_possible(target, gguf: Path | None) -> bool:
 
 def choose_dtype(target, draft, candidates=None, drafting: bool = True, calibrate: bool | None = None,
                  quiet: bool = False, free_draft: bool = False, borrow: bool = False,
-                 gguf: Path | None = None) -> DtypeChoice:
-    """The dtype (and weights) with which this pair runs fastest here, from each candidate's calibrated cost.
+                 gguf: Path | None = None, weights: str = "auto") -> DtypeChoice:
+    """The weights and dtype with which this pair runs fastest here, from each candidate's calibrated cost.
 
     `target` (and `draft`) must be in float32, dense; a candidate other than
     float32 is measured on a converted copy (only when its profile is not
     cached, or when `calibrate` is True). `free_draft`: proposals come from
     context (nothing to draft, only verify). Candidates default to float32 and
     bfloat16 on a CPU with native bf16 (float32 alone on other CPUs), bfloat16
-    and float16 on CUDA, and "q4" besides where `gguf` (the Q4_1 file the
-    target came from) is given and `q4_possible`. With `calibrate=False` and a
-    profile missing, a fixed rule decides instead: bfloat16 on CUDA and on CPUs
-    with native bf16 (AVX512-BF16 or AMX, as oneDNN uses it), float32 on other
-    CPUs; dense weights. `borrow` (with no draft): the target's costs may come
-    from a cached profile of it with any drafter (`load_target_costs`). A cached
-    profile flagged for measuring again is measured again when the machine is
-    quiet (`calibrate` None). The models are not converted here (see
-    `apply_choice`).
+    and float16 on CUDA, and besides, where `gguf` (the Q4_1 file the target
+    came from) is given and `q4_possible`, q4 weights with every compute dtype
+    the q4 kernel takes here (bfloat16 only where it is native);
+    `weights="q4"` weighs those alone. With `calibrate=False` and a profile
+    missing, a fixed rule decides instead (`measured` False): for dense weights
+    bfloat16 on CUDA and on CPUs with native bf16 (AVX512-BF16 or AMX, as oneDNN
+    uses it), float32 on other CPUs; for q4 weights `quant.compute_dtype()`.
+    `borrow` (with no draft): the target's costs may come from a cached profile
+    of it with any drafter (`load_target_costs`). A cached profile flagged for
+    measuring again is measured again when the machine is quiet (`calibrate`
+    None). The models are not converted here (see `apply_choice`).
     """
     device = next(target.parameters()).device
     native = device.type == "cuda" or host_key(device)["onednn_bf16"]          # what torch runs bf16 products with
     if candidates is None:
-        # on a CPU without native bf16, oneDNN emulates its products: never faster enough to
-        # give up float32's exactness for, so not worth the calibration time
-        candidates = ("bfloat16", "float16") if device.type == "cuda" else \
-            ("float32", "bfloat16") if native else ("float32",)
-        if q4_possible(target, gguf):
-            candidates += (Q4,)
+        candidates = q4_candidates(target, gguf, native)
+        if weights != Q4:
+            # on a CPU without native bf16, oneDNN emulates its products: never faster enough to
+            # give up float32's exactness for, so not worth the calibration time
+            candidates = (("bfloat16", "float16") if device.type == "cuda" else
+                          ("float32", "bfloat16") if native else ("float32",)) + candidates
 
     def cached(name):
         dtype = _dtype(name)
-        prof = load_cached(target, draft, dtype, remeasure=calibrate is None, weights=Q4 if name == Q4 else None)
-        if prof is None and draft is None and borrow and name != Q4:
+        prof = load_cached(target, draft, dtype, remeasure=calibrate is None, weights=Q4 if is_q4(name) else None)
+        if prof is None and draft is None and borrow and not is_q4(name):
             prof = load_target_costs(target, dtype)         # the target's costs from a pair's profile
         return prof
     profiles = {name: None if calibrate else cached(name) for name in candidates}
     if calibrate is False and any(p is None for p in profiles.values()):
-        best = "bfloat16" if native else "float32"
-        return DtypeChoice(best, f"{best}: not calibrated; {'native' if native else 'no native'} bfloat16 "
-                                 f"on this {'GPU' if device.type == 'cuda' else 'CPU'}", {})
+        return _uncalibrated(device, native, weights == Q4)
     rates, depths, spent, provisional = {}, {}, 0.0, False
     for name, prof in profiles.items():
         if prof is None:
@@ -121,17 +133,42 @@ def choose_dtype(target, draft, candidates=None, drafting: bool = True, calibrat
     reason = (f"{_label(best)}: {rates[best]:.1f} expected tokens/s with {what} on this machine "
               f"(measured costs; {others}; {ASSUMED_ACCEPTANCE:.0%} acceptance per drafted token assumed)")
     return DtypeChoice(str(_dtype(best)).removeprefix("torch."), reason, rates, spent, provisional,
-                       Q4 if best == Q4 else "dense")
+                       Q4 if is_q4(best) else "dense")
+
+
+def q4_candidates(target, gguf: Path | None, native_bf16: bool) -> tuple[str, ...]:
+    """The q4 pairs this machine can run: q4 weights with each compute dtype the kernel takes here,
+    bfloat16 beside float32 only where the CPU runs it natively (emulated, it is never the faster one)."""
+    from ..forward import quant
+    if not q4_possible(target, gguf):
+        return ()
+    takes = quant.dtypes()
+    return tuple(q4_candidate(d) for d in takes if d == "float32" or native_bf16 or len(takes) == 1)
+
+
+def _uncalibrated(device, native: bool, q4: bool) -> DtypeChoice:
+    """The fixed rule's choice where a candidate has no cached costs and measuring is not allowed."""
+    from ..forward import quant
+    where = "GPU" if device.type == "cuda" else "CPU"
+    if q4:
+        best = quant.compute_dtype()
+        return DtypeChoice(best, f"q4 weights ({best}): not calibrated; the fixed rule for q4 weights "
+                                 f"({quant.describe_kernel()})", {}, weights=Q4, measured=False)
+    best = "bfloat16" if native else "float32"
+    return DtypeChoice(best, f"{best}: not calibrated; the fixed rule for dense weights "
+                             f"({'native' if native else 'no native'} bfloat16 on this {where})", {}, measured=False)
 
 
 def _dtype(name: str) -> torch.dtype:
-    """The dtype candidate `name` computes in."""
+    """The dtype candidate `name` computes in ("q4" alone: the fixed rule's, `quant.compute_dtype()`)."""
     from ..forward import quant
-    return getattr(torch, quant.compute_dtype() if name == Q4 else name)
+    if is_q4(name):
+        return getattr(torch, name.partition("/")[2] or quant.compute_dtype())
+    return getattr(torch, name)
 
 
 def _label(name: str) -> str:
-    return f"q4 weights ({str(_dtype(name)).removeprefix('torch.')})" if name == Q4 else name
+    return f"q4 weights ({str(_dtype(name)).removeprefix('torch.')})" if is_q4(name) else name
 
 
 def apply_choice(target, draft, choice: DtypeChoice, gguf: Path | None = None):
@@ -154,10 +191,10 @@ def _convert(target, draft, dtype: torch.dtype, q4: bool, gguf: Path | None):
 def _candidate_copy(target, draft, name: str, gguf: Path | None):
     """The pair as candidate `name` runs it, a copy where it must be converted (the originals untouched)."""
     dtype = _dtype(name)
-    if dtype == next(target.parameters()).dtype and name != Q4:
+    if dtype == next(target.parameters()).dtype and not is_q4(name):
         return target, draft
     from ..drafting.feature_draft import FeatureDrafter
     t = copy.deepcopy(target)
     d = draft.bound_to(t, copy.deepcopy(draft.head)) if isinstance(draft, FeatureDrafter) \
         else copy.deepcopy(draft)
-    return _convert(t, d, dtype, name == Q4, gguf)
+    return _convert(t, d, dtype, is_q4(name), gguf)

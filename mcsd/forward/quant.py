@@ -125,12 +125,15 @@ def dtypes() -> tuple[str, ...]:
 
 
 def compute_dtype() -> str:
-    """The dtype a q4 model runs in here: float32 with the native kernel on a CPU that does not run
-    bfloat16 natively (there, bfloat16 attention and norms cost more than float32's: SmolLM2-135M's
-    SDPA over 300 cached positions, one row, took 380 us in bfloat16 against 92 us in float32 on a
-    2-core AVX2 EPYC), else bfloat16."""
-    native_bf16 = kernels.switchable(torch.bfloat16, "cpu")
-    return "float32" if kernel_name() == "native" and not native_bf16 else "bfloat16"
+    """The dtype q4 weights compute in where nothing was measured (`--dtype auto` weighs every compute
+    dtype of `dtypes()` by its calibrated costs, `mcsd.decoding.choice`): float32 with the native kernel,
+    bfloat16 with torch's int4 kernel (the only one it takes). On every CPU measured, float32
+    activations ran the native kernel's q4 products faster than bfloat16 ones, which are widened to
+    float32 inside the kernel while bfloat16 attention and norms cost more: on a 2-core Xeon with
+    AVX512-BF16 the plain loop ran 84.8 against 50.6 tokens/s, on a 2-core EPYC with AVX512-BF16 the
+    command line's default 176 against 103, and on an AVX2 EPYC one row's SDPA over 300 cached
+    positions took 92 us in float32 against 380 us in bfloat16."""
+    return "float32" if kernel_name() == "native" else "bfloat16"
 
 
 def describe_kernel() -> str:
