@@ -42,7 +42,8 @@ Limitations: the head's width must be its target's (no `target_hidden_size`
 of another width); Llama and Qwen3 draft layers only; no sliding-window
 draft layers; the speculators options `norm_before_fc`, `fc_norm` and
 `norm_output` are refused, as are target layer ids past the last decoder
-layer's input (`L`, the final state). One sequence at a time.
+layer's input (`L`, the final state) and a layer id named twice. One
+sequence at a time.
 """
 
 from __future__ import annotations
