@@ -174,8 +174,8 @@ def test_layer_ids_out_of_order_are_fused_in_layer_order(fixture_target, library
     """vLLM concatenates the captured states in layer order, so a speculators config listing [6, 1, 4] is
     the head made for 1, 4, 6; it drafts the library's logits from the target's own states."""
     from mcsd.forward.lm import CachedLM
-    drafter = load_eagle3_drafter(str(_with_config("speculators", tmp_path, eagle_aux_hidden_state_layer_ids=[6, 1, 4])),
-                                  fixture_target, "float32")
+    folder = _with_config("speculators", tmp_path, eagle_aux_hidden_state_layer_ids=[6, 1, 4])
+    drafter = load_eagle3_drafter(str(folder), fixture_target, "float32")
     assert drafter.feature_layers == (1, 4, 6)
     lm = CachedLM(fixture_target)
     lm.reset()
@@ -431,7 +431,8 @@ def test_export_tool_converts_a_library_head_both_ways(fixture_target, library, 
     from mcsd.train.eagle3_export import main
     hidden, want = library["original.hidden"], library["original.logits"]
     for layout, folder in (("speculators", FIXTURES / source), ("original", tmp_path / "speculators")):
-        assert main([str(folder), str(tmp_path / layout), "--layout", layout, "--target", str(FIXTURES / "target")]) == 0
+        assert main([str(folder), str(tmp_path / layout), "--layout", layout,
+                     "--target", str(FIXTURES / "target")]) == 0
         assert eagle3_layout(tmp_path / layout) == layout
         drafter = load_eagle3_drafter(str(tmp_path / layout), fixture_target, "float32")
         assert drafter.feature_layers == (2, 4, 5) and not drafter.head.cfg.norm_before_residual
