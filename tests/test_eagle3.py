@@ -16,8 +16,14 @@ from mcsd.drafting.pair import load_eagle3_drafter
 from mcsd.errors import ModelLoadError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "eagle3"
-LAYOUTS = ["speculators", "speculators-qwen3", "original"]
+# original-ids: the original head, its layers named by SGLang's eagle_config ids out of order
+LAYOUTS = ["speculators", "speculators-qwen3", "original", "original-ids"]
 PROMPT = torch.tensor([3, 17, 42, 5, 9, 11])
+
+
+def made_as(layout: str) -> str:
+    """The head in logits.safetensors that `layout`'s folder holds."""
+    return "original" if layout == "original-ids" else layout
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +50,7 @@ def chain(root: int, tokens: list[int]) -> DraftTree:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layouts_are_recognised(layout):
-    assert eagle3_layout(FIXTURES / layout) == ("original" if layout == "original" else "speculators")
+    assert eagle3_layout(FIXTURES / layout) == ("original" if layout.startswith("original") else "speculators")
     assert eagle3_layout(FIXTURES / "target") is None
 
 
@@ -58,7 +64,57 @@ def test_target_states_are_the_ones_the_library_read(fixture_target, library, la
     lm.reset()
     seq = library["sequence"]
     _, states = lm.extend(seq[:-1], hidden=drafter.feature_layers)
-    assert torch.allclose(states, library[f"{layout}.hidden"], atol=1e-5)
+    assert torch.allclose(states, library[f"{made_as(layout)}.hidden"], atol=1e-5)
+
+
+def engine_capture(folder: Path, n_layers: int) -> list[int]:
+    """The transformers `hidden_states` indices vLLM or SGLang hand a head's fc, in the order they concatenate
+    them, worked out from the config file by the engines' rules (not by mcsd's reader):
+    - speculators (vLLM): `eagle_aux_hidden_state_layer_ids` name layers whose input is captured (its Llama
+      forward appends hidden_states + residual before running layer idx): transformers' hidden_states[idx];
+    - original (SGLang): `set_eagle3_layers_to_capture` adds 1 to each eagle_config id before the same
+      capture, so id i is hidden_states[i + 1]; without ids, layers 2, L // 2, L - 3.
+    Both capture in one pass over the layers, so the states come in layer order."""
+    cfg = json.loads((folder / "config.json").read_text())
+    if "speculators_model_type" in cfg:
+        captured = cfg["eagle_aux_hidden_state_layer_ids"]
+    else:
+        ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        captured = [i + 1 for i in ids] if ids else [2, n_layers // 2, n_layers - 3]
+    return [layer for layer in range(n_layers) if layer in captured]
+
+
+def _with_config(layout: str, tmp_path: Path, **changes) -> Path:
+    """A copy of fixture `layout` with config.json keys changed (None: removed)."""
+    dest = tmp_path / f"{layout}-changed"
+    shutil.copytree(FIXTURES / layout, dest)
+    cfg = json.loads((dest / "config.json").read_text())
+    for key, value in changes.items():
+        cfg.pop(key, None) if value is None else cfg.__setitem__(key, value)
+    (dest / "config.json").write_text(json.dumps(cfg))
+    return dest
+
+
+@pytest.mark.parametrize("layout", LAYOUTS + ["speculators-unsorted"])
+def test_the_drafter_is_fed_the_states_the_engines_capture(fixture_target, tmp_path, layout):
+    """During a generation, the states the decoder hands the drafter are, position by position, the target
+    states vLLM (speculators) or SGLang (original) would fuse for that config, computed here from
+    transformers' `output_hidden_states` and the config's ids alone (so the fixture script's choice of states
+    for an id plays no part). speculators-unsorted lists the speculators head's ids as [6, 1, 4]."""
+    folder = _with_config("speculators", tmp_path, eagle_aux_hidden_state_layer_ids=[6, 1, 4]) \
+        if layout == "speculators-unsorted" else FIXTURES / layout
+    n_layers = fixture_target.config.num_hidden_layers
+    with torch.no_grad():
+        states = fixture_target(PROMPT[None], output_hidden_states=True).hidden_states    # (L+1) x (1, T, H)
+    want = torch.cat([states[i][0] for i in engine_capture(folder, n_layers)], dim=-1)  # (T, 3H)
+    drafter = load_eagle3_drafter(str(folder), fixture_target, "float32")
+    fed = []
+    observe = drafter.observe_target
+    drafter.observe_target = lambda hidden: (fed.append(hidden.detach().clone()), observe(hidden))[1]
+    TreeDecoder(fixture_target, drafter, tree="2,2", policy="static", attention="sdpa").generate(
+        PROMPT, max_new_tokens=4)
+    got = torch.cat(fed)[:PROMPT.numel()]                   # the prompt's positions, first committed
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5), layout
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -66,7 +122,8 @@ def test_drafter_gives_the_library_logits_first_and_chained(fixture_target, libr
     """At every position: the first step (begin_round) and two chained steps (tree steps down a chain,
     the teacher-forced tokens the library fed) equal the library's logits within 1e-4."""
     drafter = load_eagle3_drafter(str(FIXTURES / layout), fixture_target, "float32")
-    seq, hidden, want = library["sequence"], library[f"{layout}.hidden"], library[f"{layout}.logits"]
+    made = made_as(layout)
+    seq, hidden, want = library["sequence"], library[f"{made}.hidden"], library[f"{made}.logits"]
     T = hidden.shape[0]
     padded = torch.cat([seq, torch.zeros(2, dtype=torch.long)])      # the library feeds 0 past the end
     for q in range(T):
@@ -86,9 +143,10 @@ def test_head_forward_gives_the_library_logits(fixture_target, library, layout):
     over the whole sequence at once."""
     from transformers import DynamicCache
     drafter = load_eagle3_drafter(str(FIXTURES / layout), fixture_target, "float32")
-    head, seq, want = drafter.head, library["sequence"], library[f"{layout}.logits"]
+    made = made_as(layout)
+    head, seq, want = drafter.head, library["sequence"], library[f"{made}.logits"]
     T = want.shape[1]
-    cache, feats = DynamicCache(), head.fused(library[f"{layout}.hidden"])[None]
+    cache, feats = DynamicCache(), head.fused(library[f"{made}.hidden"])[None]
     with torch.no_grad():
         for k in range(3):
             ids = torch.cat([seq[1 + k:], torch.zeros(k, dtype=torch.long)])
@@ -96,6 +154,44 @@ def test_head_forward_gives_the_library_logits(fixture_target, library, layout):
             mask = torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)[None, None]
             feats = head(feats, drafter.embed(ids)[None], torch.arange(1 + k, T + 1 + k)[None], mask, cache)
             assert (head.sub_scores(feats)[0] - want[k]).abs().max() < 1e-4, (layout, k)
+
+
+@pytest.mark.parametrize("layout,reads", [("speculators", True), ("original", False)])
+def test_a_config_without_norm_before_residual_reads_as_its_engine_reads_it(fixture_target, library, tmp_path,
+                                                                              layout, reads):
+    """vLLM's speculators config reader defaults the flag to true; SGLang's layer never reads it (false), nor
+    does vLLM's default for a flat config. The speculators fixture was made with it true, the original one
+    with it false: without the key, each still gives the library's logits."""
+    folder = _with_config(layout, tmp_path, norm_before_residual=None)
+    assert "norm_before_residual" not in json.loads((folder / "config.json").read_text())
+    drafter = load_eagle3_drafter(str(folder), fixture_target, "float32")
+    assert drafter.head.cfg.norm_before_residual is reads
+    drafter.observe_target(library[f"{layout}.hidden"])
+    assert (drafter.begin_round(library["sequence"]) - library[f"{layout}.logits"][0, -1]).abs().max() < 1e-4
+
+
+def test_layer_ids_out_of_order_are_fused_in_layer_order(fixture_target, library, tmp_path):
+    """vLLM concatenates the captured states in layer order, so a speculators config listing [6, 1, 4] is
+    the head made for 1, 4, 6; it drafts the library's logits from the target's own states."""
+    from mcsd.forward.lm import CachedLM
+    folder = _with_config("speculators", tmp_path, eagle_aux_hidden_state_layer_ids=[6, 1, 4])
+    drafter = load_eagle3_drafter(str(folder), fixture_target, "float32")
+    assert drafter.feature_layers == (1, 4, 6)
+    lm = CachedLM(fixture_target)
+    lm.reset()
+    _, states = lm.extend(library["sequence"][:-1], hidden=drafter.feature_layers)
+    drafter.observe_target(states)
+    assert (drafter.begin_round(library["sequence"]) - library["speculators.logits"][0, -1]).abs().max() < 1e-4
+
+
+def test_repeated_layer_ids_and_unordered_configs_are_refused(fixture_target, tmp_path):
+    folder = _with_config("speculators", tmp_path, eagle_aux_hidden_state_layer_ids=[1, 4, 4])
+    with pytest.raises(ModelLoadError, match=r"layer ids \[1, 4, 4\] with repeats") as exc:
+        load_eagle3_drafter(str(folder), fixture_target, "float32")
+    _one_line(exc)
+    layer = json.loads((FIXTURES / "speculators" / "config.json").read_text())["transformer_layer_config"]
+    with pytest.raises(ValueError, match="distinct and ascending"):
+        Eagle3Config(hidden=32, vocab_size=96, draft_vocab=96, layer_config=layer, aux_layers=(4, 1, 6))
 
 
 def test_a_head_storing_a_copy_of_the_target_embedding_embeds_with_the_target(fixture_target):
@@ -296,17 +392,24 @@ def _same_scores(a: Eagle3Head, b: Eagle3Head, feats_width: int):
 
 
 @pytest.mark.parametrize("aux", [(1, 2, 3), (0, 1, 3)])
-def test_export_writes_both_layouts_and_reads_them_back(deep_target, tmp_path, aux):
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_export_writes_both_layouts_and_reads_them_back(deep_target, tmp_path, aux, norm_before_residual):
     from mcsd.train.eagle3_export import write_original, write_speculators
-    head = random_eagle3(deep_target, aux=aux, draft_vocab=24, norm_before_residual=True)
+    head = random_eagle3(deep_target, aux=aux, draft_vocab=24, norm_before_residual=norm_before_residual)
     embed = deep_target.get_input_embeddings().weight
     write_speculators(head, tmp_path / "spec", "tiny-target", embed, card={"note": "test"})
     cfg = json.loads((tmp_path / "spec" / "config.json").read_text())
-    assert cfg["speculators_model_type"] == "eagle3" and cfg["norm_before_residual"] is True
+    assert cfg["speculators_model_type"] == "eagle3" and cfg["norm_before_residual"] is norm_before_residual
     assert cfg["eagle_aux_hidden_state_layer_ids"] == list(aux)
     assert cfg["speculators_config"]["verifier"]["name_or_path"] == "tiny-target"
     drafter = load_eagle3_drafter(str(tmp_path / "spec"), deep_target, "float32")
     _same_scores(head, drafter.head, 3 * head.cfg.hidden)
+    if norm_before_residual:                      # SGLang's layer would take the residual before the norm
+        with pytest.raises(ValueError, match="SGLang would run it as another network") as exc:
+            write_original(head, tmp_path / "orig", target_layers=4)
+        _one_line(exc)
+        assert not (tmp_path / "orig").exists()
+        return
     if 0 in aux:                                  # SGLang's ids name layer outputs: layer 0's input has none
         with pytest.raises(ValueError, match="cannot name"):
             write_original(head, tmp_path / "orig", target_layers=4)
@@ -315,22 +418,38 @@ def test_export_writes_both_layouts_and_reads_them_back(deep_target, tmp_path, a
     cfg = json.loads((tmp_path / "orig" / "config.json").read_text())
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in aux]
     assert eagle3_layout(tmp_path / "orig") == "original"
+    assert "norm_before_residual" not in cfg
     back = load_eagle3_drafter(str(tmp_path / "orig"), deep_target, "float32")
-    assert back.feature_layers == aux and back.head.cfg.norm_before_residual
+    assert back.feature_layers == aux and not back.head.cfg.norm_before_residual
     _same_scores(head, back.head, 3 * head.cfg.hidden)
 
 
-@pytest.mark.parametrize("source,layout", [("original", "speculators"), ("speculators", "original")])
-def test_export_tool_converts_a_library_head(fixture_target, library, tmp_path, source, layout):
-    """A head the library made, rewritten in the other layout by the tool, still gives the library's logits."""
+@pytest.mark.parametrize("source", ["original", "original-ids"])
+def test_export_tool_converts_a_library_head_both_ways(fixture_target, library, tmp_path, source):
+    """A head the library made in the original layout, rewritten in the speculators layout by the tool and
+    back again, still gives the library's logits at each stage (its layers in layer order in both)."""
     from mcsd.train.eagle3_export import main
-    assert main([str(FIXTURES / source), str(tmp_path / "out"), "--layout", layout,
-                 "--target", str(FIXTURES / "target")]) == 0
-    assert eagle3_layout(tmp_path / "out") == layout
-    drafter = load_eagle3_drafter(str(tmp_path / "out"), fixture_target, "float32")
-    hidden, want = library[f"{source}.hidden"], library[f"{source}.logits"]
-    drafter.observe_target(hidden)
-    assert (drafter.begin_round(library["sequence"]) - want[0, -1]).abs().max() < 1e-4
+    hidden, want = library["original.hidden"], library["original.logits"]
+    for layout, folder in (("speculators", FIXTURES / source), ("original", tmp_path / "speculators")):
+        assert main([str(folder), str(tmp_path / layout), "--layout", layout,
+                     "--target", str(FIXTURES / "target")]) == 0
+        assert eagle3_layout(tmp_path / layout) == layout
+        drafter = load_eagle3_drafter(str(tmp_path / layout), fixture_target, "float32")
+        assert drafter.feature_layers == (2, 4, 5) and not drafter.head.cfg.norm_before_residual
+        drafter.observe_target(hidden)
+        assert (drafter.begin_round(library["sequence"]) - want[0, -1]).abs().max() < 1e-4
+    spec = json.loads((tmp_path / "speculators" / "config.json").read_text())
+    assert spec["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5] and spec["norm_before_residual"] is False
+
+
+def test_export_tool_refuses_a_norm_before_residual_head_for_sglang(tmp_path):
+    """The library's speculators head was made with norm_before_residual: the original layout would have
+    SGLang run it as another network, so the tool says so in one line and writes nothing."""
+    from mcsd.train.eagle3_export import main
+    with pytest.raises(SystemExit, match="norm_before_residual, which SGLang's EAGLE-3 layer ignores") as exc:
+        main([str(FIXTURES / "speculators"), str(tmp_path / "out"), "--layout", "original",
+              "--target", str(FIXTURES / "target")])
+    assert "\n" not in str(exc.value) and not (tmp_path / "out").exists()
 
 
 def test_export_refuses_what_the_original_layout_cannot_hold(deep_target, tmp_path):
@@ -377,9 +496,11 @@ def test_trainer_writes_an_eagle3_head_that_drafts_losslessly(tmp_path, monkeypa
     ref = TreeDecoder(target, None, attention="sdpa").generate_baseline(PROMPT, max_new_tokens=24).tokens
     assert TreeDecoder(target, drafter, tree="3,2", policy="static", attention="sdpa").generate(
         PROMPT, max_new_tokens=24).tokens == ref
-    with pytest.raises(SystemExit, match="three distinct target layers"):
-        tfd.main(["--target", str(tmp_path / "target"), "--data-dir", str(data), "--runs", "fit",
-                  "--arch", "eagle3", "--feature-layers", "1,2", "--out", str(tmp_path / "bad")])
+    assert cfg["norm_before_residual"] is False and not drafter.head.cfg.norm_before_residual
+    for bad in ("1,2", "3,1,2"):                  # two layers; three out of the order the engines fuse them in
+        with pytest.raises(SystemExit, match="three distinct target layers .* in ascending order"):
+            tfd.main(["--target", str(tmp_path / "target"), "--data-dir", str(data), "--runs", "fit",
+                      "--arch", "eagle3", "--feature-layers", bad, "--out", str(tmp_path / "bad")])
 
 
 def test_cli_drafts_with_an_eagle3_folder(tmp_path, capsys):

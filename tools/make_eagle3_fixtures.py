@@ -20,6 +20,9 @@ What it writes (all float32, a few hundred kilobytes):
   written in the original EAGLE-3 layout (flat config.json, `midlayer.*`, no `embed_tokens`), which the
   library's own converter (`Eagle3Converter`) reads back: its logits are checked against the head the
   library built before the file was written;
+- original-ids/: the same head and weights, its config naming the layers as SGLang's
+  `eagle_config.eagle_aux_hidden_state_layer_ids` would, out of order: [4, 1, 3] (SGLang captures the
+  input of layer id + 1, so layers 5, 2, 4, and concatenates them in layer order: 2, 4, 5);
 - logits.safetensors: per head, the token sequence, the target's hidden states the head reads, and the
   library's draft logits (over the draft vocabulary) for every position at the first step and two
   chained steps of its forward (`ttt_steps=3`, the chained steps teacher-forced, as the library runs them);
@@ -124,6 +127,15 @@ def write_original(head, path: Path, target_cfg) -> None:
     save_file(state, str(path / "model.safetensors"))
 
 
+def write_with_sglang_ids(source: Path, path: Path, sglang_ids) -> None:
+    """The original-layout head in `source` again at `path`, its config naming its target layers as SGLang's
+    `eagle_config.eagle_aux_hidden_state_layer_ids` (the output of layer i), in the order given."""
+    shutil.copytree(source, path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [int(i) for i in sglang_ids]}
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.parse_args(argv)                       # no options: it writes tests/fixtures/eagle3/ afresh
@@ -162,6 +174,7 @@ def main(argv=None) -> int:
     orig = build_head(target_dir, (2, 4, 5), norm_before_residual=False, seed=2)
     want = record("original", orig, (2, 4, 5))
     write_original(orig, OUT / "original", target.config)
+    write_with_sglang_ids(OUT / "original", OUT / "original-ids", (4, 1, 3))     # layers 5, 2, 4: listed out of order
     from speculators.convert.eagle.eagle3_converter import Eagle3Converter
     from speculators.models.eagle3 import Eagle3DraftModel
     converted = OUT / "converted-by-library"

@@ -21,22 +21,29 @@ of g. That is the feature head's contract (`mcsd.drafting.feature_draft`), so
 `Eagle3Drafter` is a `FeatureDrafter`: the same cache of true-feature entries,
 window, tree steps and commit; only the block it runs differs.
 
-The two layouts it reads:
+The two layouts it reads, each as the engine that serves it reads it
+(docs/eagle3.md cites the engines' lines):
 - original (SafeAILab/EAGLE, SpecForge, SGLang): a flat Llama config with
   `draft_vocab_size`, weights `midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`,
   `t2d`, usually no embedding (the target's is used); SGLang's
   `eagle_config.eagle_aux_hidden_state_layer_ids` name layer outputs, so
-  id i is `hidden_states[i + 1]`;
+  id i is `hidden_states[i + 1]`; a config without `norm_before_residual`
+  reads false (SGLang never reads the flag, vLLM defaults it to false);
 - speculators (what `vllm serve` loads): `speculators_model_type: "eagle3"`,
   the draft layer's config in `transformer_layer_config`,
-  `eagle_aux_hidden_state_layer_ids` (layer inputs), `norm_before_residual`,
-  weights under `layers.N.*` with `embed_tokens`.
+  `eagle_aux_hidden_state_layer_ids` (layer inputs), `norm_before_residual`
+  (true where the config omits it, as vLLM reads it), weights under
+  `layers.N.*` with `embed_tokens`.
+In both, the target layers are fused in ascending order whatever order the
+config lists them in: vLLM and SGLang capture the states in one pass over
+the target's layers and concatenate them as they come.
 
 Limitations: the head's width must be its target's (no `target_hidden_size`
 of another width); Llama and Qwen3 draft layers only; no sliding-window
 draft layers; the speculators options `norm_before_fc`, `fc_norm` and
 `norm_output` are refused, as are target layer ids past the last decoder
-layer's input (`L`, the final state). One sequence at a time.
+layer's input (`L`, the final state) and a layer id named twice. One
+sequence at a time.
 """
 
 from __future__ import annotations
@@ -66,14 +73,19 @@ class Eagle3Config:
     draft_vocab: int                     # K: rows of the head's LM head
     layer_config: dict = field(hash=False)   # the draft layers' transformers config (model_type llama or qwen3)
     # target hidden states fused by fc, as indices into transformers' `hidden_states` (i = the input
-    # of decoder layer i); () = EAGLE-3's default for the target's depth, fixed when bound to it
+    # of decoder layer i), ascending (fc's input blocks in the order vLLM and SGLang concatenate them);
+    # () = EAGLE-3's default for the target's depth, fixed when bound to it
     aux_layers: tuple[int, ...] = ()
     norm_before_residual: bool = False   # the first layer's residual is hidden_norm(g), not g
     has_embedding: bool = False          # the files hold the token embedding (else the target's is used)
     layout: str = "speculators"          # the layout it was read from: "speculators" or "original"
 
     def __post_init__(self):
-        object.__setattr__(self, "aux_layers", tuple(int(i) for i in self.aux_layers))
+        ids = tuple(int(i) for i in self.aux_layers)
+        if list(ids) != sorted(set(ids)):
+            raise ValueError(f"EAGLE-3 target layers {list(ids)} must be distinct and ascending (vLLM and SGLang "
+                             f"concatenate them in ascending layer order)")
+        object.__setattr__(self, "aux_layers", ids)
 
     @property
     def layers(self) -> int:
@@ -382,8 +394,8 @@ def read_eagle3(directory: str | Path) -> tuple[Eagle3Config, dict[str, torch.Te
     try:
         if layout == "speculators":
             layer = dict(raw["transformer_layer_config"])
-            ids = raw.get("eagle_aux_hidden_state_layer_ids") or ()
-            norm_before_residual = bool(raw.get("norm_before_residual", False))
+            ids = [int(i) for i in raw.get("eagle_aux_hidden_state_layer_ids") or ()]
+            norm_before_residual = bool(raw.get("norm_before_residual", True))      # vLLM's default
             draft_vocab = int(raw.get("draft_vocab_size", layer["vocab_size"]))
         else:
             layer = {k: v for k, v in raw.items() if k not in ("architectures", "draft_vocab_size", "eagle_config",
@@ -391,7 +403,7 @@ def read_eagle3(directory: str | Path) -> tuple[Eagle3Config, dict[str, torch.Te
             layer.setdefault("model_type", "llama")
             # SGLang's ids name layer outputs: output of layer i = input of layer i + 1
             ids = [int(i) + 1 for i in (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or ()]
-            norm_before_residual = bool(raw.get("norm_before_residual", False))
+            norm_before_residual = bool(raw.get("norm_before_residual", False))     # SGLang's and vLLM's
             draft_vocab = int(raw["draft_vocab_size"])
         hidden, vocab = int(layer["hidden_size"]), int(layer["vocab_size"])
         layer["num_hidden_layers"] = int(layer.get("num_hidden_layers", 1))
@@ -405,6 +417,10 @@ def read_eagle3(directory: str | Path) -> tuple[Eagle3Config, dict[str, torch.Te
                                 f"are not supported")
     if len(ids) not in (0, 3) and layout == "original":
         raise Eagle3FormatError(f"{directory}: EAGLE-3 fuses three target layers, not {list(ids)}")
+    if len(set(ids)) != len(ids):
+        raise Eagle3FormatError(f"{directory}: EAGLE-3 head names target layer ids {list(ids)} with repeats "
+                                f"(vLLM and SGLang capture each layer once)")
+    ids = sorted(ids)                     # the engines concatenate the captured states in layer order
     state = _weights(directory)
     state = {k.replace("midlayer.", "layers.0.", 1) if k.startswith("midlayer.") else k: v
              for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}

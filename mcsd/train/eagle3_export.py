@@ -13,7 +13,14 @@ two layouts vLLM, SGLang and the EAGLE code load.
   embedding. Its readers fuse EAGLE-3's default layers (2, L/2, L-3) unless
   `eagle_config.eagle_aux_hidden_state_layer_ids` says otherwise, in SGLang's
   convention (the output of layer i, one less than the input ids used here).
-  Only one draft layer fits it (`midlayer`).
+  Only one draft layer fits it (`midlayer`), and only a head trained without
+  `norm_before_residual`: SGLang's layer (like EAGLE's own) takes the first
+  layer's residual before `hidden_norm` whatever the config says, so such a
+  head is refused here rather than written for SGLang to run as another
+  network.
+
+Heads trained here (`new_eagle3_head`) take the residual before the norm, so every engine runs them alike
+in either layout; the flag is written out in the speculators layout, whose vLLM reader defaults it to true.
 
 Both are read back by `mcsd.drafting.eagle3.load_eagle3_head`, which the tests use to check a round trip;
 tools/eagle3_roundtrip.py checks the speculators library reads them as written.
@@ -54,8 +61,10 @@ def new_eagle3_head(target, aux_layers: tuple[int, ...], draft_ids: torch.Tensor
     draft_ids = draft_ids.flatten().long().cpu()
     if (draft_ids.diff() <= 0).any() or draft_ids.min() < 0 or draft_ids.max() >= vocab:
         raise ValueError("draft vocabulary ids must be distinct target ids in ascending order")
+    # norm_before_residual false: the one first layer vLLM, SGLang and EAGLE's own code all run as trained
     cfg = Eagle3Config(hidden=target.config.hidden_size, vocab_size=vocab, draft_vocab=draft_ids.numel(),
-                       layer_config=layer_config_for(target, layers), aux_layers=tuple(aux_layers))
+                       layer_config=layer_config_for(target, layers), aux_layers=tuple(aux_layers),
+                       norm_before_residual=False)
     head = Eagle3Head(cfg)
     with torch.no_grad():
         head.d2t.copy_(draft_ids - torch.arange(draft_ids.numel()))
@@ -125,14 +134,18 @@ def write_original(head: Eagle3Head, out: str | Path, target_layers: int, card: 
         target_layers: the target's decoder layer count: where the head's layers are EAGLE-3's default for
             it, the config names none; else it names them in SGLang's convention (the output of layer i).
     Raises:
-        ValueError for a head the layout cannot hold (several draft layers; layer 0's input, which has no
-        SGLang id).
+        ValueError (one line) for a head the layout cannot hold: several draft layers; layer 0's input,
+        which has no SGLang id; `norm_before_residual`, which SGLang's layer does not read.
     """
     cfg = head.cfg
     if cfg.layers != 1:
         raise ValueError(f"the original EAGLE-3 layout holds one draft layer, not {cfg.layers}")
     if cfg.layer_config.get("model_type", "llama") != "llama":
         raise ValueError("the original EAGLE-3 layout holds a Llama draft layer")
+    if cfg.norm_before_residual:
+        raise ValueError("this head was trained with norm_before_residual, which SGLang's EAGLE-3 layer ignores "
+                         "(it takes the residual before the norm): SGLang would run it as another network; "
+                         "write it in the speculators layout, which vLLM reads with the flag")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     from safetensors.torch import save_file
@@ -143,8 +156,6 @@ def write_original(head: Eagle3Head, out: str | Path, target_layers: int, card: 
     layer["rope_scaling"] = None if kind == "default" else {"rope_type": kind, **rope}
     config = {"architectures": ["LlamaForCausalLMEagle3"], **layer, "draft_vocab_size": cfg.draft_vocab,
               "torch_dtype": _dtype_name(head)}
-    if cfg.norm_before_residual:
-        config["norm_before_residual"] = True
     if tuple(cfg.aux_layers) != default_feature_layers(target_layers):
         if min(cfg.aux_layers) < 1:
             raise ValueError(f"target layers {list(cfg.aux_layers)} include layer 0's input, which the original "

@@ -360,9 +360,10 @@ def main(argv=None) -> int:
         feature_layers = feature_layers or default_feature_layers(n_layers)
         if args.init is not None:
             sys.exit("--arch eagle3 trains a new head; --init goes on from mcsd heads only")
-        if len(feature_layers) != 3 or len(set(feature_layers)) != 3 or not all(0 <= i < n_layers for i in feature_layers):
-            sys.exit(f"an EAGLE-3 head reads three distinct target layers among 0..{n_layers - 1} (layer inputs), "
-                     f"not {list(feature_layers)}")
+        ids = list(feature_layers)
+        if len(ids) != 3 or ids != sorted(set(ids)) or not all(0 <= i < n_layers for i in ids):
+            sys.exit(f"an EAGLE-3 head reads three distinct target layers among 0..{n_layers - 1} (layer inputs) "
+                     f"in ascending order, the order vLLM and SGLang concatenate them in; not {list(feature_layers)}")
         args.feat_weight = 0.0               # its outputs are not the target's features: scores alone train it
     saved = FeatureHead.load(args.init) if args.init is not None else None
     widen = saved is not None and not saved.cfg.feature_layers and bool(feature_layers)
