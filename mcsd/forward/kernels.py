@@ -37,7 +37,8 @@ profile that found the packed copy faster for trees and the plain weights for
 single rows still holds one copy of each weight, at the cost of the other
 layout's speed at the sizes it would have won. Where every block runs on the
 packed copy, `pack(release=True)` lets the plain weights go, a layer at a
-time (a meta tensor keeps their shape and dtype in place), and every product
+time (a meta tensor keeps their shape and dtype in place; the pages of a file
+they were read from in place go too, `mcsd.forward.mapped`), and every product
 of the layer reads the copy, whatever path a block asks for; `unpack`
 brings them back from the copy, exactly. Weights that several modules share
 (a tied LM head and embedding) are never let go. A packed copy is dropped from
