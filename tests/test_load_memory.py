@@ -2,6 +2,7 @@
 once (the copies, plus one group of plain weights), not twice. Measured as a child process's max
 RSS, over a child that imports the same modules and loads nothing."""
 
+import mmap
 import os
 import subprocess
 import sys
@@ -75,3 +76,23 @@ def test_a_mapped_model_prepacked_at_load_peaks_near_its_weights_once(tmp_path, 
     # the copies hold the file's weights (float32: another path's rounding; bfloat16: its own)
     tolerance = 1e-4 if dtype == "float32" else 0.05
     assert torch.allclose(got.float(), expected.float(), atol=tolerance * expected.abs().max().item())
+
+
+def resident_file_bytes() -> int:
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("RssFile:"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="file pages are given back on Linux only")
+def test_pages_are_given_back_from_a_file_mapping_only_and_read_back_the_same(tmp_path):
+    from mcsd.forward import mapped
+    values = torch.randn(1 << 20)                                   # 4 MiB
+    own = values.clone()                                            # torch's own memory: freed with it, never dropped
+    assert mapped.give_back([own]) == 0 and torch.equal(own, values)
+    values.numpy().tofile(tmp_path / "w.bin")
+    weight = torch.from_file(str(tmp_path / "w.bin"), shared=False, size=values.numel(), dtype=torch.float32)
+    assert torch.equal(weight, values)                              # every page read: resident
+    before = resident_file_bytes()
+    assert mapped.give_back([weight]) == 4 << 20                    # page-aligned: every page lies inside
+    assert resident_file_bytes() <= before - (3 << 20)
+    assert torch.equal(weight, values)                              # read again from the file
+    assert mapped.give_back([weight[1:]]) == (4 << 20) - mmap.PAGESIZE   # a page shared with a neighbour stays
