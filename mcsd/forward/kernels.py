@@ -37,7 +37,8 @@ profile that found the packed copy faster for trees and the plain weights for
 single rows still holds one copy of each weight, at the cost of the other
 layout's speed at the sizes it would have won. Where every block runs on the
 packed copy, `pack(release=True)` lets the plain weights go, a layer at a
-time (a meta tensor keeps their shape and dtype in place), and every product
+time (a meta tensor keeps their shape and dtype in place; the pages of a file
+they were read from in place go too, `mcsd.forward.mapped`), and every product
 of the layer reads the copy, whatever path a block asks for; `unpack`
 brings them back from the copy, exactly. Weights that several modules share
 (a tied LM head and embedding) are never let go. A packed copy is dropped from
@@ -53,7 +54,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from . import fused
+from . import fused, mapped
 
 _suspensions = 0                  # > 0 while some caller runs forwards on several threads
 _lock = threading.Lock()
@@ -201,10 +202,12 @@ def pack(module: torch.nn.Module, join: bool = True, release: bool = False) -> i
     share one copy and one product (`mcsd.forward.fused`). Repacks a layer whose weight changed;
     returns the number of layers packed now.
 
-    With `release`, the plain weights are let go as each copy is made (so memory never holds two
-    copies of more than one group) and every product runs on the copy; weights that are shared
+    With `release`, the plain weights are let go as each copy is made, and the pages of a
+    file they were read from in place with them (`mcsd.forward.mapped`), so memory never holds two
+    copies of more than one group; every product then runs on the copy. Weights that are shared
     with another parameter stay. A layer let go before is left as it is."""
     shared = _shared(module) if release else set()
+    files = mapped.file_ranges() if release else []
 
     def eligible(layer) -> bool:
         return _on_table_paths(layer) and (layer.weight.is_meta and "_mcsd_packed" in layer.__dict__
@@ -229,9 +232,12 @@ def pack(module: torch.nn.Module, join: bool = True, release: bool = False) -> i
                 layer.__dict__["forward"] = types.MethodType(_packed_forward, layer)
             done += len(group)
         if release:
+            gone = []
             for i, layer in enumerate(group):
                 if not layer.weight.is_meta and layer.weight.untyped_storage().data_ptr() not in shared:
+                    gone.append(layer.weight)
                     packed.let_go(i)
+            mapped.give_back(gone, files)                       # before the next group's pages are read
     return done
 
 

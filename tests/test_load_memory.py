@@ -1,0 +1,98 @@
+"""Memory at load: a model whose weights run only on their prepacked copies peaks near its weights
+once (the copies, plus one group of plain weights), not twice. Measured as a child process's max
+RSS, over a child that imports the same modules and loads nothing."""
+
+import mmap
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mcsd.forward import kernels
+
+REPO = Path(__file__).resolve().parents[1]
+
+# What the command does with a model it owns (`Calibration.use_kernels`, release_weights=True):
+# load it (transformers maps the safetensors file), prepack it and let its plain weights go.
+LOAD = """
+import sys, torch
+from mcsd.forward import kernels
+from mcsd.loading.models import load_pretrained
+import transformers.models.llama.modeling_llama
+if sys.argv[1] != "-":
+    model = load_pretrained(sys.argv[1], sys.argv[2])
+    kernels.pack(model, release=True)
+    assert kernels.released(model) == sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    with torch.inference_mode():
+        torch.save(model(torch.arange(8)[None]).logits[0], sys.argv[3])
+"""
+
+# A fresh process that runs one child and reports the child's max RSS (KiB on Linux), so the figure
+# is that child's alone, not the largest of everything the test process ever waited for.
+PEAK = """
+import resource, subprocess, sys
+subprocess.run(sys.argv[1:], check=True)
+print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+"""
+
+
+def child_peak(*args: str) -> int:
+    """Max RSS in bytes of `python -c LOAD args`, run from the checkout."""
+    done = subprocess.run([sys.executable, "-c", PEAK, sys.executable, "-c", LOAD, *args], cwd=REPO,
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    return int(done.stdout.split()[-1]) * 1024
+
+
+@pytest.fixture(scope="module")
+def baseline() -> int:
+    """The max RSS of a child that imports what loading imports and loads nothing."""
+    return child_peak("-")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="file pages are given back on Linux only")
+@pytest.mark.parametrize("dtype, layers", [("float32", 4), ("bfloat16", 8)])
+def test_a_mapped_model_prepacked_at_load_peaks_near_its_weights_once(tmp_path, baseline, dtype, layers):
+    if not kernels.packable(getattr(torch, dtype), "cpu"):
+        pytest.skip(f"no oneDNN prepacking of {dtype} on this CPU")
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=2048, hidden_size=1024, intermediate_size=2816, num_hidden_layers=layers,
+                      num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).to(getattr(torch, dtype)).eval()
+    model.save_pretrained(tmp_path)                     # safetensors, in the dtype it loads in: mapped in place
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())     # about 200 MB
+    peak = child_peak(str(tmp_path), dtype, str(tmp_path / "logits.pt"))
+    # The plain weights' file pages and the copies held together came to 2.1x the weights over the
+    # baseline (+425 MB for 206 MB of float32 weights); the copies and one group's pages, 1.1-1.2x.
+    assert peak - baseline < 1.3 * weights, \
+        f"loading {weights / 1e6:.0f} MB of weights raised the peak by {(peak - baseline) / 1e6:.0f} MB"
+    with torch.inference_mode():
+        expected = model(torch.arange(8)[None]).logits[0]
+    got = torch.load(tmp_path / "logits.pt")
+    # the copies hold the file's weights (float32: another path's rounding; bfloat16: its own)
+    tolerance = 1e-4 if dtype == "float32" else 0.05
+    assert torch.allclose(got.float(), expected.float(), atol=tolerance * expected.abs().max().item())
+
+
+def resident_file_bytes() -> int:
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("RssFile:"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="file pages are given back on Linux only")
+def test_pages_are_given_back_from_a_file_mapping_only_and_read_back_the_same(tmp_path):
+    from mcsd.forward import mapped
+    values = torch.randn(1 << 20)                                   # 4 MiB
+    own = values.clone()                                            # torch's own memory: freed with it, never dropped
+    assert mapped.give_back([own]) == 0 and torch.equal(own, values)
+    values.numpy().tofile(tmp_path / "w.bin")
+    weight = torch.from_file(str(tmp_path / "w.bin"), shared=False, size=values.numel(), dtype=torch.float32)
+    assert torch.equal(weight, values)                              # every page read: resident
+    before = resident_file_bytes()
+    assert mapped.give_back([weight]) == 4 << 20                    # page-aligned: every page lies inside
+    assert resident_file_bytes() <= before - (3 << 20)
+    assert torch.equal(weight, values)                              # read again from the file
+    assert mapped.give_back([weight[1:]]) == (4 << 20) - mmap.PAGESIZE   # a page shared with a neighbour stays
