@@ -94,6 +94,11 @@ def markdown(rows: list[dict], env: dict) -> str:
              f"{', ' + env['cuda'] if env.get('cuda') else ''}); {env.get('device')}; "
              f"torch {env.get('torch')}, transformers {env.get('transformers')}; "
              f"{env.get('prompts')} prompts x {env.get('max_new_tokens')} new tokens; {when[:10]}.", ""]
+    if env.get("smoke"):
+        lines += [SMOKE, ""]
+    spread = baseline_spread(rows)
+    if spread:
+        lines += [spread, ""]
     lines += ["| method | tree | tokens/s | speedup | tau | accept by depth | same output as baseline |",
               "| --- | --- | ---: | ---: | ---: | --- | --- |"]
     for r in rows:
@@ -111,11 +116,28 @@ def markdown(rows: list[dict], env: dict) -> str:
                 c = r["by_category"].get(g)
                 cells.append("-" if c is None else f"{_fmt(c.get('speedup'))} ({_fmt(c['tau'])})")
             lines.append(f"| {r['method']} | " + " | ".join(cells) + " |")
-    best = _best(rows)
+    best = None if env.get("smoke") else _best(rows)
     if best:
         lines += ["", best]
     lines += forward_markdown(env.get("forward", []))
     return "\n".join(lines) + "\n"
+
+
+SMOKE = ("**A smoke run (`--bench-smoke`): it shows that the harness runs, and is not a measurement.** "
+         "One prompt and 16 tokens time start-up costs as much as decoding; no speedup here means anything.")
+SPREAD = 2.0      # baselines further apart than this: the machine was not steady, or one baseline misran
+
+
+def baseline_spread(rows: list[dict]) -> str | None:
+    """A warning where the baseline family's tokens/s (plain decoding, each way it is run) spread by
+    more than SPREAD: every speedup is over one of them, so it is then no steady reference."""
+    base = sorted((r["tokens_per_s"], r["method"]) for r in rows if r["family"] == "baseline" and r["tokens_per_s"])
+    if len(base) < 2 or base[-1][0] <= SPREAD * base[0][0]:
+        return None
+    (low, slow), (high, fast) = base[0], base[-1]
+    return (f"**Warning: the baseline family spreads {high / low:.1f}x** ({slow} {low:.1f} tokens/s, {fast} "
+            f"{high:.1f}): more than {SPREAD:g}x between ways of running plain decoding means a busy machine or "
+            f"a baseline that misran; read no speedup here before running it again.")
 
 
 def _best(rows: list[dict]) -> str | None:
