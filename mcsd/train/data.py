@@ -142,9 +142,9 @@ def response_run(manifest: dict, run: str, data_dir: Path) -> dict:
     one line naming the command that makes it."""
     entry = manifest["runs"].get(run)
     if entry is None:
-        sys.exit(f"no response run {run!r} in {data_dir} (runs there: {', '.join(sorted(manifest['runs'])) or 'none'}); "
-                 f"make it first: python tools/target_data.py generate --run {run} --split fit "
-                 f"(--split heldout for held-out prompts)")
+        there = ", ".join(sorted(manifest["runs"])) or "none"
+        sys.exit(f"no response run {run!r} in {data_dir} (runs there: {there}); make it first: "
+                 f"python tools/target_data.py generate --run {run} --split fit (--split heldout for held-out prompts)")
     return entry
 
 
