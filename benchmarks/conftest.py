@@ -126,7 +126,7 @@ class Bench:
             "host": __import__("mcsd.costs.profile", fromlist=["machine_info"]).machine_info(str(self.device)),
             "transformers": __import__("transformers").__version__,
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "prompts": len(self.prompts), "max_new_tokens": self.max_new_tokens,
+            "prompts": len(self.prompts), "max_new_tokens": self.max_new_tokens, "smoke": self.smoke,
             "temperature": self.temperature, "top_p": self.top_p,
             "llama_cpp": "in its own process",           # see methods.llama_cpp_worker
             "drafter": "model" if self.draft_is_model else type(self.draft).__name__,

@@ -1,8 +1,8 @@
 """Side-by-side speed: plain decoding, Hugging Face assisted generation, mcsd chains, trees and policies.
 
 Every method runs on the same prompts in the same session. Recorded per method
-in `benchmark.extra_info`: tokens/s, speedup over `baseline` (measured in this
-run), tau (tokens per target forward), acceptance by depth, the draft / verify /
+in `benchmark.extra_info`: tokens/s, speedup over `baseline` (the ratio of tokens/s,
+measured in this run), tau (tokens per target forward), acceptance by depth, the draft / verify /
 other time split, whether the output equals the baseline's token for token,
 and the same figures per category group. Nothing is asserted about speed.
 
@@ -21,15 +21,25 @@ from methods import all_methods
 METHODS = all_methods()
 
 
-def _summary(runs, seconds_base=None):
+def _summary(runs, base=None):
+    """Totals of `runs`; with `base`, the baseline's (tokens, seconds) on the same prompts, the speedup:
+    the ratio of tokens/s. (Methods can write different amounts of text, on q4 weights or sampled, so
+    a ratio of times would compare different work.)"""
     tokens = sum(len(r.tokens) for r in runs)
     seconds = sum(r.seconds for r in runs)
     forwards = sum(r.target_forwards for r in runs)
     out = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else 0.0,
            "tau": tokens / forwards if forwards else 0.0}
-    if seconds_base:
-        out["speedup"] = seconds_base / seconds if seconds else 0.0
+    if base and base[0] and base[1]:
+        out["speedup"] = out["tokens_per_s"] / (base[0] / base[1])
     return out
+
+
+def _base(bench, questions):
+    """The baseline's (tokens, seconds) on these prompts, or None where it did not run on all of them."""
+    if not set(bench.baseline_time) >= set(questions):
+        return None
+    return sum(len(bench.baseline[q]) for q in questions), sum(bench.baseline_time[q] for q in questions)
 
 
 def skip_reason(bench, method) -> str | None:
@@ -85,8 +95,7 @@ def test_method(benchmark, bench, method, request):
     if method.name == "baseline":
         bench.baseline = {q: r.tokens for q, r in runs.items()}
         bench.baseline_time = {q: r.seconds for q, r in runs.items()}
-    have_base = set(bench.baseline_time) >= set(runs)
-    info = _summary(list(runs.values()), sum(bench.baseline_time.get(q, 0) for q in runs) if have_base else None)
+    info = _summary(list(runs.values()), _base(bench, list(runs)))
 
     offered, accepted = [], []
     for r in runs.values():
@@ -110,8 +119,7 @@ def test_method(benchmark, bench, method, request):
         "policy_s": sum(r.policy_s for r in runs.values()),
         "equal_to_baseline": bool(bench.baseline) and not mismatched,
         "mismatched_prompts": mismatched,
-        "by_category": {g: _summary([runs[q] for q in qs], sum(bench.baseline_time.get(q, 0) for q in qs)
-                                    if have_base else None) for g, qs in by_group.items()},
+        "by_category": {g: _summary([runs[q] for q in qs], _base(bench, qs)) for g, qs in by_group.items()},
         "environment": bench.environment,
     })
     info["other_s"] = max(info["seconds"] - info["draft_s"] - info["verify_s"], 0.0) \

@@ -48,3 +48,40 @@ def test_the_report_names_the_weights_dtype_and_decoding_first(tmp_path):
     same = report["_same"]
     assert (same({"equal_to_baseline": True}), same({"mismatched_prompts": [3, 5]}), same({})) == \
         ("yes", "no (2 prompts)", "-")                                # "-": no baseline ran to compare with
+
+
+def test_speedup_is_the_ratio_of_tokens_per_second(monkeypatch):
+    import runpy
+    from types import SimpleNamespace
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    summary = runpy.run_path(str(ROOT / "benchmarks" / "test_speed.py"))["_summary"]
+    # 30 tokens in 1.5 s (20 tokens/s) against a baseline that wrote 10 in 1 s (10 tokens/s): 2x,
+    # though the times alone (1 s against 1.5 s) would say 0.67x
+    runs = [SimpleNamespace(tokens=[0] * 20, seconds=1.0, target_forwards=10),
+            SimpleNamespace(tokens=[0] * 10, seconds=0.5, target_forwards=5)]
+    out = summary(runs, (10, 1.0))
+    assert out["tokens_per_s"] == 20.0 and out["speedup"] == 2.0 and out["tau"] == 2.0
+    assert "speedup" not in summary(runs, None)
+
+
+def _rows(base_tps: float, other_base_tps: float) -> list[dict]:
+    row = {"tau": 1.0, "interleaved": True, "equal_to_baseline": True}
+    return [{**row, "method": "baseline", "family": "baseline", "tokens_per_s": base_tps, "speedup": 1.0},
+            {**row, "method": "baseline_mcsd", "family": "baseline", "tokens_per_s": other_base_tps,
+             "speedup": other_base_tps / base_tps},
+            {**row, "method": "tree_422", "family": "tree", "tokens_per_s": 42.3, "speedup": 42.3 / base_tps},
+            {**row, "method": "hf_assisted_5", "family": "hf_assisted", "tokens_per_s": 20.0,
+             "speedup": 20.0 / base_tps}]
+
+
+def test_a_smoke_report_says_it_is_no_measurement_and_a_wide_baseline_family_is_flagged():
+    report = _report()
+    env = {"weights": "q4", "dtype": "float32", "prompts": 1, "max_new_tokens": 16}
+    steady = report["markdown"](_rows(30.0, 40.0), env)
+    assert "Best mcsd method: tree_422 at 1.41x over baseline" in steady
+    assert "not a measurement" not in steady and "Warning" not in steady
+    smoke = report["markdown"](_rows(30.0, 40.0), {**env, "smoke": True})
+    assert "not a measurement" in smoke and "Best mcsd method" not in smoke and "over baseline" not in smoke
+    wide = report["markdown"](_rows(0.5, 40.0), env)
+    assert "Warning: the baseline family spreads 80.0x** (baseline 0.5 tokens/s, baseline_mcsd 40.0)" in wide
+    assert "Warning" not in report["markdown"](_rows(20.0, 40.0), env)         # 2x exactly: not flagged

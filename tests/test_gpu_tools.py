@@ -43,9 +43,20 @@ def test_join_refuses_a_missing_or_damaged_part(tmp_path):
         carry.join(tmp_path / "parts", tmp_path / "cache")
 
 
-def test_tree_without_the_left_out_folders_is_smaller(tmp_path):
+def test_tree_bytes_counts_the_tracked_files_present_less_those_left_out(tmp_path):
+    import subprocess
     carry = tool("gpu_carry")
-    assert carry.tree_bytes(leave_out=()) >= carry.tree_bytes()
+    files = {"a.py": 100, "data/store.bin": 7000, "database.txt": 30,      # "database" is not under data/
+             "models/smollm2-135m-draft/model.safetensors": 900, "models/head/w.bin": 50, "gone.txt": 11}
+    for name, size in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"x" * size)
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run(["git", "add", "."], cwd=tmp_path, check=True)
+    (tmp_path / "gone.txt").unlink()                 # tracked, not in the checkout: nothing to carry
+    (tmp_path / "untracked.bin").write_bytes(b"x" * 5000)
+    assert carry.tree_bytes(tmp_path, leave_out=()) == 100 + 7000 + 30 + 900 + 50
+    assert carry.tree_bytes(tmp_path) == 100 + 30 + 50
 
 
 def test_gpu_check_runs_every_stage_on_a_tiny_pair(tmp_path, monkeypatch):

@@ -1,5 +1,6 @@
-"""README.md holds as written: its Python snippets run and do what their comments say, every
-`mcsd-generate` / `mcsd-serve` line it shows parses, and it stays a guide (the reference is in docs/)."""
+"""README.md and docs/ hold as written: their Python snippets run and do what their comments say,
+every `mcsd-generate` / `mcsd-serve` line they show parses, every `mcsd.` name they give exists, and
+README stays a guide (the reference is in docs/)."""
 
 import os
 import re
@@ -8,21 +9,23 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text()
+DOCS = {f"docs/{p.name}": p.read_text() for p in sorted((REPO / "docs").glob("*.md"))}
 SERVER_NOTE = "# needs a running `mcsd-serve --port 8000`"
 
 
-def blocks(lang: str) -> list[str]:
-    return re.findall(rf"```{lang}\n(.*?)```", README, re.S)
+def blocks(lang: str, text: str = README) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", text, re.S)
 
 
-def command_lines(program: str) -> list[list[str]]:
-    """Each `program ...` line of README's bash blocks as argv (comments and continuations handled)."""
+def command_lines(program: str, texts=(README,)) -> list[list[str]]:
+    """Each `program ...` line of the texts' bash blocks as argv (comments and continuations handled)."""
     found = []
-    for block in blocks("bash"):
+    for block in (b for text in texts for b in blocks("bash", text)):
         for line in block.replace("\\\n", " ").splitlines():
             if not re.match(rf"\s*(\S+ \| )?{program} ", line):
                 continue
@@ -37,12 +40,13 @@ def test_readme_is_a_guide_and_links_what_it_dropped():
         assert ref in README and (REPO / ref).is_file(), ref
 
 
-def test_every_generate_line_in_readme_parses(tmp_path, monkeypatch):
+@pytest.mark.parametrize("where", ["README.md", "docs/"])
+def test_every_generate_line_parses(tmp_path, monkeypatch, where):
     from mcsd.cli.args import build_parser, check_args, drafter_kinds
     from mcsd.drafting.policies import POLICIES, resolve_policy
     from mcsd.loading.presets import PRESETS
     monkeypatch.chdir(tmp_path)                          # where `--output results.jsonl` would go
-    lines = command_lines("mcsd-generate")
+    lines = command_lines("mcsd-generate", (README,) if where == "README.md" else tuple(DOCS.values()))
     assert len(lines) >= 5
     for argv in lines:
         args = build_parser().parse_args(argv)          # a typo in a flag exits here
@@ -53,10 +57,10 @@ def test_every_generate_line_in_readme_parses(tmp_path, monkeypatch):
             check_args(args)                              # values are checked before anything loads
 
 
-def test_every_serve_line_in_readme_parses():
+def test_every_serve_line_parses():
     from mcsd.serve.cli import build_parser
-    lines = command_lines("mcsd-serve")
-    assert lines
+    lines = command_lines("mcsd-serve", (README, *DOCS.values()))
+    assert len(lines) > len(command_lines("mcsd-serve"))
     for argv in lines:
         build_parser().parse_args(argv)
 
@@ -76,7 +80,9 @@ def test_the_python_api_snippets_run_as_written(monkeypatch):
     api, options = blocks("python")[1:]
     scope: dict = {}
     exec(compile(api, "README.md (Python)", "exec"), scope)
-    assert scope["out"].text and scope["out"].stats.mean_accepted >= 1.0
+    stats = scope["out"].stats               # the default pair drafts, and the drafts are taken (costs are fixed here)
+    assert scope["out"].text and stats.draft_forwards > 0 and stats.accept_by_depth[0] > 0
+    assert stats.mean_accepted == len(scope["out"].tokens) / stats.target_forwards > 1.0
     exec(compile(options, "README.md (options)", "exec"), scope)
     sampled = scope["out"]
     again = scope["dec"].generate(scope["prompt"], max_new_tokens=32, seed=0,
@@ -85,14 +91,98 @@ def test_the_python_api_snippets_run_as_written(monkeypatch):
     assert again.tokens == sampled.tokens                # "the same text for the same seed"
 
 
+def _metrics(port: int) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
 @pytest.mark.slow
-def test_the_server_snippet_runs_against_the_served_default(tmp_path):
+def test_the_server_snippets_run_against_the_served_default(tmp_path):
+    """README's snippet, then docs/server.md's, against one server with the default pair. The tau
+    README's prints is the server's own count for that one request: its tokens over its target forwards."""
     from serving import running_server
     env = dict(os.environ, OMP_NUM_THREADS="1")
     with running_server(["--threads", "1"], tmp_path / "server.log") as port:
-        snippet = blocks("python")[0].replace("127.0.0.1:8000", f"127.0.0.1:{port}")
-        result = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, env=env,
-                                timeout=600)
-    assert result.returncode == 0, result.stderr
-    text, tau = result.stdout.rstrip().rsplit(" ", 1)
-    assert text.strip() and float(tau) >= 1.0
+        def run(snippet: str) -> str:
+            result = subprocess.run([sys.executable, "-c", snippet.replace("127.0.0.1:8000", f"127.0.0.1:{port}")],
+                                    capture_output=True, text=True, env=env, timeout=600)
+            assert result.returncode == 0, result.stderr
+            return result.stdout
+
+        text, tau = run(blocks("python")[0]).rstrip().rsplit(" ", 1)
+        counts = _metrics(port)
+        tokens, forwards = counts[("mcsd_completion_tokens_total", ())], counts[("mcsd_target_forwards_total", ())]
+        assert text.strip() and 0 < tokens <= 64
+        assert float(tau) == pytest.approx(tokens / forwards, abs=1e-4) == counts[("mcsd_tau", ())]
+
+        answer, streamed = run(blocks("python", DOCS["docs/server.md"])[0]).split("\n", 1)
+        assert answer.strip() and streamed.strip()
+        assert _metrics(port)[("mcsd_requests_total", (("endpoint", "chat"), ("status", "200")))] == 3
+
+
+def test_every_mcsd_name_in_docs_exists():
+    """Each `mcsd.module.name` README and docs/ give is importable (docs/results.md, a dated record,
+    keeps the names of its day)."""
+    import importlib
+    texts = [README, *(text for name, text in DOCS.items() if name != "docs/results.md")]
+    names = sorted({m for text in texts for m in re.findall(r"`(mcsd(?:\.\w+)+)", text)})
+    assert len(names) >= 20
+    missing = []
+    for name in names:
+        parts = name.split(".")
+        for cut in range(len(parts), 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+                break
+            except ModuleNotFoundError:
+                continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr, None)
+        if obj is None:
+            missing.append(name)
+    assert not missing, missing
+
+
+def test_the_docs_python_snippets_are_the_ones_tested_here():
+    """The tests below run every Python snippet in docs/; this one fails first when one is added or moved."""
+    counts = {name: len(blocks("python", text)) for name, text in DOCS.items() if blocks("python", text)}
+    assert counts == {"docs/eagle3.md": 1, "docs/python.md": 1, "docs/server.md": 1}
+    assert "load_model_pair(" in blocks("python", DOCS["docs/eagle3.md"])[0]
+    assert "logits_processor=" in blocks("python", DOCS["docs/python.md"])[0]
+    assert "127.0.0.1:8000" in blocks("python", DOCS["docs/server.md"])[0]
+
+
+def test_the_eagle3_snippet_runs_with_a_head_here(tmp_path, capsys):
+    """docs/eagle3.md's snippet as written, its two folders swapped for the tiny Llama and EAGLE-3 head of
+    tests/fixtures/eagle3 (the 8B pair it names is not here)."""
+    import shutil
+
+    from conftest import word_tokenizer
+    fixtures = REPO / "tests" / "fixtures" / "eagle3"
+    shutil.copytree(fixtures / "target", tmp_path / "target")
+    word_tokenizer(vocab=96).save_pretrained(tmp_path / "target")
+    snippet = blocks("python", DOCS["docs/eagle3.md"])[0]
+    swaps = {"meta-llama/Llama-3.1-8B-Instruct": tmp_path / "target", "heads/eagle3-llama3.1-8b": fixtures / "original"}
+    for name, path in swaps.items():
+        assert f'"{name}"' in snippet
+        snippet = snippet.replace(f'"{name}"', repr(str(path)))
+    scope: dict = {}
+    exec(compile(snippet, "docs/eagle3.md (Python)", "exec"), scope)
+    from mcsd.drafting.eagle3 import Eagle3Drafter
+    printed = capsys.readouterr().out.splitlines()
+    assert isinstance(scope["drafter"], Eagle3Drafter) and len(printed) == 1 and printed[0].strip()
+
+
+@pytest.mark.slow
+def test_the_generation_options_snippet_runs_as_written(monkeypatch):
+    """docs/python.md's snippet on its own: logprobs for each token, and the processor of its own obeyed."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    scope: dict = {}
+    exec(compile(blocks("python", DOCS["docs/python.md"])[0], "docs/python.md (Python)", "exec"), scope)
+    out = scope["out"]
+    assert out.text.strip() and not any(c.isdigit() for c in out.text)
+    first = scope["dec"].generate(scope["prompt"], max_new_tokens=32, repetition_penalty=1.3,
+                                  no_repeat_ngram_size=3, return_logprobs=True)
+    assert len(first.logprobs) == len(first.tokens) and all(lp <= 0 for lp in first.logprobs)

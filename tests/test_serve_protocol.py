@@ -1,5 +1,6 @@
 """The server's pieces in process: request checking and the field mapping, streamed text, OpenAI's
-penalties as an exact processor, the logprobs recorder, the metrics text, the command line's mistakes."""
+penalties as an exact processor, the logprobs recorder, the metrics text, the command line's mistakes,
+the engine's queue as it stops."""
 
 import pytest
 import torch
@@ -225,3 +226,45 @@ def test_the_server_reference_states_the_defaults_and_the_refused_fields():
         assert fact in text, fact
     for name in protocol.UNSUPPORTED:
         assert f"`{name}`" in text, name
+
+
+def test_a_job_submitted_while_the_engine_stops_is_answered_or_refused_never_stranded():
+    """The race: a submit has checked that the engine takes jobs, and stop() puts its marker on the
+    queue before the job lands. The job must then be refused (Draining: the HTTP side's 503) or land
+    before the marker and be answered; never behind it, where nobody answers it."""
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    from mcsd.serve.engine import Draining, Engine, Job, Run
+
+    class Decoder:
+        def stream(self, prompt_ids, **options):
+            yield [7]
+            return SimpleNamespace(tokens=[7], stats=None)
+
+    engine = Engine(lambda: Decoder(), max_queue=4)
+    engine.start()
+    events = []
+    job = Job([Run([1, 2], {})], asyncio.new_event_loop(), arrived=0.0, timeout_s=3600.0)
+    job.emit = lambda *event: events.append(event)
+    real_put = engine._queue.put_nowait
+
+    def put_as_stop_runs(item):                     # stop() runs between the submit's check and its put
+        stopper = threading.Thread(target=engine.stop)
+        stopper.start()
+        stopper.join(1.0)                           # it ends, or it waits for the submit to finish
+        real_put(item)
+
+    engine._queue.put_nowait = put_as_stop_runs
+    try:
+        engine.submit(job)
+    except Draining:
+        refused = True
+    else:
+        refused = False
+    engine._thread.join(5.0)
+    assert not engine._thread.is_alive()
+    assert refused or events[-1:] == [("end",)], f"queued behind the stop marker, unanswered: {events}"
+    with pytest.raises(Draining):                     # and once stopped, a job is refused at once
+        engine.submit(job)

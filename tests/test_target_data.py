@@ -63,3 +63,20 @@ def test_teacher_stores_the_chosen_layers(target):
     assert out["layers"].shape == (4, 96)
     assert torch.allclose(out["layers"].float(), want.float(), atol=1e-2)
     assert torch.allclose(out["hidden"].float(), hs[-1][0, 2:6], atol=1e-2)
+
+
+MAKE_IT = r"no response run 'fit-greedy' in .*make it first: python tools/target_data\.py generate --run fit-greedy"
+
+
+def test_a_missing_run_names_the_command_that_makes_it(tmp_path, monkeypatch):
+    """A fresh cache holds no runs: each reader says which command makes the one it was asked for."""
+    for read in (lambda: list(td.iter_records(tmp_path, "fit-greedy")),
+                 lambda: td.load_examples(tmp_path, ["fit-greedy"]),
+                 lambda: td.ShardedExamples(tmp_path, ["fit-greedy"])):
+        with pytest.raises(SystemExit, match=MAKE_IT):
+            read()
+    # the teacher stage says so before it loads the target or records a teacher entry for the run
+    monkeypatch.setattr(engine, "load_target", lambda *a, **k: pytest.fail("loaded the target"))
+    with pytest.raises(SystemExit, match=MAKE_IT):
+        engine.main(["--data-dir", str(tmp_path), "teacher", "fit-greedy", "--store-layers", "2,15,27"])
+    assert td.read_manifest(tmp_path)["teacher"] == {}

@@ -6,7 +6,9 @@ the plots; the commands that make the JSON are in docs/benchmarks.md."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import operator
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -56,21 +58,13 @@ def _fmt(x, spec=".2f"):
 
 def _same(row: dict) -> str:
     """yes, no (on how many prompts), or - where no baseline ran to compare with."""
-    if row.get("equal_to_baseline"):
-        return "yes"
     mismatched = row.get("mismatched_prompts", [])
-    return f"no ({len(mismatched)} prompts)" if mismatched else "-"
+    return "yes" if row.get("equal_to_baseline") else f"no ({len(mismatched)} prompts)" if mismatched else "-"
 
 
 def tree_size(spec: str | None) -> int:
-    """Draft nodes of a k-config ("4,2,2" -> 28); 0 for none."""
-    if not spec:
-        return 0
-    total, width = 0, 1
-    for k in spec.split(","):
-        width *= int(k)
-        total += width
-    return total
+    """Draft nodes of a k-config ("4,2,2" -> 4 + 8 + 16 = 28); 0 for none."""
+    return sum(itertools.accumulate((int(k) for k in spec.split(",")), operator.mul)) if spec else 0
 
 
 def header(rows: list[dict], env: dict) -> str:
@@ -94,28 +88,37 @@ def markdown(rows: list[dict], env: dict) -> str:
              f"{', ' + env['cuda'] if env.get('cuda') else ''}); {env.get('device')}; "
              f"torch {env.get('torch')}, transformers {env.get('transformers')}; "
              f"{env.get('prompts')} prompts x {env.get('max_new_tokens')} new tokens; {when[:10]}.", ""]
+    notes = ("**A smoke run (`--bench-smoke`): it shows that the harness runs and is not a measurement.**"
+             if env.get("smoke") else None, baseline_spread(rows))
+    lines += [f"{note}\n" for note in notes if note]
     lines += ["| method | tree | tokens/s | speedup | tau | accept by depth | same output as baseline |",
               "| --- | --- | ---: | ---: | ---: | --- | --- |"]
     for r in rows:
         depth = " ".join(f"{a:.2f}" for a in r.get("accept_by_depth", [])[:6]) or "-"
         lines.append(f"| {r['method']} | {r.get('tree') or '-'} | {_fmt(r['tokens_per_s'], '.1f')} | "
-                     f"{_fmt(r.get('speedup'))} | {_fmt(r['tau'])} | {depth} | "
-                     f"{_same(r)} |")
+                     f"{_fmt(r.get('speedup'))} | {_fmt(r['tau'])} | {depth} | {_same(r)} |")
     groups = sorted({g for r in rows for g in r.get("by_category", {})})
     if groups:
         lines += ["", "Speedup (tau) by category group:", "",
                   "| method | " + " | ".join(groups) + " |", "| --- |" + " ---: |" * len(groups)]
         for r in rows:
-            cells = []
-            for g in groups:
-                c = r["by_category"].get(g)
-                cells.append("-" if c is None else f"{_fmt(c.get('speedup'))} ({_fmt(c['tau'])})")
+            cells = [f"{_fmt(c.get('speedup'))} ({_fmt(c['tau'])})" if (c := r["by_category"].get(g)) else "-"
+                     for g in groups]
             lines.append(f"| {r['method']} | " + " | ".join(cells) + " |")
-    best = _best(rows)
-    if best:
+    if not env.get("smoke") and (best := _best(rows)):      # a smoke run's figures rank nothing
         lines += ["", best]
     lines += forward_markdown(env.get("forward", []))
     return "\n".join(lines) + "\n"
+
+
+def baseline_spread(rows: list[dict]) -> str | None:
+    """A warning where the ways of running plain decoding (the baseline family) differ more than 2x in tokens/s."""
+    base = sorted((r["tokens_per_s"], r["method"]) for r in rows if r["family"] == "baseline" and r["tokens_per_s"])
+    if len(base) > 1 and base[-1][0] > 2 * base[0][0]:
+        return (f"**Warning: the baseline family spreads {base[-1][0] / base[0][0]:.1f}x** ({base[0][1]} "
+                f"{base[0][0]:.1f} tokens/s, {base[-1][1]} {base[-1][0]:.1f}): a busy machine or a baseline that "
+                f"misran; no speedup here holds.")
+    return None
 
 
 def _best(rows: list[dict]) -> str | None:
@@ -141,8 +144,13 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     written = []
+
+    def save(fig, name):
+        fig.tight_layout()
+        written.append(out / name)
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
     groups = sorted({g for r in rows for g in r.get("by_category", {})})
     shown = [r for r in rows if r.get("speedup") is not None]
     if groups and shown:
@@ -157,10 +165,7 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
         ax.set_ylabel("speedup over plain decoding")
         ax.set_title("Speedup by category group")
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        written.append(out / "speedup_by_category.png")
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
+        save(fig, "speedup_by_category.png")
     trees = [r for r in rows if r["family"] in ("chain", "tree", "policy") and r.get("tree")]
     if trees:
         fig, ax = plt.subplots(figsize=(6, 4.5))
@@ -171,10 +176,7 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
         ax.set_xlabel("draft nodes in the largest tree")
         ax.set_ylabel("tau (tokens per target forward)")
         ax.set_title("Mean accepted tokens against tree size")
-        fig.tight_layout()
-        written.append(out / "tau_vs_tree_size.png")
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
+        save(fig, "tau_vs_tree_size.png")
     return written
 
 
@@ -189,9 +191,8 @@ def main(argv=None) -> int:
     text = markdown(rows, env)
     (args.out / "report.md").write_text(text)
     print(text)
-    if not args.no_plots:
-        for p in plots(rows, args.out):
-            print(f"wrote {p}")
+    for p in [] if args.no_plots else plots(rows, args.out):
+        print(f"wrote {p}")
     return 0
 
 

@@ -281,9 +281,11 @@ def measure(target, draft=None, sizes=DEFAULT_SIZES, prefix_len: int = 200, repe
     A measurement taken while the machine was busy (`BusyCheck`) is marked
     provisional in meta["provisional"] (the reason): it serves the run that
     made it and is measured again on a later quiet start (`load_cached`).
-    So is one cut short by `budget_s`: past that many seconds no further round
-    starts (the warm-up pass alone serves when it ran past the budget), so a
-    busy machine bounds the time a first measurement takes.
+    So is one cut short by `budget_s`: past that many seconds from the start no
+    further round of timings starts. The budget does not cut the first forward,
+    the warm-up pass (one forward of each planned step; it alone serves when it
+    ran past the budget) or the round under way at the deadline: a measurement
+    takes at most about the budget plus one warm-up pass and one round.
     """
     t_start = time.perf_counter()
     busy_check = busy_check or BusyCheck()
@@ -338,8 +340,9 @@ def measure(target, draft=None, sizes=DEFAULT_SIZES, prefix_len: int = 200, repe
         for module in made:
             kernels.unpack(module)
     provisional = busy_check.finish()
-    if provisional is None and timed.cut_short:
-        provisional = f"cut short after {budget_s:g} s of measuring"
+    if provisional is None and timed.cut_short:     # the budget bounds when rounds start, not the warm-up pass
+        provisional = (f"cut short: no round of timings started past the {budget_s:g} s budget "
+                       f"({time.perf_counter() - t_start:.0f} s in all, the warm-up pass included)")
     spread = statistics.median(timed.spread.values()) if timed.spread else 0.0
     if provisional is None and spread > SPREAD_LIMIT:
         provisional = f"timings spread by {spread:.0%} between rounds (median)"

@@ -12,7 +12,6 @@ No torch here: the command line reads these before anything heavy is imported.
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,15 +25,14 @@ def cache_dir() -> Path:
 
 
 def models_dir() -> Path:
-    """Where shipped artefacts live: $MCSD_MODELS_DIR, else the project's models/ folder."""
+    """Where shipped artefacts live: $MCSD_MODELS_DIR; else mcsd/models, where a wheel puts
+    the default run's models (setup.py); else the checkout's models/ folder."""
     env = os.environ.get("MCSD_MODELS_DIR")
     if env:
         return Path(env).expanduser()
-    repo = Path(__file__).resolve().parents[2]              # mcsd/loading/cache.py -> the checkout
-    for candidate in (repo / "models", Path(sys.prefix) / "share" / "mcsd" / "models"):
-        if candidate.is_dir():
-            return candidate
-    return repo / "models"
+    package = Path(__file__).resolve().parents[1]           # mcsd/loading/cache.py -> mcsd/
+    installed = package / "models"
+    return installed if installed.is_dir() else package.parent / "models"
 
 
 @contextmanager

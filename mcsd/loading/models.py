@@ -195,15 +195,23 @@ def _preset_drafter_files(preset: Preset, drafter: str) -> tuple[Path, str]:
 
 def preset_draft_dir(preset: Preset, drafter: str | None = None) -> Path:
     """The preset's draft of kind `drafter`; None = its default kind (the standalone
-    model if the default's files are not there)."""
+    model if the default's files are not there and the model's are)."""
     if drafter is None:
-        directory, expected = _preset_drafter_files(preset, preset.default_drafter)
-        drafter = preset.default_drafter if (directory / expected).is_file() else "model"
+        drafter = preset.default_drafter
+        if not _drafter_present(preset, drafter) and _drafter_present(preset, "model"):
+            drafter = "model"
     directory, expected = _preset_drafter_files(preset, drafter)
     if not (directory / expected).is_file():
         raise ModelLoadError(f"the {drafter} draft of preset {preset.name!r} is missing: expected {expected} "
-                             f"in {directory}")
+                             f"in {directory} (an installed mcsd ships the default drafter, "
+                             f"{preset.default_drafter}); run from a checkout of mcsd, or set MCSD_MODELS_DIR "
+                             f"to a models/ folder that has it")
     return directory
+
+
+def _drafter_present(preset: Preset, drafter: str) -> bool:
+    directory, expected = _preset_drafter_files(preset, drafter)
+    return (directory / expected).is_file()
 
 
 # ----------------------------------------------------------------------------

@@ -97,6 +97,9 @@ class Engine:
         self.decoder = None
         self.current: Job | None = None
         self.draining = False
+        # held while a job is checked and queued, and while draining starts: a job is either queued
+        # before the stop marker (and answered) or refused, never queued behind the marker unanswered
+        self._admit = threading.Lock()
 
     # ------------------------------------------------------------------ control (any thread)
 
@@ -109,20 +112,22 @@ class Engine:
 
     def submit(self, job: Job) -> None:
         """Queue a job; QueueFull or Draining when it cannot be taken."""
-        if self.draining:
-            raise Draining()
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            raise QueueFull() from None
+        with self._admit:
+            if self.draining:
+                raise Draining()
+            try:
+                self._queue.put_nowait(job)
+            except queue.Full:
+                raise QueueFull() from None
 
     def drain(self) -> None:
         """Take no new jobs; those queued and running are answered."""
-        self.draining = True
+        with self._admit:
+            self.draining = True
 
     def stop(self, timeout: float | None = None) -> None:
         """Answer what is queued, then end the worker."""
-        self.draining = True
+        self.drain()                                  # from here every submit is refused: the marker is last
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join(timeout)

@@ -137,10 +137,21 @@ def start_run(data_dir: Path, section: str, run: str, settings: dict, command: s
 # Reading the data back (used by the trainers)
 
 
+def response_run(manifest: dict, run: str, data_dir: Path) -> dict:
+    """The manifest entry of response run `run`; a run that is not there ends the program with
+    one line naming the command that makes it."""
+    entry = manifest["runs"].get(run)
+    if entry is None:
+        there = ", ".join(sorted(manifest["runs"])) or "none"
+        sys.exit(f"no response run {run!r} in {data_dir} (runs there: {there}); make it first: "
+                 f"python tools/target_data.py generate --run {run} --split fit (--split heldout for held-out prompts)")
+    return entry
+
+
 def iter_records(data_dir: Path, run: str):
     """Yield the stored response records of a run, shard by shard."""
     manifest = read_manifest(Path(data_dir))
-    for rel in manifest["runs"][run]["shards"]:
+    for rel in response_run(manifest, run, data_dir)["shards"]:
         yield from torch.load(Path(data_dir) / rel, weights_only=True)
 
 
@@ -191,6 +202,8 @@ def load_examples(data_dir: Path, runs: list[str], with_hidden: bool | str = Fal
     _check_with_hidden(with_hidden)
     data_dir = Path(data_dir)
     manifest = read_manifest(data_dir)
+    for run in runs:
+        response_run(manifest, run, data_dir)      # every run there before any is read
     examples = []
     for run in runs:
         labels = {}
@@ -234,8 +247,8 @@ class ShardedExamples:
         self.units: list[tuple[str, str, str]] = []     # (section, run, shard path)
         self.by_prompt: dict = {}                       # prompt id -> [responses, positions]
         for run in runs:
-            if run not in manifest["runs"]:
-                raise ValueError(f"no run {run!r} in {self.data_dir}")
+            response_run(manifest, run, self.data_dir)
+        for run in runs:
             teacher = manifest["teacher"].get(run)
             if teacher is None:
                 self.units.extend(("runs", run, rel) for rel in manifest["runs"][run]["shards"])

@@ -83,6 +83,7 @@ from mcsd.train.data import (
     manifest_update,
     pick_dtype,
     read_manifest,
+    response_run,
     save_shard,
     start_run,
 )
@@ -564,6 +565,9 @@ def teacher_batch(model, records: list[dict], topk: int = TOPK, store_hidden: bo
 def run_teacher(args):
     """Stage `teacher`: label every stored response of the given runs."""
     data_dir = Path(args.data_dir)
+    manifest = read_manifest(data_dir)
+    for run in args.runs:
+        response_run(manifest, run, data_dir)      # before the target loads or a teacher entry is made
     model, tokenizer = load_target(args.target, dtype=args.dtype)
     for run in args.runs:
         settings = {"topk": args.topk, "store_hidden": args.store_hidden, "target": Path(args.target).name,

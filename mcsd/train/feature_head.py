@@ -250,7 +250,7 @@ def run_provenance(data_dir: Path, runs: list[str]) -> dict:
     manifest = target_data.read_manifest(Path(data_dir))
     out = {}
     for run in runs:
-        entry, teacher = manifest["runs"][run], manifest["teacher"].get(run)
+        entry, teacher = target_data.response_run(manifest, run, data_dir), manifest["teacher"].get(run)
         out[run] = {"settings": entry["settings"], "sequences": entry.get("n_sequences"),
                     "tokens": entry.get("n_tokens"), "minutes": round(entry.get("seconds", 0) / 60, 1),
                     "commands": entry.get("commands", [])}
