@@ -69,16 +69,16 @@ def test_pearl_with_a_feature_drafter_is_refused_before_loading(capsys, no_loadi
 
 
 def test_pearl_with_a_feature_head_as_draft_is_refused_before_loading(model_dirs, target, tmp_path, capsys,
-                                                                     no_loading):
+                                                                     monkeypatch):
+    import mcsd.cli.generate as generate
     from test_feature_draft import random_head
     head = tmp_path / "head"
     random_head(target).save(head)
-    assert main(["--target", str(model_dirs / "target"), "--draft", str(head), "--policy", "pearl",
-                 "--tree", "1,1", "--prompt", "w03"]) == 2
+    with monkeypatch.context() as patch:
+        patch.setattr(generate, "load_models", lambda args: pytest.fail("loaded a model"))
+        assert main(["--target", str(model_dirs / "target"), "--draft", str(head), "--policy", "pearl",
+                     "--tree", "1,1", "--prompt", "w03"]) == 2
     _one_error_line(capsys, f"--draft {head} is a head that reads the target's features")
-
-
-def test_pearl_with_a_draft_model_still_runs(model_dirs, capsys):
     assert main(["--target", str(model_dirs / "target"), "--draft", str(model_dirs / "draft"), "--policy", "pearl",
                  "--tree", "1,1", "--dtype", "float32", "--prompt", "w03 w17", "--max-new-tokens", "4",
                  "--json"]) == 0
