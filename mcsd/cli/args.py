@@ -277,7 +277,8 @@ def check_pearl_drafter(args, model_kind: str | None) -> None:
                              f"is a head that reads the target's features: give a draft LM")
         return
     target = args.target or DEFAULT_PRESET
-    kind = model_kind or (PRESETS[target].default_drafter if target in PRESETS else None)
+    from ..loading.models import preset_default_drafter
+    kind = model_kind or (preset_default_drafter(PRESETS[target]) if target in PRESETS else None)
     if kind == "feature":
         named = "--drafter feature" if model_kind else f"{target}'s default drafter (feature)"
         raise UsageError(f"--policy pearl runs a standalone draft model next to the target; {named} reads the "

@@ -201,12 +201,17 @@ def _preset_drafter_files(preset: Preset, drafter: str) -> tuple[Path, str]:
     return models_dir() / preset.drafter_dir(drafter), "config.json" if drafter == "model" else "feature_head.json"
 
 
+def preset_default_drafter(preset: Preset) -> str:
+    """The drafter a preset runs when none is named: its default where that one's files are there, else
+    the standalone model."""
+    directory, expected = _preset_drafter_files(preset, preset.default_drafter)
+    return preset.default_drafter if (directory / expected).is_file() else "model"
+
+
 def preset_draft_dir(preset: Preset, drafter: str | None = None) -> Path:
     """The preset's draft of kind `drafter`; None = its default kind (the standalone
     model if the default's files are not there)."""
-    if drafter is None:
-        directory, expected = _preset_drafter_files(preset, preset.default_drafter)
-        drafter = preset.default_drafter if (directory / expected).is_file() else "model"
+    drafter = drafter or preset_default_drafter(preset)
     directory, expected = _preset_drafter_files(preset, drafter)
     if not (directory / expected).is_file():
         raise ModelLoadError(f"the {drafter} draft of preset {preset.name!r} is missing: expected {expected} "
