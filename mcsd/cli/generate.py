@@ -194,7 +194,7 @@ def _set_threads(args) -> None:
 
 
 def _settings(args, decoder, dtype_reason) -> dict:
-    """What actually ran: a baseline run has no tree, policy or drafter."""
+    """What actually ran: a baseline run has no tree, policy or drafter; a --tree 0 run no policy or drafter."""
     drafter = decoder.drafter
     drafted = not args.baseline and args.tree.strip() != "0"     # --tree 0: plain target steps, nothing drafted
     kind = None if drafter is None else ("feature" if getattr(drafter, "uses_target_hidden", False) else "model")
