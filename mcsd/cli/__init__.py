@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import gc
 import json
+import signal
 import sys
 
 from ..config import ConfigError
 from ..errors import ModelLoadError
 from .args import UsageError, build_parser, join_free_values
-from .generate import run
+from .generate import Terminated, run
 
 
 def main(argv=None) -> int:
@@ -32,16 +33,21 @@ def main(argv=None) -> int:
     except (UsageError, ConfigError, ModelLoadError) as exc:
         print(f"mcsd-generate: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:                        # before any text: still one JSON object with --json
+    except KeyboardInterrupt as stop:                # before any text: still one JSON object with --json
         if args.json:
             print(json.dumps({"text": "", "tokens": [], "finish_reason": "interrupted"}))
-        return 130
+        return getattr(stop, "exit_code", 130)
+
+
+def _terminated(signum, frame):
+    raise Terminated()
 
 
 def entry() -> None:
     """The `mcsd-generate` command: `main()` in a process of its own, set up for a quick start and exit.
 
     - No progress bars when stderr is not a terminal (see `mcsd.loading.progress`).
+    - SIGTERM stops it as Ctrl-C does: the text so far is printed (exit 143, 130 for Ctrl-C).
     - Start-up (importing torch and transformers, loading the models) makes
       hundreds of thousands of objects that live until exit; the default
       collector walks them again and again while they are made (about 0.6 s of
@@ -52,6 +58,7 @@ def entry() -> None:
     """
     from ..loading.progress import no_bars_off_terminal
     no_bars_off_terminal()
+    signal.signal(signal.SIGTERM, _terminated)
     gc.set_threshold(50_000, 20, 100)
     code = main()
     gc.freeze()

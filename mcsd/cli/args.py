@@ -50,7 +50,8 @@ def add_model_arguments(parser: argparse.ArgumentParser):
                           f"merged in")
     src.add_argument("--context-store", metavar="FILE",
                      help="with a context drafter: also look up continuations in this datastore of earlier "
-                          "outputs (built by tools/build_context_store.py; safetensors, never unpickled)")
+                          "outputs (built by tools/build_context_store.py; safetensors, never unpickled). "
+                          "Default: none (the prompt, the output so far and the target's recycled predictions)")
     src.add_argument("--dtype", default="auto", choices=("auto", *DTYPE_NAMES),
                      help="compute dtype (default auto: the one this pair and method run fastest in on this "
                           "machine, from its calibrated costs)")
@@ -61,8 +62,11 @@ def add_model_arguments(parser: argparse.ArgumentParser):
                           "dense: the dequantised weights. Default auto: "
                           "with --dtype auto, whichever of the two the calibrated costs say runs faster here (dense "
                           "for a target that is no GGUF, or with another --dtype)")
-    src.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or auto (spread the target over GPUs)")
-    src.add_argument("--attention", default="auto", choices=ATTENTION_BACKENDS, help="tree attention backend")
+    src.add_argument("--device", default="cpu",
+                     help="cpu, cuda, cuda:N, or auto (spread the target over GPUs); default cpu")
+    src.add_argument("--attention", default="auto", choices=ATTENTION_BACKENDS,
+                     help=f"tree attention backend: {', '.join(ATTENTION_BACKENDS)} (default auto: xformers on CUDA "
+                          f"where it runs, gqa on a CPU, else sdpa)")
     src.add_argument("--cuda-graphs", default="on", choices=("on", "off"),
                      help="on CUDA, capture the engine's own forward once per block size as a CUDA graph and "
                           "replay it (default on); off runs the same shapes eagerly, for debugging")
@@ -108,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     inp.add_argument("--prompt", help="prompt text (default: read --prompt-file, else stdin); UTF-8")
     inp.add_argument("--prompt-file", help="read the prompt from this file (UTF-8)")
     inp.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn in the chat template")
-    inp.add_argument("--system", help="system message for --chat")
+    inp.add_argument("--system", help="system message for --chat (default: none, or the "
+                                       "chat template's own where it has one)")
     inp.add_argument("--prompts-file", metavar="FILE.jsonl",
                      help="several prompts, one JSON object a line with a \"prompt\" or \"text\" field (or "
                           "Spec-Bench rows: the first of \"turns\"); generated one after another, one JSON result "
@@ -122,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None,
                      help="sampling: the same seed gives the same text, whatever the trees (default: a fresh one "
                           "each run)")
-    gen.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                     help="stop string (repeatable; default: none, the target's EOS ends the text)")
     gen.add_argument("--min-p", type=float, default=None, help="sampling: drop tokens below MIN_P x the top one's "
                                                                "probability")
     gen.add_argument("--typical-p", type=float, default=None, help="sampling: locally typical mass in (0, 1]")
@@ -141,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --json or --prompts-file: the target's log-probability of each new token")
     out.add_argument("--output", metavar="FILE.jsonl", help="with --prompts-file: write the results here")
     out.add_argument("--show-tree", metavar="FILE.png",
-                     help="draw the round with the longest accepted path (needs matplotlib)")
+                     help="draw the round with the longest accepted path (needs matplotlib; default: no drawing)")
     return p
 
 
@@ -210,6 +216,11 @@ def check_args(args) -> None:
         raise UsageError("--prompt and --prompt-file both give the prompt; pass one of them")
     if args.prompts_file is not None and (args.prompt is not None or args.prompt_file is not None):
         raise UsageError("--prompts-file takes the prompts from the file; drop --prompt / --prompt-file")
+    if args.system is not None and not args.chat:
+        raise UsageError("--system is a turn of the chat template: add --chat (without it the prompt goes to the "
+                         "target as plain text)")
+    if args.tree is not None and not args.tree.strip():
+        raise UsageError("--tree is empty: give a k-config such as 4,2,2, or 0 for no drafting")
     if args.prompts_file is not None and args.show_tree:
         raise UsageError("--show-tree draws one generation; it does not combine with --prompts-file")
     model_kind, with_context, context_only = drafter_kinds(args)
@@ -219,10 +230,17 @@ def check_args(args) -> None:
                              "model+context)")
         if not Path(args.context_store).expanduser().is_file():
             raise UsageError(f"--context-store {args.context_store}: no such file")
+        from ..drafting.context import ContextStore
+        try:
+            ContextStore.check_file(Path(args.context_store).expanduser())
+        except ConfigError as exc:
+            raise UsageError(f"--context-store: {exc}") from None
     if with_context and args.lossy_target_roots:
         raise UsageError("--drafter with context is exact-only; it cannot be combined with --lossy-target-roots")
     if with_context and args.policy == "pearl":
         raise UsageError("--policy pearl drafts a chain with a draft model; it cannot take a context drafter")
+    if args.policy == "pearl" and not args.baseline:
+        check_pearl_drafter(args, model_kind)
     if context_only and args.draft is not None:
         raise UsageError("--drafter context uses no draft model; drop --draft, or use model+context")
     if args.show_tree:
@@ -246,6 +264,25 @@ def check_args(args) -> None:
             and (options or args.logprobs):
         raise UsageError("--repetition-penalty, --no-repeat-ngram-size, --min-new-tokens and --logprobs need the "
                          "exact tree loop; not with --lossy-target-roots or --policy pearl")
+
+
+def check_pearl_drafter(args, model_kind: str | None) -> None:
+    """The pearl mode runs a standalone draft model ahead of verification: a drafter reading the target's
+    features (the feature head, an EAGLE-3 head, a preset's default) is refused before anything loads."""
+    if args.draft is not None:
+        draft = Path(args.draft).expanduser()
+        from ..drafting.eagle3 import eagle3_layout
+        if draft.is_dir() and ((draft / "feature_head.json").is_file() or eagle3_layout(draft) is not None):
+            raise UsageError(f"--policy pearl runs a standalone draft model next to the target; --draft {args.draft} "
+                             f"is a head that reads the target's features: give a draft LM")
+        return
+    target = args.target or DEFAULT_PRESET
+    from ..loading.models import preset_default_drafter
+    kind = model_kind or (preset_default_drafter(PRESETS[target]) if target in PRESETS else None)
+    if kind == "feature":
+        named = "--drafter feature" if model_kind else f"{target}'s default drafter (feature)"
+        raise UsageError(f"--policy pearl runs a standalone draft model next to the target; {named} reads the "
+                         f"target's features: add --drafter model")
 
 
 def check_policy(args) -> None:

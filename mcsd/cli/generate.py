@@ -75,6 +75,8 @@ _EXPECTED_NOTE = ("  (expected tokens/s ranks the dtypes by a cost model, it is 
 
 _COSTS_SOURCES = {"cached": "this machine's calibrated profile (cached)",
                   "measured": "measured on this machine just now (cached for next time)",
+                  "chosen": "this machine's calibrated profile, measured in this run for the dtype choice where "
+                            "it was missing (cached for next time)",
                   "default": "generic defaults (not calibrated: --no-calibrate)"}
 
 
@@ -203,13 +205,13 @@ def _set_threads(args) -> None:
 
 
 def _settings(args, decoder, dtype_reason) -> dict:
-    """What actually ran: a baseline run has no tree, policy or drafter."""
+    """What actually ran: a baseline run has no tree, policy or drafter; a --tree 0 run no policy or drafter."""
     drafter = decoder.drafter
-    drafted = not args.baseline
+    drafted = not args.baseline and args.tree.strip() != "0"     # --tree 0: plain target steps, nothing drafted
     kind = None if drafter is None else ("feature" if getattr(drafter, "uses_target_hidden", False) else "model")
     if decoder.context is not None:
         kind = "context" if kind is None else f"{kind}+context"
-    return {"tree": args.tree if drafted and drafter is not None else None,
+    return {"tree": args.tree if not args.baseline and drafter is not None else None,
             "policy": args.policy if drafted and drafter is not None else None,
             "drafter": kind if drafted else None,
             "dtype": args.dtype, "dtype_reason": dtype_reason, "weights": args.weights, "costs": decoder.costs_source,
@@ -256,6 +258,10 @@ def run(args) -> int:
     _check_lengths(args, target, tokenizer, prompts)  # before any calibration: a bad input costs nothing
     decoder, dtype_reason = build_decoder(args, target, draft, tokenizer)
     if args.prompts_file is not None:
+        if not args.chat and getattr(tokenizer, "chat_template", None):
+            print("mcsd-generate: note: the prompts go to the target as plain text to continue; its tokenizer "
+                  "has a chat template, and a chat model answers a prompt given as a chat turn: add --chat",
+                  file=sys.stderr)
         return _run_many(args, decoder, prompts)
     prompt = prompts[0]
 
@@ -280,7 +286,7 @@ def run(args) -> int:
         else:
             out = decoder.generate(prompt, on_round=(lambda t, a: rounds.append((t, a))) if args.show_tree else None,
                                    **common)
-    except KeyboardInterrupt:                         # keep what was generated: the rest of the text
+    except KeyboardInterrupt as stop:                 # Ctrl-C or SIGTERM: keep what was generated
         text = tokenizer.decode(streamed, skip_special_tokens=True)
         if args.json:                                 # still one JSON object, marked as cut short
             sys.stdout.write(json.dumps({"text": text, "tokens": streamed, "finish_reason": "interrupted",
@@ -288,8 +294,8 @@ def run(args) -> int:
         else:
             sys.stdout.write(text[len(printed["text"]):] + "\n")
         sys.stdout.flush()
-        print(f"mcsd-generate: interrupted after {len(streamed)} tokens", file=sys.stderr)
-        return 130
+        print(f"mcsd-generate: {_interruption(stop)} after {len(streamed)} tokens", file=sys.stderr)
+        return getattr(stop, "exit_code", 130)
     if args.json:
         result = {"text": out.text, "tokens": out.tokens, "finish_reason": out.finish_reason,
                   "stats": out.stats.as_dict(), "settings": _settings(args, decoder, dtype_reason)}
@@ -341,12 +347,20 @@ def run(args) -> int:
             online = ", corrected online" if getattr(costs, "online", False) else ", fixed for the run"
             stale = getattr(costs, "stale", None)
             stale = f"; stale, measured again at the next quiet start: {stale}" if stale else ""
-            print(f"costs: {_COSTS_SOURCES[decoder.costs_source]}{online}{stale}", file=sys.stderr)
+            print(f"costs: {_COSTS_SOURCES[_costs_source(decoder, args)]}{online}{stale}", file=sys.stderr)
         if not args.baseline and getattr(decoder.policy, "model_source", None) is not None:
             print(f"acceptance model: {decoder.policy.model_source}", file=sys.stderr)
     if args.show_tree and rounds:
         _draw_best_round(rounds, args.show_tree, tokenizer)
     return 0
+
+
+def _costs_source(decoder, args) -> str:
+    """Where the costs came from, as --stats says it: a profile the dtype choice measured in this run is
+    read back from the cache by the decoder, and is no older profile."""
+    if decoder.costs_source == "cached" and getattr(args, "dtype_calibration_s", 0.0) > 0:
+        return "chosen"
+    return decoder.costs_source
 
 
 def _options(args) -> dict:
@@ -410,9 +424,9 @@ def _run_many(args, decoder, prompts: list[str]) -> int:
             done += 1
             if bar is not None:
                 bar.update(1)
-    except KeyboardInterrupt:
-        print(f"mcsd-generate: interrupted after {done} of {len(prompts)} prompts", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as stop:
+        print(f"mcsd-generate: {_interruption(stop)} after {done} of {len(prompts)} prompts", file=sys.stderr)
+        return getattr(stop, "exit_code", 130)
     finally:
         if bar is not None:
             bar.close()
@@ -421,6 +435,16 @@ def _run_many(args, decoder, prompts: list[str]) -> int:
     if args.stats:
         print(f"{done} prompts", file=sys.stderr)
     return 0
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is (as Ctrl-C's KeyboardInterrupt is), so a stopped run still prints
+    the text so far; the command exits with 128 + 15, as a process ended by the signal would."""
+    exit_code = 128 + 15
+
+
+def _interruption(stop: KeyboardInterrupt) -> str:
+    return "stopped by SIGTERM" if isinstance(stop, Terminated) else "interrupted"
 
 
 def _draw_best_round(rounds, path: str, tokenizer) -> None:

@@ -170,6 +170,12 @@ def _model_name(model) -> str:
     return str(getattr(model.config, "_name_or_path", "") or model.config.model_type)
 
 
+# What an EAGLE-3 head's decoder layer costs, from its config: the rest of that config is how the file was
+# written (the speculators layout spells out a full Llama config, the original layout a few fields)
+_LAYER_GEOMETRY = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                   "num_hidden_layers", "hidden_act")
+
+
 def _model_key(model, q4: bool = False, codes: bool = True) -> str:
     """What runs, never where it was loaded from: a profile holds costs, which follow the
     architecture (the configuration less its path and bookkeeping, every parameter's name and
@@ -184,6 +190,10 @@ def _model_key(model, q4: bool = False, codes: bool = True) -> str:
         fields = {k: v for k, v in fields.items()
                   if not k.startswith("_") and k not in ("transformers_version", "name_or_path", "dtype",
                                                           "torch_dtype")}
+        if isinstance(fields.get("layer_config"), dict):     # an EAGLE-3 head: one key in either layout
+            layer = fields.pop("layer_config")
+            fields = {k: v for k, v in fields.items() if k not in ("layout", "has_embedding")}
+            fields["layer"] = {k: layer.get(k) for k in _LAYER_GEOMETRY}
         digest.update(json.dumps(fields, sort_keys=True, default=str).encode())
     digest.update(";".join(f"{name}{tuple(p.shape)}" for name, p in module.named_parameters()).encode())
     weights = ""

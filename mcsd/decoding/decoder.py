@@ -117,6 +117,9 @@ class TreeDecoder:
                  attention: str = "auto", policy_options: dict | None = None, lossy_target_roots: int = 0,
                  calibrate: bool | None = None, threads: int | str | None = "auto", cuda_graphs: bool = True,
                  release_weights: bool = False, round: str = "auto"):
+        if not callable(getattr(target, "get_input_embeddings", None)):
+            raise TypeError(f"target must be a loaded causal LM (a torch.nn.Module such as transformers' "
+                            f"LlamaForCausalLM; mcsd.load_model_pair loads one), got {type(target).__name__}")
         if round not in fixed_round.ROUNDS:
             raise ConfigError(f"round must be one of {', '.join(fixed_round.ROUNDS)}, got {round!r}")
         self.round = round
@@ -215,6 +218,7 @@ class TreeDecoder:
                **options) -> Iterator[list[int]]:
         """Generator over the same loop: yields each round's new tokens; returns the GenerationOutput.
         Takes one prompt and `generate`'s options."""
+        self._check_dtype()
         prompt_ids = self.encode(prompt)
         cfg = processors.request(self.target.model, prompt_ids.numel(), max_new_tokens=max_new_tokens,
                                  temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
@@ -238,6 +242,15 @@ class TreeDecoder:
         start), or here, where the caller chooses the moment (the server does not: it measures at
         start-up only). Returns whether it measured."""
         return self.calibration.remeasure(getattr(self.policy, "costs", None) or self.context_costs, force)
+
+    def _check_dtype(self) -> None:
+        """The models still have the dtype this decoder was built for: its caches, kernels and drafter
+        were made for that one, so a pair cast since (`cast_pair`) needs a decoder of its own."""
+        now = self.target.model.get_input_embeddings().weight.dtype
+        if now != self.target.dtype:
+            raise ConfigError(f"this TreeDecoder was built for {str(self.target.dtype).removeprefix('torch.')} "
+                              f"models, and its target is {str(now).removeprefix('torch.')} now (cast since, e.g. "
+                              f"by cast_pair): build a new TreeDecoder for the cast pair")
 
     def encode(self, prompt) -> torch.Tensor:
         """Prompt (str, list of ids, or tensor) -> (T,) long ids on the target's device."""

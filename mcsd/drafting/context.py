@@ -194,6 +194,27 @@ class ContextStore:
                   str(path), metadata={"format": STORE_FORMAT, "version": STORE_VERSION,
                                        "vocab_size": str(self.vocab_size)})
 
+    @staticmethod
+    def check_file(path: str | Path) -> None:
+        """That `path` holds an mcsd context store, from its header alone (no tensor is read): a command
+        refuses another file before any model loads.
+
+        Raises:
+            ConfigError: naming the path and what it holds instead.
+        """
+        from safetensors import SafetensorError, safe_open
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"context store {path} does not exist")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta, names = f.metadata() or {}, set(f.keys())
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ConfigError(f"{path} is not an mcsd context store (not a safetensors file: {exc})") from None
+        if meta.get("format") != STORE_FORMAT or not {"tokens", "offsets"} <= names:
+            raise ConfigError(f"{path} is not an mcsd context store (format {meta.get('format')!r}; build one "
+                              f"with tools/build_context_store.py)")
+
     @classmethod
     def load(cls, path: str | Path, vocab_size: int | None = None) -> "ContextStore":
         from safetensors import SafetensorError, safe_open

@@ -19,6 +19,7 @@ from ..loading.models import (
     check_tokenizers,
     check_vocab_sizes,
     gguf_source,
+    has_tokenizer_files,
     load_pretrained,
     load_tokenizer,
     parse_dtype,
@@ -123,7 +124,7 @@ def cast_pair(target, draft, dtype):
 def _has_tokenizer(source: str) -> bool:
     p = Path(source).expanduser()
     if p.is_dir():
-        return any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+        return has_tokenizer_files(p)
     return True  # GGUF files and hub ids carry one
 
 

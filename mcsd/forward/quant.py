@@ -336,13 +336,14 @@ def _keep(flat: dict, cached: Path) -> None:
     from safetensors.torch import save_file
 
     from ..config import ConfigError
-    from ..loading.cache import cache_subdir, cache_writes
+    from ..loading.cache import cache_subdir, cache_writes, shared_modes
     from ..loading.progress import say
     try:
         folder = cache_subdir(cached.parent.name)
         with cache_writes(folder):
             tmp = cached.with_suffix(".tmp")
             save_file(flat, str(tmp))
+            shared_modes(tmp)                           # safetensors writes 0600; nothing in it is secret
             tmp.replace(cached)
     except ConfigError as exc:
         say(f"{str(exc).split(';')[0]}; the 4-bit codes serve this run only")

@@ -46,6 +46,29 @@ def cache_writes(path: Path):
                           f"set MCSD_CACHE to a writable directory") from None
 
 
+def umask() -> int:
+    """This process's umask (read from /proc where it is there, else set and put back)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def shared_modes(path: Path) -> None:
+    """Give `path` (a file, or a folder and everything in it) the modes a plain write would: 0666 and
+    0777 less the umask. Temporary folders (mkdtemp) and safetensors files are made 0700 / 0600, and
+    the cache keeps them under their final names after a rename; nothing in it is secret."""
+    mask = umask()
+    for entry in [path, *(path.rglob("*") if path.is_dir() else ())]:
+        if not entry.is_symlink():
+            entry.chmod((0o777 if entry.is_dir() else 0o666) & ~mask)
+
+
 def cache_subdir(*parts: str) -> Path:
     """`cache_dir() / parts`, created when missing and checked writable (a file is made and removed).
 

