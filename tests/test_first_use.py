@@ -349,12 +349,19 @@ def test_the_same_head_in_the_other_layout_finds_its_profile(tmp_path, source, l
     from mcsd.drafting.pair import load_eagle3_drafter
     from mcsd.train.eagle3_export import main as export
     target = AutoModelForCausalLM.from_pretrained(FIXTURES / "target", dtype=torch.float32).eval()
-    assert export([str(FIXTURES / source), str(tmp_path / "out"), "--layout", layout,
+    folder = FIXTURES / source
+    if source == "speculators":
+        # the speculators fixture has norm_before_residual, which the original layout cannot say (its
+        # export is refused): start from the original head written in the speculators layout
+        assert export([str(FIXTURES / "original"), str(tmp_path / "src"), "--layout", "speculators",
+                       "--target", str(FIXTURES / "target")]) == 0
+        folder = tmp_path / "src"
+    assert export([str(folder), str(tmp_path / "out"), "--layout", layout,
                    "--target", str(FIXTURES / "target")]) == 0
-    first = load_eagle3_drafter(str(FIXTURES / source), target, "float32")
+    first = load_eagle3_drafter(str(folder), target, "float32")
     again = load_eagle3_drafter(str(tmp_path / "out"), target, "float32")
     assert profile_path(target, first) == profile_path(target, again)
-    shutil.copytree(FIXTURES / source, tmp_path / "copy")            # and a copy in a new folder
+    shutil.copytree(folder, tmp_path / "copy")                       # and a copy in a new folder
     assert profile_path(target, load_eagle3_drafter(str(tmp_path / "copy"), target, "float32")) == \
         profile_path(target, first)
 
