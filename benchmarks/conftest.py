@@ -30,8 +30,10 @@ def pytest_addoption(parser):
                      "choice; Hugging Face assisted generation keeps the preset's draft model)")
     g.addoption("--bench-dtype", default="bfloat16",
                 help="float32, bfloat16, float16, or auto (what --dtype auto picks for this pair on this machine)")
-    g.addoption("--bench-weights", default="dense", choices=WEIGHTS,
-                help="the target's weights: dense, or q4 (its Q4_1 GGUF's codes, in the dtype q4 computes in here)")
+    g.addoption("--bench-weights", default="dense", choices=WEIGHTS + ("auto",),
+                help="the target's weights: dense, q4 (its Q4_1 GGUF's codes; with a --bench-dtype other than "
+                     "auto, in the dtype q4 computes in without measurements), or auto (with --bench-dtype auto: "
+                     "the weights and compute dtype mcsd-generate's defaults choose here)")
     g.addoption("--bench-device", default="cpu")
     g.addoption("--bench-threads", type=int, default=None, help="torch threads (default: torch's choice)")
     g.addoption("--bench-temperature", type=float, default=0.0,
@@ -79,19 +81,23 @@ class Bench:
         self.max_new_tokens = 16 if self.smoke else opt("--bench-max-new-tokens")
         self.temperature, self.top_p = opt("--bench-temperature"), opt("--bench-top-p")
         self.dtype, self.device, self.weights = opt("--bench-dtype"), opt("--bench-device"), opt("--bench-weights")
-        if self.weights == "q4":
+        if self.weights == "q4" and self.dtype != "auto":
             from mcsd.forward import quant
             self.dtype = quant.compute_dtype()         # what q4 computes in here, whatever --bench-dtype says
+        if self.weights == "auto" and self.dtype != "auto":
+            self.weights = "dense"                     # auto weighs q4 against the dense dtypes, as the CLI does
+        auto = self.dtype == "auto"
         self.target, self.draft, self.tokenizer = load_model_pair(
-            opt("--bench-target"), opt("--bench-draft"), dtype="float32" if self.dtype == "auto" else self.dtype,
-            device=self.device, drafter=opt("--bench-drafter"), weights=self.weights)
+            opt("--bench-target"), opt("--bench-draft"), dtype="float32" if auto else self.dtype,
+            device=self.device, drafter=opt("--bench-drafter"), weights="dense" if auto else self.weights)
         self.dtype_reason = None
-        if self.dtype == "auto":                       # as mcsd-generate --dtype auto decides it
-            from mcsd.decoding.choice import choose_dtype
-            from mcsd.drafting.pair import cast_pair
-            choice = choose_dtype(self.target, self.draft)
-            self.dtype, self.dtype_reason = choice.dtype, choice.reason
-            self.target, self.draft = cast_pair(self.target, self.draft, self.dtype)
+        if auto:                                       # as mcsd-generate --dtype auto --weights ... decides it
+            from mcsd.decoding.choice import apply_choice, choose_dtype
+            from mcsd.loading.models import gguf_source
+            gguf = gguf_source(opt("--bench-target") or DEFAULT_PRESET) if self.weights in ("auto", "q4") else None
+            choice = choose_dtype(self.target, self.draft, gguf=gguf, weights=self.weights)
+            self.dtype, self.dtype_reason, self.weights = choice.dtype, choice.reason, choice.weights
+            self.target, self.draft = apply_choice(self.target, self.draft, choice, gguf)
         self.target_preset = PRESETS.get(opt("--bench-target") or DEFAULT_PRESET)
         self.draft_is_model = isinstance(self.draft, torch.nn.Module)
         # Hugging Face assisted generation needs a standalone draft model: with a
