@@ -29,7 +29,7 @@
 #define NB 4            /* output rows dequantised together */
 #define RB 3            /* input rows per tile */
 
-int mcsd_q4_abi(void) { return 15; }
+int mcsd_q4_abi(void) { return 16; }
 
 static inline float hsum(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -206,6 +206,213 @@ int mcsd_q8_mm(const float *x, int64_t M, int64_t K, const int8_t *codes, const 
     return mm(x, M, K, codes, d, NULL, N, out, threads, 1);
 }
 
+/* ---- products on 8-bit activations (the weights "q4q8"), as llama.cpp computes Q4_1 and Q8_0 ----
+
+   Each input row is quantised per block of 32 along k, as llama.cpp's Q8_1: a = max |x| over the block,
+   dx = a / 127, q = x * (127 / a) rounded to the nearest integer (ties to even; 0 where a is 0), and
+   sx = dx * sum(q) (Q8_1's block sum; the integer sum is exact). Then, with w = dw q + m (Q4_1) or dw q
+   (Q8_0):
+
+     out[r, n] = hsum_8(acc) + off,   acc = sum over blocks g, in order, of fma(lanes(g), dw dx, acc)
+                                      off = sum_g m[n, g] sx[r, g] (Q4_1 only; 8 lanes over g, hsum, tail)
+
+   where lanes(g) are 8 int32 partial sums of the block's 32 code products, lane i holding the products
+   of elements 4i .. 4i + 3 (exact integers, converted to float exactly: each under 2^16). vpdpbusd
+   (AVX512-VNNI on ymm registers, or AVX-VNNI) and AVX2's maddubs then madd by ones give the same lanes,
+   so every instruction set computes the same bits; the one used is chosen by mcsd_int8_isa from the
+   CPU's flags (mcsd/forward/native.py). Q4_1's codes (0..15) are the unsigned operand; Q8_0's signed
+   codes go in as |q| with the activation's sign flipped where q < 0, as llama.cpp does.
+
+   A row is quantised on its own and each output r, n is summed in this fixed order whatever the rows
+   beside it, the tile it falls in or the thread, so a row's result does not depend on the rows beside
+   it. The result is not the float32 product's: it is the product with the activations rounded to 8
+   bits a block, a slightly different target (as bfloat16 compute is). */
+
+static int int8_isa = 0;                  /* 0 AVX2, 1 AVX-VNNI, 2 AVX512-VNNI (ymm, AVX512VL) */
+
+/* Sets the instruction set of the 8-bit products where isa >= 0 (the caller has checked the CPU has it);
+   returns the one in use. */
+int mcsd_int8_isa(int isa) {
+    if (isa >= 0 && isa <= 2) int8_isa = isa;
+    return int8_isa;
+}
+
+/* acc + the 8 lanes of u (32 unsigned bytes) times s (32 signed bytes), 4 adjacent products a lane.
+   Through inline assembly, so that the file builds with -mavx2 alone and no VNNI instruction is
+   emitted where the CPU has none. */
+static inline __attribute__((always_inline)) __m256i dot32(int isa, __m256i acc, __m256i u, __m256i s) {
+    if (isa == 2) {
+        __asm__("vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));
+        return acc;
+    }
+    if (isa == 1) {
+        __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));
+        return acc;
+    }
+    /* pairs of products summed in 16 bits (at most 2 * 128 * 127, no saturation), then pairs of pairs */
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+
+/* rows x K floats into int8 codes q (rows, K) and per block dx and sx (rows, K / 32), each row alone */
+static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *q, float *dx, float *sx) {
+    const int64_t G = K / 32;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t g = 0; g < G; g++) {
+            const float *xb = x + r * K + 32 * g;
+            __m256 v[4], a = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                v[i] = _mm256_loadu_ps(xb + 8 * i);
+                a = _mm256_max_ps(a, _mm256_andnot_ps(sign, v[i]));
+            }
+            float amax = 0.0f, lanes[8];
+            _mm256_storeu_ps(lanes, a);
+            for (int i = 0; i < 8; i++) amax = lanes[i] > amax ? lanes[i] : amax;
+            const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            const __m256 idv = _mm256_set1_ps(id);
+            __m256i c[4];
+            for (int i = 0; i < 4; i++)
+                c[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            /* 32 int32 to 32 int8 in order: packs interleave the 128-bit halves, the permute undoes it */
+            const __m256i w16 = _mm256_packs_epi32(c[0], c[1]), x16 = _mm256_packs_epi32(c[2], c[3]);
+            const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16, x16),
+                                                          _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)(q + r * K + 32 * g), b);
+            const __m256i s = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
+            int32_t si[8], sum = 0;
+            _mm256_storeu_si256((__m256i *)si, s);
+            for (int i = 0; i < 8; i++) sum += si[i];
+            dx[r * G + g] = d;
+            sx[r * G + g] = d * (float)sum;
+        }
+}
+
+/* sum_g a[g] b[g]: 8 lanes of fma over whole groups of 8, their sum, then the rest in order */
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float s = hsum(acc);
+    for (; i < n; i++) s = fmaf(a[i], b[i], s);
+    return s;
+}
+
+/* a Q4_1 block's 16 bytes as 32 unsigned codes in element order */
+static inline __m256i codes_q4(const uint8_t *c) {
+    const __m128i mask = _mm_set1_epi8(0x0F), b = _mm_loadu_si128((const __m128i *)c);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
+}
+
+/* `rows` quantised input rows times J consecutive outputs (J <= 4; nj of them real) from weight row
+   n0 (Q4_1: q8 == 0; Q8_0: q8 == 1). `isa`, `rows`, `J` and `q8` are constants at each call site. */
+static inline __attribute__((always_inline)) void tile8(int isa, int q8, int rows, int J, const int8_t *xq,
+                                                        const float *dx, const float *sx, int64_t K,
+                                                        const uint8_t *c, int64_t row, const float *d,
+                                                        const float *m, int nj, float *out, int64_t N) {
+    const int64_t G = K / 32;
+    __m256 acc[4][4];
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < J; j++) acc[r][j] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        for (int j = 0; j < J; j++) {
+            const int64_t n = j < nj ? j : 0;            /* a short last tile repeats a row */
+            __m256i u;
+            if (q8) u = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(c + n * row + 32 * g)));
+            else {
+                _mm_prefetch((const char *)(c + n * row + 16 * g + PF), _MM_HINT_T0);
+                u = codes_q4(c + n * row + 16 * g);
+            }
+            const float dw = d[n * G + g];
+            for (int r = 0; r < rows; r++) {
+                __m256i s = _mm256_loadu_si256((const __m256i *)(xq + r * K + 32 * g));
+                if (q8) s = _mm256_sign_epi8(s, _mm256_loadu_si256((const __m256i *)(c + n * row + 32 * g)));
+                const __m256 p = _mm256_cvtepi32_ps(dot32(isa, _mm256_setzero_si256(), u, s));
+                acc[r][j] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * dx[r * G + g]), acc[r][j]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < nj; j++) {
+            float v = hsum(acc[r][j]);
+            if (!q8) v += dot_f32(m + j * G, sx + r * G, G);
+            out[r * N + j] = v;
+        }
+}
+
+/* NB outputs from weight row n0 for all M quantised rows: 4 rows at a time (2 outputs a pass), then the
+   rest (1 or 2 rows: 4 outputs a pass, 3 rows: 2). The accumulators and codes stay in registers. */
+static inline __attribute__((always_inline)) void block8(int isa, int q8, const int8_t *xq, const float *dx,
+                                                         const float *sx, int64_t M, int64_t K, const uint8_t *c,
+                                                         int64_t row, const float *d, const float *m, int nb,
+                                                         float *out, int64_t N) {
+    const int64_t G = K / 32;
+    int64_t r = 0;
+#define TILE8(R, J) for (int j0 = 0; j0 < nb; j0 += J) \
+        tile8(isa, q8, R, J, xq + r * K, dx + r * G, sx + r * G, K, c + j0 * row, row, d + j0 * G, \
+              q8 ? NULL : m + j0 * G, nb - j0 < J ? nb - j0 : J, out + r * N + j0, N)
+    for (; r + 4 <= M; r += 4) TILE8(4, 2);
+    if (M - r == 3) TILE8(3, 2);
+    else if (M - r == 2) TILE8(2, 4);
+    else if (M - r == 1) TILE8(1, 4);
+#undef TILE8
+}
+
+/* one instance of block8 a (instruction set, weight type), each compiled on its own */
+#define BLOCK8(NAME, ISA, Q8) \
+    static __attribute__((noinline)) void NAME(const int8_t *xq, const float *dx, const float *sx, int64_t M, \
+                                               int64_t K, const uint8_t *c, int64_t row, const float *d, \
+                                               const float *m, int nb, float *out, int64_t N) { \
+        block8(ISA, Q8, xq, dx, sx, M, K, c, row, d, m, nb, out, N); }
+BLOCK8(block8_q4_avx2, 0, 0)
+BLOCK8(block8_q4_avxvnni, 1, 0)
+BLOCK8(block8_q4_avx512vnni, 2, 0)
+BLOCK8(block8_q8_avx2, 0, 1)
+BLOCK8(block8_q8_avxvnni, 1, 1)
+BLOCK8(block8_q8_avx512vnni, 2, 1)
+#undef BLOCK8
+
+/* x (M, K) float32 times N weight rows on 8-bit activations (see above); arguments as mm's. Returns 0,
+   or -1 where the quantised rows could not be allocated (out is then untouched). */
+static int mm8(const float *x, int64_t M, int64_t K, const void *codes, const float *d, const float *m,
+               int64_t N, float *out, int threads, int q8) {
+    const int64_t G = K / 32, row = q8 ? K : K / 2;
+    int8_t *xq = malloc((size_t)(M * K));
+    float *dx = malloc(sizeof(float) * (size_t)(2 * M * G));
+    if (!xq || !dx) {
+        free(xq);
+        free(dx);
+        return -1;
+    }
+    float *sx = dx + M * G;
+    quantize_rows(x, M, K, xq, dx, sx);
+    typedef void (*block_fn)(const int8_t *, const float *, const float *, int64_t, int64_t, const uint8_t *,
+                             int64_t, const float *, const float *, int, float *, int64_t);
+    static const block_fn fns[2][3] = {{block8_q4_avx2, block8_q4_avxvnni, block8_q4_avx512vnni},
+                                       {block8_q8_avx2, block8_q8_avxvnni, block8_q8_avx512vnni}};
+    const block_fn fn = fns[q8][int8_isa];
+    const int64_t blocks = (N + NB - 1) / NB;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t n0 = b * NB;
+        const int nb = N - n0 < NB ? (int)(N - n0) : NB;
+        fn(xq, dx, sx, M, K, (const uint8_t *)codes + n0 * row, row, d + n0 * G, q8 ? NULL : m + n0 * G, nb,
+           out + n0, N);
+    }
+    free(xq);
+    free(dx);
+    return 0;
+}
+
+int mcsd_q4q8_mm(const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *d, const float *m,
+                 int64_t N, float *out, int threads) {
+    return mm8(x, M, K, codes, d, m, N, out, threads, 0);
+}
+
+int mcsd_q8q8_mm(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *d, int64_t N, float *out,
+                 int threads) {
+    return mm8(x, M, K, codes, d, NULL, N, out, threads, 1);
+}
+
 /* RMS norm of M rows of K floats (K a multiple of 8), as transformers' Llama norm computes it:
    w * (x * rsqrt(mean(x^2) + eps)). The sum of squares runs over 8 lanes in a fixed order, so a row's
    result does not depend on the rows beside it. One call for a block's rows replaces the seven
@@ -346,10 +553,11 @@ typedef struct {
     float eps, post_eps, qk_eps, scale;
     mcsd_q4w qkv, o, gate_up, down;
     int64_t heads, kv_heads, head_dim;
+    int act8;                                 /* 1: the products on 8-bit activations (mm8), else float32 */
 } mcsd_layer_t;
 
-static int product(const float *x, int64_t M, const mcsd_q4w *w, float *out, int threads) {
-    if (mm(x, M, w->k, w->codes, w->d, w->m, w->n, out, threads, 0)) return -1;
+static int product(const float *x, int64_t M, const mcsd_q4w *w, int act8, float *out, int threads) {
+    if ((act8 ? mm8 : mm)(x, M, w->k, w->codes, w->d, w->m, w->n, out, threads, 0)) return -1;
     if (w->bias)
         for (int64_t r = 0; r < M; r++)
             for (int64_t j = 0; j < w->n; j++) out[r * w->n + j] += w->bias[j];
@@ -387,7 +595,7 @@ int mcsd_layer(const mcsd_layer_t *L, const float *h_in, float *h_out, int64_t Q
           *gu = y + Q * C, *act = gu + Q * 2 * F;
     int failed = 0;
     mcsd_rms_norm(h_in, Q, C, L->norm, L->eps, x);
-    failed |= product(x, Q, &L->qkv, qkv, threads);
+    failed |= product(x, Q, &L->qkv, L->act8, qkv, threads);
     for (int64_t r = 0; r < Q && !failed; r++) {
         float *row = qkv + r * Nqkv;
         const float *c = cos + r * D, *s = sin + r * D;
@@ -405,12 +613,12 @@ int mcsd_layer(const mcsd_layer_t *L, const float *h_in, float *h_out, int64_t Q
     }
     if (!failed) {
         mcsd_attention(qr, keys, values, cap, len, mask, mask_stride, Q, H, Hkv, D, L->scale, att, threads);
-        failed |= product(att, Q, &L->o, y, threads);
+        failed |= product(att, Q, &L->o, L->act8, y, threads);
     }
     if (!failed) {
         for (int64_t i = 0; i < Q * C; i++) h_out[i] = h_in[i] + y[i];
         mcsd_rms_norm(h_out, Q, C, L->post_norm, L->post_eps, x);
-        failed |= product(x, Q, &L->gate_up, gu, threads);
+        failed |= product(x, Q, &L->gate_up, L->act8, gu, threads);
     }
     if (!failed) {
         /* silu(g) * u, silu(g) = g / (1 + exp(-g)) as torch computes it, 8 at a time */
@@ -424,7 +632,7 @@ int mcsd_layer(const mcsd_layer_t *L, const float *h_in, float *h_out, int64_t Q
                 _mm256_storeu_ps(a + j, _mm256_mul_ps(sv, _mm256_loadu_ps(u + j)));
             }
         }
-        failed |= product(act, Q, &L->down, y, threads);
+        failed |= product(act, Q, &L->down, L->act8, y, threads);
     }
     if (!failed)
         for (int64_t i = 0; i < Q * C; i++) h_out[i] += y[i];
