@@ -358,9 +358,11 @@ def test_products_on_8bit_activations_are_the_sums_of_the_quantised_rows(kernel)
         x[3, :32] = 0.0                                                       # a block of zeros
         codes, dx, sx = _quantised_rows(x)
         g = k // 32
-        for weights, size, layer in (
-                (quant.dequantize(q, d, m), quant.dequantize(q, d.abs(), m.abs()), quant.Q4Linear(q, d, m, act8=True)),
-                (quant.dequantize(q8, d, None), quant.dequantize(q8, d, None).abs(), quant.Q8Linear(q8, d, act8=True))):
+        for weights, size, layer, on_float in (
+                (quant.dequantize(q, d, m), quant.dequantize(q, d.abs(), m.abs()), quant.Q4Linear(q, d, m, act8=True),
+                 quant.Q4Linear(q, d, m)),
+                (quant.dequantize(q8, d, None), quant.dequantize(q8, d, None).abs(), quant.Q8Linear(q8, d, act8=True),
+                 quant.Q8Linear(q8, d))):
             w = weights.double().view(n, g, 32)
             exact = torch.einsum("rgk,ngk->rn", codes * dx[..., None], w)  # the quantised rows, summed exactly
             outs = {}
@@ -379,18 +381,31 @@ def test_products_on_8bit_activations_are_the_sums_of_the_quantised_rows(kernel)
             bound = torch.einsum("rg,ngk->rn", dx / 2, w.abs())
             dense = x.double() @ weights.double().t()
             assert ((out.double() - dense).abs() <= bound * (1 + 1e-5) + 1e-6 * scale).all()
-            assert not torch.equal(out, _float_twin(layer)(x))                  # not the float32 path
+            assert not torch.equal(out, on_float(x))                            # not the float32 path
     with pytest.raises(ValueError, match="cannot run on 'avx9'"):
         native.int8_isa("avx9")
 
 
-def _float_twin(layer):
-    """The same codes on float32 activations."""
-    if isinstance(layer, quant.Q4Linear):
-        twin = quant.Q4Linear.__new__(quant.Q4Linear)
-        twin.__dict__.update(layer.__dict__, act8=False)
-        return twin
-    return quant.Q8Linear(layer.codes, layer.d)
+def test_the_interleaved_layout_of_the_8bit_products_comes_back_as_the_codes():
+    """The 8-row layout of the products on 8-bit activations holds the codes, scales and offsets
+    (the last group padded), and a q4q8 layer reads its dense weight back from it."""
+    torch.manual_seed(3)
+    for n in (8, 13, 67):
+        q = torch.randint(0, 16, (n, 96), dtype=torch.uint8)
+        d, m = torch.rand(n, 3), -torch.rand(n, 3)
+        codes, d8, m8 = quant.interleave_q4(q, d, m)
+        assert codes.shape == (-(-n // 8), 3, 4, 32) and d8.shape == (-(-n // 8), 3, 8)
+        back = quant.deinterleave_q4(codes, d8, m8, n)
+        assert all(torch.equal(a, b) for a, b in zip(back, (q, d, m)))
+        q8 = torch.randint(-128, 128, (n, 96), dtype=torch.int8)
+        c8, d8, w128 = quant.interleave_q8(q8, d)
+        assert c8.view(-1, 3, 8, 8, 4).permute(0, 3, 1, 2, 4).reshape(-1, 96)[:n].equal(q8)
+        assert w128.dtype == torch.int32 and torch.equal(w128.transpose(1, 2).reshape(-1, 3)[:n],
+                                                         q8.view(n, 3, 32).int().sum(-1) * 128)
+        if quant.kernel_name() == "native":
+            layer = quant.Q4Linear(q, d.half(), m.half(), act8=True)
+            assert torch.equal(layer.dense(2, n, torch.float32), quant.dequantize(q, d.half(), m.half())[2:])
+
 
 
 def test_the_native_kernel_computes_with_the_float32_weights_a_gguf_loader_computes(kernel):

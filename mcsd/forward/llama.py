@@ -219,7 +219,7 @@ class LeanForward:
                 if any(b is None for b in biases) and any(b is not None for b in biases):
                     return None
                 bias = None if biases[0] is None else torch.cat([b.detach() for b in biases]).float().contiguous()
-                products[name] = (whole.codes, whole.d, whole.m, bias)
+                products[name] = (whole.codes, whole.d, whole.m, bias, whole.out_features, whole.in_features)
                 act8.add(whole.act8)
             norms = [m.norm, m.post_norm] + ([m.q_norm, m.k_norm] if m.q_norm is not None else [])
             if type(m.act).__name__ not in ("SiLU", "SiLUActivation") or \

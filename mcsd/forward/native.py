@@ -143,7 +143,7 @@ def _load():
     lib.mcsd_q8_mm.restype = ctypes.c_int
     lib.mcsd_q4q8_mm.argtypes = [p, i64, i64, p, p, p, i64, p, ctypes.c_int]
     lib.mcsd_q4q8_mm.restype = ctypes.c_int
-    lib.mcsd_q8q8_mm.argtypes = [p, i64, i64, p, p, i64, p, ctypes.c_int]
+    lib.mcsd_q8q8_mm.argtypes = [p, i64, i64, p, p, p, i64, p, ctypes.c_int]
     lib.mcsd_q8q8_mm.restype = ctypes.c_int
     lib.mcsd_int8_isa.argtypes = [ctypes.c_int]
     lib.mcsd_int8_isa.restype = ctypes.c_int
@@ -224,24 +224,27 @@ def int8_isa(name: str | None = None) -> str:
     return INT8_ISAS[lib.mcsd_int8_isa(-1)]
 
 
-def q4q8_mm(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """`q4_mm` with each row of x quantised to 8 bits per block of 32 (llama.cpp's Q8_1) and integer
-    dot products (see q4_kernel.c): (M, N) float32."""
+def q4q8_mm(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, n: int) -> torch.Tensor:
+    """x (M, K) float32, each row quantised to 8 bits per block of 32 (llama.cpp's Q8_1), times the
+    Q4_1 weight of `n` rows in the 8-row interleaved layout (`quant.interleave_q4`: codes (⌈n/8⌉, K / 32,
+    4, 32) uint8, d and m (⌈n/8⌉, K / 32, 8) float32) with integer dot products (see q4_kernel.c), transposed:
+    (M, n) float32."""
     rows, k = x.shape
-    out = torch.empty(rows, codes.shape[0], dtype=torch.float32)
-    if _lib().mcsd_q4q8_mm(x.data_ptr(), rows, k, codes.data_ptr(), d.data_ptr(), m.data_ptr(), codes.shape[0],
+    out = torch.empty(rows, n, dtype=torch.float32)
+    if _lib().mcsd_q4q8_mm(x.data_ptr(), rows, k, codes.data_ptr(), d.data_ptr(), m.data_ptr(), n,
                            out.data_ptr(), torch.get_num_threads()) != 0:
         raise MemoryError("the native q4 kernel could not allocate the quantised activations")
     return out
 
 
-def q8q8_mm(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """`q8_mm` with each row of x quantised to 8 bits per block of 32 (llama.cpp's Q8_0) and integer
-    dot products (see q4_kernel.c): (M, N) float32."""
+def q8q8_mm(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, w128: torch.Tensor, n: int) -> torch.Tensor:
+    """x (M, K) float32, each row quantised to 8 bits per block of 32 (llama.cpp's Q8_0), times the Q8_0
+    weight of `n` rows in the 8-row interleaved layout (`quant.interleave_q8`: codes (⌈n/8⌉, K / 32, 8,
+    32) int8, d (⌈n/8⌉, K / 32, 8) float32, w128 likewise int32) with integer dot products, transposed."""
     rows, k = x.shape
-    out = torch.empty(rows, codes.shape[0], dtype=torch.float32)
-    if _lib().mcsd_q8q8_mm(x.data_ptr(), rows, k, codes.data_ptr(), d.data_ptr(), codes.shape[0], out.data_ptr(),
-                           torch.get_num_threads()) != 0:
+    out = torch.empty(rows, n, dtype=torch.float32)
+    if _lib().mcsd_q8q8_mm(x.data_ptr(), rows, k, codes.data_ptr(), d.data_ptr(), w128.data_ptr(), n,
+                           out.data_ptr(), torch.get_num_threads()) != 0:
         raise MemoryError("the native q4 kernel could not allocate the quantised activations")
     return out
 
@@ -315,13 +318,14 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 def layer_weights(norm, post_norm, q_norm, k_norm, eps: float, post_eps: float, qk_eps: float, scale: float,
                   products: dict, heads: int, kv_heads: int, head_dim: int, act8: bool = False) -> LayerWeights:
     """A decoder layer's weights for `layer`: float32 norm weights (q_norm / k_norm None where the model
-    has none) and four Q4_1 products, `products[name] = (codes, d, m, bias or None)` for "qkv" (rows q, k,
-    v), "o", "gate_up" (rows gate, up) and "down"; `act8`: the products on 8-bit activations (`q4q8_mm`).
+    has none) and four Q4_1 products, `products[name] = (codes, d, m, bias or None, rows, columns)` for "qkv"
+    (rows q, k, v), "o", "gate_up" (rows gate, up) and "down"; `act8`: the products on 8-bit activations
+    (`q4q8_mm`, the codes in its layout).
     The result points into the tensors: the caller keeps them alive as long as it."""
     weights = {}
     for name in ("qkv", "o", "gate_up", "down"):
-        codes, d, m, bias = products[name]
-        weights[name] = _Weight(_ptr(codes), _ptr(d), _ptr(m), _ptr(bias), codes.shape[0], 2 * codes.shape[1])
+        codes, d, m, bias, n, k = products[name]
+        weights[name] = _Weight(_ptr(codes), _ptr(d), _ptr(m), _ptr(bias), n, k)
     return LayerWeights(_ptr(norm), _ptr(post_norm), _ptr(q_norm), _ptr(k_norm), eps, post_eps, qk_eps, scale,
                         **weights, heads=heads, kv_heads=kv_heads, head_dim=head_dim, act8=int(act8))
 

@@ -210,23 +210,32 @@ int mcsd_q8_mm(const float *x, int64_t M, int64_t K, const int8_t *codes, const 
 
    Each input row is quantised per block of 32 along k, as llama.cpp's Q8_1: a = max |x| over the block,
    dx = a / 127, q = x * (127 / a) rounded to the nearest integer (ties to even; 0 where a is 0), and
-   sx = dx * sum(q) (Q8_1's block sum; the integer sum is exact). Then, with w = dw q + m (Q4_1) or dw q
-   (Q8_0):
+   sx = dx * sum(q) (Q8_1's block sum; the integer sum is exact). With w = dw c + m (Q4_1) or dw c
+   (Q8_0), every output is
 
-     out[r, n] = hsum_8(acc) + off,   acc = sum over blocks g, in order, of fma(lanes(g), dw dx, acc)
-                                      off = sum_g m[n, g] sx[r, g] (Q4_1 only; 8 lanes over g, hsum, tail)
+     out[r, n] = sum over blocks g, in order:  acc = fma(S[g], dw[n, g] * dx[r, g], acc),
+                                              then (Q4_1) acc = fma(m[n, g], sx[r, g], acc)
 
-   where lanes(g) are 8 int32 partial sums of the block's 32 code products, lane i holding the products
-   of elements 4i .. 4i + 3 (exact integers, converted to float exactly: each under 2^16). vpdpbusd
-   (AVX512-VNNI on ymm registers, or AVX-VNNI) and AVX2's maddubs then madd by ones give the same lanes,
-   so every instruction set computes the same bits; the one used is chosen by mcsd_int8_isa from the
-   CPU's flags (mcsd/forward/native.py). Q4_1's codes (0..15) are the unsigned operand; Q8_0's signed
-   codes go in as |q| with the activation's sign flipped where q < 0, as llama.cpp does.
+   where S[g] = sum_k c[n, k] q[r, k] over the block, an exact integer (under 2^16 in magnitude),
+   converted to float exactly. So the result is the same whatever instruction computes S: vpdpbusd
+   (AVX512-VNNI on ymm registers, or AVX-VNNI) or AVX2's maddubs then madd by ones; the one used is
+   chosen by mcsd_int8_isa from the CPU's flags (mcsd/forward/native.py). A row is quantised on its own
+   and each output summed in this fixed order whatever the rows beside it, the tile it falls in or the
+   thread, so a row's result does not depend on the rows beside it. The result is not the float32
+   product's: it is the product with the activations rounded to 8 bits a block, a slightly different
+   target (as bfloat16 compute is).
 
-   A row is quantised on its own and each output r, n is summed in this fixed order whatever the rows
-   beside it, the tile it falls in or the thread, so a row's result does not depend on the rows beside
-   it. The result is not the float32 product's: it is the product with the activations rounded to 8
-   bits a block, a slightly different target (as bfloat16 compute is). */
+   Layout (made by mcsd/forward/quant.py): the weight's rows in groups of 8 (the last group padded with
+   zero rows), so that one 32-byte vector holds 4 consecutive codes of each of 8 outputs and vpdpbusd
+   against 4 activation bytes broadcast sums them into 8 outputs' lanes at once, with no horizontal
+   sum (as llama.cpp's repacked 8-row layouts do). Per group o and block g:
+     Q4_1: 4 x 32 bytes; byte 4j + t of vector p holds output j's code at k = 4p + t in its low nibble
+           and at k = 4(p + 4) + t in its high nibble; d and m (groups, G, 8) float32.
+     Q8_0: 8 x 32 bytes; byte 4j + t of vector p is output j's code at k = 4p + t; d (groups, G, 8)
+           float32 and w128 (groups, G, 8) int32, 128 x the block's sum of codes.
+   Q4_1's codes (0..15) are vpdpbusd's unsigned operand. For Q8_0 the VNNI path takes the activations
+   as unsigned bytes q + 128 and subtracts 128 x the codes' sum; AVX2, whose maddubs would saturate on
+   that, takes |c| and the activation with c's sign, as llama.cpp does. Both give S exactly. */
 
 static int int8_isa = 0;                  /* 0 AVX2, 1 AVX-VNNI, 2 AVX512-VNNI (ymm, AVX512VL) */
 
@@ -253,8 +262,9 @@ static inline __attribute__((always_inline)) __m256i dot32(int isa, __m256i acc,
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
 
-/* rows x K floats into int8 codes q (rows, K) and per block dx and sx (rows, K / 32), each row alone */
-static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *q, float *dx, float *sx) {
+/* rows x K floats into int8 codes q (rows, K), the same plus 128 as unsigned bytes (qu), and per block
+   dx and sx (rows, K / 32), each row alone */
+static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *q, uint8_t *qu, float *dx, float *sx) {
     const int64_t G = K / 32;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t r = 0; r < M; r++)
@@ -278,6 +288,7 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *q, float
             const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16, x16),
                                                           _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
             _mm256_storeu_si256((__m256i *)(q + r * K + 32 * g), b);
+            _mm256_storeu_si256((__m256i *)(qu + r * K + 32 * g), _mm256_xor_si256(b, _mm256_set1_epi8((char)0x80)));
             const __m256i s = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
             int32_t si[8], sum = 0;
             _mm256_storeu_si256((__m256i *)si, s);
@@ -287,82 +298,113 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *q, float
         }
 }
 
-/* sum_g a[g] b[g]: 8 lanes of fma over whole groups of 8, their sum, then the rest in order */
-static inline float dot_f32(const float *a, const float *b, int64_t n) {
-    __m256 acc = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    float s = hsum(acc);
-    for (; i < n; i++) s = fmaf(a[i], b[i], s);
-    return s;
+static inline __m256i bcast4(const void *p) {
+    int32_t v;
+    __builtin_memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
 }
 
-/* a Q4_1 block's 16 bytes as 32 unsigned codes in element order */
-static inline __m256i codes_q4(const uint8_t *c) {
-    const __m128i mask = _mm_set1_epi8(0x0F), b = _mm_loadu_si128((const __m128i *)c);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
-}
-
-/* `rows` quantised input rows times J consecutive outputs (J <= 4; nj of them real) from weight row
-   n0 (Q4_1: q8 == 0; Q8_0: q8 == 1). `isa`, `rows`, `J` and `q8` are constants at each call site. */
-static inline __attribute__((always_inline)) void tile8(int isa, int q8, int rows, int J, const int8_t *xq,
-                                                        const float *dx, const float *sx, int64_t K,
-                                                        const uint8_t *c, int64_t row, const float *d,
-                                                        const float *m, int nj, float *out, int64_t N) {
-    const int64_t G = K / 32;
-    __m256 acc[4][4];
+/* `rows` quantised rows (<= 4) times GR groups of 8 outputs (GR <= 2) starting at group o; the groups'
+   outputs written where they are below N. `isa`, `q8`, `rows` and `GR` are constants at each call. */
+static inline __attribute__((always_inline)) void tile8(int isa, int q8, int rows, int GR, const int8_t *xq,
+                                                        const uint8_t *xu, const float *dx, const float *sx,
+                                                        int64_t K, const uint8_t *c, const float *d,
+                                                        const float *m, const int32_t *w128, int64_t o,
+                                                        int64_t N, float *out) {
+    const int64_t G = K / 32, gbytes = q8 ? 256 : 128;           /* code bytes of a group's block */
+    __m256 acc[4][2];
     for (int r = 0; r < rows; r++)
-        for (int j = 0; j < J; j++) acc[r][j] = _mm256_setzero_ps();
+        for (int i = 0; i < GR; i++) acc[r][i] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0F);
     for (int64_t g = 0; g < G; g++) {
-        for (int j = 0; j < J; j++) {
-            const int64_t n = j < nj ? j : 0;            /* a short last tile repeats a row */
-            __m256i u;
-            if (q8) u = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(c + n * row + 32 * g)));
-            else {
-                _mm_prefetch((const char *)(c + n * row + 16 * g + PF), _MM_HINT_T0);
-                u = codes_q4(c + n * row + 16 * g);
-            }
-            const float dw = d[n * G + g];
+        __m256i s0[4][2], s1[4][2];                               /* even and odd quads: two chains */
+        for (int r = 0; r < rows; r++)
+            for (int i = 0; i < GR; i++) s0[r][i] = s1[r][i] = _mm256_setzero_si256();
+        if (!q8) {
+            for (int p = 0; p < 4; p++)
+                for (int i = 0; i < GR; i++) {
+                    const uint8_t *cb = c + ((o + i) * G + g) * gbytes + 32 * p;
+                    _mm_prefetch((const char *)(cb + 4 * gbytes), _MM_HINT_T0);
+                    const __m256i raw = _mm256_loadu_si256((const __m256i *)cb);
+                    const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                    for (int r = 0; r < rows; r++) {
+                        const int8_t *xr = xq + r * K + 32 * g;
+                        s0[r][i] = dot32(isa, s0[r][i], lo, bcast4(xr + 4 * p));
+                        s1[r][i] = dot32(isa, s1[r][i], hi, bcast4(xr + 4 * (p + 4)));
+                    }
+                }
+        } else {
+            for (int p = 0; p < 8; p++)
+                for (int i = 0; i < GR; i++) {
+                    const __m256i w = _mm256_loadu_si256((const __m256i *)(c + ((o + i) * G + g) * gbytes + 32 * p));
+                    if (isa) {
+                        for (int r = 0; r < rows; r++) {
+                            __m256i *s = p & 1 ? &s1[r][i] : &s0[r][i];
+                            *s = dot32(isa, *s, bcast4(xu + r * K + 32 * g + 4 * p), w);
+                        }
+                    } else {
+                        const __m256i aw = _mm256_abs_epi8(w);
+                        for (int r = 0; r < rows; r++) {
+                            __m256i *s = p & 1 ? &s1[r][i] : &s0[r][i];
+                            *s = dot32(isa, *s, aw, _mm256_sign_epi8(bcast4(xq + r * K + 32 * g + 4 * p), w));
+                        }
+                    }
+                }
+        }
+        for (int i = 0; i < GR; i++) {
+            const int64_t at = ((o + i) * G + g) * 8;
+            const __m256 dw = _mm256_loadu_ps(d + at);
+            const __m256 mw = q8 ? dw : _mm256_loadu_ps(m + at);
+            const __m256i fix = q8 && isa ? _mm256_loadu_si256((const __m256i *)(w128 + at)) : _mm256_setzero_si256();
             for (int r = 0; r < rows; r++) {
-                __m256i s = _mm256_loadu_si256((const __m256i *)(xq + r * K + 32 * g));
-                if (q8) s = _mm256_sign_epi8(s, _mm256_loadu_si256((const __m256i *)(c + n * row + 32 * g)));
-                const __m256 p = _mm256_cvtepi32_ps(dot32(isa, _mm256_setzero_si256(), u, s));
-                acc[r][j] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * dx[r * G + g]), acc[r][j]);
+                const __m256i S = _mm256_sub_epi32(_mm256_add_epi32(s0[r][i], s1[r][i]), fix);
+                acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), _mm256_mul_ps(dw, _mm256_set1_ps(dx[r * G + g])),
+                                            acc[r][i]);
+                if (!q8) acc[r][i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sx[r * G + g]), acc[r][i]);
             }
         }
     }
     for (int r = 0; r < rows; r++)
-        for (int j = 0; j < nj; j++) {
-            float v = hsum(acc[r][j]);
-            if (!q8) v += dot_f32(m + j * G, sx + r * G, G);
-            out[r * N + j] = v;
+        for (int i = 0; i < GR; i++) {
+            const int64_t n0 = (o + i) * 8;
+            if (n0 + 8 <= N) _mm256_storeu_ps(out + r * N + n0, acc[r][i]);
+            else if (n0 < N) {
+                float t[8];
+                _mm256_storeu_ps(t, acc[r][i]);
+                for (int64_t j = 0; n0 + j < N; j++) out[r * N + n0 + j] = t[j];
+            }
         }
 }
 
-/* NB outputs from weight row n0 for all M quantised rows: 4 rows at a time (2 outputs a pass), then the
-   rest (1 or 2 rows: 4 outputs a pass, 3 rows: 2). The accumulators and codes stay in registers. */
-static inline __attribute__((always_inline)) void block8(int isa, int q8, const int8_t *xq, const float *dx,
-                                                         const float *sx, int64_t M, int64_t K, const uint8_t *c,
-                                                         int64_t row, const float *d, const float *m, int nb,
-                                                         float *out, int64_t N) {
+/* groups o0 .. o0 + GB - 1 (2 groups of 8 outputs, or 1 at the end) for all M rows: 4 rows at a time
+   with one group a pass, the rest (1-3 rows) with both; each output's sums are the same either way */
+#define GB 2
+static inline __attribute__((always_inline)) void block8(int isa, int q8, const int8_t *xq, const uint8_t *xu,
+                                                         const float *dx, const float *sx, int64_t M, int64_t K,
+                                                         const uint8_t *c, const float *d, const float *m,
+                                                         const int32_t *w128, int64_t o0, int ng, int64_t N,
+                                                         float *out) {
     const int64_t G = K / 32;
     int64_t r = 0;
-#define TILE8(R, J) for (int j0 = 0; j0 < nb; j0 += J) \
-        tile8(isa, q8, R, J, xq + r * K, dx + r * G, sx + r * G, K, c + j0 * row, row, d + j0 * G, \
-              q8 ? NULL : m + j0 * G, nb - j0 < J ? nb - j0 : J, out + r * N + j0, N)
-    for (; r + 4 <= M; r += 4) TILE8(4, 2);
-    if (M - r == 3) TILE8(3, 2);
-    else if (M - r == 2) TILE8(2, 4);
-    else if (M - r == 1) TILE8(1, 4);
+#define TILE8(R, GR) do { for (int i = 0; i < ng; i += GR) { \
+        if (GR == 2 && ng - i == 1) tile8(isa, q8, R, 1, xq + r * K, xu + r * K, dx + r * G, sx + r * G, K, c, d, m, \
+                                          w128, o0 + i, N, out + r * N); \
+        else tile8(isa, q8, R, GR, xq + r * K, xu + r * K, dx + r * G, sx + r * G, K, c, d, m, w128, o0 + i, N, \
+                   out + r * N); } } while (0)
+    for (; r + 4 <= M; r += 4) TILE8(4, 1);
+    if (M - r == 3) TILE8(3, 1);
+    else if (M - r == 2) TILE8(2, 2);
+    else if (M - r == 1) TILE8(1, 2);
 #undef TILE8
 }
 
 /* one instance of block8 a (instruction set, weight type), each compiled on its own */
 #define BLOCK8(NAME, ISA, Q8) \
-    static __attribute__((noinline)) void NAME(const int8_t *xq, const float *dx, const float *sx, int64_t M, \
-                                               int64_t K, const uint8_t *c, int64_t row, const float *d, \
-                                               const float *m, int nb, float *out, int64_t N) { \
-        block8(ISA, Q8, xq, dx, sx, M, K, c, row, d, m, nb, out, N); }
+    static __attribute__((noinline)) void NAME(const int8_t *xq, const uint8_t *xu, const float *dx, const float *sx, \
+                                               int64_t M, int64_t K, const uint8_t *c, const float *d, \
+                                               const float *m, const int32_t *w128, int64_t o0, int ng, int64_t N, \
+                                               float *out) { \
+        block8(ISA, Q8, xq, xu, dx, sx, M, K, c, d, m, w128, o0, ng, N, out); }
 BLOCK8(block8_q4_avx2, 0, 0)
 BLOCK8(block8_q4_avxvnni, 1, 0)
 BLOCK8(block8_q4_avx512vnni, 2, 0)
@@ -371,46 +413,49 @@ BLOCK8(block8_q8_avxvnni, 1, 1)
 BLOCK8(block8_q8_avx512vnni, 2, 1)
 #undef BLOCK8
 
-/* x (M, K) float32 times N weight rows on 8-bit activations (see above); arguments as mm's. Returns 0,
-   or -1 where the quantised rows could not be allocated (out is then untouched). */
+/* x (M, K) float32 times N weight rows in the layout above, on 8-bit activations; out (M, N). Q4_1:
+   q8 == 0, m the offsets, w128 unused; Q8_0: q8 == 1, m unused. Returns 0, or -1 where the quantised
+   rows could not be allocated (out is then untouched). */
 static int mm8(const float *x, int64_t M, int64_t K, const void *codes, const float *d, const float *m,
-               int64_t N, float *out, int threads, int q8) {
-    const int64_t G = K / 32, row = q8 ? K : K / 2;
-    int8_t *xq = malloc((size_t)(M * K));
+               const int32_t *w128, int64_t N, float *out, int threads, int q8) {
+    const int64_t G = K / 32;
+    uint8_t *xb = malloc((size_t)(2 * M * K));
     float *dx = malloc(sizeof(float) * (size_t)(2 * M * G));
-    if (!xq || !dx) {
-        free(xq);
+    if (!xb || !dx) {
+        free(xb);
         free(dx);
         return -1;
     }
+    int8_t *xq = (int8_t *)xb;
+    uint8_t *xu = xb + M * K;
     float *sx = dx + M * G;
-    quantize_rows(x, M, K, xq, dx, sx);
-    typedef void (*block_fn)(const int8_t *, const float *, const float *, int64_t, int64_t, const uint8_t *,
-                             int64_t, const float *, const float *, int, float *, int64_t);
+    quantize_rows(x, M, K, xq, xu, dx, sx);
+    typedef void (*block_fn)(const int8_t *, const uint8_t *, const float *, const float *, int64_t, int64_t,
+                             const uint8_t *, const float *, const float *, const int32_t *, int64_t, int, int64_t,
+                             float *);
     static const block_fn fns[2][3] = {{block8_q4_avx2, block8_q4_avxvnni, block8_q4_avx512vnni},
                                        {block8_q8_avx2, block8_q8_avxvnni, block8_q8_avx512vnni}};
     const block_fn fn = fns[q8][int8_isa];
-    const int64_t blocks = (N + NB - 1) / NB;
+    const int64_t groups = (N + 7) / 8, blocks = (groups + GB - 1) / GB;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
-        const int64_t n0 = b * NB;
-        const int nb = N - n0 < NB ? (int)(N - n0) : NB;
-        fn(xq, dx, sx, M, K, (const uint8_t *)codes + n0 * row, row, d + n0 * G, q8 ? NULL : m + n0 * G, nb,
-           out + n0, N);
+        const int64_t o0 = b * GB;
+        fn(xq, xu, dx, sx, M, K, (const uint8_t *)codes, d, m, w128, o0, groups - o0 < GB ? (int)(groups - o0) : GB,
+           N, out);
     }
-    free(xq);
+    free(xb);
     free(dx);
     return 0;
 }
 
 int mcsd_q4q8_mm(const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *d, const float *m,
                  int64_t N, float *out, int threads) {
-    return mm8(x, M, K, codes, d, m, N, out, threads, 0);
+    return mm8(x, M, K, codes, d, m, NULL, N, out, threads, 0);
 }
 
-int mcsd_q8q8_mm(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *d, int64_t N, float *out,
-                 int threads) {
-    return mm8(x, M, K, codes, d, NULL, N, out, threads, 1);
+int mcsd_q8q8_mm(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *d, const int32_t *w128,
+                 int64_t N, float *out, int threads) {
+    return mm8(x, M, K, codes, d, NULL, w128, N, out, threads, 1);
 }
 
 /* RMS norm of M rows of K floats (K a multiple of 8), as transformers' Llama norm computes it:
@@ -557,7 +602,8 @@ typedef struct {
 } mcsd_layer_t;
 
 static int product(const float *x, int64_t M, const mcsd_q4w *w, int act8, float *out, int threads) {
-    if ((act8 ? mm8 : mm)(x, M, w->k, w->codes, w->d, w->m, w->n, out, threads, 0)) return -1;
+    if (act8 ? mm8(x, M, w->k, w->codes, w->d, w->m, NULL, w->n, out, threads, 0)
+             : mm(x, M, w->k, w->codes, w->d, w->m, w->n, out, threads, 0)) return -1;
     if (w->bias)
         for (int64_t r = 0; r < M; r++)
             for (int64_t j = 0; j < w->n; j++) out[r * w->n + j] += w->bias[j];

@@ -209,7 +209,8 @@ def _unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
 class Q4Linear:
     """A linear layer's weight in the layout of the q4 kernel this process runs (`kernel_name()`):
     mcsd's native kernel (codes as the GGUF stores them, float32 scale / offset) or torch's int4 kernel
-    (codes packed, bfloat16 scale / zero). `act8` (native only): its products on 8-bit activations."""
+    (codes packed, bfloat16 scale / zero). `act8` (native only): its products on 8-bit activations, the
+    codes, scales and offsets then in that product's 8-row interleaved layout (`interleave_q4`)."""
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, act8: bool = False):
         n, k = q.shape
@@ -218,11 +219,15 @@ class Q4Linear:
         self.act8 = act8
         if act8 and not self.native:
             raise Q4Error(f"products on 8-bit activations run on mcsd's native kernel only ({native.reason()})")
+        if act8:
+            self.codes, self.d, self.m = interleave_q4(q, d, m)
+            self.dtypes = (torch.float32,)
+            return
         if self.native:
             blocks = q.to(torch.uint8).view(n, k // GROUP, GROUP)
             self.codes = (blocks[..., :GROUP // 2] | (blocks[..., GROUP // 2:] << 4)).contiguous().view(n, k // 2)
             self.d, self.m = d.float().contiguous(), m.float().contiguous()
-            self.dtypes = (torch.float32,) if act8 else (torch.float32, torch.bfloat16)
+            self.dtypes = (torch.float32, torch.bfloat16)
             return
         self.dtypes = (torch.bfloat16,)
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
@@ -234,8 +239,9 @@ class Q4Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if self.native:
-            out = (native.q4q8_mm if self.act8 else native.q4_mm)(rows.float().contiguous(), self.codes, self.d,
-                                                                  self.m)
+            x32 = rows.float().contiguous()
+            out = native.q4q8_mm(x32, self.codes, self.d, self.m, self.out_features) if self.act8 else \
+                native.q4_mm(x32, self.codes, self.d, self.m)
             out = out if x.dtype == torch.float32 else out.to(x.dtype)
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), self.packed, GROUP, self.scale_zero)
@@ -245,6 +251,9 @@ class Q4Linear:
         """Rows start..stop-1 of the weight, dequantised as a GGUF loader does (native layout only)."""
         if not self.native:
             raise RuntimeError("torch's int4 layout is not read back; its layers keep their dense weights")
+        if self.act8:
+            q, d, m = deinterleave_q4(self.codes, self.d, self.m, self.out_features)
+            return dequantize(q[start:stop], d[start:stop], m[start:stop]).to(dtype)
         blocks = self.codes[start:stop].view(stop - start, self.in_features // GROUP, GROUP // 2)
         q = torch.cat([blocks & 15, blocks >> 4], dim=-1).view(stop - start, self.in_features)
         return dequantize(q, self.d[start:stop], self.m[start:stop]).to(dtype)
@@ -271,25 +280,72 @@ class _SharedProduct(fused.Product):
 
 class Q8Linear:
     """A Q8_0 weight (the LM head) on the native kernel: int8 codes and float32 scales; `act8`: its
-    products on 8-bit activations (`native.q8q8_mm`)."""
+    products on 8-bit activations (`native.q8q8_mm`), in that product's layout (`interleave_q8`)."""
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, act8: bool = False):
         self.out_features, self.in_features = q.shape
-        self.codes, self.d = q.to(torch.int8).contiguous(), d.float().contiguous()
         self.act8 = act8
+        self.w128 = None
+        if act8:
+            self.codes, self.d, self.w128 = interleave_q8(q, d)
+        else:
+            self.codes, self.d = q.to(torch.int8).contiguous(), d.float().contiguous()
         self.dtypes = (torch.float32,) if act8 else (torch.float32, torch.bfloat16)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float().contiguous()
-        out = (native.q8q8_mm if self.act8 else native.q8_mm)(rows, self.codes, self.d)
+        out = native.q8q8_mm(rows, self.codes, self.d, self.w128, self.out_features) if self.act8 else \
+            native.q8_mm(rows, self.codes, self.d)
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     @property
     def nbytes(self) -> int:
-        return self.codes.nbytes + self.d.nbytes
+        return self.codes.nbytes + self.d.nbytes + (self.w128.nbytes if self.w128 is not None else 0)
 
     def __deepcopy__(self, memo):
         return self         # shared with a copied model, read-only, as the native Q4_1 layers' codes are
+
+
+def _by_groups_of_8(t: torch.Tensor) -> torch.Tensor:
+    """(N, ...) padded with zero rows to a multiple of 8, as (⌈N/8⌉, 8, ...)."""
+    pad = -t.shape[0] % 8
+    if pad:
+        t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+    return t.view(-1, 8, *t.shape[1:])
+
+
+def interleave_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
+    """Q4_1 codes q (N, K) in 0..15, d and m (N, K / 32) in the layout of the products on 8-bit
+    activations (q4_kernel.c): the rows in groups of 8 (zero rows padding the last), codes (groups,
+    K / 32, 4, 32) uint8, byte 4j + t of vector p holding row j's code at k = 4p + t (low nibble) and
+    4(p + 4) + t (high nibble) of the block; d and m (groups, K / 32, 8) float32."""
+    n, k = q.shape
+    g = k // GROUP
+    quads = _by_groups_of_8(q.to(torch.uint8)).view(-1, 8, g, 8, 4).permute(0, 2, 3, 1, 4)   # (o, g, quad, j, t)
+    quads = quads.reshape(-1, g, 8, 32)
+    codes = (quads[:, :, :4] | (quads[:, :, 4:] << 4)).contiguous()
+    per_row = [_by_groups_of_8(t.float()).transpose(1, 2).contiguous() for t in (d, m)]
+    return codes, per_row[0], per_row[1]
+
+
+def deinterleave_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, n: int):
+    """`interleave_q4` undone: q (n, K) uint8, d and m (n, K / 32) float32."""
+    groups, g = codes.shape[:2]
+    quads = torch.cat([codes & 15, codes >> 4], dim=2).view(groups, g, 8, 8, 4).permute(0, 3, 1, 2, 4)
+    q = quads.reshape(groups * 8, g * GROUP)[:n]
+    return q, d.transpose(1, 2).reshape(groups * 8, g)[:n], m.transpose(1, 2).reshape(groups * 8, g)[:n]
+
+
+def interleave_q8(q: torch.Tensor, d: torch.Tensor):
+    """Q8_0 codes q (N, K) int8 and d (N, K / 32) in the layout of the products on 8-bit activations:
+    codes (groups, K / 32, 8, 32) int8, byte 4j + t of vector p being row j's code at k = 4p + t of the
+    block; d (groups, K / 32, 8) float32; w128 likewise int32, 128 x each block's sum of codes."""
+    n, k = q.shape
+    g = k // GROUP
+    rows = _by_groups_of_8(q.to(torch.int8))                                                 # (o, 8, K)
+    codes = rows.view(-1, 8, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(-1, g, 8, 32).contiguous()
+    w128 = (rows.view(-1, 8, g, GROUP).sum(-1, dtype=torch.int32) * 128).transpose(1, 2).contiguous()
+    return codes, _by_groups_of_8(d.float()).transpose(1, 2).contiguous(), w128
 
 
 def _q4_forward(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
