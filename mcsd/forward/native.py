@@ -1,6 +1,7 @@
-"""The engine's native library (`q4_kernel.c`): the Q4_1 and Q8_0 products of q4 weights, an RMS norm,
-attention over a static cache, and a whole Llama-family decoder layer on Q4_1 weights in one call,
-built once per machine with the C compiler.
+"""The engine's native library (`q4_kernel.c`): the Q4_1 and Q8_0 products of q4 weights (on float32
+activations, or on activations rounded to 8 bits with integer dot products: VNNI or AVX2, chosen from
+the CPU's flags, the weights "q4q8"), an RMS norm, attention over a static cache, and a whole
+Llama-family decoder layer on Q4_1 weights in one call, built once per machine with the C compiler.
 
 torch's CPU int4 kernel dequantises its weights again for every block of a few rows, so a 9-row
 tree verify costs several 1-row steps. `q4_kernel.c` dequantises a block of output rows once and
