@@ -31,7 +31,8 @@ def pytest_addoption(parser):
     g.addoption("--bench-dtype", default="bfloat16",
                 help="float32, bfloat16, float16, or auto (what --dtype auto picks for this pair on this machine)")
     g.addoption("--bench-weights", default="dense", choices=WEIGHTS,
-                help="the target's weights: dense, or q4 (its Q4_1 GGUF's codes, in the dtype q4 computes in here)")
+                help="the target's weights: dense, q4 (its Q4_1 GGUF's codes, in the dtype q4 computes in here), or "
+                     "q4q8 (those codes on 8-bit activations, float32)")
     g.addoption("--bench-device", default="cpu")
     g.addoption("--bench-threads", type=int, default=None, help="torch threads (default: torch's choice)")
     g.addoption("--bench-temperature", type=float, default=0.0,
@@ -79,9 +80,10 @@ class Bench:
         self.max_new_tokens = 16 if self.smoke else opt("--bench-max-new-tokens")
         self.temperature, self.top_p = opt("--bench-temperature"), opt("--bench-top-p")
         self.dtype, self.device, self.weights = opt("--bench-dtype"), opt("--bench-device"), opt("--bench-weights")
-        if self.weights == "q4":
+        if self.weights in ("q4", "q4q8"):
             from mcsd.forward import quant
-            self.dtype = quant.compute_dtype()         # what q4 computes in here, whatever --bench-dtype says
+            # what q4 (q4q8) computes in here, whatever --bench-dtype says
+            self.dtype = quant.compute_dtype() if self.weights == "q4" else quant.dtypes("q4q8")[0]
         self.target, self.draft, self.tokenizer = load_model_pair(
             opt("--bench-target"), opt("--bench-draft"), dtype="float32" if self.dtype == "auto" else self.dtype,
             device=self.device, drafter=opt("--bench-drafter"), weights=self.weights)
