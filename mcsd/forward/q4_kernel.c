@@ -1,4 +1,5 @@
-/* mcsd's Q4_1 and Q8_0 matrix products for x86-64 CPUs with AVX2 and FMA (built by mcsd/native.py).
+/* mcsd's Q4_1 and Q8_0 matrix products for x86-64 CPUs with AVX2 and FMA (built by mcsd/native.py): on
+   float32 activations here, on 8-bit ones (the weights "q4q8") further down.
 
    out[r, n] = sum_k x[r, k] * w[n, k],   w[n, k] = d[n, g] * q[n, k] + m[n, g],   g = k / 32
 
