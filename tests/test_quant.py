@@ -246,6 +246,11 @@ def test_calibrated_costs_of_q4_weights_are_kept_apart(q4_gguf_file, kernel):
     quant.detach(model)
     own = f":q4-native{native.VERSION}" if kernel == "native" else ":q4"         # each kernel (version) its own
     assert key == _model_key(model) + own
+    if kernel == "native":                         # 8-bit activations cost otherwise: a profile of their own
+        on8 = load_model(str(q4_gguf_file), dtype="float32", weights="q4q8")
+        dense = _model_key(load_model(str(q4_gguf_file), dtype="float32"))
+        assert _model_key(on8) == dense + f":q4q8-native{native.VERSION}" == \
+            _model_key(load_model(str(q4_gguf_file), dtype="float32"), weights="q4q8")
 
 
 def test_a_copied_model_runs_dense_until_attached_or_shares_the_only_codes(q4_gguf_file, kernel):
