@@ -44,16 +44,23 @@ def products(model, rows: tuple[int, ...], repeats: int) -> list[dict]:
                             == (True, w.out_features, w.in_features) for e in out):
             continue                                            # one entry a weight shape
         q4 = isinstance(w, quant.Q4Linear)
-        float_mm = (lambda x: native.q4_mm(x, w.codes, w.d, w.m)) if q4 else (lambda x: native.q8_mm(x, w.codes, w.d))
-        int8_mm = (lambda x: native.q4q8_mm(x, w.codes, w.d, w.m)) if q4 else \
-            (lambda x: native.q8q8_mm(x, w.codes, w.d))
+        n = w.out_features
+        if q4:                                                  # the same codes in the 8-bit product's layout
+            blocks = w.codes.view(n, -1, quant.GROUP // 2)
+            w8 = quant.interleave_q4(torch.cat([blocks & 15, blocks >> 4], -1).view(n, -1), w.d, w.m)
+            float_mm, int8_mm = native.q4_mm, native.q4q8_mm
+            on_float = (w.codes, w.d, w.m)
+        else:
+            w8 = quant.interleave_q8(w.codes, w.d)
+            float_mm, int8_mm = native.q8_mm, native.q8q8_mm
+            on_float = (w.codes, w.d)
         entry = {"kind": "Q4_1" if q4 else "Q8_0", "n": w.out_features, "k": w.in_features, "ms": {}}
-        for n in rows:
-            x = torch.randn(n, w.in_features)
-            entry["ms"].setdefault("float32", {})[n] = _median_ms(lambda: float_mm(x), repeats)
+        for rows_n in rows:
+            x = torch.randn(rows_n, w.in_features)
+            entry["ms"].setdefault("float32", {})[rows_n] = _median_ms(lambda: float_mm(x, *on_float), repeats)
             for isa in native.int8_isas_here():
                 native.int8_isa(isa)
-                entry["ms"].setdefault(f"int8 {isa}", {})[n] = _median_ms(lambda: int8_mm(x), repeats)
+                entry["ms"].setdefault(f"int8 {isa}", {})[rows_n] = _median_ms(lambda: int8_mm(x, *w8, n), repeats)
             native.int8_isa(native.int8_isas_here()[0])
         out.append(entry)
     return out
