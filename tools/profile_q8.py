@@ -37,13 +37,13 @@ def products(model, rows: tuple[int, ...], repeats: int) -> list[dict]:
     import torch
 
     from mcsd.forward import native, quant
-    out = []
+    out, seen = [], set()
     for layer in model.modules():
         w = layer.__dict__.get(quant._ATTR)
-        if w is None or any((e["kind"] == ("Q4_1" if isinstance(w, quant.Q4Linear) else "Q8_0"), e["n"], e["k"])
-                            == (True, w.out_features, w.in_features) for e in out):
-            continue                                            # one entry a weight shape
         q4 = isinstance(w, quant.Q4Linear)
+        if w is None or (q4, w.out_features, w.in_features) in seen:
+            continue                                            # one entry a weight shape
+        seen.add((q4, w.out_features, w.in_features))
         n = w.out_features
         if q4:                                                  # the same codes in the 8-bit product's layout
             blocks = w.codes.view(n, -1, quant.GROUP // 2)
