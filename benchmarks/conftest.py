@@ -32,8 +32,9 @@ def pytest_addoption(parser):
                 help="float32, bfloat16, float16, or auto (what --dtype auto picks for this pair on this machine)")
     g.addoption("--bench-weights", default="dense", choices=WEIGHTS + ("auto",),
                 help="the target's weights: dense, q4 (its Q4_1 GGUF's codes; with a --bench-dtype other than "
-                     "auto, in the dtype q4 computes in without measurements), or auto (with --bench-dtype auto: "
-                     "the weights and compute dtype mcsd-generate's defaults choose here)")
+                     "auto, in the dtype q4 computes in without measurements), q4q8 (those codes on 8-bit "
+                     "activations, float32), or auto (with --bench-dtype auto: the weights and compute dtype "
+                     "mcsd-generate's defaults choose here)")
     g.addoption("--bench-device", default="cpu")
     g.addoption("--bench-threads", type=int, default=None, help="torch threads (default: torch's choice)")
     g.addoption("--bench-temperature", type=float, default=0.0,
@@ -81,9 +82,10 @@ class Bench:
         self.max_new_tokens = 16 if self.smoke else opt("--bench-max-new-tokens")
         self.temperature, self.top_p = opt("--bench-temperature"), opt("--bench-top-p")
         self.dtype, self.device, self.weights = opt("--bench-dtype"), opt("--bench-device"), opt("--bench-weights")
-        if self.weights == "q4" and self.dtype != "auto":
+        if self.weights in ("q4", "q4q8") and self.dtype != "auto":
             from mcsd.forward import quant
-            self.dtype = quant.compute_dtype()         # what q4 computes in here, whatever --bench-dtype says
+            # what q4 (q4q8) computes in here without measurements, whatever --bench-dtype says
+            self.dtype = quant.compute_dtype() if self.weights == "q4" else quant.dtypes("q4q8")[0]
         if self.weights == "auto" and self.dtype != "auto":
             self.weights = "dense"                     # auto weighs q4 against the dense dtypes, as the CLI does
         auto = self.dtype == "auto"
@@ -94,7 +96,7 @@ class Bench:
         if auto:                                       # as mcsd-generate --dtype auto --weights ... decides it
             from mcsd.decoding.choice import apply_choice, choose_dtype
             from mcsd.loading.models import gguf_source
-            gguf = gguf_source(opt("--bench-target") or DEFAULT_PRESET) if self.weights in ("auto", "q4") else None
+            gguf = gguf_source(opt("--bench-target") or DEFAULT_PRESET) if self.weights in ("auto", "q4", "q4q8") else None
             choice = choose_dtype(self.target, self.draft, gguf=gguf, weights=self.weights)
             self.dtype, self.dtype_reason, self.weights = choice.dtype, choice.reason, choice.weights
             self.target, self.draft = apply_choice(self.target, self.draft, choice, gguf)

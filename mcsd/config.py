@@ -21,7 +21,7 @@ DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", 
                "float16": "float16", "fp16": "float16"}          # accepted name -> torch dtype name
 ATTENTION_BACKENDS = ("auto", "sdpa", "gqa", "xformers", "eager")
 SAMPLING_METHODS = ("gumbel", "rejection")   # mcsd.core.sampling's two ways to draw
-WEIGHTS = ("dense", "q4")                 # how a target's linear layers run (mcsd.drafting.pair.load_model)
+WEIGHTS = ("dense", "q4", "q4q8")         # how a target's linear layers run (mcsd.drafting.pair.load_model)
 
 
 def check_context_window(context_window: int | None, prompt_len: int, max_new_tokens: int) -> None:

@@ -1,7 +1,8 @@
 """A whole decoder layer in one native call (`mcsd_layer` in q4_kernel.c, run by `mcsd.forward.llama`):
 float32 models on native Q4_1 products, against transformers' forward and the engine's forward
 operation by operation, for every family the engine's forward runs (biases, per-head q / k norms,
-llama3 rope scaling)."""
+llama3 rope scaling), and on 8-bit activations (the weights "q4q8") for the families that differ in
+what the products feed."""
 
 from __future__ import annotations
 
@@ -43,9 +44,10 @@ def _llama_cpp_rows(n_rows: int, n_head: int) -> np.ndarray:
     return np.arange(n_rows).reshape(n_head, 2, half).swapaxes(1, 2).reshape(n_rows)
 
 
-def _on_q4_codes(model, path):
+def _on_q4_codes(model, path, act8: bool = False):
     """`model` with every decoder linear weight replaced by its Q4_1 dequantisation and attached to
-    those codes, written into a GGUF at `path` as llama.cpp's converter lays them out."""
+    those codes (on 8-bit activations with `act8`), written into a GGUF at `path` as llama.cpp's
+    converter lays them out."""
     import gguf
 
     qtype = gguf.GGMLQuantizationType.Q4_1
@@ -67,14 +69,20 @@ def _on_q4_codes(model, path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    assert quant.attach(model, path) == 7 * cfg.num_hidden_layers
+    assert quant.attach(model, path, act8=act8) == 7 * cfg.num_hidden_layers
+    assert quant.on_8bit_activations(model) == act8
     return model
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+# every family on float32 activations; on 8-bit ones plain llama, biases (qwen2) and q / k norms (qwen3)
+ON_CODES = [(f, False) for f in FAMILIES] + [(f, True) for f in ("llama", "qwen2", "qwen3")]
+
+
+@pytest.fixture(scope="module", params=ON_CODES, ids=lambda p: p[0] + ("-q4q8" if p[1] else ""))
 def q4_family(request, tmp_path_factory):
-    model = _on_q4_codes(_family(request.param), tmp_path_factory.mktemp("q4") / f"{request.param}.gguf")
-    return request.param, model
+    name, act8 = request.param
+    model = _on_q4_codes(_family(name), tmp_path_factory.mktemp("q4") / f"{name}.gguf", act8)
+    return name, model
 
 
 def _run(lm):
@@ -102,6 +110,8 @@ def test_a_layer_in_one_call_agrees_with_transformers_and_the_op_by_op_forward(q
         CachedLM(model, lean=False)
     fused.reset()
     assert fused._running.native_layers() is not None, name
+    # the one-call layer multiplies as the model's own layers do: on 8-bit activations for q4q8
+    assert {w.act8 for w, *_ in fused._running.native_layers()} == {int(quant.on_8bit_activations(model))}
     with torch.inference_mode():
         got = _run(fused)
         by_op = _run(_one_op_at_a_time(ops))

@@ -124,6 +124,34 @@ def test_decoding_on_q4_weights_is_exact_wrt_plain_q4_decoding(q4_gguf_file, pol
     assert plain.tokens == reference and out.tokens == reference
 
 
+@pytest.mark.parametrize("policy,tree", [("static", "2,2,1"), ("static", "3,1"), ("static", "4,2,2"),
+                                         ("learned", None)])
+def test_decoding_on_8bit_activations_is_exact_wrt_plain_q4q8_decoding(q4_gguf_file, policy, tree, kernel):
+    """q4q8 defines its own target (the activations rounded to 8 bits): every tree's greedy output
+    equals plain decoding and transformers' generate in that arithmetic, the trees verified in blocks
+    of rows on the 8-bit products (the layers in one native call, the Q8_0 head in Python)."""
+    if kernel != "native":
+        pytest.skip("8-bit activations run on the native kernel only")
+    model = load_model(str(q4_gguf_file), dtype="float32", weights="q4q8")
+    assert quant.on_8bit_activations(model) and quant.attached(model) == 14 + _heads(kernel)
+    draft = tiny_llama(1, layers=1)
+    with torch.inference_mode():
+        reference = model.generate(PROMPT[None], max_new_tokens=30, do_sample=False, min_new_tokens=30,
+                                   pad_token_id=0)[0, PROMPT.numel():].tolist()
+    dec = TreeDecoder(model, draft, tree=tree, policy=policy, calibrate=False)
+    rows, real = [], native.q8q8_mm
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(quant.native, "q8q8_mm", lambda x, *a: rows.append(x.shape[0]) or real(x, *a))
+        out = dec.generate(PROMPT, max_new_tokens=30)
+        plain = dec.generate_baseline(PROMPT, max_new_tokens=30)
+    assert rows and max(rows) > 1                                  # trees were verified on the 8-bit head
+    assert dec.target._running.native_layers() is not None          # and on the one-call layers
+    assert plain.tokens == reference and out.tokens == reference
+    with torch.inference_mode():                                    # a target of its own: not q4's logits
+        on_float = load_model(str(q4_gguf_file), dtype="float32", weights="q4")(PROMPT[None]).logits
+        assert not torch.equal(model(PROMPT[None]).logits, on_float)
+
+
 def test_a_long_prompt_starts_on_the_dense_weights_and_every_later_forward_on_the_codes(q4_gguf_file, kernel):
     from transformers import DynamicCache
 
@@ -218,6 +246,11 @@ def test_calibrated_costs_of_q4_weights_are_kept_apart(q4_gguf_file, kernel):
     quant.detach(model)
     own = f":q4-native{native.VERSION}" if kernel == "native" else ":q4"         # each kernel (version) its own
     assert key == _model_key(model) + own
+    if kernel == "native":                         # 8-bit activations cost otherwise: a profile of their own
+        on8 = load_model(str(q4_gguf_file), dtype="float32", weights="q4q8")
+        dense = _model_key(load_model(str(q4_gguf_file), dtype="float32"))
+        assert _model_key(on8) == dense + f":q4q8-native{native.VERSION}" == \
+            _model_key(load_model(str(q4_gguf_file), dtype="float32"), weights="q4q8")
 
 
 def test_a_copied_model_runs_dense_until_attached_or_shares_the_only_codes(q4_gguf_file, kernel):
@@ -277,21 +310,107 @@ def test_a_larger_model_with_more_heads_attaches(tmp_path, kernel):
 
 def test_a_rows_result_does_not_depend_on_the_block_size():
     """Each row of an int4 product comes out the same whether it runs alone or in a block (checked on
-    this machine's kernel), so q4 linear layers add no dependence on the tree's size."""
+    this machine's kernel; on the native one, on float32 and 8-bit activations, the latter on every
+    instruction set this CPU has), so q4 linear layers add no dependence on the tree's size."""
     torch.manual_seed(0)
     n = 67 if quant.kernel_name() == "native" else 64       # the native kernel: a short last block of outputs
     q = torch.randint(0, 16, (n, 96), dtype=torch.uint8)
     d, m = (torch.rand(n, 3) * 0.01).half(), (-torch.rand(n, 3) * 0.08).half()
-    layers = [quant.Q4Linear(q, d, m)]
-    if layers[0].native:                                                  # the LM head's Q8_0 product too
-        layers.append(quant.Q8Linear(torch.randint(-127, 128, (n, 96), dtype=torch.int8), d))
-    for layer in layers:
+    q8 = torch.randint(-127, 128, (n, 96), dtype=torch.int8)
+    layers = [(quant.Q4Linear(q, d, m), None)]
+    if layers[0][0].native:                                               # the LM head's Q8_0 product too
+        layers.append((quant.Q8Linear(q8, d), None))
+        for isa in native.int8_isas_here():                               # and both on 8-bit activations
+            layers += [(quant.Q4Linear(q, d, m, act8=True), isa), (quant.Q8Linear(q8, d, act8=True), isa)]
+    for layer, isa in layers:
+        if isa is not None:
+            native.int8_isa(isa)
         for dtype in layer.dtypes:
-            x = torch.randn(16, 96).to(dtype)
+            # scaled rows: each row's blocks quantise to codes of their own scale
+            x = (torch.randn(16, 96) * torch.logspace(-2, 2, 16)[:, None]).to(dtype)
             alone = torch.cat([layer(x[i:i + 1]) for i in range(16)])
             for rows in range(2, 17):                                  # every path of the native kernel
                 assert torch.equal(layer(x[:rows]), alone[:rows])
             assert torch.equal(layer(x[3:12]), alone[3:12])              # the rows beside it do not matter
+            assert torch.equal(layer(x.flip(0)), alone.flip(0))
+    if layers[0][0].native:
+        native.int8_isa(native.int8_isas_here()[0])
+
+
+def _quantised_rows(x: torch.Tensor):
+    """Rows of x (M, K) rounded to 8 bits per block of 32 as llama.cpp's Q8_1 (computed here in float32,
+    as the kernel does): codes (M, K / 32, 32), scales dx and block sums sx (M, K / 32), float64."""
+    blocks = x.view(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    codes = torch.round(blocks * inv[..., None])                             # ties to even, as the kernel
+    dx = amax / 127.0
+    return codes.double(), dx.double(), (dx * codes.sum(-1)).double()
+
+
+def test_products_on_8bit_activations_are_the_sums_of_the_quantised_rows(kernel):
+    """q4q8: the Q4_1 and Q8_0 products on 8-bit activations equal, within float32 rounding, the
+    dequantised weights times the Q8-quantised rows summed in float64; every instruction set this CPU
+    has gives the same bits; and they stay within the quantisation's bound of the float32 product."""
+    if kernel != "native":
+        pytest.skip("the native kernel's own products")
+    torch.manual_seed(2)
+    for n, k in ((64, 96), (7, 32), (130, 288)):                           # short last blocks, odd block counts
+        q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+        d, m = (torch.rand(n, k // 32) * 0.01).half(), (-torch.rand(n, k // 32) * 0.08).half()
+        q8 = torch.randint(-128, 128, (n, k), dtype=torch.int8)               # -128 too: a foreign file's code
+        x = torch.randn(11, k) * torch.logspace(-3, 3, 11)[:, None]
+        x[3, :32] = 0.0                                                       # a block of zeros
+        codes, dx, sx = _quantised_rows(x)
+        g = k // 32
+        for weights, size, layer, on_float in (
+                (quant.dequantize(q, d, m), quant.dequantize(q, d.abs(), m.abs()), quant.Q4Linear(q, d, m, act8=True),
+                 quant.Q4Linear(q, d, m)),
+                (quant.dequantize(q8, d, None), quant.dequantize(q8, d, None).abs(), quant.Q8Linear(q8, d, act8=True),
+                 quant.Q8Linear(q8, d))):
+            w = weights.double().view(n, g, 32)
+            exact = torch.einsum("rgk,ngk->rn", codes * dx[..., None], w)  # the quantised rows, summed exactly
+            outs = {}
+            for isa in native.int8_isas_here():
+                native.int8_isa(isa)
+                outs[isa] = layer(x)
+            native.int8_isa(native.int8_isas_here()[0])
+            out = outs[native.int8_isas_here()[0]]
+            assert all(torch.equal(o, out) for o in outs.values())             # VNNI and AVX2: the same bits
+            # float32 rounding: each term's magnitude (the scale and the offset parts apart) through at most
+            # a block count's fmas, the scale's product and the final sums
+            scale = torch.einsum("rgk,ngk->rn", (codes * dx[..., None]).abs(), size.double().view(n, g, 32))
+            assert out.dtype == torch.float32
+            assert ((out.double() - exact).abs() <= (g + 8) * 2.0 ** -24 * scale).all()
+            # against float32 activations: each element is off by at most half its block's step
+            bound = torch.einsum("rg,ngk->rn", dx / 2, w.abs())
+            dense = x.double() @ weights.double().t()
+            assert ((out.double() - dense).abs() <= bound * (1 + 1e-5) + 1e-6 * scale).all()
+            assert not torch.equal(out, on_float(x))                            # not the float32 path
+    with pytest.raises(ValueError, match="cannot run on 'avx9'"):
+        native.int8_isa("avx9")
+
+
+def test_the_interleaved_layout_of_the_8bit_products_comes_back_as_the_codes():
+    """The 8-row layout of the products on 8-bit activations holds the codes, scales and offsets
+    (the last group padded), and a q4q8 layer reads its dense weight back from it."""
+    torch.manual_seed(3)
+    for n in (8, 13, 67):
+        q = torch.randint(0, 16, (n, 96), dtype=torch.uint8)
+        d, m = torch.rand(n, 3), -torch.rand(n, 3)
+        codes, d8, m8 = quant.interleave_q4(q, d, m)
+        assert codes.shape == (-(-n // 8), 3, 4, 32) and d8.shape == (-(-n // 8), 3, 8)
+        back = quant.deinterleave_q4(codes, d8, m8, n)
+        assert all(torch.equal(a, b) for a, b in zip(back, (q, d, m)))
+        q8 = torch.randint(-128, 128, (n, 96), dtype=torch.int8)
+        c8, d8, w128 = quant.interleave_q8(q8, d)
+        assert c8.view(-1, 3, 8, 8, 4).permute(0, 3, 1, 2, 4).reshape(-1, 96)[:n].equal(q8)
+        assert w128.dtype == torch.int32 and torch.equal(w128.transpose(1, 2).reshape(-1, 3)[:n],
+                                                         q8.view(n, 3, 32).int().sum(-1) * 128)
+        if quant.kernel_name() == "native":
+            layer = quant.Q4Linear(q, d.half(), m.half(), act8=True)
+            assert torch.equal(layer.dense(2, n, torch.float32), quant.dequantize(q, d.half(), m.half())[2:])
+
 
 
 def test_the_native_kernel_computes_with_the_float32_weights_a_gguf_loader_computes(kernel):
@@ -323,6 +442,28 @@ def test_the_command_line_runs_a_q4_target_and_says_so(q4_gguf_file, capsys, ker
     assert out["settings"]["weights"] == "q4" and out["settings"]["dtype"] == quant.compute_dtype()
     assert "q4" in out["settings"]["dtype_reason"] and len(out["tokens"]) == 4
     assert out["settings"]["matmul_kernels"].startswith(f"target: {14 + _heads(kernel)} linear layers on q4 weights")
+
+
+def test_the_command_line_runs_q4q8_and_its_baseline_in_the_same_arithmetic(q4_gguf_file, capsys, kernel):
+    import json
+
+    from mcsd.cli import main
+    common = ["--target", str(q4_gguf_file), "--drafter", "context", "--weights", "q4q8", "--prompt", "ABCABCAB",
+              "--max-new-tokens", "8", "--json", "--no-calibrate"]
+    if kernel != "native":
+        assert main(common) == 2
+        assert "--weights q4q8 runs on mcsd's native kernel" in capsys.readouterr().err
+        return
+    runs = {}
+    for name, extra in (("tree", []), ("baseline", ["--baseline"])):
+        assert main(common + extra) == 0
+        runs[name] = json.loads(capsys.readouterr().out)
+    for out in runs.values():
+        assert out["settings"]["weights"] == "q4q8" and out["settings"]["dtype"] == "float32"
+    assert "on 8-bit activations" in runs["tree"]["settings"]["matmul_kernels"]
+    assert runs["tree"]["tokens"] == runs["baseline"]["tokens"]          # --baseline: the same arithmetic
+    assert main(common + ["--dtype", "bfloat16"]) == 2
+    assert "--weights q4q8 computes in float32 here" in capsys.readouterr().err
 
 
 def test_the_memory_floor_of_a_q4_model_counts_its_codes_not_its_dense_weights(q4_gguf_file, kernel):

@@ -3,7 +3,8 @@
     python tools/profile_forward.py --threads 1                  # the embedded target, bfloat16
     python tools/profile_forward.py --dtype float32 --sizes 1,9 --path packed --json out.json
     python tools/profile_forward.py --stand-in smollm2-135m      # random weights, same shapes
-    python tools/profile_forward.py --weights q4                 # the GGUF's 4-bit codes on the int4 kernel
+    python tools/profile_forward.py --weights q4                 # the GGUF's 4-bit codes on the q4 kernel
+    python tools/profile_forward.py --weights q4q8 --dtype float32   # those codes on 8-bit activations
     python tools/profile_forward.py --path packed --separate-projections   # q / k / v as three products
 
 Runs a 1-token step and verifies of 2-64 rows over a `--cache-len` cache under
@@ -31,7 +32,8 @@ def main(argv=None) -> int:
                     help="matmul path (default: torch's own choice; see mcsd.forward.kernels)")
     ap.add_argument("--attention", default="auto", help="auto, sdpa, gqa or eager (default auto: what the engine runs)")
     ap.add_argument("--weights", choices=WEIGHTS, default="dense",
-                    help="q4: the target's Q4_1 GGUF codes on torch's int4 kernel (bfloat16; mcsd.forward.quant)")
+                    help="q4: the target's Q4_1 GGUF codes on the q4 kernel; q4q8: on 8-bit activations "
+                         "(float32; mcsd.forward.quant)")
     ap.add_argument("--separate-projections", action="store_true",
                     help="on prepacked weights, run q / k / v as three products, not one (mcsd.forward.fused): the 'before'")
     ap.add_argument("--threads", type=int, default=None)
@@ -42,7 +44,7 @@ def main(argv=None) -> int:
         sizes = tuple(int(n) for n in args.sizes.split(","))
     except ValueError:
         ap.error(f"--sizes must be comma-separated integers, got {args.sizes!r}")
-    if args.separate_projections and (args.weights == "q4" or args.path != "packed"):
+    if args.separate_projections and (args.weights != "dense" or args.path != "packed"):
         ap.error("--separate-projections compares prepacked dense weights: use it with --path packed "
                  "and dense --weights")
     if min(sizes) < 1 or args.cache_len < 1 or args.repeats < 1:
@@ -70,7 +72,8 @@ def main(argv=None) -> int:
     results = breakdown(model, sizes, cache_len=args.cache_len, repeats=args.repeats, path=args.path,
                         join=not args.separate_projections)
     floor = memory_floor(model)
-    print(f"{model.config._name_or_path} {args.dtype}{' on q4 weights' if args.weights == 'q4' else ''}, "
+    on = {"q4": " on q4 weights", "q4q8": " on q4 weights, 8-bit activations"}.get(args.weights, "")
+    print(f"{model.config._name_or_path} {args.dtype}{on}, "
           f"{torch.get_num_threads()} thread(s), "
           f"cache {args.cache_len}, matmul path {args.path or 'default'}"
           f"{', q / k / v separate' if args.separate_projections else ''}, attention "

@@ -59,8 +59,11 @@ def add_model_arguments(parser: argparse.ArgumentParser):
                      help="q4: run the target's linear layers on the 4-bit codes of the Q4_1 GGUF it comes from "
                           "(the embedded preset's, or a .gguf target), as llama.cpp does; CPU only, in float32 or "
                           "bfloat16 as the kernel and CPU suit (--stats says), exact with respect to q4 decoding. "
+                          "q4q8: q4 weights on 8-bit activations, llama.cpp's arithmetic: each row rounded to 8 "
+                          "bits a block of 32, integer dot products (VNNI or AVX2; native kernel, float32); a "
+                          "slightly different target, exact with respect to q4q8 decoding. "
                           "dense: the dequantised weights. Default auto: "
-                          "with --dtype auto, whichever of the two the calibrated costs say runs faster here (dense "
+                          "with --dtype auto, whichever the calibrated costs say runs fastest here (dense "
                           "for a target that is no GGUF, or with another --dtype)")
     src.add_argument("--device", default="cpu",
                      help="cpu, cuda, cuda:N, or auto (spread the target over GPUs); default cpu")
@@ -186,8 +189,8 @@ def check_args(args) -> None:
         raise UsageError(f"--lossy-target-roots must be >= 0, got {args.lossy_target_roots}")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
-    if args.weights == "q4" and args.device != "cpu":
-        raise UsageError(f"--weights q4 runs on the CPU; drop --device {args.device}")
+    if args.weights in ("q4", "q4q8") and args.device != "cpu":
+        raise UsageError(f"--weights {args.weights} runs on the CPU; drop --device {args.device}")
     from ..loading.sources import check_source
     if args.draft is not None and not args.baseline:
         check_source(args.draft, "--draft")          # a bad draft file is named by its flag, before loading

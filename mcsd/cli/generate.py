@@ -97,7 +97,7 @@ def _auto_dtype(target, draft, args):
     # them the fixed rule of an uncalibrated choice decides. A target with no default run is priced alone.
     alone = args.baseline and not _default_run_drafts(args)
     calibrate = False if args.baseline and args.calibrate is None else args.calibrate
-    gguf = gguf_source(args.target or DEFAULT_PRESET) if args.weights in ("auto", "q4") else None
+    gguf = gguf_source(args.target or DEFAULT_PRESET) if args.weights in ("auto", "q4", "q4q8") else None
     choice = choose_dtype(target, draft, drafting=not alone, calibrate=calibrate,
                           free_draft=drafter_kinds(args)[2], borrow=alone, gguf=gguf, weights=args.weights)
     args.dtype_calibration_s, args.calibration_provisional = choice.calibration_s, choice.provisional
@@ -124,13 +124,17 @@ def load_models(args):
     from ..loading.models import load_tokenizer
 
     _set_threads(args)
-    if args.weights == "q4":
+    if args.weights in ("q4", "q4q8"):
         from ..forward import quant
         from ..loading.models import parse_dtype
-        allowed = quant.dtypes()
+        allowed = quant.dtypes(args.weights)
+        if not allowed:
+            raise UsageError(f"--weights q4q8 runs on mcsd's native kernel, which is not used here "
+                             f"({quant.describe_kernel()}); use --weights q4")
         if args.dtype == "auto" and (len(allowed) == 1 or args.device != "cpu"):
             args.dtype = allowed[0]
-            args.dtype_fixed = f"{args.dtype}: --weights q4 computes in it alone here ({quant.describe_kernel()})"
+            args.dtype_fixed = (f"{args.dtype}: --weights {args.weights} computes in it alone here "
+                                f"({quant.describe_kernel()})")
         elif args.dtype == "auto":
             from ..loading.models import gguf_source
             source = args.target or DEFAULT_PRESET
@@ -138,8 +142,8 @@ def load_models(args):
                 raise UsageError(f"q4 weights are read from a Q4_1 GGUF file; {source!r} is neither one, nor a "
                                  f"preset, nor a directory converted from one")
         elif str(parse_dtype(args.dtype)).removeprefix("torch.") not in allowed:
-            raise UsageError(f"--weights q4 computes in {' or '.join(allowed)} here; drop --dtype {args.dtype} "
-                             f"or pass --dtype {allowed[0]}")
+            raise UsageError(f"--weights {args.weights} computes in {' or '.join(allowed)} here; drop --dtype "
+                             f"{args.dtype} or pass --dtype {allowed[0]}")
     if args.weights == "auto" and (args.dtype != "auto" or args.device != "cpu"):
         args.weights = "dense"                      # auto weighs q4 against the dense dtypes, on the CPU only
     load_dtype = "float32" if args.dtype == "auto" else args.dtype

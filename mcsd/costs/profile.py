@@ -176,10 +176,11 @@ _LAYER_GEOMETRY = ("hidden_size", "intermediate_size", "num_attention_heads", "n
                    "num_hidden_layers", "hidden_act")
 
 
-def _model_key(model, q4: bool = False, codes: bool = True) -> str:
+def _model_key(model, weights: str | None = None, codes: bool = True) -> str:
     """What runs, never where it was loaded from: a profile holds costs, which follow the
     architecture (the configuration less its path and bookkeeping, every parameter's name and
-    shape) and whether the linear layers run on 4-bit codes (attached, or `q4`: to be), not the
+    shape) and whether the linear layers run on 4-bit codes, and on which activations (attached,
+    or `weights` "q4" / "q4q8": to be), not the
     weights' values. So a cache copied elsewhere (or mounted read-only at another path) still
     finds its profiles, and two checkpoints of one architecture share theirs."""
     module = model.module if _is_feature_drafter(model) else model          # a head: with its LM rows
@@ -196,12 +197,15 @@ def _model_key(model, q4: bool = False, codes: bool = True) -> str:
             fields["layer"] = {k: layer.get(k) for k in _LAYER_GEOMETRY}
         digest.update(json.dumps(fields, sort_keys=True, default=str).encode())
     digest.update(";".join(f"{name}{tuple(p.shape)}" for name, p in module.named_parameters()).encode())
-    weights = ""
-    if q4 or (codes and quant.attached(module)):
+    if weights not in quant.ON_CODES and codes and quant.attached(module):
+        weights = quant.weights_name(module)
+    suffix = ""
+    if weights in quant.ON_CODES:
         # the q4 kernel is part of what runs: torch's int4 kernel and each version of the native one
-        # (`native.VERSION`) cost differently (asked only here: a dense model builds no native library)
-        weights = ":q4" + (f"-native{native.VERSION}" if quant.kernel_name() == "native" else "")
-    return f"{digest.hexdigest()[:16]}:{sum(p.numel() for p in module.parameters())}{weights}"
+        # (`native.VERSION`) cost differently (asked only here: a dense model builds no native library),
+        # and so do float32 and 8-bit activations ("q4q8")
+        suffix = f":{weights}" + (f"-native{native.VERSION}" if quant.kernel_name() == "native" else "")
+    return f"{digest.hexdigest()[:16]}:{sum(p.numel() for p in module.parameters())}{suffix}"
 
 
 def host_key(device) -> dict:

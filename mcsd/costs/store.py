@@ -35,12 +35,12 @@ _UNWRITTEN: dict[Path, DeviceProfile] = {}
 
 def profile_path(target, draft, dtype=None, weights: str | None = None) -> Path:
     """Cache file for this machine, pair, dtype, device, attention backend and thread count;
-    `weights="q4"` names the target's profile on its 4-bit codes before they are attached."""
+    `weights="q4"` (or "q4q8") names the target's profile on its 4-bit codes before they are attached."""
     dev = next(target.parameters()).device
     dtype = dtype or next(target.parameters()).dtype
     # a drafter's key leaves out its own codes: it runs on them exactly when the target runs on the native
     # q4 kernel (`FeatureDrafter.follow_target_weights`), which the target's key says, before and after
-    parts = [_model_key(target, q4=weights == "q4"), _model_key(draft, codes=False) if draft is not None else "-",
+    parts = [_model_key(target, weights=weights), _model_key(draft, codes=False) if draft is not None else "-",
              str(dtype), str(dev),
              str(getattr(target.config, "_attn_implementation", None)), str(torch.get_num_threads()),
              json.dumps(host_key(dev), sort_keys=True)]
@@ -220,7 +220,8 @@ def _measure_and_keep(target, draft, path: Path, quiet: bool, kwargs) -> DeviceP
     if not quiet:
         dtype = str(next(target.parameters()).dtype).replace("torch.", "")
         if quant.attached(target):
-            dtype = f"q4 weights, {dtype} compute"
+            dtype = f"q4 weights{' on 8-bit activations' if quant.on_8bit_activations(target) else ''}, " \
+                    f"{dtype} compute"
         n = torch.get_num_threads()
         say(f"measuring this machine's costs for {_model_name(target)} ({dtype}, {n} thread"
             f"{'s' if n > 1 else ''}; cached in {path.parent})...")

@@ -13,7 +13,7 @@ import torch
 
 from ..costs import cost_model, profile, store, timing
 from ..drafting.policies import POLICIES
-from ..forward import kernels, quant
+from ..forward import kernels, native, quant
 from ..forward.lm import CachedLM
 
 
@@ -87,7 +87,9 @@ class Calibration:
         dense = quant.starts_dense(quant.PREFILL_ROWS, cached=0)      # a prompt's first forward, here
         head = getattr(model, "get_output_embeddings", lambda: None)()
         on_q8 = ", the LM head on its Q8_0 codes" if head is not None and quant.code_bits(head) == 8 else ""
-        return (f"target: {n} linear layers on q4 weights ({quant.describe_kernel()}{on_q8}) at every block size"
+        on8 = f" on 8-bit activations ({native.int8_isa()} integer products)" \
+            if quant.on_8bit_activations(model) else ""
+        return (f"target: {n} linear layers on q4 weights{on8} ({quant.describe_kernel()}{on_q8}) at every block size"
                 + ((", q / k / v and gate / up as one product each" if quant.kernel_name() == "native"
                     else ", q / k / v as one product") if joined else "")
                 + (f", a prompt of {quant.PREFILL_ROWS}+ tokens read on the dense weights" if dense else "")) \

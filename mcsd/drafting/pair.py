@@ -38,7 +38,8 @@ def load_model(source: str, dtype="bfloat16", device="cpu", role: str = "target"
     Args:
         source, dtype, device, role: as `mcsd.loading.models.load_pretrained`.
         weights: "dense", or "q4": the linear layers run on the 4-bit codes of the Q4_1 GGUF the
-            model comes from (`mcsd.forward.quant`; bfloat16 on the CPU only).
+            model comes from (`mcsd.forward.quant`; on the CPU only), or "q4q8": those codes on
+            8-bit activations (the native kernel's integer products; float32 only).
     Raises:
         ConfigError for an unknown `weights`, or q4 from a source that is no GGUF;
         ModelLoadError with the source and the underlying cause.
@@ -46,12 +47,12 @@ def load_model(source: str, dtype="bfloat16", device="cpu", role: str = "target"
     if weights not in WEIGHTS:
         raise ConfigError(f"unknown weights {weights!r}; choose {' or '.join(WEIGHTS)}")
     model = load_pretrained(source, dtype, device, role)
-    if weights == "q4":
+    if weights in quant.ON_CODES:
         gguf_path = gguf_source(source)
         if gguf_path is None:
             raise ConfigError(f"q4 weights are read from a Q4_1 GGUF file; {source!r} is neither one, nor a preset, "
                               f"nor a directory converted from one")
-        quant.attach(model, gguf_path)
+        quant.attach(model, gguf_path, act8=weights == "q4q8")
     return model
 
 
@@ -144,7 +145,7 @@ def load_model_pair(target: str | None = None, draft: str | None = None, dtype="
         dtype: compute dtype of both models.
         device: target device or device_map ("auto" / dict spreads it over GPUs).
         draft_device: draft device; defaults to `device`, or "cuda:0" with a device_map.
-        weights: the target's ("dense" or "q4", see `load_model`); a draft model stays dense.
+        weights: the target's ("dense", "q4" or "q4q8", see `load_model`); a draft model stays dense.
     Returns:
         (target_model, draft_model, tokenizer)
     Raises:

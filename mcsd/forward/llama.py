@@ -189,7 +189,8 @@ class LeanForward:
     def native_layers(self) -> list[tuple] | None:
         """Per decoder layer, its weights as the native library's whole-layer call reads them
         (`native.layer_weights`, with the tensors it points into), where every layer runs in float32
-        on native Q4_1 products (q / k / v and gate / up joined, SiLU): a layer is then one call, not
+        on native Q4_1 products (q / k / v and gate / up joined, SiLU; on 8-bit activations where the
+        weights are q4q8): a layer is then one call, not
         some twenty operations and module calls. None otherwise (each operation runs on its own).
         Made again after any q4 weights are attached or detached."""
         if not self.one_call:
@@ -203,7 +204,7 @@ class LeanForward:
             return None
         plan = []
         for m in self.layers:
-            products = {}
+            products, act8 = {}, set()
             for name, group in (("qkv", (m.q, m.k, m.v)), ("o", (m.o,)), ("gate_up", (m.gate, m.up)),
                                 ("down", (m.down,))):
                 parts = [quant.native_rows(layer) for layer in group]
@@ -218,10 +219,11 @@ class LeanForward:
                 if any(b is None for b in biases) and any(b is not None for b in biases):
                     return None
                 bias = None if biases[0] is None else torch.cat([b.detach() for b in biases]).float().contiguous()
-                products[name] = (whole.codes, whole.d, whole.m, bias)
+                products[name] = (whole.codes, whole.d, whole.m, bias, whole.out_features, whole.in_features)
+                act8.add(whole.act8)
             norms = [m.norm, m.post_norm] + ([m.q_norm, m.k_norm] if m.q_norm is not None else [])
             if type(m.act).__name__ not in ("SiLU", "SiLUActivation") or \
-                    any(n.weight.dtype != torch.float32 for n in norms):
+                    any(n.weight.dtype != torch.float32 for n in norms) or len(act8) != 1:
                 return None
             qk_eps = m.q_norm.variance_epsilon if m.q_norm is not None else 0.0
             try:
@@ -229,7 +231,8 @@ class LeanForward:
                                                None if m.q_norm is None else m.q_norm.weight,
                                                None if m.k_norm is None else m.k_norm.weight,
                                                m.norm.variance_epsilon, m.post_norm.variance_epsilon, qk_eps,
-                                               m.scaling, products, self.heads, self.kv_heads, self.head_dim)
+                                               m.scaling, products, self.heads, self.kv_heads, self.head_dim,
+                                               act8=act8.pop())
             except ValueError:                  # a weight the library cannot read as it is (not contiguous)
                 return None
             # the tensors it points into stay alive with it, even if the model's are replaced meanwhile

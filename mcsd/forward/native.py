@@ -1,6 +1,7 @@
-"""The engine's native library (`q4_kernel.c`): the Q4_1 and Q8_0 products of q4 weights, an RMS norm,
-attention over a static cache, and a whole Llama-family decoder layer on Q4_1 weights in one call,
-built once per machine with the C compiler.
+"""The engine's native library (`q4_kernel.c`): the Q4_1 and Q8_0 products of q4 weights (on float32
+activations, or on activations rounded to 8 bits with integer dot products: VNNI or AVX2, chosen from
+the CPU's flags, the weights "q4q8"), an RMS norm, attention over a static cache, and a whole
+Llama-family decoder layer on Q4_1 weights in one call, built once per machine with the C compiler.
 
 torch's CPU int4 kernel dequantises its weights again for every block of a few rows, so a 9-row
 tree verify costs several 1-row steps. `q4_kernel.c` dequantises a block of output rows once and
@@ -33,7 +34,7 @@ from ..config import ConfigError
 SOURCE = Path(__file__).with_name("q4_kernel.c")
 FLAGS = ["-O3", "-std=c11", "-ffp-contract=off", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
 LIBS = ["-lm"]
-VERSION = 15                           # mcsd_q4_abi() of q4_kernel.c; cost profiles are keyed by it too
+VERSION = 16                           # mcsd_q4_abi() of q4_kernel.c; cost profiles are keyed by it too
 _lock = threading.Lock()
 _state: dict = {}                       # "lib": the loaded library or None, "reason": why not
 
@@ -50,7 +51,7 @@ class LayerWeights(ctypes.Structure):
                 ("k_norm", ctypes.c_void_p), ("eps", ctypes.c_float), ("post_eps", ctypes.c_float),
                 ("qk_eps", ctypes.c_float), ("scale", ctypes.c_float), ("qkv", _Weight), ("o", _Weight),
                 ("gate_up", _Weight), ("down", _Weight), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
-                ("head_dim", ctypes.c_int64)]
+                ("head_dim", ctypes.c_int64), ("act8", ctypes.c_int)]
 
 
 def _cpu_flags() -> set[str]:
@@ -61,6 +62,19 @@ def _cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
+
+
+INT8_ISAS = ("avx2", "avx-vnni", "avx512-vnni")     # mcsd_int8_isa's numbering
+
+
+def int8_isas_here() -> tuple[str, ...]:
+    """The instruction sets the products on 8-bit activations can run on with this CPU, the one used
+    first: AVX512-VNNI (on 256-bit registers, so with AVX512VL), AVX-VNNI, AVX2's maddubs. All compute
+    the same bits (see q4_kernel.c); VNNI does a block's 32 multiply-adds in one instruction, AVX2 in
+    three."""
+    flags = _cpu_flags()
+    have = {"avx512-vnni": {"avx512_vnni", "avx512vl"} <= flags, "avx-vnni": "avx_vnni" in flags, "avx2": True}
+    return tuple(name for name in reversed(INT8_ISAS) if have[name])
 
 
 def _openmp_runtimes() -> set[str]:
@@ -128,6 +142,13 @@ def _load():
     lib.mcsd_q4_mm.restype = ctypes.c_int
     lib.mcsd_q8_mm.argtypes = [p, i64, i64, p, p, i64, p, ctypes.c_int]
     lib.mcsd_q8_mm.restype = ctypes.c_int
+    lib.mcsd_q4q8_mm.argtypes = [p, i64, i64, p, p, p, i64, p, ctypes.c_int]
+    lib.mcsd_q4q8_mm.restype = ctypes.c_int
+    lib.mcsd_q8q8_mm.argtypes = [p, i64, i64, p, p, p, i64, p, ctypes.c_int]
+    lib.mcsd_q8q8_mm.restype = ctypes.c_int
+    lib.mcsd_int8_isa.argtypes = [ctypes.c_int]
+    lib.mcsd_int8_isa.restype = ctypes.c_int
+    lib.mcsd_int8_isa(INT8_ISAS.index(int8_isas_here()[0]))
     lib.mcsd_rms_norm.argtypes = [p, i64, i64, p, ctypes.c_float, p]
     lib.mcsd_rms_norm.restype = None
     lib.mcsd_attention.argtypes = [p, p, p, i64, i64, p, i64, i64, i64, i64, i64, ctypes.c_float, p, ctypes.c_int]
@@ -189,6 +210,43 @@ def q8_mm(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor
     if _lib().mcsd_q8_mm(x.data_ptr(), rows, k, codes.data_ptr(), d.data_ptr(), codes.shape[0], out.data_ptr(),
                          torch.get_num_threads()) != 0:
         raise MemoryError("the native q4 kernel could not allocate its dequantisation buffer")
+    return out
+
+
+def int8_isa(name: str | None = None) -> str:
+    """The instruction set the products on 8-bit activations run on ("avx2", "avx-vnni" or
+    "avx512-vnni"), chosen from the CPU's flags when the library loads; `name` sets it (tests: every
+    set this CPU has computes the same bits). Raises ValueError for a set this CPU lacks."""
+    lib = _lib()
+    if name is not None:
+        if name not in int8_isas_here():
+            raise ValueError(f"the 8-bit products cannot run on {name!r} here; this CPU has {int8_isas_here()}")
+        lib.mcsd_int8_isa(INT8_ISAS.index(name))
+    return INT8_ISAS[lib.mcsd_int8_isa(-1)]
+
+
+def q4q8_mm(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, n: int) -> torch.Tensor:
+    """x (M, K) float32, each row quantised to 8 bits per block of 32 (llama.cpp's Q8_1), times the
+    Q4_1 weight of `n` rows in the 8-row interleaved layout (`quant.interleave_q4`: codes (⌈n/8⌉, K / 32,
+    4, 32) uint8, d and m (⌈n/8⌉, K / 32, 8) float32) with integer dot products (see q4_kernel.c), transposed:
+    (M, n) float32."""
+    rows, k = x.shape
+    out = torch.empty(rows, n, dtype=torch.float32)
+    if _lib().mcsd_q4q8_mm(x.data_ptr(), rows, k, codes.data_ptr(), d.data_ptr(), m.data_ptr(), n,
+                           out.data_ptr(), torch.get_num_threads()) != 0:
+        raise MemoryError("the native q4 kernel could not allocate the quantised activations")
+    return out
+
+
+def q8q8_mm(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, w128: torch.Tensor, n: int) -> torch.Tensor:
+    """x (M, K) float32, each row quantised to 8 bits per block of 32 (llama.cpp's Q8_0), times the Q8_0
+    weight of `n` rows in the 8-row interleaved layout (`quant.interleave_q8`: codes (⌈n/8⌉, K / 32, 8,
+    32) int8, d (⌈n/8⌉, K / 32, 8) float32, w128 likewise int32) with integer dot products, transposed."""
+    rows, k = x.shape
+    out = torch.empty(rows, n, dtype=torch.float32)
+    if _lib().mcsd_q8q8_mm(x.data_ptr(), rows, k, codes.data_ptr(), d.data_ptr(), w128.data_ptr(), n,
+                           out.data_ptr(), torch.get_num_threads()) != 0:
+        raise MemoryError("the native q4 kernel could not allocate the quantised activations")
     return out
 
 
@@ -259,17 +317,18 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def layer_weights(norm, post_norm, q_norm, k_norm, eps: float, post_eps: float, qk_eps: float, scale: float,
-                  products: dict, heads: int, kv_heads: int, head_dim: int) -> LayerWeights:
+                  products: dict, heads: int, kv_heads: int, head_dim: int, act8: bool = False) -> LayerWeights:
     """A decoder layer's weights for `layer`: float32 norm weights (q_norm / k_norm None where the model
-    has none) and four Q4_1 products, `products[name] = (codes, d, m, bias or None)` for "qkv" (rows q, k,
-    v), "o", "gate_up" (rows gate, up) and "down". The result points into the tensors: the caller keeps
-    them alive as long as it."""
+    has none) and four Q4_1 products, `products[name] = (codes, d, m, bias or None, rows, columns)` for "qkv"
+    (rows q, k, v), "o", "gate_up" (rows gate, up) and "down"; `act8`: the products on 8-bit activations
+    (`q4q8_mm`, the codes in its layout).
+    The result points into the tensors: the caller keeps them alive as long as it."""
     weights = {}
     for name in ("qkv", "o", "gate_up", "down"):
-        codes, d, m, bias = products[name]
-        weights[name] = _Weight(_ptr(codes), _ptr(d), _ptr(m), _ptr(bias), codes.shape[0], 2 * codes.shape[1])
+        codes, d, m, bias, n, k = products[name]
+        weights[name] = _Weight(_ptr(codes), _ptr(d), _ptr(m), _ptr(bias), n, k)
     return LayerWeights(_ptr(norm), _ptr(post_norm), _ptr(q_norm), _ptr(k_norm), eps, post_eps, qk_eps, scale,
-                        **weights, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+                        **weights, heads=heads, kv_heads=kv_heads, head_dim=head_dim, act8=int(act8))
 
 
 def layer(weights: LayerWeights, h: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -1,4 +1,5 @@
-/* mcsd's Q4_1 and Q8_0 matrix products for x86-64 CPUs with AVX2 and FMA (built by mcsd/native.py).
+/* mcsd's Q4_1 and Q8_0 matrix products for x86-64 CPUs with AVX2 and FMA (built by mcsd/native.py): on
+   float32 activations here, on 8-bit ones (the weights "q4q8") further down.
 
    out[r, n] = sum_k x[r, k] * w[n, k],   w[n, k] = d[n, g] * q[n, k] + m[n, g],   g = k / 32
 
@@ -29,7 +30,7 @@
 #define NB 4            /* output rows dequantised together */
 #define RB 3            /* input rows per tile */
 
-int mcsd_q4_abi(void) { return 15; }
+int mcsd_q4_abi(void) { return 16; }
 
 static inline float hsum(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -206,6 +207,270 @@ int mcsd_q8_mm(const float *x, int64_t M, int64_t K, const int8_t *codes, const 
     return mm(x, M, K, codes, d, NULL, N, out, threads, 1);
 }
 
+/* ---- products on 8-bit activations (the weights "q4q8"), as llama.cpp computes Q4_1 and Q8_0 ----
+
+   Each input row is quantised per block of 32 along k, as llama.cpp's Q8_1: a = max |x| over the block,
+   dx = a / 127, q = x * (127 / a) rounded to the nearest integer (ties to even; 0 where a is 0), and
+   sx = dx * sum(q) (Q8_1's block sum; the integer sum is exact). With w = dw c + m (Q4_1) or dw c
+   (Q8_0), every output is
+
+     out[r, n] = sum over blocks g, in order:  acc = fma(S[g], dw[n, g] * dx[r, g], acc),
+                                              then (Q4_1) acc = fma(m[n, g], sx[r, g], acc)
+
+   where S[g] = sum_k c[n, k] q[r, k] over the block, an exact integer (under 2^16 in magnitude),
+   converted to float exactly. So the result is the same whatever instruction computes S: vpdpbusd
+   (AVX512-VNNI on ymm registers, or AVX-VNNI) or AVX2's maddubs then madd by ones; the one used is
+   chosen by mcsd_int8_isa from the CPU's flags (mcsd/forward/native.py). A row is quantised on its own
+   and each output summed in this fixed order whatever the rows beside it, the tile it falls in or the
+   thread, so a row's result does not depend on the rows beside it. The result is not the float32
+   product's: it is the product with the activations rounded to 8 bits a block, a slightly different
+   target (as bfloat16 compute is).
+
+   Layout (made by mcsd/forward/quant.py): the weight's rows in groups of 8 (the last group padded with
+   zero rows), so that one 32-byte vector holds 4 consecutive codes of each of 8 outputs and vpdpbusd
+   against 4 activation bytes broadcast sums them into 8 outputs' lanes at once, with no horizontal
+   sum (as llama.cpp's repacked 8-row layouts do). Per group o and block g:
+     Q4_1: 4 x 32 bytes; byte 4j + t of vector p holds output j's code at k = 4p + t in its low nibble
+           and at k = 4(p + 4) + t in its high nibble; d and m (groups, G, 8) float32.
+     Q8_0: 8 x 32 bytes; byte 4j + t of vector p is output j's code at k = 4p + t; d (groups, G, 8)
+           float32 and w128 (groups, G, 8) int32, 128 x the block's sum of codes.
+   Q4_1's codes (0..15) are vpdpbusd's unsigned operand. For Q8_0 the VNNI path takes the activations
+   as unsigned bytes q + 128 and subtracts 128 x the codes' sum; AVX2, whose maddubs would saturate on
+   that, takes |c| and the activation with c's sign, as llama.cpp does. Both give S exactly. */
+
+static int int8_isa = 0;                  /* 0 AVX2, 1 AVX-VNNI, 2 AVX512-VNNI (ymm, AVX512VL) */
+
+/* Sets the instruction set of the 8-bit products where isa >= 0 (the caller has checked the CPU has it);
+   returns the one in use. */
+int mcsd_int8_isa(int isa) {
+    if (isa >= 0 && isa <= 2) int8_isa = isa;
+    return int8_isa;
+}
+
+/* acc + the 8 lanes of u (32 unsigned bytes) times s (32 signed bytes), 4 adjacent products a lane.
+   Through inline assembly, so that the file builds with -mavx2 alone and no VNNI instruction is
+   emitted where the CPU has none. */
+static inline __attribute__((always_inline)) __m256i dot32(int isa, __m256i acc, __m256i u, __m256i s) {
+    if (isa == 2) {
+        __asm__("vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));
+        return acc;
+    }
+    if (isa == 1) {
+        __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));
+        return acc;
+    }
+    /* pairs of products summed in 16 bits (at most 2 * 128 * 127, no saturation), then pairs of pairs */
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+
+/* acc + the 8 lanes of u times the 4 signed bytes at p, broadcast: with AVX512-VNNI the broadcast is
+   the instruction's memory operand ({1to8}), one instruction fewer a dot than loading it first */
+static inline __attribute__((always_inline)) __m256i dot32_at(int isa, __m256i acc, __m256i u, const int8_t *p) {
+    if (isa == 2) {
+        __asm__("vpdpbusd %2%{1to8%}, %1, %0" : "+x"(acc) : "x"(u), "m"(*(const int32_t *)p));
+        return acc;
+    }
+    int32_t v;
+    __builtin_memcpy(&v, p, 4);
+    return dot32(isa, acc, u, _mm256_set1_epi32(v));
+}
+
+/* rows x K floats into int8 codes q (rows, K), the same plus 128 as unsigned bytes (qu), and per block
+   dx and sx (rows, K / 32), each row alone */
+static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *q, uint8_t *qu, float *dx, float *sx) {
+    const int64_t G = K / 32;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t g = 0; g < G; g++) {
+            const float *xb = x + r * K + 32 * g;
+            __m256 v[4], a = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                v[i] = _mm256_loadu_ps(xb + 8 * i);
+                a = _mm256_max_ps(a, _mm256_andnot_ps(sign, v[i]));
+            }
+            float amax = 0.0f, lanes[8];
+            _mm256_storeu_ps(lanes, a);
+            for (int i = 0; i < 8; i++) amax = lanes[i] > amax ? lanes[i] : amax;
+            const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            const __m256 idv = _mm256_set1_ps(id);
+            __m256i c[4];
+            for (int i = 0; i < 4; i++)
+                c[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            /* 32 int32 to 32 int8 in order: packs interleave the 128-bit halves, the permute undoes it */
+            const __m256i w16 = _mm256_packs_epi32(c[0], c[1]), x16 = _mm256_packs_epi32(c[2], c[3]);
+            const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16, x16),
+                                                          _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)(q + r * K + 32 * g), b);
+            _mm256_storeu_si256((__m256i *)(qu + r * K + 32 * g), _mm256_xor_si256(b, _mm256_set1_epi8((char)0x80)));
+            const __m256i s = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
+            int32_t si[8], sum = 0;
+            _mm256_storeu_si256((__m256i *)si, s);
+            for (int i = 0; i < 8; i++) sum += si[i];
+            dx[r * G + g] = d;
+            sx[r * G + g] = d * (float)sum;
+        }
+}
+
+static inline __m256i bcast4(const void *p) {
+    int32_t v;
+    __builtin_memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* `rows` quantised rows (<= 4) times GR groups of 8 outputs (GR <= 2) starting at group o; the groups'
+   outputs written where they are below N. `isa`, `q8`, `rows` and `GR` are constants at each call. */
+static inline __attribute__((always_inline)) void tile8(int isa, int q8, int rows, int GR, const int8_t *xq,
+                                                        const uint8_t *xu, const float *dx, const float *sx,
+                                                        int64_t K, const uint8_t *c, const float *d,
+                                                        const float *m, const int32_t *w128, int64_t o,
+                                                        int64_t N, float *out) {
+    const int64_t G = K / 32, gbytes = q8 ? 256 : 128;           /* code bytes of a group's block */
+    __m256 acc[4][2];
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < GR; i++) acc[r][i] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int64_t g = 0; g < G; g++) {
+        __m256i s0[4][2], s1[4][2];                               /* even and odd quads: two chains */
+        for (int r = 0; r < rows; r++)
+            for (int i = 0; i < GR; i++) s0[r][i] = s1[r][i] = _mm256_setzero_si256();
+        if (!q8) {
+            for (int p = 0; p < 4; p++)
+                for (int i = 0; i < GR; i++) {
+                    const uint8_t *cb = c + ((o + i) * G + g) * gbytes + 32 * p;
+                    _mm_prefetch((const char *)(cb + 4 * gbytes), _MM_HINT_T0);
+                    const __m256i raw = _mm256_loadu_si256((const __m256i *)cb);
+                    const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                    for (int r = 0; r < rows; r++) {
+                        const int8_t *xr = xq + r * K + 32 * g;
+                        s0[r][i] = dot32_at(isa, s0[r][i], lo, xr + 4 * p);
+                        s1[r][i] = dot32_at(isa, s1[r][i], hi, xr + 4 * (p + 4));
+                    }
+                }
+        } else {
+            for (int p = 0; p < 8; p++)
+                for (int i = 0; i < GR; i++) {
+                    const __m256i w = _mm256_loadu_si256((const __m256i *)(c + ((o + i) * G + g) * gbytes + 32 * p));
+                    if (isa) {
+                        for (int r = 0; r < rows; r++) {
+                            __m256i *s = p & 1 ? &s1[r][i] : &s0[r][i];
+                            *s = dot32(isa, *s, bcast4(xu + r * K + 32 * g + 4 * p), w);
+                        }
+                    } else {
+                        const __m256i aw = _mm256_abs_epi8(w);
+                        for (int r = 0; r < rows; r++) {
+                            __m256i *s = p & 1 ? &s1[r][i] : &s0[r][i];
+                            *s = dot32(isa, *s, aw, _mm256_sign_epi8(bcast4(xq + r * K + 32 * g + 4 * p), w));
+                        }
+                    }
+                }
+        }
+        for (int i = 0; i < GR; i++) {
+            const int64_t at = ((o + i) * G + g) * 8;
+            const __m256 dw = _mm256_loadu_ps(d + at);
+            const __m256 mw = q8 ? dw : _mm256_loadu_ps(m + at);
+            const __m256i fix = q8 && isa ? _mm256_loadu_si256((const __m256i *)(w128 + at)) : _mm256_setzero_si256();
+            for (int r = 0; r < rows; r++) {
+                const __m256i S = _mm256_sub_epi32(_mm256_add_epi32(s0[r][i], s1[r][i]), fix);
+                acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), _mm256_mul_ps(dw, _mm256_set1_ps(dx[r * G + g])),
+                                            acc[r][i]);
+                if (!q8) acc[r][i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sx[r * G + g]), acc[r][i]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < GR; i++) {
+            const int64_t n0 = (o + i) * 8;
+            if (n0 + 8 <= N) _mm256_storeu_ps(out + r * N + n0, acc[r][i]);
+            else if (n0 < N) {
+                float t[8];
+                _mm256_storeu_ps(t, acc[r][i]);
+                for (int64_t j = 0; n0 + j < N; j++) out[r * N + n0 + j] = t[j];
+            }
+        }
+}
+
+/* groups o0 .. o0 + GB - 1 (2 groups of 8 outputs, or 1 at the end) for all M rows: 4 rows at a time
+   with one group a pass, the rest (1-3 rows) with both; each output's sums are the same either way */
+#define GB 2
+static inline __attribute__((always_inline)) void block8(int isa, int q8, const int8_t *xq, const uint8_t *xu,
+                                                         const float *dx, const float *sx, int64_t M, int64_t K,
+                                                         const uint8_t *c, const float *d, const float *m,
+                                                         const int32_t *w128, int64_t o0, int ng, int64_t N,
+                                                         float *out) {
+    const int64_t G = K / 32;
+    int64_t r = 0;
+#define TILE8(R, GR) do { for (int i = 0; i < ng; i += GR) { \
+        if (GR == 2 && ng - i == 1) tile8(isa, q8, R, 1, xq + r * K, xu + r * K, dx + r * G, sx + r * G, K, c, d, m, \
+                                          w128, o0 + i, N, out + r * N); \
+        else tile8(isa, q8, R, GR, xq + r * K, xu + r * K, dx + r * G, sx + r * G, K, c, d, m, w128, o0 + i, N, \
+                   out + r * N); } } while (0)
+    for (; r + 4 <= M; r += 4) TILE8(4, 1);
+    if (M - r == 3) TILE8(3, 1);
+    else if (M - r == 2) TILE8(2, 2);
+    else if (M - r == 1) TILE8(1, 2);
+#undef TILE8
+}
+
+/* one instance of block8 a (instruction set, weight type), each compiled on its own */
+#define BLOCK8(NAME, ISA, Q8) \
+    static __attribute__((noinline)) void NAME(const int8_t *xq, const uint8_t *xu, const float *dx, const float *sx, \
+                                               int64_t M, int64_t K, const uint8_t *c, const float *d, \
+                                               const float *m, const int32_t *w128, int64_t o0, int ng, int64_t N, \
+                                               float *out) { \
+        block8(ISA, Q8, xq, xu, dx, sx, M, K, c, d, m, w128, o0, ng, N, out); }
+BLOCK8(block8_q4_avx2, 0, 0)
+BLOCK8(block8_q4_avxvnni, 1, 0)
+BLOCK8(block8_q4_avx512vnni, 2, 0)
+BLOCK8(block8_q8_avx2, 0, 1)
+BLOCK8(block8_q8_avxvnni, 1, 1)
+BLOCK8(block8_q8_avx512vnni, 2, 1)
+#undef BLOCK8
+
+/* x (M, K) float32 times N weight rows in the layout above, on 8-bit activations; out (M, N). Q4_1:
+   q8 == 0, m the offsets, w128 unused; Q8_0: q8 == 1, m unused. Returns 0, or -1 where the quantised
+   rows could not be allocated (out is then untouched). */
+static int mm8(const float *x, int64_t M, int64_t K, const void *codes, const float *d, const float *m,
+               const int32_t *w128, int64_t N, float *out, int threads, int q8) {
+    const int64_t G = K / 32;
+    uint8_t *xb = malloc((size_t)(2 * M * K));
+    float *dx = malloc(sizeof(float) * (size_t)(2 * M * G));
+    if (!xb || !dx) {
+        free(xb);
+        free(dx);
+        return -1;
+    }
+    int8_t *xq = (int8_t *)xb;
+    uint8_t *xu = xb + M * K;
+    float *sx = dx + M * G;
+    quantize_rows(x, M, K, xq, xu, dx, sx);
+    typedef void (*block_fn)(const int8_t *, const uint8_t *, const float *, const float *, int64_t, int64_t,
+                             const uint8_t *, const float *, const float *, const int32_t *, int64_t, int, int64_t,
+                             float *);
+    static const block_fn fns[2][3] = {{block8_q4_avx2, block8_q4_avxvnni, block8_q4_avx512vnni},
+                                       {block8_q8_avx2, block8_q8_avxvnni, block8_q8_avx512vnni}};
+    const block_fn fn = fns[q8][int8_isa];
+    const int64_t groups = (N + 7) / 8, blocks = (groups + GB - 1) / GB;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t o0 = b * GB;
+        fn(xq, xu, dx, sx, M, K, (const uint8_t *)codes, d, m, w128, o0, groups - o0 < GB ? (int)(groups - o0) : GB,
+           N, out);
+    }
+    free(xb);
+    free(dx);
+    return 0;
+}
+
+int mcsd_q4q8_mm(const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *d, const float *m,
+                 int64_t N, float *out, int threads) {
+    return mm8(x, M, K, codes, d, m, NULL, N, out, threads, 0);
+}
+
+int mcsd_q8q8_mm(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *d, const int32_t *w128,
+                 int64_t N, float *out, int threads) {
+    return mm8(x, M, K, codes, d, NULL, w128, N, out, threads, 1);
+}
+
 /* RMS norm of M rows of K floats (K a multiple of 8), as transformers' Llama norm computes it:
    w * (x * rsqrt(mean(x^2) + eps)). The sum of squares runs over 8 lanes in a fixed order, so a row's
    result does not depend on the rows beside it. One call for a block's rows replaces the seven
@@ -346,10 +611,12 @@ typedef struct {
     float eps, post_eps, qk_eps, scale;
     mcsd_q4w qkv, o, gate_up, down;
     int64_t heads, kv_heads, head_dim;
+    int act8;                                 /* 1: the products on 8-bit activations (mm8), else float32 */
 } mcsd_layer_t;
 
-static int product(const float *x, int64_t M, const mcsd_q4w *w, float *out, int threads) {
-    if (mm(x, M, w->k, w->codes, w->d, w->m, w->n, out, threads, 0)) return -1;
+static int product(const float *x, int64_t M, const mcsd_q4w *w, int act8, float *out, int threads) {
+    if (act8 ? mm8(x, M, w->k, w->codes, w->d, w->m, NULL, w->n, out, threads, 0)
+             : mm(x, M, w->k, w->codes, w->d, w->m, w->n, out, threads, 0)) return -1;
     if (w->bias)
         for (int64_t r = 0; r < M; r++)
             for (int64_t j = 0; j < w->n; j++) out[r * w->n + j] += w->bias[j];
@@ -387,7 +654,7 @@ int mcsd_layer(const mcsd_layer_t *L, const float *h_in, float *h_out, int64_t Q
           *gu = y + Q * C, *act = gu + Q * 2 * F;
     int failed = 0;
     mcsd_rms_norm(h_in, Q, C, L->norm, L->eps, x);
-    failed |= product(x, Q, &L->qkv, qkv, threads);
+    failed |= product(x, Q, &L->qkv, L->act8, qkv, threads);
     for (int64_t r = 0; r < Q && !failed; r++) {
         float *row = qkv + r * Nqkv;
         const float *c = cos + r * D, *s = sin + r * D;
@@ -405,12 +672,12 @@ int mcsd_layer(const mcsd_layer_t *L, const float *h_in, float *h_out, int64_t Q
     }
     if (!failed) {
         mcsd_attention(qr, keys, values, cap, len, mask, mask_stride, Q, H, Hkv, D, L->scale, att, threads);
-        failed |= product(att, Q, &L->o, y, threads);
+        failed |= product(att, Q, &L->o, L->act8, y, threads);
     }
     if (!failed) {
         for (int64_t i = 0; i < Q * C; i++) h_out[i] = h_in[i] + y[i];
         mcsd_rms_norm(h_out, Q, C, L->post_norm, L->post_eps, x);
-        failed |= product(x, Q, &L->gate_up, gu, threads);
+        failed |= product(x, Q, &L->gate_up, L->act8, gu, threads);
     }
     if (!failed) {
         /* silu(g) * u, silu(g) = g / (1 + exp(-g)) as torch computes it, 8 at a time */
@@ -424,7 +691,7 @@ int mcsd_layer(const mcsd_layer_t *L, const float *h_in, float *h_out, int64_t Q
                 _mm256_storeu_ps(a + j, _mm256_mul_ps(sv, _mm256_loadu_ps(u + j)));
             }
         }
-        failed |= product(act, Q, &L->down, y, threads);
+        failed |= product(act, Q, &L->down, L->act8, y, threads);
     }
     if (!failed)
         for (int64_t i = 0; i < Q * C; i++) h_out[i] += y[i];

@@ -31,6 +31,13 @@ layer and every block size:
   cache took 39 / 58 / 75 / 224 ms on q4 weights and 52 / 55 / 66 / 104 ms on
   the dense ones through oneDNN.
 
+Q4 weights on 8-bit activations ("q4q8", `attach(..., act8=True)`, native kernel, float32 compute):
+the Q4_1 layers and the Q8_0 head multiply the same codes by each input row quantised to 8 bits per
+block of 32 (llama.cpp's Q8_1 / Q8_0), with integer dot products (VNNI where the CPU has it, AVX2
+otherwise; `native.q4q8_mm`). That rounding of the activations makes a slightly different target,
+as bfloat16 compute does: greedy output under q4q8 is exact with respect to plain q4q8 decoding,
+since a row is quantised and summed on its own at every block size.
+
 Before it keeps a layer, `attach` checks that the codes dequantise to the very
 weights the model holds (float32: bit for bit; bfloat16: after the same
 rounding), so a wrong or mismatched file is refused. Greedy output under q4 is
@@ -118,9 +125,16 @@ def kernel_available() -> bool:
     return kernel_name() is not None
 
 
-def dtypes() -> tuple[str, ...]:
-    """The dtypes q4 weights can compute in here: the native kernel takes float32 or bfloat16
-    activations, torch's int4 kernel bfloat16 only."""
+ON_CODES = ("q4", "q4q8")     # the weights options that run on a GGUF's codes (q4q8: on 8-bit activations)
+
+
+def dtypes(weights: str = "q4") -> tuple[str, ...]:
+    """The dtypes `weights` ("q4" or "q4q8") can compute in here: q4 on the native kernel float32 or
+    bfloat16, on torch's int4 kernel bfloat16 only; q4q8 float32 on the native kernel (its activations
+    are rounded to 8 bits whatever the dtype, and bfloat16 attention and norms only cost more), none
+    elsewhere."""
+    if weights == "q4q8":
+        return ("float32",) if kernel_name() == "native" else ()
     return ("float32", "bfloat16") if kernel_name() == "native" else ("bfloat16",)
 
 
@@ -195,12 +209,20 @@ def _unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
 class Q4Linear:
     """A linear layer's weight in the layout of the q4 kernel this process runs (`kernel_name()`):
     mcsd's native kernel (codes as the GGUF stores them, float32 scale / offset) or torch's int4 kernel
-    (codes packed, bfloat16 scale / zero)."""
+    (codes packed, bfloat16 scale / zero). `act8` (native only): its products on 8-bit activations, the
+    codes, scales and offsets then in that product's 8-row interleaved layout (`interleave_q4`)."""
 
-    def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, act8: bool = False):
         n, k = q.shape
         self.out_features, self.in_features = n, k
         self.native = kernel_name() == "native"
+        self.act8 = act8
+        if act8 and not self.native:
+            raise Q4Error(f"products on 8-bit activations run on mcsd's native kernel only ({native.reason()})")
+        if act8:
+            self.codes, self.d, self.m = interleave_q4(q, d, m)
+            self.dtypes = (torch.float32,)
+            return
         if self.native:
             blocks = q.to(torch.uint8).view(n, k // GROUP, GROUP)
             self.codes = (blocks[..., :GROUP // 2] | (blocks[..., GROUP // 2:] << 4)).contiguous().view(n, k // 2)
@@ -217,7 +239,9 @@ class Q4Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if self.native:
-            out = native.q4_mm(rows.float().contiguous(), self.codes, self.d, self.m)
+            x32 = rows.float().contiguous()
+            out = native.q4q8_mm(x32, self.codes, self.d, self.m, self.out_features) if self.act8 else \
+                native.q4_mm(x32, self.codes, self.d, self.m)
             out = out if x.dtype == torch.float32 else out.to(x.dtype)
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), self.packed, GROUP, self.scale_zero)
@@ -227,6 +251,9 @@ class Q4Linear:
         """Rows start..stop-1 of the weight, dequantised as a GGUF loader does (native layout only)."""
         if not self.native:
             raise RuntimeError("torch's int4 layout is not read back; its layers keep their dense weights")
+        if self.act8:
+            q, d, m = deinterleave_q4(self.codes, self.d, self.m, self.out_features)
+            return dequantize(q[start:stop], d[start:stop], m[start:stop]).to(dtype)
         blocks = self.codes[start:stop].view(stop - start, self.in_features // GROUP, GROUP // 2)
         q = torch.cat([blocks & 15, blocks >> 4], dim=-1).view(stop - start, self.in_features)
         return dequantize(q, self.d[start:stop], self.m[start:stop]).to(dtype)
@@ -252,24 +279,73 @@ class _SharedProduct(fused.Product):
 
 
 class Q8Linear:
-    """A Q8_0 weight (the LM head) on the native kernel: int8 codes and float32 scales."""
+    """A Q8_0 weight (the LM head) on the native kernel: int8 codes and float32 scales; `act8`: its
+    products on 8-bit activations (`native.q8q8_mm`), in that product's layout (`interleave_q8`)."""
 
-    dtypes = (torch.float32, torch.bfloat16)
-
-    def __init__(self, q: torch.Tensor, d: torch.Tensor):
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, act8: bool = False):
         self.out_features, self.in_features = q.shape
-        self.codes, self.d = q.to(torch.int8).contiguous(), d.float().contiguous()
+        self.act8 = act8
+        self.w128 = None
+        if act8:
+            self.codes, self.d, self.w128 = interleave_q8(q, d)
+        else:
+            self.codes, self.d = q.to(torch.int8).contiguous(), d.float().contiguous()
+        self.dtypes = (torch.float32,) if act8 else (torch.float32, torch.bfloat16)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float().contiguous()
-        return native.q8_mm(rows, self.codes, self.d).to(x.dtype).view(*x.shape[:-1], self.out_features)
+        out = native.q8q8_mm(rows, self.codes, self.d, self.w128, self.out_features) if self.act8 else \
+            native.q8_mm(rows, self.codes, self.d)
+        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     @property
     def nbytes(self) -> int:
-        return self.codes.nbytes + self.d.nbytes
+        return self.codes.nbytes + self.d.nbytes + (self.w128.nbytes if self.w128 is not None else 0)
 
     def __deepcopy__(self, memo):
         return self         # shared with a copied model, read-only, as the native Q4_1 layers' codes are
+
+
+def _by_groups_of_8(t: torch.Tensor) -> torch.Tensor:
+    """(N, ...) padded with zero rows to a multiple of 8, as (⌈N/8⌉, 8, ...)."""
+    pad = -t.shape[0] % 8
+    if pad:
+        t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+    return t.view(-1, 8, *t.shape[1:])
+
+
+def interleave_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
+    """Q4_1 codes q (N, K) in 0..15, d and m (N, K / 32) in the layout of the products on 8-bit
+    activations (q4_kernel.c): the rows in groups of 8 (zero rows padding the last), codes (groups,
+    K / 32, 4, 32) uint8, byte 4j + t of vector p holding row j's code at k = 4p + t (low nibble) and
+    4(p + 4) + t (high nibble) of the block; d and m (groups, K / 32, 8) float32."""
+    n, k = q.shape
+    g = k // GROUP
+    quads = _by_groups_of_8(q.to(torch.uint8)).view(-1, 8, g, 8, 4).permute(0, 2, 3, 1, 4)   # (o, g, quad, j, t)
+    quads = quads.reshape(-1, g, 8, 32)
+    codes = (quads[:, :, :4] | (quads[:, :, 4:] << 4)).contiguous()
+    per_row = [_by_groups_of_8(t.float()).transpose(1, 2).contiguous() for t in (d, m)]
+    return codes, per_row[0], per_row[1]
+
+
+def deinterleave_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, n: int):
+    """`interleave_q4` undone: q (n, K) uint8, d and m (n, K / 32) float32."""
+    groups, g = codes.shape[:2]
+    quads = torch.cat([codes & 15, codes >> 4], dim=2).view(groups, g, 8, 8, 4).permute(0, 3, 1, 2, 4)
+    q = quads.reshape(groups * 8, g * GROUP)[:n]
+    return q, d.transpose(1, 2).reshape(groups * 8, g)[:n], m.transpose(1, 2).reshape(groups * 8, g)[:n]
+
+
+def interleave_q8(q: torch.Tensor, d: torch.Tensor):
+    """Q8_0 codes q (N, K) int8 and d (N, K / 32) in the layout of the products on 8-bit activations:
+    codes (groups, K / 32, 8, 32) int8, byte 4j + t of vector p being row j's code at k = 4p + t of the
+    block; d (groups, K / 32, 8) float32; w128 likewise int32, 128 x each block's sum of codes."""
+    n, k = q.shape
+    g = k // GROUP
+    rows = _by_groups_of_8(q.to(torch.int8))                                                 # (o, 8, K)
+    codes = rows.view(-1, 8, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(-1, g, 8, 32).contiguous()
+    w128 = (rows.view(-1, 8, g, GROUP).sum(-1, dtype=torch.int32) * 128).transpose(1, 2).contiguous()
+    return codes, _by_groups_of_8(d.float()).transpose(1, 2).contiguous(), w128
 
 
 def _q4_forward(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -390,7 +466,7 @@ def codes(gguf_path: str | Path, num_heads: int, num_kv_heads: int) -> tuple[dic
 CHECK_ROWS = 16          # rows per layer compared with the model's weights when the codes come from the cache
 
 
-def attach(model: torch.nn.Module, gguf_path: str | Path, join: bool = True) -> int:
+def attach(model: torch.nn.Module, gguf_path: str | Path, join: bool = True, act8: bool = False) -> int:
     """Run `model`'s linear layers on the Q4_1 codes of the GGUF it was loaded from.
 
     Every weight is compared with the codes' dequantisation when they are read
@@ -402,6 +478,7 @@ def attach(model: torch.nn.Module, gguf_path: str | Path, join: bool = True) -> 
         gguf_path: the GGUF file its weights came from.
         join: sibling layers that read one input (q / k / v; on the native kernel the MLP's gate
             and up too) run as one product (`mcsd.forward.fused`).
+        act8: the products on 8-bit activations (the weights "q4q8"; native kernel, float32).
     Returns:
         the number of layers attached. On the native kernel the Q4_1 layers' dense weights are
         let go (`_let_go`): the codes are then the only copy, for every block size.
@@ -417,10 +494,13 @@ def attach(model: torch.nn.Module, gguf_path: str | Path, join: bool = True) -> 
     if kernel is None:
         raise Q4Error(f"no q4 kernel runs here: the native one is not used ({native.reason()}) and torch "
                       f"{torch.__version__} has no usable CPU int4 kernel (aten::_weight_int4pack_mm_for_cpu)")
-    allowed = dtypes()
+    if act8 and kernel != "native":
+        raise Q4Error(f"q4 weights on 8-bit activations run on mcsd's native kernel only; it is not used here "
+                      f"({native.reason()})")
+    allowed = dtypes("q4q8" if act8 else "q4")
     if str(weight.dtype).removeprefix("torch.") not in allowed:
-        raise Q4Error(f"q4 weights compute in {' or '.join(allowed)} here; the model is "
-                      f"{str(weight.dtype).removeprefix('torch.')}")
+        raise Q4Error(f"q4 weights{' on 8-bit activations' if act8 else ''} compute in {' or '.join(allowed)} "
+                      f"here; the model is {str(weight.dtype).removeprefix('torch.')}")
     cfg = model.config
     found, from_cache = codes(gguf_path, cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None)
                               or cfg.num_attention_heads)
@@ -451,10 +531,10 @@ def attach(model: torch.nn.Module, gguf_path: str | Path, join: bool = True) -> 
         if join else []
     joined = {id(layer) for group in groups for layer in group}
     for group in groups:
-        _join(group, [checked[id(layer)][1] for layer in group])
+        _join(group, [checked[id(layer)][1] for layer in group], act8)
     for key, (layer, (q, d, m)) in checked.items():
         if key not in joined:                         # joined ones: `_join`
-            _put(layer, Q4Linear(q, d, m) if m is not None else Q8Linear(q, d))
+            _put(layer, Q4Linear(q, d, m, act8) if m is not None else Q8Linear(q, d, act8))
         if kernel == "native" and m is not None:
             _let_go(layer)
     _install_prefill(model)
@@ -554,10 +634,10 @@ def _install_prefill(model: torch.nn.Module) -> None:
                                   model.register_forward_hook(_after_forward, with_kwargs=True, always_call=True))
 
 
-def _join(group: list[torch.nn.Linear], group_codes: list[Codes]) -> None:
+def _join(group: list[torch.nn.Linear], group_codes: list[Codes], act8: bool = False) -> None:
     """Sibling layers on one int4 product: their codes concatenated along the output dimension."""
     q, d, m = (torch.cat(parts) for parts in zip(*group_codes))
-    whole = Q4Linear(q, d, m)
+    whole = Q4Linear(q, d, m, act8)
     bias = None if group[0].bias is None else torch.cat([layer.bias.detach() for layer in group])
     product = (_SharedProduct if whole.native else fused.Product)(
         [layer.out_features for layer in group], lambda x: whole(x) if bias is None else whole(x) + bias)
@@ -601,6 +681,16 @@ def code_bits(layer: torch.nn.Module) -> int | None:
     """4 or 8: the width of the codes a layer's forward reads (`attach`, `attach_q8`); None for none."""
     codes = layer.__dict__.get(_ATTR)
     return None if codes is None else 8 if isinstance(codes, Q8Linear) else 4
+
+
+def on_8bit_activations(model: torch.nn.Module) -> bool:
+    """`model`'s coded layers multiply 8-bit activations (the weights "q4q8", `attach(..., act8=True)`)."""
+    return any(getattr(layer.__dict__.get(_ATTR), "act8", False) for layer in model.modules())
+
+
+def weights_name(model: torch.nn.Module) -> str:
+    """What `model`'s linear layers run on: "q4q8", "q4" or "dense"."""
+    return ("q4q8" if on_8bit_activations(model) else "q4") if attached(model) else "dense"
 
 
 def changes() -> int:
