@@ -35,6 +35,7 @@ it is loaded (about a second per 100k tokens on a 2-core CPU).
 from __future__ import annotations
 
 import bisect
+import copy
 import heapq
 import math
 from dataclasses import dataclass, replace
@@ -327,6 +328,16 @@ class ContextDrafter:
                 raise ConfigError(f"context store has a vocabulary of {store.vocab_size}; the target {vocab_size} "
                                   f"(a different tokenizer)")
             self._store = store.index(self.config.min_ngram, self.config.max_ngram)
+
+    def sibling(self) -> "ContextDrafter":
+        """A drafter with this one's settings, vocabulary and store (read-only, shared) for another
+        sequence decoded beside this one's (a batch's slot); nothing it learns reaches this one."""
+        other = copy.copy(self)
+        other.rates = {}
+        other.history = NGramIndex(self.config.min_ngram, self.config.max_ngram)
+        other._next = None if self._next is None else torch.full_like(self._next, -1)
+        other.proposed_nodes = other.accepted_nodes = 0
+        return other
 
     def reset(self, prompt: torch.Tensor) -> None:
         """A new generation: index the prompt, and forget measured acceptance and recycled predictions,
