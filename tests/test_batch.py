@@ -213,3 +213,39 @@ def test_what_a_batch_cannot_do_is_one_clear_error(target):
                                  lossy_target_roots=2))
     with pytest.raises(ConfigError, match="temperature"):
         BatchDecoder(dec).submit([1, 2], temperature=-1)
+
+
+def test_a_slots_share_of_the_rows_is_the_lone_tree_alone_and_shrinks_toward_plain_rows_as_slots_join():
+    from mcsd.costs.cost_model import Costs
+    from mcsd.decoding.row_budget import MIN_ROWS, RowBudget
+    budget = RowBudget(Costs.default(), 49)
+    shares = [budget.per_slot(b) for b in range(1, 41)]
+    assert shares[0] == 49
+    assert all(a >= b for a, b in zip(shares, shares[1:]))            # never grows back as slots join
+    assert shares[3] < shares[0] and shares[-1] == MIN_ROWS            # shrinks, never below a node
+    # rows that cost nothing more (a forward far from bound by its products) are shared out whole
+    free = RowBudget(Costs(verify={1: 1.0, 256: 1.0}, draft={1: 0.1}), 9)
+    assert [free.per_slot(b) for b in (1, 4, 16)] == [9, 9, 9]
+    even = RowBudget(None, 13)
+    assert [even.per_slot(b) for b in (1, 2, 4, 100)] == [13, 6, 3, MIN_ROWS]
+
+
+def test_trees_in_a_full_batch_keep_within_their_share_and_answers_stay_the_lone_ones(eos_target):
+    from mcsd.costs.cost_model import Costs
+    from mcsd.decoding.row_budget import RowBudget
+    dec = TreeDecoder(eos_target, ContextDrafter(max_nodes=8), attention="sdpa", calibrate=False)
+    prompts = [[7, 8, 7, 8, 7, 8, 7, 8] * 2, [3, 4, 5] * 4, PROMPTS[0], PROMPTS[4], [9, 9, 9, 9], [30, 31] * 5]
+    want = [_lone(dec, p, 20, ignore_eos=True).tokens for p in prompts]
+    batch = BatchDecoder(dec, max_batch=6)
+    batch.budget = RowBudget(Costs.default(), 9)
+    assert batch.budget.per_slot(1) == 9 and batch.budget.per_slot(6) == 2
+    got = [batch.submit(p, max_new_tokens=20, ignore_eos=True) for p in prompts]
+    tree_rows = []                                                    # (a slot's tree rows, slots decoding)
+    while not batch.idle:
+        decoding = {r.id for r in batch.active if r.sequence is not None}
+        for r in batch.step():
+            if r.id in decoding:
+                tree_rows.append((r.rows[-1], len(decoding)))
+    assert [r.output.tokens for r in got] == want
+    assert all(rows <= batch.budget.per_slot(n) for rows, n in tree_rows if n == 6)
+    assert any(rows == 2 for rows, n in tree_rows)                    # grafting still runs at a full batch

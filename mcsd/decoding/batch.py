@@ -5,7 +5,8 @@ emission. Each round:
   0. admit: waiting requests join free slots (at a round boundary);
   1. propose: a prefilling slot offers its prompt's next chunk (all slots' chunks together under the
      round's prompt budget); a decoding slot its tree beneath its root (context drafting grafts
-     branches where the decoder has it; otherwise the root alone, its last token);
+     branches where the decoder has it, at most the slot's share of the round's rows, which shrinks
+     as slots join: `mcsd.decoding.row_budget`; otherwise the root alone, its last token);
   2. verify: one forward over every slot's rows, flat, each block under its own mask over its own slot
      (`mcsd.forward.slots`);
   3. accept and commit per slot, with the lone round's own judgement (`mcsd.decoding.accept`);
@@ -42,6 +43,7 @@ from ..forward.attention import causal_allowed
 from ..forward.slots import Block, SlotCache, SlotForward
 from .accept import judge
 from .propose import Proposal, Proposer
+from .row_budget import RowBudget
 
 PREFILL_TOKENS = 256            # prompt tokens a round feeds, over all prefilling slots together
 
@@ -111,6 +113,8 @@ class BatchDecoder:
             raise ConfigError(f"batched decoding needs {exc}") from None
         self.forward = SlotForward(lean, target.model, target.kernels)
         self.cache = SlotCache.for_model(lean, max_batch)
+        lone_rows = 1 + (decoder.context.config.max_nodes if decoder.context is not None else 0)
+        self.budget = RowBudget(decoder.context_costs, lone_rows)     # trees sized by the load
         self.vocab = target.model.get_input_embeddings().weight.shape[0]
         self.device = target.device
         self.waiting: deque[Request] = deque()
@@ -212,6 +216,8 @@ class BatchDecoder:
     def _propose(self) -> list[tuple[Request, Block, Proposal | None]]:
         """Each active slot's block: a prompt chunk (None proposal) or its round's tree."""
         plan, budget = [], self.prefill_tokens
+        decoding = sum(r.sequence is not None for r in self.active)
+        share = self.budget.per_slot(decoding)               # rows a slot's tree may have, root included
         for request in self.active:
             request.new = []
             total = request.prompt_ids.numel()
@@ -226,7 +232,7 @@ class BatchDecoder:
                 continue
             remaining = request.cfg.max_new_tokens - len(request.emitted.tokens)
             proposal = request.proposer.propose(request.sequence, remaining, request.cfg.sampling, request.gen,
-                                                request.proc, request.noise)
+                                                request.proc, request.noise, context_nodes=share - 1)
             tree = proposal.grown.tree
             prefix = self.cache.lengths[request.slot]
             plan.append((request, Block(request.slot, tree.tokens, tree.positions(prefix), tree.mask()), proposal))

@@ -432,7 +432,7 @@ class ContextDrafter:
                     break
 
     def graft(self, tree: DraftTree, sequence: torch.Tensor, expected_tokens: float, round_ms: float,
-              costs=None, node_probs: torch.Tensor | None = None) -> Graft:
+              costs=None, node_probs: torch.Tensor | None = None, max_nodes: int | None = None) -> Graft:
         """Merge this round's candidates into `tree` and append the ones that pay.
 
         Candidates are looked up beneath the root and beneath every drafted node
@@ -449,6 +449,7 @@ class ContextDrafter:
                 (then only `max_nodes` and `min_score` bound the graft).
             node_probs: (N,) each drafted node's probability of being accepted, where the
                 policy estimates it; default: its draft path probability exp(logp).
+            max_nodes: at most this many nodes this round (a batch's share), within `config.max_nodes`.
         Returns:
             Graft. Nodes are chosen best first by path probability (the product of
             their and their ancestors' acceptance estimates); a node joins while
@@ -502,7 +503,8 @@ class ContextDrafter:
         tokens, parents, logp = [], [], []
         tokens_now, ms_now, n_now = max(expected_tokens, 1.0), max(round_ms, 1e-3), n_tree
         base_logp = tree.logp.tolist()
-        while heap and len(tokens) < cfg.max_nodes:
+        limit = cfg.max_nodes if max_nodes is None else min(cfg.max_nodes, max_nodes)
+        while heap and len(tokens) < limit:
             _, _, kid, parent, s = heapq.heappop(heap)
             if costs is not None:
                 dt = costs.marginal_verify_ms(n_now)
