@@ -59,6 +59,8 @@ class Request:
         slot: the slot it holds while decoding, else None.
         new: the tokens the last round emitted for it.
         output: its GenerationOutput once done, else None.
+        error: what ended it where its own part of a round raised (a processor of its own, say): it
+            alone fails, its slot freed; the others go on.
         rows: rows it fed per round (its share of each round's forward).
     """
 
@@ -77,12 +79,13 @@ class Request:
     new: list[int] = field(default_factory=list)
     output: GenerationOutput | None = None
     cancelled: bool = False
+    error: Exception | None = None
     rows: list[int] = field(default_factory=list)
     t_start: float = 0.0
 
     @property
     def done(self) -> bool:
-        return self.output is not None or self.cancelled
+        return self.output is not None or self.cancelled or self.error is not None
 
 
 class BatchDecoder:
@@ -180,24 +183,32 @@ class BatchDecoder:
     @torch.inference_mode()
     def step(self) -> list[Request]:
         """One round over every slot. Returns the requests it advanced (their `new` tokens; `output`
-        set on those that finished, which have left their slots)."""
+        set on those that finished, `error` on those that failed; both have left their slots). An
+        exception in the forward itself, which all share, is raised (the slots' states are then unknown:
+        `cancel` every active request)."""
         self._admit()                                                    # 0. join at the round boundary
         t0 = time.perf_counter()
-        plan = self._propose()                                           # 1. every slot's rows
+        failed: list[Request] = []
+        plan = self._propose(failed)                                     # 1. every slot's rows
         if not plan:
-            return []
+            return failed
         t1 = time.perf_counter()
         logits = self.forward(self.cache, [block for _, block, _ in plan])   # 2. one forward, flat
         t2 = time.perf_counter()
         self.rounds += 1
         self.last_rows, self.last_batch = sum(b.tokens.numel() for _, b, _ in plan), len(plan)
-        advanced = []
+        advanced = failed
         for (request, block, proposal), rows in zip(plan, logits):      # 3-4. per slot
             request.rows.append(block.tokens.numel())
-            if proposal is None:
-                self._prefilled(request, block, rows, t2 - t1)
-            else:
-                self._accept(request, proposal, rows, t1 - t0, t2 - t1)
+            try:
+                if proposal is None:
+                    self._prefilled(request, block, rows, t2 - t1)
+                else:
+                    self._accept(request, proposal, rows, t1 - t0, t2 - t1)
+            except Exception as exc:                                     # this request fails alone
+                self._fail(request, exc)
+                advanced.append(request)
+                continue
             if request.sequence is not None:
                 advanced.append(request)
             if request.emitted.finish is not None:
@@ -213,8 +224,9 @@ class BatchDecoder:
                 self.cache.free(slot)
                 request.proposer.reset()
 
-    def _propose(self) -> list[tuple[Request, Block, Proposal | None]]:
-        """Each active slot's block: a prompt chunk (None proposal) or its round's tree."""
+    def _propose(self, failed: list[Request]) -> list[tuple[Request, Block, Proposal | None]]:
+        """Each active slot's block: a prompt chunk (None proposal) or its round's tree; a request whose
+        proposal raised goes to `failed` instead."""
         plan, budget = [], self.prefill_tokens
         decoding = sum(r.sequence is not None for r in self.active)
         share = self.budget.per_slot(decoding)               # rows a slot's tree may have, root included
@@ -231,8 +243,13 @@ class BatchDecoder:
                                             causal_allowed(n), last_only=True), None))
                 continue
             remaining = request.cfg.max_new_tokens - len(request.emitted.tokens)
-            proposal = request.proposer.propose(request.sequence, remaining, request.cfg.sampling, request.gen,
-                                                request.proc, request.noise, context_nodes=share - 1)
+            try:
+                proposal = request.proposer.propose(request.sequence, remaining, request.cfg.sampling, request.gen,
+                                                    request.proc, request.noise, context_nodes=share - 1)
+            except Exception as exc:
+                self._fail(request, exc)
+                failed.append(request)
+                continue
             tree = proposal.grown.tree
             prefix = self.cache.lengths[request.slot]
             plan.append((request, Block(request.slot, tree.tokens, tree.positions(prefix), tree.mask()), proposal))
@@ -269,6 +286,12 @@ class BatchDecoder:
         new = proposal.emitted(verdict.acc, lossy=False)
         request.sequence = torch.cat([request.sequence, new])
         request.new = request.emitted.add(new.tolist(), verdict.emitted_lp)
+
+    def _fail(self, request: Request, exc: Exception) -> None:
+        request.error = exc
+        self.slots[request.slot] = None
+        self.cache.free(request.slot)
+        request.slot = None
 
     def _finish(self, request: Request) -> None:
         request.proposer.record(request.stats)
