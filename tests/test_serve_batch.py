@@ -129,3 +129,25 @@ def test_max_batch_below_one_is_a_usage_error(capsys):
     assert main(["--max-batch", "0", "--target", "x"]) == 2
     assert "--max-batch must be >= 1, got 0" in capsys.readouterr().err
 
+
+def test_the_concurrency_benchmark_runs_on_the_tiny_pair(serve_models, tmp_path):  # noqa: F811
+    """A smoke run of benchmarks/serve_concurrency.py (its figures mean nothing on these models)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "serve_concurrency.py"
+    spec = importlib.util.spec_from_file_location("serve_concurrency", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"question_id": 5 * i, "category": "writing", "turns": [f"w{10 + i:02d} w03"]})
+                               + "\n" for i in range(3)))
+    out = tmp_path / "bench.json"
+    flags = ["--target", str(serve_models / "target"), "--draft", str(serve_models / "draft"), "--dtype", "float32",
+             "--no-calibrate", "--threads", "1"]
+    assert bench.main(["--max-batch", "1,2", "--clients", "1,2", "--requests", "2", "--max-tokens", "4",
+                       "--prompts", str(prompts), "--out", str(out), "--", *flags]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [(r["max_batch"], r["clients"], r["requests"]) for r in results] == \
+        [(1, 1, 2), (1, 2, 4), (2, 1, 2), (2, 2, 4)]
+    assert all(r["tokens"] > 0 and r["p95_s"] >= r["p50_s"] > 0 for r in results)
