@@ -213,6 +213,9 @@ def test_what_a_batch_cannot_do_is_one_clear_error(target):
                                  lossy_target_roots=2))
     with pytest.raises(ConfigError, match="temperature"):
         BatchDecoder(dec).submit([1, 2], temperature=-1)
+    eager = TreeDecoder(tiny_llama(0), ContextDrafter(), attention="eager", calibrate=False)
+    with pytest.raises(ConfigError, match="batched decoding needs a model the engine's own forward runs .*eager"):
+        BatchDecoder(eager)
 
 
 def test_a_slots_share_of_the_rows_is_the_lone_tree_alone_and_shrinks_toward_plain_rows_as_slots_join():

@@ -113,7 +113,7 @@ class BatchDecoder:
         try:
             lean = target.lean_forward()
         except ValueError as exc:
-            raise ConfigError(f"batched decoding needs {exc}") from None
+            raise ConfigError(f"batched decoding needs a model the engine's own forward runs ({exc})") from None
         self.forward = SlotForward(lean, target.model, target.kernels)
         self.cache = SlotCache.for_model(lean, max_batch)
         lone_rows = 1 + (decoder.context.config.max_nodes if decoder.context is not None else 0)
@@ -189,6 +189,7 @@ class BatchDecoder:
         self._admit()                                                    # 0. join at the round boundary
         t0 = time.perf_counter()
         failed: list[Request] = []
+        self.last_rows = self.last_batch = 0
         plan = self._propose(failed)                                     # 1. every slot's rows
         if not plan:
             return failed

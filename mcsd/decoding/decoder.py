@@ -9,7 +9,7 @@ Prefill (the target reads the prompt and chooses the first token itself), then e
   6. emit: generation stops on EOS, a stop string or `max_new_tokens` (`mcsd.core.output`).
 The decoder's parts are resolved in `mcsd.decoding.resolve`, its costs and matmul paths in `mcsd.decoding.calibration`.
 
-Limitations: one sequence at a time (batch size 1); models must use
+Limitations: one sequence at a time (several in one forward: `mcsd.decoding.batch`); models must use
 transformers' DynamicCache (no sliding-window or quantised caches); under
 bfloat16/float16 the tree forward's different batch shapes change rounding, so
 greedy output can differ from plain decoding where two logits nearly tie

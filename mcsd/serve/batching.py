@@ -128,8 +128,10 @@ class BatchEngine:
                 for flight in list(self.flights):
                     self._end(flight, "error", exc)
                 continue
-            if self.metrics is not None and self.batch.last_batch:
-                self.metrics.round(self.batch.last_batch, self.batch.last_rows)
+            if self.batch.last_batch:
+                log.debug("batched round: %d slots, %d rows", self.batch.last_batch, self.batch.last_rows)
+                if self.metrics is not None:
+                    self.metrics.round(self.batch.last_batch, self.batch.last_rows)
             for request in advanced:
                 self._report(request)
 
