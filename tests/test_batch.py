@@ -252,3 +252,15 @@ def test_trees_in_a_full_batch_keep_within_their_share_and_answers_stay_the_lone
     assert [r.output.tokens for r in got] == want
     assert all(rows <= batch.budget.per_slot(n) for rows, n in tree_rows if n == 6)
     assert any(rows == 2 for rows, n in tree_rows)                    # grafting still runs at a full batch
+
+
+def test_a_slot_cache_keeps_what_it_holds_when_it_grows():
+    cache = SlotCache(3, layers=2, kv_heads=2, head_dim=4, dtype=torch.float32, device="cpu")
+    cache.reserve(5)
+    cache.keys.normal_()
+    cache.values.normal_()
+    keys, values, capacity = cache.keys.clone(), cache.values.clone(), cache.capacity
+    cache.reserve(capacity + 1)
+    assert cache.capacity >= 2 * capacity
+    assert torch.equal(cache.keys[..., :capacity, :], keys) and torch.equal(cache.values[..., :capacity, :], values)
+    assert all(torch.equal(k, cache.keys[i]) for i, k in enumerate(cache.layer_keys))
