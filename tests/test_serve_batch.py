@@ -151,3 +151,18 @@ def test_the_concurrency_benchmark_runs_on_the_tiny_pair(serve_models, tmp_path)
     assert [(r["max_batch"], r["clients"], r["requests"]) for r in results] == \
         [(1, 1, 2), (1, 2, 4), (2, 1, 2), (2, 2, 4)]
     assert all(r["tokens"] > 0 and r["p95_s"] >= r["p50_s"] > 0 for r in results)
+
+
+def test_a_request_past_its_time_limit_leaves_its_slot_with_a_504(serve_models, tmp_path):  # noqa: F811
+    from mcsd.serve.processors import SLOW_MARKER
+    srv = ServerProcess(serve_models, tmp_path, "--max-batch", "2", "--fault-injection", "--request-timeout", "1.5")
+    try:
+        body = {"model": srv.model, "prompt": f"w03 {SLOW_MARKER} w17", "max_tokens": 200, "temperature": 0}
+        with ThreadPoolExecutor(2) as pool:                   # both slots, both past their limit
+            answers = list(pool.map(lambda _: _post(srv, "/v1/completions", body), range(2)))
+        for r in answers:
+            assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+        assert not srv.health()["busy"]
+        assert _post(srv, "/v1/completions", {**body, "prompt": "w03", "max_tokens": 3}).status_code == 200
+    finally:
+        assert srv.stop() == 0
