@@ -9,7 +9,7 @@ Prefill (the target reads the prompt and chooses the first token itself), then e
   6. emit: generation stops on EOS, a stop string or `max_new_tokens` (`mcsd.core.output`).
 The decoder's parts are resolved in `mcsd.decoding.resolve`, its costs and matmul paths in `mcsd.decoding.calibration`.
 
-Limitations: one sequence at a time (batch size 1); models must use
+Limitations: one sequence at a time (several in one forward: `mcsd.decoding.batch`); models must use
 transformers' DynamicCache (no sliding-window or quantised caches); under
 bfloat16/float16 the tree forward's different batch shapes change rounding, so
 greedy output can differ from plain decoding where two logits nearly tie
@@ -26,9 +26,9 @@ import torch
 from ..config import ConfigError, DecodeConfig, check_context_window, check_lossy_roots
 from ..core import processors
 from ..core.output import Emission, GenerationOutput, GenerationStats, eos_ids
-from ..core.sampling import PositionNoise, choose, logits_to_probs, make_generator, processed_scores
+from ..core.sampling import PositionNoise, choose, make_generator
 from ..core.tree import DraftTree
-from ..core.verify import Acceptance, accept_greedy, accept_sampling
+from ..core.verify import Acceptance
 from ..drafting import pearl
 from ..drafting.context import ContextDrafter
 from ..drafting.draft import GrownTree
@@ -37,6 +37,7 @@ from ..drafting.policies import TreePolicy, make_policy
 from ..forward import kernels
 from ..forward.lm import CachedLM
 from . import fixed_round, prompts
+from .accept import judge
 from .calibration import Calibration
 from .propose import Proposer
 from .resolve import resolve
@@ -362,43 +363,15 @@ class TreeDecoder:
             (V,) after the deepest accepted node; with `cfg.return_logprobs` the
             (k+1,) float32 log-probabilities of the emitted tokens, else None).
         """
-        tree, sampling = grown.tree, cfg.sampling
+        tree = grown.tree
         prefix = self.target.length
         anc = tree.mask()                                                  # (N, N), sliced from the topology
         s = int(skip_root)                                                 # rows of the tree fed to the target
         out = self.target.forward(tree.tokens[s:], tree.positions(prefix - s)[s:], anc[s:, s:], hidden=hidden)
         logits, states = out if hidden else (out, None)                   # (N-s, V), (N-s, H)
-        if policy.wants_target_logits and not skip_root:
-            policy.observe_target(tree, logits)
-        if proc is not None:                     # the processed distribution at each node, with its own prefix
-            logits = proc.at_nodes(sequence[:-1], tree, torch.arange(tree.size, device=logits.device), logits)
-        p_target = None
-        if sampling.greedy:
-            argmax = logits.argmax(-1)
-            if skip_root:   # the root's row is not computed; its children are accepted as given
-                argmax = torch.cat([argmax.new_full((1,), -1), argmax])
-            acc = accept_greedy(tree.tokens, tree.parents, tree.depth, anc, argmax,
-                                given=(tree.depth == 1) if skip_root else None)
-        elif noise is not None:                  # the target's own seeded draw after each node, matched
-            draws = noise.draw_logits(logits, sampling, tree.depth + sequence.numel())   # node at depth d draws T + d
-            acc = accept_greedy(tree.tokens, tree.parents, tree.depth, anc, draws)
-        else:
-            p_target = logits_to_probs(logits, sampling)
-            q_draft = grown.q_draft.to(p_target.device) if grown.q_draft is not None else None
-            acc = accept_sampling(tree.tokens, tree.parents, p_target, q_draft, gen,
-                                  deterministic=grown.deterministic)
-        kept = acc.path[s:] - s                                            # rows of the fed block
-        if context is not None:                  # the target's predictions along the accepted path, recycled
-            context.observe_logits(tree.tokens[acc.path], logits[kept])
-        self.target.commit(prefix, kept)
-        emitted_lp = None
-        if cfg.return_logprobs:                  # row path[j] is the distribution the j-th emitted token came from
-            emitted = torch.cat([tree.tokens[acc.path[1:]], acc.next_token.reshape(1)])
-            dist = (logits[kept].float().log_softmax(-1) if sampling.greedy
-                    else p_target[kept].log() if p_target is not None
-                    else processed_scores(logits[kept], sampling).log_softmax(-1))
-            emitted_lp = dist.gather(1, emitted[:, None]).squeeze(1)
-        return acc, (states[kept] if hidden else None), logits[acc.path[-1] - s], emitted_lp
+        verdict = judge(grown, sequence, logits, cfg, gen, policy, skip_root, context, proc, noise)
+        self.target.commit(prefix, verdict.kept)
+        return (verdict.acc, (states[verdict.kept] if hidden else None), verdict.last, verdict.emitted_lp)
 
     # ------------------------------------------------------------------ helpers
 

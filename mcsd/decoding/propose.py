@@ -111,10 +111,11 @@ class Proposer:
             self.roots = logits[-1].topk(self.lossy).indices
 
     def propose(self, sequence: torch.Tensor, remaining: int, sampling: SamplingConfig, gen,
-                scores=None, noise=None) -> Proposal:
+                scores=None, noise=None, context_nodes: int | None = None) -> Proposal:
         """The tree beneath the root `sequence[-1]` ((T,) committed tokens) for a round that may emit
         `remaining` more tokens; `scores` (`mcsd.core.processors.NodeScores`) processes drafted logits;
-        `noise` (`mcsd.core.sampling.PositionNoise`) ranks sampled candidates by the target's own noise."""
+        `noise` (`mcsd.core.sampling.PositionNoise`) ranks sampled candidates by the target's own noise;
+        `context_nodes` bounds the nodes context drafting grafts this round (a batch's share)."""
         policy, drafter = self.policy, self.drafter
         depth = min(policy.begin_round(), remaining - (0 if self.lossy else 1)) if drafter is not None else 0
         if self.lossy:
@@ -129,7 +130,8 @@ class Proposer:
             probs = policy.node_probabilities()
             expected = expected_tokens(policy, self._drafted_accepts, drafted.size)
             graft = self.context.graft(drafted, sequence, expected, spent_ms, costs,
-                                       probs if probs is not None and probs.numel() == drafted.size else None)
+                                       probs if probs is not None and probs.numel() == drafted.size else None,
+                                       max_nodes=context_nodes)
             grown = grown.with_graft(graft)
         return Proposal(grown, drafted, graft, depth)
 

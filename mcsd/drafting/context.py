@@ -35,6 +35,7 @@ it is loaded (about a second per 100k tokens on a 2-core CPU).
 from __future__ import annotations
 
 import bisect
+import copy
 import heapq
 import math
 from dataclasses import dataclass, replace
@@ -349,6 +350,16 @@ class ContextDrafter:
                                   f"(a different tokenizer)")
             self._store = store.index(self.config.min_ngram, self.config.max_ngram)
 
+    def sibling(self) -> "ContextDrafter":
+        """A drafter with this one's settings, vocabulary and store (read-only, shared) for another
+        sequence decoded beside this one's (a batch's slot); nothing it learns reaches this one."""
+        other = copy.copy(self)
+        other.rates = {}
+        other.history = NGramIndex(self.config.min_ngram, self.config.max_ngram)
+        other._next = None if self._next is None else torch.full_like(self._next, -1)
+        other.proposed_nodes = other.accepted_nodes = 0
+        return other
+
     def reset(self, prompt: torch.Tensor) -> None:
         """A new generation: index the prompt, and forget measured acceptance and recycled predictions,
         so that what is proposed for a request (and, in bfloat16, how its verifies round) never depends
@@ -442,7 +453,7 @@ class ContextDrafter:
                     break
 
     def graft(self, tree: DraftTree, sequence: torch.Tensor, expected_tokens: float, round_ms: float,
-              costs=None, node_probs: torch.Tensor | None = None) -> Graft:
+              costs=None, node_probs: torch.Tensor | None = None, max_nodes: int | None = None) -> Graft:
         """Merge this round's candidates into `tree` and append the ones that pay.
 
         Candidates are looked up beneath the root and beneath every drafted node
@@ -459,6 +470,7 @@ class ContextDrafter:
                 (then only `max_nodes` and `min_score` bound the graft).
             node_probs: (N,) each drafted node's probability of being accepted, where the
                 policy estimates it; default: its draft path probability exp(logp).
+            max_nodes: at most this many nodes this round (a batch's share), within `config.max_nodes`.
         Returns:
             Graft. Nodes are chosen best first by path probability (the product of
             their and their ancestors' acceptance estimates); a node joins while
@@ -512,7 +524,8 @@ class ContextDrafter:
         tokens, parents, logp = [], [], []
         tokens_now, ms_now, n_now = max(expected_tokens, 1.0), max(round_ms, 1e-3), n_tree
         base_logp = tree.logp.tolist()
-        while heap and len(tokens) < cfg.max_nodes:
+        limit = cfg.max_nodes if max_nodes is None else min(cfg.max_nodes, max_nodes)
+        while heap and len(tokens) < limit:
             _, _, kid, parent, s = heapq.heappop(heap)
             if costs is not None:
                 dt = costs.marginal_verify_ms(n_now)

@@ -40,7 +40,7 @@ the caller pads the mask to a fixed width.
 Limitations: attention is torch's `scaled_dot_product_attention` with the
 key / value heads grouped (`enable_gqa`) whatever attention implementation
 the transformers model is set to (`mcsd.forward.lm.CachedLM` keeps transformers'
-path for "eager"); one sequence (batch 1); a model whose sliding window can
+path for "eager"); one sequence (several: `mcsd.forward.slots`); a model whose sliding window can
 be reached, a rope type that depends on the sequence's length (dynamic,
 longrope), or any other architecture is not `supports`ed and runs on
 transformers' forward.

@@ -136,6 +136,19 @@ class CachedLM:
         self.cache = kv_cache.in_place_cache(self.model.config) if self.in_place \
             else DynamicCache(config=self.model.config)
 
+    def lean_forward(self) -> llama.LeanForward:
+        """The engine's own forward of this model (made once; its modules looked up again), for a
+        forward of several sequences at once (`mcsd.forward.slots`); a ValueError where it cannot run
+        the model now (see `_lean_reason`)."""
+        reason = self._lean_reason()
+        if reason is not None:
+            raise ValueError(f"the engine's own forward cannot run this model: {reason}")
+        if self._own is None:
+            self._own = llama.LeanForward(self.model)
+        else:
+            self._own.refresh()
+        return self._own
+
     @property
     def length(self) -> int:
         return kv_cache.cache_length(self.cache)

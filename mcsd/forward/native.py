@@ -34,7 +34,7 @@ from ..config import ConfigError
 SOURCE = Path(__file__).with_name("q4_kernel.c")
 FLAGS = ["-O3", "-std=c11", "-ffp-contract=off", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
 LIBS = ["-lm"]
-VERSION = 16                           # mcsd_q4_abi() of q4_kernel.c; cost profiles are keyed by it too
+VERSION = 17                           # mcsd_q4_abi() of q4_kernel.c; cost profiles are keyed by it too
 _lock = threading.Lock()
 _state: dict = {}                       # "lib": the loaded library or None, "reason": why not
 
@@ -156,6 +156,9 @@ def _load():
     lib.mcsd_layer.argtypes = [ctypes.POINTER(LayerWeights), p, p, i64, p, p, p, p, i64, p, i64, p, i64,
                                ctypes.c_int]
     lib.mcsd_layer.restype = ctypes.c_int
+    lib.mcsd_layer_slots.argtypes = [ctypes.POINTER(LayerWeights), p, p, i64, p, p, p, p, i64, i64, i64, p, p, p,
+                                     p, p, i64, ctypes.c_int]
+    lib.mcsd_layer_slots.restype = ctypes.c_int
     lib.mcsd_top_p.argtypes = [p, i64, i64, ctypes.c_float, p, ctypes.c_int]
     lib.mcsd_top_p.restype = ctypes.c_int
     lib.mcsd_draw.argtypes = [p, i64, i64, ctypes.c_float, p, p, ctypes.c_int]
@@ -305,6 +308,22 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length:
                           mask.stride(0), rows, heads, kv_heads, dim, scale, out.data_ptr(),
                           torch.get_num_threads())
     return out
+
+
+def layer_slots(weights: LayerWeights, h: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                keys: torch.Tensor, values: torch.Tensor, first: torch.Tensor, cache: torch.Tensor,
+                slots: torch.Tensor, lens: torch.Tensor, mask: torch.Tensor) -> None:
+    """`layer` over the rows of several sequences at once (`mcsd_layer_slots`): float32 rows h (R, C),
+    sequence i's rows first[i] .. first[i+1]-1 (first (S+1,) int64); its cache the buffers' slice
+    `cache[i]` (keys and values (B, H_kv, capacity, D), `cache` (S,) int64), its rows written there at
+    `slots` (R,) int64 and attending over its first lens[i] entries (lens (S,) int64) under the rows of
+    the additive mask (R, >= max lens) (last dimension contiguous). The products run once over all R
+    rows; a row's result is what `layer` gives it in its own sequence's block, bit for bit."""
+    if _lib().mcsd_layer_slots(ctypes.byref(weights), h.data_ptr(), out.data_ptr(), h.numel() // h.shape[-1],
+                               cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[2],
+                               keys.stride(0), lens.numel(), first.data_ptr(), cache.data_ptr(), slots.data_ptr(),
+                               lens.data_ptr(), mask.data_ptr(), mask.stride(0), torch.get_num_threads()) != 0:
+        raise MemoryError("the native layer could not allocate its buffers")
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -30,7 +30,7 @@
 #define NB 4            /* output rows dequantised together */
 #define RB 3            /* input rows per tile */
 
-int mcsd_q4_abi(void) { return 16; }
+int mcsd_q4_abi(void) { return 17; }
 
 static inline float hsum(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -633,19 +633,24 @@ static inline void rotate(const float *t, const float *cos, const float *sin, in
     }
 }
 
-/* h_out = the layer applied to h_in, Q rows of C = qkv.k floats (h_out may be h_in):
+/* h_out = the layer applied to h_in, Q rows of C = qkv.k floats (h_out may be h_in), the rows of
+   n_seg sequences one after another (a batch of slots; one sequence: n_seg = 1):
 
      x = norm(h);  q, k, v = x Wqkv (+ bias);  (q_norm, k_norm per head);  rotary on q and k;
-     k, v written to the cache at slots;  a = attention(q, cache[0 .. len), mask);
+     k, v written to their sequence's cache at slots;  a = attention(q, that cache[0 .. len), mask);
      h = h + a Wo;  x = post_norm(h);  g, u = x Wgate_up;  h = h + (silu(g) * u) Wdown
 
-   cos and sin (Q, D), sin signed as `rotate` takes it; keys and values (Hkv, cap, D); mask (Q, len)
-   with row stride mask_stride. Every step computes a row on its own in a fixed order (the products,
-   norms and attention above), so a row's result does not depend on the rows beside it. Returns 0,
-   or -1 where memory could not be allocated (h_out is then incomplete). */
-int mcsd_layer(const mcsd_layer_t *L, const float *h_in, float *h_out, int64_t Q, const float *cos,
-               const float *sin, float *keys, float *values, int64_t cap, const int64_t *slots, int64_t len,
-               const float *mask, int64_t mask_stride, int threads) {
+   Sequence i holds rows first[i] .. first[i + 1] - 1; its cache's keys and values (Hkv, cap, D) start
+   at keys + cache[i] * cache_stride (values likewise), its rows attend over their first lens[i] entries.
+   cos and sin (Q, D), sin signed as `rotate` takes it; slots (Q,) each row's cache entry in its own
+   sequence's cache; mask (Q, >= max lens) with row stride mask_stride, row r's first lens[i] entries
+   used. Every step computes a row on its own in a fixed order (the products, norms and attention
+   above), so a row's result does not depend on the rows beside it, its own sequence's or another's.
+   Returns 0, or -1 where memory could not be allocated (h_out is then incomplete). */
+int mcsd_layer_slots(const mcsd_layer_t *L, const float *h_in, float *h_out, int64_t Q, const float *cos,
+                     const float *sin, float *keys, float *values, int64_t cap, int64_t cache_stride,
+                     int64_t n_seg, const int64_t *first, const int64_t *cache, const int64_t *slots,
+                     const int64_t *lens, const float *mask, int64_t mask_stride, int threads) {
     const int64_t C = L->qkv.k, H = L->heads, Hkv = L->kv_heads, D = L->head_dim, F = L->down.k;
     const int64_t Nqkv = L->qkv.n, HD = H * D;
     float *buf = malloc(sizeof(float) * (size_t)(Q * (C + Nqkv + 2 * HD + C + 2 * F + F)));
@@ -655,8 +660,10 @@ int mcsd_layer(const mcsd_layer_t *L, const float *h_in, float *h_out, int64_t Q
     int failed = 0;
     mcsd_rms_norm(h_in, Q, C, L->norm, L->eps, x);
     failed |= product(x, Q, &L->qkv, L->act8, qkv, threads);
-    for (int64_t r = 0; r < Q && !failed; r++) {
+    for (int64_t i = 0; i < n_seg && !failed; i++)
+    for (int64_t r = first[i]; r < first[i + 1]; r++) {
         float *row = qkv + r * Nqkv;
+        float *ks = keys + cache[i] * cache_stride, *vs = values + cache[i] * cache_stride;
         const float *c = cos + r * D, *s = sin + r * D;
         if (L->q_norm) {
             mcsd_rms_norm(row, H, D, L->q_norm, L->qk_eps, row);
@@ -664,14 +671,17 @@ int mcsd_layer(const mcsd_layer_t *L, const float *h_in, float *h_out, int64_t Q
         }
         for (int64_t h = 0; h < H; h++) rotate(row + h * D, c, s, D, qr + r * HD + h * D);
         for (int64_t h = 0; h < Hkv; h++) {
-            float *kd = keys + (h * cap + slots[r]) * D, *vd = values + (h * cap + slots[r]) * D;
+            float *kd = ks + (h * cap + slots[r]) * D, *vd = vs + (h * cap + slots[r]) * D;
             rotate(row + HD + h * D, c, s, D, kd);
             const float *v = row + HD + Hkv * D + h * D;
             for (int64_t i = 0; i < D; i++) vd[i] = v[i];
         }
     }
     if (!failed) {
-        mcsd_attention(qr, keys, values, cap, len, mask, mask_stride, Q, H, Hkv, D, L->scale, att, threads);
+        for (int64_t i = 0; i < n_seg; i++)
+            mcsd_attention(qr + first[i] * HD, keys + cache[i] * cache_stride, values + cache[i] * cache_stride,
+                           cap, lens[i], mask + first[i] * mask_stride, mask_stride, first[i + 1] - first[i], H,
+                           Hkv, D, L->scale, att + first[i] * HD, threads);
         failed |= product(att, Q, &L->o, L->act8, y, threads);
     }
     if (!failed) {
@@ -697,6 +707,16 @@ int mcsd_layer(const mcsd_layer_t *L, const float *h_in, float *h_out, int64_t Q
         for (int64_t i = 0; i < Q * C; i++) h_out[i] += y[i];
     free(buf);
     return failed ? -1 : 0;
+}
+
+/* One sequence's layer (`mcsd_layer_slots` with one sequence): keys and values (Hkv, cap, D), its Q
+   rows written at slots and attending over the first len entries under mask (Q, len). */
+int mcsd_layer(const mcsd_layer_t *L, const float *h_in, float *h_out, int64_t Q, const float *cos,
+               const float *sin, float *keys, float *values, int64_t cap, const int64_t *slots, int64_t len,
+               const float *mask, int64_t mask_stride, int threads) {
+    const int64_t first[2] = {0, Q}, cache[1] = {0}, lens[1] = {len};
+    return mcsd_layer_slots(L, h_in, h_out, Q, cos, sin, keys, values, cap, 0, 1, first, cache, slots, lens,
+                            mask, mask_stride, threads);
 }
 
 /* Nucleus (top-p) filtering of R rows of V float32 scores (-inf allowed): out[r, i] = s[r, i] where

@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the model id clients send (default: the preset name, else --target as given)")
     srv.add_argument("--max-queue", type=int, default=64,
                      help="requests that may wait for the decoder; one more gets a 429 (default 64)")
+    srv.add_argument("--max-batch", type=int, default=1, metavar="B",
+                     help="generations decoded together in one target forward a round (continuous batching: "
+                          "requests join at a round boundary, long prompts go in chunks); each answer is the one "
+                          "a lone request gets. 1 (the default) decodes one at a time with the full drafter")
     srv.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
                      help="a request's time limit, queueing included; past it the generation stops and the "
                           "request gets a 504 (default 600)")
@@ -83,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _check_server_args(args) -> None:
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be between 0 and 65535, got {args.port}")
+    if args.max_batch < 1:
+        raise UsageError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.max_queue < 1:
         raise UsageError(f"--max-queue must be >= 1, got {args.max_queue}")
     if not args.request_timeout > 0:
@@ -180,8 +186,12 @@ def _run(args, sock: socket.socket, api_key: str | None) -> int:
 
     port = sock.getsockname()[1]
     # the gauges read `engine` when /metrics is rendered, by then assigned below
-    metrics = Metrics(lambda: {"queue_depth": engine.queue_depth, "running": int(engine.busy)})
-    engine = Engine(lambda: _build(args), args.max_queue, metrics)
+    metrics = Metrics(lambda: {"queue_depth": engine.queue_depth, "running": engine.running})
+    if args.max_batch > 1:
+        from .batching import BatchEngine
+        engine = BatchEngine(lambda: _build(args), args.max_batch, args.max_queue, metrics)
+    else:
+        engine = Engine(lambda: _build(args), args.max_queue, metrics)
     log.info("loading %s", _model_id(args))
     engine.start()
     decoder = engine.decoder
@@ -195,7 +205,7 @@ def _run(args, sock: socket.socket, api_key: str | None) -> int:
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
             if not engine.draining:
-                n = engine.queue_depth + int(engine.busy)
+                n = engine.queue_depth + engine.running
                 log.info("%s: finishing %d request%s in flight and queued, refusing new ones",
                          signal.Signals(sig).name, n, "" if n == 1 else "s")
             engine.drain()

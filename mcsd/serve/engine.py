@@ -10,8 +10,8 @@ queue and checks whether the job was cancelled (its client left) or ran past its
 closes the generation there, so the decoder is free again within one round. An exception inside a
 generation ends that job with an "error" event; the worker goes on with the next job.
 
-Limitations: one sequence at a time (no batching of several requests into one forward); a job
-with many choices holds the decoder until all are done.
+Limitations: one sequence at a time (`mcsd.serve.batching.BatchEngine`, `--max-batch`, decodes
+several in one forward); a job with many choices holds the decoder until all are done.
 """
 
 from __future__ import annotations
@@ -139,6 +139,11 @@ class Engine:
     @property
     def busy(self) -> bool:
         return self.current is not None
+
+    @property
+    def running(self) -> int:
+        """Generations being decoded (0 or 1)."""
+        return int(self.busy)
 
     # ------------------------------------------------------------------ the worker thread
 

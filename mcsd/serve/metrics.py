@@ -8,7 +8,9 @@ few counters, gauges and one histogram, updated from the HTTP side and the engin
     mcsd_tau                                      the last generation's tokens per target forward
     mcsd_target_forwards_total                    (completion tokens / this = tau over the server's life)
     mcsd_accepted_by_depth_total{depth}, mcsd_offered_by_depth_total{depth}, mcsd_acceptance_by_depth{depth}
-    mcsd_queue_depth, mcsd_running                requests waiting for the decoder, and being decoded
+    mcsd_queue_depth, mcsd_running                requests waiting for the decoder, and generations being decoded
+    mcsd_batch_rounds_total, mcsd_batch_rows_total  batched rounds (`--max-batch` > 1) and the rows they fed
+    mcsd_batch_size, mcsd_batch_rows              the last batched round's slots and rows
     mcsd_time_to_first_token_seconds              histogram: arrival to the first token
 """
 
@@ -35,6 +37,7 @@ class Metrics:
         self.accepted: list[int] = []
         self.ttft_counts = [0] * len(TTFT_BUCKETS)
         self.ttft_sum, self.ttft_n = 0.0, 0
+        self.batch_rounds = self.batch_rows_total = self.batch_size = self.batch_rows = 0
 
     def request(self, endpoint: str, status: int) -> None:
         with self._lock:
@@ -58,6 +61,13 @@ class Metrics:
                     self.accepted.append(0)
                 self.offered[d] += o
                 self.accepted[d] += a
+
+    def round(self, slots: int, rows: int) -> None:
+        """One batched round: how many slots it fed, and how many rows."""
+        with self._lock:
+            self.batch_rounds += 1
+            self.batch_rows_total += rows
+            self.batch_size, self.batch_rows = slots, rows
 
     def mean_generation_s(self) -> float:
         """Seconds a generation has taken on average (1.0 before the first)."""
@@ -106,7 +116,14 @@ class Metrics:
                     for d, (a, o) in enumerate(zip(self.accepted, self.offered))])
             family("mcsd_queue_depth", "gauge", "Requests waiting for the decoder.",
                    [({}, gauges.get("queue_depth", 0))])
-            family("mcsd_running", "gauge", "Requests being decoded (0 or 1).", [({}, gauges.get("running", 0))])
+            family("mcsd_running", "gauge", "Generations being decoded (at most --max-batch).",
+                   [({}, gauges.get("running", 0))])
+            family("mcsd_batch_rounds_total", "counter", "Batched rounds (one target forward over every slot).",
+                   [({}, self.batch_rounds)])
+            family("mcsd_batch_rows_total", "counter", "Rows the batched rounds fed (prompt chunks and trees).",
+                   [({}, self.batch_rows_total)])
+            family("mcsd_batch_size", "gauge", "Slots the last batched round fed.", [({}, self.batch_size)])
+            family("mcsd_batch_rows", "gauge", "Rows the last batched round fed.", [({}, self.batch_rows)])
             name = "mcsd_time_to_first_token_seconds"
             out.append(f"# HELP {name} Seconds from a request's arrival to its first generated token.")
             out.append(f"# TYPE {name} histogram")

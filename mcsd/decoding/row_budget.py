@@ -1,0 +1,59 @@
+"""How many rows each slot's tree may have in a batched round, from the calibrated cost of T rows.
+
+One lone round (`TreeDecoder`) spends on its tree what speculation gains back: verify(T) - verify(1)
+more than a plain step. A batched round of B slots gets the same allowance on top of plain batched
+decoding's forward: the round's rows R are the most whose verify time stays within
+
+    verify(B) + (verify(T_lone) - verify(1)),
+
+and each slot's tree may have R // B rows (its root included). With one slot that is the lone tree;
+as slots join, a row costs more of the forward (its products leave the memory-bound regime) and the
+share shrinks toward plain rows: it never falls below the root and one node, so a slot's drafting is
+never switched off and on (its context drafter keeps observing its own text every round), and it
+never grows back while the batch grows. Costs come from `mcsd.costs.cost_model.Costs` (measured per
+machine, pair, dtype and threads); without them the lone tree is divided evenly.
+
+Limitations: the costs are a lone sequence's verify of T rows at a fixed prefix; a batch's rows
+attend over their own slots' prefixes, which the products dominate on the models this serves.
+"""
+
+from __future__ import annotations
+
+MIN_ROWS = 2                # the root and one node: a slot's tree shrinks to this, never to nothing
+
+
+class RowBudget:
+    """Rows a slot's tree may have (root included) when `active` slots decode in one round.
+
+    Args:
+        costs: `Costs` with `base_verify_ms(n)`, or None (the lone tree divided evenly).
+        lone_rows: the tree a lone round may verify (root included): today's tree at one slot.
+    """
+
+    def __init__(self, costs, lone_rows: int):
+        self.costs, self.lone_rows = costs, max(int(lone_rows), 1)
+        self._shares = [self.lone_rows]               # index b - 1: the share at b slots, non-increasing
+
+    def per_slot(self, active: int) -> int:
+        """A slot's rows (root included) with `active` slots in the round."""
+        active = max(int(active), 1)
+        while len(self._shares) < active:
+            b = len(self._shares) + 1
+            self._shares.append(min(self._shares[-1], self._share(b)))
+        return self._shares[active - 1]
+
+    def round_rows(self, active: int) -> int:
+        """The most rows a round of `active` slots feeds."""
+        return self.per_slot(active) * max(int(active), 1)
+
+    def _share(self, active: int) -> int:
+        if self.lone_rows <= 1:
+            return 1
+        if self.costs is None:
+            return max(MIN_ROWS, self.lone_rows // active)
+        cost = self.costs.base_verify_ms
+        allowed = cost(active) + (cost(self.lone_rows) - cost(1))
+        rows = active
+        while rows < active * self.lone_rows and cost(rows + 1) <= allowed:
+            rows += 1
+        return min(self.lone_rows, max(MIN_ROWS, rows // active))

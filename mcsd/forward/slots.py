@@ -1,0 +1,235 @@
+"""Several sequences in one forward: a KV cache of B slots and the engine's own forward over a flat
+batch of their rows.
+
+A slot is one sequence's cache, with its own length; a forward takes a block of rows from each of
+any number of slots (a prompt's chunk, a last token, a tree), lays them one after another as a flat
+batch of R rows, and runs the decoder layers once over all of them: the products (q / k / v, the
+output projection, the MLP, the LM head) see R rows, while each block's keys and values go to its own
+slot and its rows attend over their own slot only, under the block's own mask (its slot's committed
+prefix plus whatever of the block it may see). Nothing in a row's computation reads another slot.
+
+Why a row's answer is the one it gets alone:
+- a float32 model on the native q4 kernel (`mcsd.forward.native`) runs each layer as one call
+  (`native.layer_slots`), whose products, norms and attention compute every row on its own in a fixed
+  order: a row's hidden state is, bit for bit, what the lone forward (`native.layer`) gives it; the LM
+  head (torch's product where it is not native) then runs on each block's own rows, as it would alone,
+  so the logits are the lone run's bit for bit, whatever else is in the batch;
+- any other model runs operation by operation on its own modules (`mcsd.forward.llama`), attention per
+  block exactly as the lone forward calls it; the norms, rotary tables and activations are row-wise,
+  but a dense matmul (torch's) over R rows may round a row's result differently in the last bits from
+  one over that block's rows alone (measured on the tests' tiny float32 models: up to 6e-8). That has
+  not changed a greedy token in the tests; where two logits tie to the last bit it could, as a tree's
+  rows can against a plain step in the lone loop.
+
+Limitations: Llama-family models on the engine's own forward only (`mcsd.forward.llama.supports`);
+no hidden states (no feature drafter reads them); eager on every device (no CUDA graphs yet).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from . import kernels, native, quant
+from .attention import additive_mask
+from .llama import LeanForward, _rms_norm
+
+HEADROOM = 256            # positions reserved beyond what is needed when the buffers are (re)allocated
+
+
+class SlotCache:
+    """Keys and values of B sequences (slots), every layer in two buffers of fixed capacity.
+
+    Args:
+        slots: B, the most sequences held at once.
+        layers, kv_heads, head_dim: the model's shape.
+        dtype, device: of the buffers (the model's).
+
+    Attributes:
+        lengths: positions each slot holds (B Python ints).
+        capacity: positions a slot holds before `reserve` must grow the buffers (0 before the first).
+        layer_keys, layer_values: per layer, (B, H_kv, capacity, D) views of the buffers.
+    """
+
+    def __init__(self, slots: int, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device):
+        self.slots, self.layers, self.kv_heads, self.head_dim = slots, layers, kv_heads, head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        self.lengths = [0] * slots
+        self.capacity = 0
+        self.keys: torch.Tensor | None = None        # (layers, B, H_kv, capacity, D)
+        self.values: torch.Tensor | None = None
+        self.layer_keys: list[torch.Tensor] = []
+        self.layer_values: list[torch.Tensor] = []
+
+    @classmethod
+    def for_model(cls, lean: LeanForward, slots: int) -> "SlotCache":
+        weight = lean.embed.weight
+        return cls(slots, len(lean.layers), lean.kv_heads, lean.head_dim, weight.dtype, weight.device)
+
+    def reserve(self, need: int) -> None:
+        """Room for `need` positions in every slot (reallocating, held entries copied, only when they do not fit)."""
+        if need <= self.capacity:
+            return
+        capacity = max(need + HEADROOM, 2 * self.capacity)
+        keys = torch.zeros(self.layers, self.slots, self.kv_heads, capacity, self.head_dim, dtype=self.dtype,
+                           device=self.device)
+        values = torch.zeros_like(keys)
+        if self.capacity:
+            keys[..., :self.capacity, :].copy_(self.keys)
+            values[..., :self.capacity, :].copy_(self.values)
+        self.keys, self.values, self.capacity = keys, values, capacity
+        self.layer_keys, self.layer_values = list(keys.unbind(0)), list(values.unbind(0))
+
+    def free(self, slot: int) -> None:
+        """The slot holds nothing (a new sequence may take it)."""
+        self.lengths[slot] = 0
+
+    def truncate(self, slot: int, length: int) -> None:
+        self.lengths[slot] = min(self.lengths[slot], length)
+
+    def commit(self, slot: int, prefix_len: int, keep: torch.Tensor) -> None:
+        """Keep the slot's `prefix_len` positions plus its entries at offsets `keep` (k,) after them
+        (ascending), moved down to prefix_len .. prefix_len+k-1; everything after is dropped."""
+        k = keep.numel()
+        if keep.tolist() != list(range(k)):                 # else: already in place (a plain step, a chain)
+            src = keep.to(self.device) + prefix_len
+            for buf in (self.keys, self.values):
+                part = buf[:, slot]                             # (layers, H_kv, capacity, D)
+                part[:, :, prefix_len:prefix_len + k] = part.index_select(2, src)   # gather, then write
+        self.lengths[slot] = prefix_len + k
+
+
+class Block(NamedTuple):
+    """One slot's rows in a batched forward.
+
+    Attributes:
+        slot: the slot whose sequence the rows continue (written after its held positions).
+        tokens: (Q,) long.
+        positions: (Q,) long absolute positions.
+        allowed: (Q, Q) bool, which of the block's rows each row sees (the slot's held positions are
+            seen by every row): causal for a prompt's chunk, the ancestor mask for a tree.
+        last_only: only the last row's logits are wanted (a prompt's chunk).
+    """
+
+    slot: int
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    allowed: torch.Tensor
+    last_only: bool = False
+
+
+class SlotForward:
+    """The engine's own forward (`mcsd.forward.llama.LeanForward`) over a flat batch of slots' blocks.
+
+    Args:
+        lean: the target's own forward (its modules, weights and native plan are what run).
+        model: the transformers model (its q4 hooks decide the dense path of a prompt's rows).
+        kernel_table: which CPU matmul path a block of R rows runs on, or None.
+    """
+
+    def __init__(self, lean: LeanForward, model: torch.nn.Module, kernel_table: kernels.KernelTable | None = None):
+        self.lean, self.model, self.kernel_table = lean, model, kernel_table
+
+    @torch.inference_mode()
+    def __call__(self, cache: SlotCache, blocks: list[Block]) -> list[torch.Tensor]:
+        """Run the blocks (at most one a slot) in one forward; each slot's cache then holds its block
+        after its held positions.
+
+        Returns:
+            per block, its logits (Q, V), or (1, V) with `last_only`.
+        """
+        lean, device = self.lean, cache.device
+        if len({b.slot for b in blocks}) != len(blocks):
+            raise ValueError("a batched forward takes at most one block a slot")
+        starts = [cache.lengths[b.slot] for b in blocks]
+        sizes = [b.tokens.numel() for b in blocks]
+        cache.reserve(max(s + q for s, q in zip(starts, sizes)))
+        rows = sum(sizes)
+        masks = [additive_mask(b.allowed.to(device), s, cache.dtype) for b, s in zip(blocks, starts)]  # (1,1,Q,s+Q)
+        tokens = torch.cat([b.tokens.to(device) for b in blocks])[None]                 # (1, R)
+        positions = torch.cat([b.positions.to(device) for b in blocks])[None]           # (1, R)
+        slots = torch.cat([torch.arange(s, s + q, device=device) for s, q in zip(starts, sizes)])   # (R,)
+        fresh = all(s == 0 for s in starts)                  # every block starts its sequence (prompts)
+        with kernels.running(self.kernel_table, rows), quant.forward_rows(self.model, rows, 0 if fresh else 1):
+            h = lean.embed(tokens)                                                     # (1, R, C)
+            cos, sin = lean._rotary(h, positions)                                      # (1, R, 1, D)
+            plan = lean.native_layers()
+            if plan is not None:
+                h = self._in_one_call(plan, h, cos, sin, cache, blocks, starts, sizes, masks, slots)
+            else:
+                h = self._by_op(h, cos, sin, cache, blocks, starts, sizes, masks, slots)
+            h = _rms_norm(h, lean.norm, lean.one_call)
+            bounds = torch.tensor([0, *sizes]).cumsum(0).tolist()
+            picks = [(r1 - 1 if b.last_only else r0, r1) for b, r0, r1 in zip(blocks, bounds, bounds[1:])]
+            if plan is not None:
+                # every row so far is what its block alone gives (the native layers); the LM head (torch's
+                # product where it is not native) runs on each block's own rows, as alone, to keep it so
+                logits = []
+                for r0, r1 in picks:
+                    with kernels.running(self.kernel_table, r1 - r0):
+                        logits.append(lean.lm_head(h[:, r0:r1])[0])
+            else:
+                wanted = torch.cat([torch.arange(r0, r1) for r0, r1 in picks]).to(device)
+                logits = list(lean.lm_head(h[:, wanted])[0].split([r1 - r0 for r0, r1 in picks]))
+        for b, s, q in zip(blocks, starts, sizes):
+            cache.lengths[b.slot] = s + q
+        return logits
+
+    @staticmethod
+    def _in_one_call(plan, h, cos, sin, cache, blocks, starts, sizes, masks, slots):
+        """Each decoder layer in one native call over every block's rows (`native.layer_slots`)."""
+        rows, width = h.shape[1], max(m.shape[-1] for m in masks)
+        mask = h.new_full((rows, width), float("-inf"))                                 # (R, K) additive
+        r = 0
+        for m, q in zip(masks, sizes):
+            mask[r:r + q, :m.shape[-1]] = m[0, 0]
+            r += q
+        first = torch.tensor([0, *sizes]).cumsum(0)
+        which = torch.tensor([b.slot for b in blocks])
+        lens = torch.tensor([s + q for s, q in zip(starts, sizes)])
+        cos_rows, sin_rows = cos[0, :, 0].contiguous(), sin[0, :, 0].contiguous()      # (R, D)
+        slots = slots.to(torch.long).contiguous()
+        for i, (weights, *_) in enumerate(plan):
+            out = torch.empty_like(h)
+            native.layer_slots(weights, h, out, cos_rows, sin_rows, cache.layer_keys[i], cache.layer_values[i],
+                               first, which, slots, lens, mask)
+            h = out
+        return h
+
+    def _by_op(self, h, cos, sin, cache, blocks, starts, sizes, masks, slots):
+        """Each decoder layer operation by operation on the model's own modules (as
+        `LeanForward._by_op`), the products over every row, attention per block over its own slot."""
+        lean = self.lean
+        half = lean.head_dim // 2
+        heads = (*h.shape[:2], -1, lean.head_dim)
+        bounds = torch.tensor([0, *sizes]).cumsum(0).tolist()
+        for i, m in enumerate(lean.layers):
+            x = _rms_norm(h, m.norm, lean.one_call)
+            q = m.q(x).view(heads)                                              # (1, R, H, D)
+            k = m.k(x).view(heads)                                              # (1, R, H_kv, D)
+            v = m.v(x).view(heads)
+            if m.q_norm is not None:
+                q, k = _rms_norm(q, m.q_norm, lean.one_call), _rms_norm(k, m.k_norm, lean.one_call)
+            q = q * cos + q.roll(half, -1) * sin
+            k = k * cos + k.roll(half, -1) * sin
+            outs = []
+            for b, mask, r0, r1 in zip(blocks, masks, bounds, bounds[1:]):
+                keys = cache.layer_keys[i][b.slot:b.slot + 1]                  # (1, H_kv, capacity, D)
+                values = cache.layer_values[i][b.slot:b.slot + 1]
+                part = slots[r0:r1]
+                keys.index_copy_(2, part, k[:, r0:r1].transpose(1, 2))
+                values.index_copy_(2, part, v[:, r0:r1].transpose(1, 2))
+                k_len, qb = mask.shape[-1], q[:, r0:r1]
+                if lean.one_call and qb.dtype == torch.float32:                # one call, rows on their own
+                    outs.append(native.attention(qb[0], keys[0], values[0], k_len, mask[0, 0].contiguous(),
+                                                 m.scaling).view(1, r1 - r0, -1))
+                else:
+                    out = torch.nn.functional.scaled_dot_product_attention(
+                        qb.transpose(1, 2), keys[:, :, :k_len], values[:, :, :k_len], attn_mask=mask,
+                        scale=m.scaling, **lean.grouped)                        # (1, H, Q, D)
+                    outs.append(out.transpose(1, 2).reshape(1, r1 - r0, -1))
+            h = h + m.o(torch.cat(outs, dim=1))                                 # (1, R, C)
+            x = _rms_norm(h, m.post_norm, lean.one_call)
+            h = h + m.down(m.act(m.gate(x)) * m.up(x))
+        return h

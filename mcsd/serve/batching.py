@@ -1,0 +1,211 @@
+"""The engine behind `mcsd-serve --max-batch B` (B > 1): one worker thread decodes up to B generations
+together (`mcsd.decoding.batch.BatchDecoder`), continuously.
+
+It answers the same jobs as `mcsd.serve.engine.Engine` (the HTTP side cannot tell them apart) from
+the same bounded queue: a job is taken off the queue at a round boundary while a slot is free for
+it (so the queue, and its 429 when full, holds what waits beyond the running generations); each of
+its runs (prompts times `n` choices) takes a slot of its own. A long prompt goes in chunks under
+the round's prompt budget, so the others' rounds go on. After every round each advanced run's
+tokens go to its job's channel; a job whose client left or whose time ran out is cancelled before
+the next round, its slots free for that round. A run whose own part of a round raises fails its job
+alone; an exception in the shared forward fails every job in flight (their slots' states are
+unknown), and the worker goes on with the next.
+
+Every answer is the one the lone decoder gives (see `mcsd.decoding.batch`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from .engine import Draining, Job, QueueFull, _expected
+from .protocol import recorder as logprobs_recorder
+
+log = logging.getLogger("mcsd.serve")
+
+
+class _Flight:
+    """A job in the batch: its runs' requests and what each has streamed."""
+
+    def __init__(self, job: Job):
+        self.job = job
+        self.requests: dict = {}                     # Request -> (Run, TokenLogprobs or None, emitted tokens)
+        self.open = len(job.runs)
+
+
+class BatchEngine:
+    """A worker thread that decodes up to `max_batch` generations together, and its bounded FIFO queue.
+
+    Args:
+        build: called once on the worker thread; returns the `TreeDecoder`.
+        max_batch: generations decoded together (slots).
+        max_queue: jobs that may wait beyond the running ones; one more is refused.
+        metrics: a `mcsd.serve.metrics.Metrics`, or None.
+        batch: builds the `BatchDecoder` from the decoder and `max_batch` (default: `BatchDecoder` itself).
+    """
+
+    def __init__(self, build: Callable[[], object], max_batch: int, max_queue: int, metrics=None,
+                 batch: Callable | None = None):
+        self._build, self.metrics, self.max_batch = build, metrics, max_batch
+        self._make_batch = batch
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._ready = threading.Event()
+        self._build_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._work, name="mcsd-decoder", daemon=True)
+        self.decoder = None
+        self.batch = None
+        self.flights: list[_Flight] = []
+        self.draining = False
+
+    # ------------------------------------------------------------------ control (any thread)
+
+    def start(self) -> None:
+        """Start the worker and wait until the decoder is built; re-raises what building raised."""
+        self._thread.start()
+        self._ready.wait()
+        if self._build_error is not None:
+            raise self._build_error
+
+    def submit(self, job: Job) -> None:
+        """Queue a job; QueueFull or Draining when it cannot be taken."""
+        if self.draining:
+            raise Draining()
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            raise QueueFull() from None
+
+    def drain(self) -> None:
+        """Take no new jobs; those queued and running are answered."""
+        self.draining = True
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Answer what is queued and running, then end the worker."""
+        self.draining = True
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout)
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    @property
+    def running(self) -> int:
+        """Generations in the batch (decoding, or waiting there for a slot)."""
+        return len(self.batch.active) + len(self.batch.waiting) if self.batch is not None else 0
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.flights)
+
+    # ------------------------------------------------------------------ the worker thread
+
+    def _work(self) -> None:
+        try:
+            from ..decoding.batch import BatchDecoder
+            self.decoder = self._build()
+            self.batch = (self._make_batch or BatchDecoder)(self.decoder, self.max_batch)
+        except BaseException as exc:                  # reported by start() on the caller's thread
+            self._build_error = exc
+            return
+        finally:
+            self._ready.set()
+        stopping = False
+        while not (stopping and not self.flights and self._queue.empty()):
+            stopping = self._take(block=not self.flights) or stopping
+            self._drop_ended()
+            if not self.flights:
+                continue
+            try:
+                advanced = self.batch.step()
+            except Exception as exc:                  # the shared forward: every job in flight fails
+                log.error("batched round failed: %s: %s", type(exc).__name__, exc, exc_info=True)
+                for flight in list(self.flights):
+                    self._end(flight, "error", exc)
+                continue
+            if self.batch.last_batch:
+                log.debug("batched round: %d slots, %d rows", self.batch.last_batch, self.batch.last_rows)
+                if self.metrics is not None:
+                    self.metrics.round(self.batch.last_batch, self.batch.last_rows)
+            for request in advanced:
+                self._report(request)
+
+    def _take(self, block: bool) -> bool:
+        """Move queued jobs into the batch while a slot is free for them (waiting for one when the
+        batch is empty). Returns True where the stop sentinel came."""
+        while not self.batch.waiting and len(self.batch.active) < self.max_batch:
+            try:
+                job = self._queue.get(block=block)
+            except queue.Empty:
+                return False
+            block = False
+            if job is None:
+                return True
+            if job.cancel.is_set():
+                job.emit("cancelled")
+                continue
+            if time.monotonic() > job.deadline:
+                job.emit("timeout")
+                continue
+            flight = _Flight(job)
+            job.started = time.monotonic()
+            try:
+                for run in job.runs:
+                    request = self.batch.submit(run.prompt_ids, **run.options)
+                    flight.requests[request] = (run, logprobs_recorder(run.options), [])
+            except Exception as exc:                  # a setting the decoder refuses: this job alone
+                for request in flight.requests:
+                    self.batch.cancel(request)
+                log.error("generation failed: %s: %s", type(exc).__name__, exc, exc_info=not _expected(exc))
+                job.emit("error", exc)
+                continue
+            self.flights.append(flight)
+        return False
+
+    def _drop_ended(self) -> None:
+        """Jobs whose client left or whose time ran out leave the batch before the next round."""
+        now = time.monotonic()
+        for flight in list(self.flights):
+            job = flight.job
+            if job.cancel.is_set() or now > job.deadline:
+                self._end(flight, "cancelled" if job.cancel.is_set() else "timeout")
+
+    def _end(self, flight: _Flight, *event) -> None:
+        for request in flight.requests:
+            if not request.done:
+                self.batch.cancel(request)
+        self.flights.remove(flight)
+        flight.job.emit(*event)
+
+    def _report(self, request) -> None:
+        flight = next((f for f in self.flights if request in f.requests), None)
+        if flight is None:
+            return
+        job = flight.job
+        if request.error is not None:
+            exc = request.error
+            log.error("generation failed: %s: %s", type(exc).__name__, exc, exc_info=not _expected(exc))
+            self._end(flight, "error", exc)
+            return
+        run, recorder, emitted = flight.requests[request]
+        new = request.new
+        if new and job.first_token is None:
+            job.first_token = time.monotonic()
+            if self.metrics is not None:
+                self.metrics.first_token(job.first_token - job.arrived)
+        rows = recorder.take(emitted + new, len(emitted)) if recorder is not None else None
+        emitted += new
+        job.emit("tokens", run.index, new, rows)
+        if request.output is not None:
+            if self.metrics is not None:
+                self.metrics.generation(request.output.stats)
+            job.emit("done", run.index, request.output)
+            flight.open -= 1
+            if flight.open == 0:
+                self.flights.remove(flight)
+                job.emit("end")

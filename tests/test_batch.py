@@ -1,0 +1,266 @@
+"""Several requests in one forward (`mcsd.forward.slots`, `mcsd.decoding.batch`): each answer is the one
+the request gets decoded alone, whatever else is in the batch and whenever it arrived."""
+
+import pytest
+import torch
+from conftest import exact_two_token_probs, pooled_chi_square_p, tiny_llama
+
+from mcsd.config import ConfigError, SamplingConfig
+from mcsd.decoding.batch import BatchDecoder
+from mcsd.decoding.decoder import TreeDecoder
+from mcsd.drafting.context import ContextDrafter
+from mcsd.forward import native, quant
+from mcsd.forward.attention import causal_allowed
+from mcsd.forward.lm import CachedLM
+from mcsd.forward.slots import Block, SlotCache, SlotForward
+
+EOS = 5
+PROMPTS = [[3, 4, 5, 6, 7, 3, 4, 5], [9, 10, 11], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 20, 21, 22],
+           [40], [7, 8, 7, 8, 7, 8, 7], [12, 13, 14, 15, 16]]
+LENGTHS = [17, 9, 30, 4, 25, 12]
+
+
+@pytest.fixture(scope="module")
+def eos_target():
+    return tiny_llama(3, eos=EOS, sharpness=3.0)
+
+
+def _decoder(target, context=True):
+    """Context drafting (each slot grafts its own trees), or a model drafter (which does not draft in a
+    batch: its slots decode plainly there, and alone with its trees)."""
+    if context:
+        return TreeDecoder(target, ContextDrafter(), attention="sdpa", calibrate=False)
+    return TreeDecoder(target, tiny_llama(1, layers=1), tree="2,2,1", policy="static", attention="sdpa",
+                       calibrate=False)
+
+
+def _lone_outputs(model, prompt, steps):
+    """Logits of a prompt and then of single steps, one sequence on its own."""
+    lm = CachedLM(model, lean=True)
+    lm.reset()
+    outs = [lm.extend(prompt)]
+    for t in steps:
+        outs.append(lm.extend(torch.tensor([t])))
+    return outs
+
+
+def _batched_outputs(model, prompts, steps):
+    lm = CachedLM(model, lean=True)
+    forward = SlotForward(lm.lean_forward(), model)
+    cache = SlotCache.for_model(forward.lean, len(prompts) + 1)
+    got = [[] for _ in prompts]
+    with torch.inference_mode():
+        blocks = [Block(i + 1, p, torch.arange(p.numel()), causal_allowed(p.numel())) for i, p in enumerate(prompts)]
+        for i, out in enumerate(forward(cache, blocks)):
+            got[i].append(out)
+        for k in range(len(steps[0])):
+            blocks = [Block(i + 1, torch.tensor([s[k]]), torch.tensor([cache.lengths[i + 1]]), causal_allowed(1))
+                      for i, s in enumerate(steps)]
+            for i, out in enumerate(forward(cache, blocks)):
+                got[i].append(out)
+    return got
+
+
+FORWARD_PROMPTS = [torch.tensor([3, 4, 5, 6, 7]), torch.tensor([9, 10, 11]), torch.tensor(list(range(20, 28)))]
+FORWARD_STEPS = [[8, 9, 10], [12, 13, 14], [30, 31, 32]]
+
+
+def test_a_slots_rows_in_a_batched_forward_are_its_lone_rows(target):
+    want = [_lone_outputs(target, p, s) for p, s in zip(FORWARD_PROMPTS, FORWARD_STEPS)]
+    got = _batched_outputs(target, FORWARD_PROMPTS, FORWARD_STEPS)
+    for w, g in zip(want, got):
+        for a, b in zip(w, g):
+            assert a.shape == b.shape
+            # torch's dense products over more rows may round the last bits differently
+            assert torch.allclose(a, b, atol=1e-6, rtol=0)
+            assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_on_the_native_layers_a_slots_logits_are_its_lone_logits_bit_for_bit(tmp_path, monkeypatch):
+    from test_native_layer import _on_q4_codes
+    monkeypatch.setenv("MCSD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("MCSD_NATIVE", "1")
+    native.reset()
+    try:
+        if quant.kernel_name() != "native":
+            pytest.skip(f"the native q4 kernel does not run here ({native.reason()})")
+        model = _on_q4_codes(tiny_llama(0), tmp_path / "q4.gguf")
+        lm = CachedLM(model, lean=True)
+        assert lm.lean_forward().native_layers() is not None
+        want = [_lone_outputs(model, p, s) for p, s in zip(FORWARD_PROMPTS, FORWARD_STEPS)]
+        got = _batched_outputs(model, FORWARD_PROMPTS, FORWARD_STEPS)
+        for w, g in zip(want, got):
+            for a, b in zip(w, g):
+                assert torch.equal(a, b)
+    finally:
+        native.reset()
+
+
+def test_a_slot_commits_its_own_path_and_leaves_the_others(target):
+    lm = CachedLM(target, lean=True)
+    cache = SlotCache.for_model(lm.lean_forward(), 2)
+    cache.reserve(8)
+    before = cache.keys.clone()
+    cache.lengths = [3, 6]
+    cache.commit(1, 2, torch.tensor([0, 2, 3]))
+    assert cache.lengths == [3, 5]
+    assert torch.equal(cache.keys[:, 1, :, 2:5], before[:, 1, :, [2, 4, 5]])
+    assert torch.equal(cache.keys[:, 0], before[:, 0])
+
+
+def _lone(decoder, prompt, n, **options):
+    return decoder.generate(prompt, max_new_tokens=n, **options)
+
+
+@pytest.mark.parametrize("context", [True, False])
+def test_greedy_batched_answers_equal_lone_answers_with_mixed_lengths_arrivals_and_finishes(eos_target, context):
+    dec = _decoder(eos_target, context)
+    want = [_lone(dec, p, n) for p, n in zip(PROMPTS, LENGTHS)]
+    assert len({len(w.tokens) for w in want}) > 2 and any(w.finish_reason == "eos" for w in want)
+    assert dec.generate_baseline(PROMPTS[2], max_new_tokens=LENGTHS[2]).tokens == want[2].tokens
+    batch = BatchDecoder(dec, max_batch=3, prefill_tokens=6)       # chunks: the 14-token prompt takes 3 rounds
+    first = [batch.submit(p, max_new_tokens=n) for p, n in zip(PROMPTS[:4], LENGTHS[:4])]
+    for _ in range(3):
+        batch.step()
+    later = [batch.submit(p, max_new_tokens=n) for p, n in zip(PROMPTS[4:], LENGTHS[4:])]   # arrive mid-way
+    sizes = []
+    while not batch.idle:
+        batch.step()
+        sizes.append(batch.last_batch)
+    assert max(sizes) == 3 and min(sizes) < 3
+    for request, w in zip(first + later, want):
+        assert request.output.tokens == w.tokens
+        assert request.output.finish_reason == w.finish_reason
+    if context:
+        assert sum(r.output.stats.context_nodes for r in first + later) > 0
+
+
+def test_greedy_answers_do_not_depend_on_the_batch_size(eos_target):
+    dec = _decoder(eos_target)
+    alone = [BatchDecoder(dec, max_batch=1).generate([p], max_new_tokens=n)[0].tokens
+             for p, n in zip(PROMPTS, LENGTHS)]
+    for size in (2, 6):
+        batch = BatchDecoder(dec, max_batch=size)
+        got = [batch.submit(p, max_new_tokens=n) for p, n in zip(PROMPTS, LENGTHS)]
+        while not batch.idle:
+            batch.step()
+        assert [r.output.tokens for r in got] == alone
+
+
+def test_seeded_sampling_in_a_batch_is_the_lone_runs_text(eos_target):
+    dec = _decoder(eos_target)
+    options = dict(temperature=0.9, top_k=20)
+    want = [_lone(dec, p, n, seed=100 + i, **options).tokens for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS))]
+    batch = BatchDecoder(dec, max_batch=4, prefill_tokens=5)
+    order = list(range(len(PROMPTS)))[::-1]                                          # another order
+    got = {i: batch.submit(PROMPTS[i], max_new_tokens=LENGTHS[i], seed=100 + i, **options) for i in order}
+    while not batch.idle:
+        batch.step()
+    assert [got[i].output.tokens for i in range(len(PROMPTS))] == want
+
+
+def test_batched_sampling_follows_the_target(target):
+    sampling = SamplingConfig(temperature=1.0, top_k=8, top_p=1.0)     # 64 cells of (first, second)
+    prompt = torch.tensor([1, 2, 3])
+    vocab = target.config.vocab_size
+    exact = exact_two_token_probs(target, prompt, sampling, vocab).flatten()
+    batch = BatchDecoder(_decoder(target), max_batch=8)
+    n = 1200
+    # beside every request, others with other prompts, so that each round's forward mixes them
+    requests = []
+    for seed in range(n):
+        requests.append(batch.submit(prompt, max_new_tokens=2, temperature=1.0, top_k=8, seed=seed))
+        if seed % 4 == 0:
+            batch.submit([7, 8, 9, 10, 11][: 1 + seed % 5], max_new_tokens=3, temperature=1.0, seed=seed)
+    while not batch.idle:
+        batch.step()
+    counts = torch.zeros(vocab * vocab)
+    for r in requests:
+        counts[r.output.tokens[0] * vocab + r.output.tokens[1]] += 1
+    assert counts[exact == 0].sum() == 0                      # tokens outside the top-k never appear
+    p = pooled_chi_square_p(counts, exact, n)
+    assert p > 1e-3, f"chi-square p = {p:.2e}"
+
+
+def test_a_cancelled_request_frees_its_slot_at_once_and_the_others_go_on(eos_target):
+    dec = _decoder(eos_target)
+    want = [_lone(dec, p, n).tokens for p, n in zip(PROMPTS[:3], LENGTHS[:3])]
+    batch = BatchDecoder(dec, max_batch=2)
+    a = batch.submit(PROMPTS[0], max_new_tokens=LENGTHS[0])
+    b = batch.submit([30, 31, 32], max_new_tokens=40, ignore_eos=True)
+    c = batch.submit(PROMPTS[1], max_new_tokens=LENGTHS[1])
+    batch.step()
+    batch.step()
+    assert c.slot is None and b.slot is not None
+    batch.cancel(b)
+    assert b.slot is None and b.output is None
+    batch.step()
+    assert c.rows                                  # took the freed slot at the next round
+    d = batch.submit(PROMPTS[2], max_new_tokens=LENGTHS[2])
+    while not batch.idle:
+        batch.step()
+    assert [a.output.tokens, c.output.tokens, d.output.tokens] == want
+
+
+def test_what_a_batch_cannot_do_is_one_clear_error(target):
+    dec = _decoder(target)
+    with pytest.raises(ConfigError, match="max_batch"):
+        BatchDecoder(dec, max_batch=0)
+    with pytest.raises(ConfigError, match="prefill_tokens"):
+        BatchDecoder(dec, prefill_tokens=0)
+    with pytest.raises(ConfigError, match="lossy_target_roots"):
+        BatchDecoder(TreeDecoder(target, tiny_llama(1, layers=1), tree="2,1", policy="static", calibrate=False,
+                                 lossy_target_roots=2))
+    with pytest.raises(ConfigError, match="temperature"):
+        BatchDecoder(dec).submit([1, 2], temperature=-1)
+    eager = TreeDecoder(tiny_llama(0), ContextDrafter(), attention="eager", calibrate=False)
+    with pytest.raises(ConfigError, match="batched decoding needs a model the engine's own forward runs .*eager"):
+        BatchDecoder(eager)
+
+
+def test_a_slots_share_of_the_rows_is_the_lone_tree_alone_and_shrinks_toward_plain_rows_as_slots_join():
+    from mcsd.costs.cost_model import Costs
+    from mcsd.decoding.row_budget import MIN_ROWS, RowBudget
+    budget = RowBudget(Costs.default(), 49)
+    shares = [budget.per_slot(b) for b in range(1, 41)]
+    assert shares[0] == 49
+    assert all(a >= b for a, b in zip(shares, shares[1:]))            # never grows back as slots join
+    assert shares[3] < shares[0] and shares[-1] == MIN_ROWS            # shrinks, never below a node
+    # rows that cost nothing more (a forward far from bound by its products) are shared out whole
+    free = RowBudget(Costs(verify={1: 1.0, 256: 1.0}, draft={1: 0.1}), 9)
+    assert [free.per_slot(b) for b in (1, 4, 16)] == [9, 9, 9]
+    even = RowBudget(None, 13)
+    assert [even.per_slot(b) for b in (1, 2, 4, 100)] == [13, 6, 3, MIN_ROWS]
+
+
+def test_trees_in_a_full_batch_keep_within_their_share_and_answers_stay_the_lone_ones(eos_target):
+    from mcsd.costs.cost_model import Costs
+    from mcsd.decoding.row_budget import RowBudget
+    dec = TreeDecoder(eos_target, ContextDrafter(max_nodes=8), attention="sdpa", calibrate=False)
+    prompts = [[7, 8, 7, 8, 7, 8, 7, 8] * 2, [3, 4, 5] * 4, PROMPTS[0], PROMPTS[4], [9, 9, 9, 9], [30, 31] * 5]
+    want = [_lone(dec, p, 20, ignore_eos=True).tokens for p in prompts]
+    batch = BatchDecoder(dec, max_batch=6)
+    batch.budget = RowBudget(Costs.default(), 9)
+    assert batch.budget.per_slot(1) == 9 and batch.budget.per_slot(6) == 2
+    got = [batch.submit(p, max_new_tokens=20, ignore_eos=True) for p in prompts]
+    tree_rows = []                                                    # (a slot's tree rows, slots decoding)
+    while not batch.idle:
+        decoding = {r.id for r in batch.active if r.sequence is not None}
+        for r in batch.step():
+            if r.id in decoding:
+                tree_rows.append((r.rows[-1], len(decoding)))
+    assert [r.output.tokens for r in got] == want
+    assert all(rows <= batch.budget.per_slot(n) for rows, n in tree_rows if n == 6)
+    assert any(rows == 2 for rows, n in tree_rows)                    # grafting still runs at a full batch
+
+
+def test_a_slot_cache_keeps_what_it_holds_when_it_grows():
+    cache = SlotCache(3, layers=2, kv_heads=2, head_dim=4, dtype=torch.float32, device="cpu")
+    cache.reserve(5)
+    cache.keys.normal_()
+    cache.values.normal_()
+    keys, values, capacity = cache.keys.clone(), cache.values.clone(), cache.capacity
+    cache.reserve(capacity + 1)
+    assert cache.capacity >= 2 * capacity
+    assert torch.equal(cache.keys[..., :capacity, :], keys) and torch.equal(cache.values[..., :capacity, :], values)
+    assert all(torch.equal(k, cache.keys[i]) for i, k in enumerate(cache.layer_keys))
