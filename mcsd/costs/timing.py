@@ -6,13 +6,14 @@ meanwhile; `measure` turns that into a `DeviceProfile`.
 from __future__ import annotations
 
 import contextlib
+import gc
 import statistics
 import time
 from dataclasses import dataclass
 
 import torch
 
-from ..forward import kernels, kv_cache
+from ..forward import kernels, kv_cache, mapped
 from ..forward.attention import causal_allowed
 from ..forward.lm import CachedLM
 from .profile import DeviceProfile, _is_feature_drafter, _model_key, _model_name, drafter_module, machine_info
@@ -276,7 +277,9 @@ def measure(target, draft=None, sizes=DEFAULT_SIZES, prefix_len: int = 200, repe
     float16 on a CPU with native support, `mcsd.forward.kernels.switchable`), blocks
     up to `ATEN_MAX_ROWS` are also timed on ATen, and every block on prepacked
     oneDNN weights (`mcsd.forward.kernels.pack`; the copies are dropped again unless the
-    model had them before), interleaved the same way.
+    model had them before): interleaved the same way where the model had them, else after the
+    plain paths, with the plain weights' file pages given back meanwhile (one layout in memory at
+    a time).
 
     A measurement taken while the machine was busy (`BusyCheck`) is marked
     provisional in meta["provisional"] (the reason): it serves the run that
@@ -315,30 +318,57 @@ def measure(target, draft=None, sizes=DEFAULT_SIZES, prefix_len: int = 200, repe
         if module is not None and kernels.released(module):
             kernels.unpack(module)                   # the plain paths are timed on plain weights
     made = [m for role, m in modules.items() if packs.get(role) and not kernels.is_packed(m)]
-    for module in made:
-        kernels.pack(module)
+    # Copies made here for the measurement are timed after the plain paths, their plain weights' file
+    # pages given back meanwhile, so that memory never holds both layouts of a model loaded in place
+    # (the whole measurement would otherwise peak at twice its weights); copies the model had are
+    # timed interleaved with the plain paths, as they cost no memory to keep.
+    phases = [[s for s in plan if s[2] != "packed"], [s for s in plan if s[2] == "packed"]] if made else [plan]
 
     def latency(role, n, path):
         with kernels.using(path) if both[role] or packs[role] else contextlib.nullcontext():
             return timers[role][0].latency(n)
 
-    try:
-        latency(*plan[0])                                                        # the very first forward
-        pilot = {step: latency(*step) for step in plan}             # warms every shape up, in order of size
-        plan = _prune(plan, pilot)
-        rounds = max(1, min(3, repeats // 2))
-        deadline = None if budget_s is None else t_start + budget_s
+    rounds = max(1, min(3, repeats // 2))
+    deadline = None if budget_s is None else t_start + budget_s
+
+    def timed_phase(steps) -> Timings:
+        latency(*steps[0])                                                       # the very first forward
+        pilot = {step: latency(*step) for step in steps}            # warms every shape up, in order of size
+        steps = _prune(steps, pilot)
         if deadline is not None and time.perf_counter() > deadline:   # the warm-up pass is what there is
-            ms, lowered = _envelope({step: pilot[step] for step in plan})
-            timed = Timings(ms=ms, spread={}, remeasured=set(), lowered=lowered, cut_short=True)
-        else:
-            timed = robust_timings(plan, latency, gen, rounds=rounds, per_round=-(-repeats // rounds),
-                                   deadline=deadline)
+            ms, lowered = _envelope({step: pilot[step] for step in steps})
+            return Timings(ms=ms, spread={}, remeasured=set(), lowered=lowered, cut_short=True)
+        return robust_timings(steps, latency, gen, rounds=rounds, per_round=-(-repeats // rounds),
+                              deadline=deadline)
+
+    try:
+        timed = timed_phase(phases[0]) if phases[0] else None
+        if len(phases) > 1 and phases[1]:
+            for module in made:
+                kernels.pack(module, drop_pages=True)
+            kept = {(r, n) for r, n, _ in timed.ms} if timed is not None else None
+            steps = [s for s in phases[1] if kept is None or (s[0], s[1]) in kept]   # the sizes the plain paths kept
+            packed = timed_phase(steps)
+            if timed is None:
+                timed = packed
+            else:
+                # every path of a role covers the same sizes (what the joint pruning gave before)
+                packed_sizes = {(r, n) for r, n, _ in packed.ms}
+                packed_roles = {r for r, _ in packed_sizes}
+                keep = {k for k in timed.ms if k[0] not in packed_roles or (k[0], k[1]) in packed_sizes}
+                timed = Timings(ms={**{k: timed.ms[k] for k in keep}, **packed.ms},
+                                spread={**{k: v for k, v in timed.spread.items() if k in keep}, **packed.spread},
+                                remeasured=(timed.remeasured & keep) | packed.remeasured,
+                                lowered=(timed.lowered & keep) | packed.lowered,
+                                cut_short=timed.cut_short or packed.cut_short)
     finally:
         if draft is not None and _is_feature_drafter(draft):
             draft.kernels = saved
         for module in made:
             kernels.unpack(module)
+        if made:                                     # the copies' memory back before anything packs again
+            gc.collect()
+            mapped.trim()
     provisional = busy_check.finish()
     if provisional is None and timed.cut_short:     # the budget bounds when rounds start, not the warm-up pass
         provisional = (f"cut short: no round of timings started past the {budget_s:g} s budget "

@@ -196,7 +196,7 @@ def _shared(module: torch.nn.Module) -> set[int]:
     return {key for key, n in seen.items() if n > 1}
 
 
-def pack(module: torch.nn.Module, join: bool = True, release: bool = False) -> int:
+def pack(module: torch.nn.Module, join: bool = True, release: bool = False, drop_pages: bool = False) -> int:
     """Give every packable linear layer of `module` a prepacked copy of its weight, used only
     inside a block that runs on the packed path; with `join`, sibling layers that read one input
     share one copy and one product (`mcsd.forward.fused`). Repacks a layer whose weight changed;
@@ -205,9 +205,12 @@ def pack(module: torch.nn.Module, join: bool = True, release: bool = False) -> i
     With `release`, the plain weights are let go as each copy is made, and the pages of a
     file they were read from in place with them (`mcsd.forward.mapped`), so memory never holds two
     copies of more than one group; every product then runs on the copy. Weights that are shared
-    with another parameter stay. A layer let go before is left as it is."""
-    shared = _shared(module) if release else set()
-    files = mapped.file_ranges() if release else []
+    with another parameter stay. A layer let go before is left as it is. With `drop_pages` (and
+    without `release`) the plain weights stay, but their pages read from a file in place are given
+    back as each copy is made: for a while when only the copies run (a measurement of the packed
+    path), after which a read of the plain weights maps the file's pages again."""
+    shared = _shared(module) if release or drop_pages else set()
+    files = mapped.file_ranges() if release or drop_pages else []
 
     def eligible(layer) -> bool:
         return _on_table_paths(layer) and (layer.weight.is_meta and "_mcsd_packed" in layer.__dict__
@@ -238,6 +241,9 @@ def pack(module: torch.nn.Module, join: bool = True, release: bool = False) -> i
                     gone.append(layer.weight)
                     packed.let_go(i)
             mapped.give_back(gone, files)                       # before the next group's pages are read
+        elif drop_pages:
+            mapped.give_back([layer.weight for layer in group if not layer.weight.is_meta
+                              and layer.weight.untyped_storage().data_ptr() not in shared], files)
     return done
 
 

@@ -85,3 +85,19 @@ def give_back(tensors: list[torch.Tensor], ranges: list[tuple[int, int]] | None 
         if last > first and _libc.madvise(first, last - first, _MADV_DONTNEED) == 0:
             given += last - first
     return given
+
+
+def trim() -> bool:
+    """Hand memory the C allocator keeps after large frees back to the system (glibc's `malloc_trim`),
+    so that copies dropped (a measurement's prepacked copies) are not still counted when the next ones
+    are made. False where there is no glibc."""
+    global _libc
+    if not sys.platform.startswith("linux"):
+        return False
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    try:
+        return bool(_libc.malloc_trim(0))
+    except AttributeError:                   # another C library
+        return False
