@@ -1,13 +1,13 @@
 """The tree round in fixed shapes (`mcsd.decoding.fixed_round`): the same path as the loop's acceptance,
 greedy output equal to `generate`, sampled output following the target, and at most one host read a
-round (counted on the CPU; on CUDA by torch's sync debug mode)."""
+round (counted on the CPU at the dispatcher, `host_reads`; on CUDA by torch's sync debug mode)."""
 
-import contextlib
-
+import host_reads
 import pytest
 import torch
 from conftest import FIXED_DRAFT_MS, FIXED_VERIFY_MS, assert_follows_target, tiny_llama
 from test_feature_draft import random_head, random_v2_head
+from host_reads import counting_host_reads, cuda_operators
 from test_learned_policy import constant_model, q_threshold_model
 
 from mcsd import TreeDecoder
@@ -25,51 +25,18 @@ from mcsd.forward.static_cache import StaticCache
 
 PROMPT = torch.tensor([3, 17, 42, 5, 9, 11])
 
-# every way a tensor's value reaches the host (a device sync on CUDA)
-READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy")
 
-
-@contextlib.contextmanager
-def counting_host_reads():
-    """Inside the block, every call of a Tensor method that reads its value on the host is listed."""
-    seen: list[str] = []
-    own = {name: name in torch.Tensor.__dict__ for name in READS}
-    saved = {name: getattr(torch.Tensor, name) for name in READS}
-    saved_nonzero = torch.nonzero
-
-    def counted(name, method):
-        def read(*args, **kwargs):
-            seen.append(name)
-            return method(*args, **kwargs)
-        return read
-
-    for name in READS:
-        setattr(torch.Tensor, name, counted(name, saved[name]))
-    torch.nonzero = counted("torch.nonzero", saved_nonzero)
-    try:
-        yield seen
-    finally:
-        torch.nonzero = saved_nonzero
-        for name in READS:
-            if own[name]:
-                setattr(torch.Tensor, name, saved[name])
-            else:
-                delattr(torch.Tensor, name)
+@pytest.fixture(autouse=True)
+def torch_operators():
+    """The CPU runs the torch operators CUDA runs (mcsd's native paths off), and the dispatcher-level
+    counter (`host_reads`) sees what they read."""
+    with cuda_operators():
+        yield
 
 
 def reads_per_round(decoder, prompt, **options) -> tuple[list[list[str]], list[int]]:
-    """The host reads of each round of one generation (the prefill's not counted), and its tokens."""
-    rounds, tokens = [], []
-    stream = decoder.stream(prompt, **options)
-    tokens += next(stream)                                    # the prefill
-    while True:
-        with counting_host_reads() as seen:
-            try:
-                new = next(stream)
-            except StopIteration:
-                break
-        rounds.append(list(seen))
-        tokens += new
+    """The host reads of each round of one generation (the set-up and prefill not counted), and its tokens."""
+    _, rounds, tokens = host_reads.reads_per_round(decoder, prompt, **options)
     return rounds, tokens
 
 
@@ -146,6 +113,51 @@ def test_commit_rows_keeps_what_commit_keeps():
     assert a.length == b.length == 8
     assert torch.equal(a.keys[:, :, :, :8], b.keys[:, :, :, :8])
     assert torch.equal(a.values[:, :, :, :8], b.values[:, :, :, :8])
+
+
+def test_the_counter_sees_reads_inside_operators():
+    """Every way a value reaches the host is seen at the dispatcher, however it is spelt (the Python-level
+    count of `item`, `tolist` and the like missed 0-dim tensor indices and uploaded scalars: 7 synchronisations
+    a round on CUDA where it counted 1); pure tensor work reads nothing."""
+    x, mask = torch.arange(6), torch.tensor([True, False] * 3)
+    with torch.inference_mode():
+        best = x.argmax()
+    reads = {
+        "item": [lambda: x[best], lambda: x[:best], lambda: int(best), lambda: x.max().item(),
+                 lambda: bool(x.any()), lambda: x.any() and None],
+        "boolean index": [lambda: x[mask], lambda: x.clone().__setitem__(mask, x[:3])],
+        "nonzero": [lambda: x.nonzero(), lambda: torch.where(mask)],
+        "masked_select": [lambda: x.masked_select(mask)],
+        "equal": [lambda: torch.equal(x, x)],
+        "upload": [lambda: torch.tensor([1, 2]), lambda: x.clone().__setitem__(x[:2], 0), lambda: x[[0, 1]]],
+        "tolist": [lambda: x.tolist()],
+        "cpu": [lambda: x.cpu()],
+        "unique": [lambda: x.unique()],
+    }
+    for name, ways in reads.items():
+        for way in ways:
+            for inference in (False, True):
+                with torch.inference_mode(inference), counting_host_reads() as seen:
+                    way()
+                assert name in seen, (name, seen)
+    with counting_host_reads() as seen:
+        y = x.clone()
+        y[2:].fill_(0)
+        y.index_select(0, best.reshape(1))
+        torch.where(mask, x, 0).argmax().reshape(1) + 1
+        y.diagonal() if y.dim() == 2 else y.topk(2)
+    assert seen == []
+
+
+def test_accept_paths_reads_nothing():
+    tree = StaticTree.of(TreeTopology.from_spec("4,2,2"))
+    g = torch.Generator().manual_seed(1)
+    tokens, draws = torch.randint(0, 3, (tree.size,), generator=g), torch.randint(0, 3, (tree.size,), generator=g)
+    for inference in (False, True):
+        with torch.inference_mode(inference), counting_host_reads() as seen:
+            n, path, next_token = accept_paths(tree, tokens, draws, torch.ones(tree.size, dtype=torch.bool), 2)
+            emitted_tokens(tokens, path, n, next_token)
+        assert seen == []
 
 
 # ---------------------------------------------------------------------------- the round

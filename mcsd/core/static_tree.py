@@ -142,9 +142,10 @@ def accept_paths(tree: StaticTree, tokens: torch.Tensor, draws: torch.Tensor, va
     lengths = run.sum(dim=1)                                                    # (L,) nodes accepted, root incl.
     # the longest; between equally long ones the lowest deepest node (the loop's rule, where siblings repeat)
     deepest = tree.paths.gather(1, (lengths - 1)[:, None])[:, 0]               # (L,)
-    best = torch.argmax(lengths * (tree.size + 1) - deepest)
-    n = lengths[best].reshape(1) - 1                                            # (1,)
-    path = tree.paths[best]                                                     # (D+1,)
+    # (1,) and looked up with index_select: indexing with a 0-dim tensor reads it on the host
+    best = torch.argmax(lengths * (tree.size + 1) - deepest).reshape(1)
+    n = lengths.index_select(0, best) - 1                                       # (1,)
+    path = tree.paths.index_select(0, best)[0]                                  # (D+1,)
     # past the accepted part the path repeats its deepest accepted node
     path = torch.where(cols <= n, path, path.gather(0, n))
     next_token = draws.gather(0, path.gather(0, n))

@@ -202,7 +202,7 @@ class HeadBlocks:
         e.tokens[:q] = tokens
         if rows_mask is None:
             torch.arange(first_position, first_position + b, out=e.positions[0])
-            e.positions[0, q:] = first_position + q - 1
+            e.positions[0, q:].fill_(first_position + q - 1)
         else:
             e.positions.fill_(first_position)
         torch.arange(start, start + b, out=e.slots)
@@ -212,8 +212,7 @@ class HeadBlocks:
             e.mask[0, 0, :q, :start + q] = additive_mask(causal_allowed(q, cache.device), start, cache.dtype)[0, 0]
         else:
             e.mask[0, 0, :q, :start + q] = rows_mask
-        pad = torch.arange(q, b, device=cache.device)
-        e.mask[0, 0, pad, start + pad] = 0
+        e.mask[0, 0].diagonal(start)[q:].fill_(0)          # a padding row sees itself alone
         if fresh and self.capture:
             try:
                 t0 = time.perf_counter()

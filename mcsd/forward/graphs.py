@@ -172,8 +172,8 @@ class StaticBlocks:
         torch.arange(start, start + b, out=entry.slots)
         entry.mask.fill_(torch.finfo(entry.mask.dtype).min)
         entry.mask[0, 0, :q, :start + q] = mask[0, 0]
-        pad = torch.arange(q, b, device=entry.mask.device)
-        entry.mask[0, 0, pad, start + pad] = 0                  # a padding row sees itself alone
+        # a padding row sees itself alone (a fill: `mask[rows, slots] = 0` uploads the 0 and syncs on CUDA)
+        entry.mask[0, 0].diagonal(start)[q:b].fill_(0)
 
     def _capture(self, entry: _Entry, cache: StaticCache, hidden: tuple[int, ...]) -> None:
         """Warm the forward up on a side stream, then capture it over the entry's buffers."""
