@@ -355,6 +355,70 @@ def test_online_costs_run_on_the_loop(target):
         dec.generate(PROMPT, max_new_tokens=5)
 
 
+# ---------------------------------------------------------------------------- kept per decoder
+
+@pytest.mark.parametrize("policy", ["static", "learned"])
+def test_two_generations_build_the_blocks_once(target, hf_greedy, policy):
+    """The decoder keeps its fixed round: a second generation builds no bucket of the head's or the
+    target's again (on CUDA: captures no graph again), and a generation's set-up reads nothing but the
+    prompt's check and the first token, sampled or not."""
+    dec = (fixed_decoder(target, random_head(target, 24)) if policy == "static"
+           else learned_decoder(target, random_head(target, 24), "fixed", "3,2,2,1,1", "constant"))
+    assert dec.generate(PROMPT, max_new_tokens=60).tokens == hf_greedy
+    kept, head, blocks = dec.fixed_round, dec.fixed_round.blocks, dec.target.blocks
+    built = head.built, blocks.built
+    assert min(built) > 1
+    setup, rounds, tokens = host_reads.reads_per_round(dec, PROMPT, max_new_tokens=60)
+    assert tokens == hf_greedy
+    assert dec.fixed_round is kept and kept.blocks is head and dec.target.blocks is blocks
+    assert (head.built, blocks.built) == built
+    for options in ({}, dict(temperature=0.8, seed=2)):
+        setup, rounds, _ = host_reads.reads_per_round(dec, PROMPT[1:], max_new_tokens=60, **options)
+        assert sorted(setup) == ["item", "item", "item"], setup     # the prompt's min and max, the first token
+        assert len(rounds) > 5 and max(map(len, rounds)) <= 1
+        assert dec.fixed_round is kept
+
+
+def test_the_loop_after_the_fixed_round_runs_unpadded(target):
+    """The fixed round pads the target's blocks while it runs; a generation on the loop runs them as
+    before it (on a CPU: at their own shapes), and its stats say which round ran and why."""
+    dec = fixed_decoder(target, random_head(target, 24))
+    assert dec.target.static_blocks is None
+    out = dec.generate(PROMPT, max_new_tokens=20)
+    assert dec.target.blocks is not None and (out.stats.round, out.stats.round_reason) == ("fixed", "round='fixed'")
+    dec.round = "auto"
+    out = dec.generate(PROMPT, max_new_tokens=20)
+    assert dec.target.static_blocks is None and dec.target.blocks is None
+    assert out.stats.round == "loop" and "CPU" in out.stats.round_reason
+    assert out.stats.as_dict()["round"] == "loop"
+
+
+def test_a_failed_graph_falls_back_to_the_loop(target, hf_greedy, monkeypatch):
+    """A head graph that cannot be captured: one warning, the generation finishes eagerly (the same
+    tokens), and round="auto" runs the loop for that decoder from then on, saying why."""
+    class Capturing(fixed_round.HeadBlocks):          # as on CUDA
+        def __init__(self, drafter, capture):
+            super().__init__(drafter, True)
+
+    def broken(run):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(fixed_round, "HeadBlocks", Capturing)
+    monkeypatch.setattr(fixed_round.graphs, "capture_graph", broken)
+    monkeypatch.setattr(fixed_round, "AUTO_DEVICES", ("cuda", "cpu"))       # auto as on CUDA
+    dec = TreeDecoder(target, FeatureDrafter(random_head(target, 24), target), tree="4,2,2", policy="static",
+                      attention="sdpa", calibrate=False)
+    with pytest.warns(RuntimeWarning, match="the next ones run the loop") as caught:
+        out = dec.generate(PROMPT, max_new_tokens=60)
+    assert len([w for w in caught if "feature head" in str(w.message)]) == 1
+    assert out.tokens == hf_greedy and out.stats.round == "fixed"
+    assert "stream is capturing" in dec.fixed_round.failure
+    out = dec.generate(PROMPT, max_new_tokens=60)
+    assert out.tokens == hf_greedy and out.stats.round == "loop"
+    assert "a CUDA graph of the fixed round failed" in out.stats.round_reason
+    assert dec.target.static_blocks is None                               # released
+
+
 # ---------------------------------------------------------------------------- what it refuses
 
 def test_the_cpu_default_runs_the_loop(target):

@@ -173,8 +173,11 @@ def choose(scores: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator
     else:
         # the Gumbel draw needs no softmax: the distribution is made only to sample from it or to report it
         dist = processed_scores(scores, cfg).softmax(-1) if noise is None or logprob else None
-        token = noise.draw_logits(scores[None], cfg, torch.tensor([position]))[0] if noise is not None \
-            else sample(dist, generator)
+        if noise is not None:            # the position's keys made where the scores are: no host read
+            at = torch.full((1,), position, dtype=torch.long, device=scores.device)
+            token = noise.draw_keyed(scores[None], cfg, noise.device_keys(at))[0]
+        else:
+            token = sample(dist, generator)
     if not logprob:
         return token, None
     logp = scores.float().log_softmax(-1) if dist is None else dist.log()

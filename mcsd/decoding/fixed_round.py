@@ -76,6 +76,7 @@ from ..forward.lm import CachedLM
 from .fixed_pruning import DevicePruning
 
 ROUNDS = ("auto", "fixed", "loop")
+AUTO_DEVICES = ("cuda",)        # device types where round="auto" takes the fixed round
 
 
 def unavailable(decoder, cfg: DecodeConfig, proposer, on_round=None) -> str | None:
@@ -109,18 +110,43 @@ def unavailable(decoder, cfg: DecodeConfig, proposer, on_round=None) -> str | No
 
 def choose(decoder, choice: str, cfg: DecodeConfig, proposer, on_round=None) -> "FixedRound | None":
     """The fixed-shape round for this generation, or None for the loop. "auto": fixed on CUDA where it
-    can run; "loop": never; "fixed": always (a ConfigError saying why where it cannot)."""
-    if choice == "loop" or (choice == "auto" and decoder.target.device.type != "cuda"):
+    can run; "loop": never; "fixed": always (a ConfigError saying why where it cannot). Which round
+    runs and why is left in `decoder.round_choice` ((round, reason), for `--stats`).
+
+    The decoder keeps its `FixedRound` (`decoder.fixed_round`) from one generation to the next, and
+    with it the head's blocks and their CUDA graphs: a generation with the same drafter, topology and
+    policy builds and captures nothing again (a cache that grows captures its graphs again, once).
+    The target's padded blocks are switched on while the fixed round runs, and back to what they
+    were for a generation on the loop."""
+    kept = decoder.fixed_round
+    if choice == "loop" or (choice == "auto" and decoder.target.device.type not in AUTO_DEVICES):
+        decoder.round_choice = ("loop", "round='loop'" if choice == "loop" else
+                                "the fixed round is CUDA's default; on a CPU the loop is faster")
+        if kept is not None:
+            kept.release()
         return None
     decoder.target.reset()                       # which forward runs the target is decided at a reset
     reason = unavailable(decoder, cfg, proposer, on_round)
+    if reason is None and choice == "auto" and kept is not None and kept.failure is not None:
+        reason = f"a CUDA graph of the fixed round failed ({kept.failure})"
     if reason is not None:
         if choice == "fixed":
             raise ConfigError(f"round='fixed' cannot run this generation: {reason}")
+        decoder.round_choice = ("loop", reason)
+        if kept is not None:
+            kept.release()
         return None
     learned = proposer.policy if type(proposer.policy) is LearnedPolicy else None
-    return FixedRound(decoder.target, proposer.drafter, proposer.policy.topology, cfg, decoder.target.cuda_graphs,
-                      learned)
+    topology, cuda_graphs = proposer.policy.topology, decoder.target.cuda_graphs
+    if kept is None or not kept.serves(decoder.target, proposer.drafter, topology, learned, cuda_graphs):
+        if kept is not None:
+            kept.release()
+        kept = decoder.fixed_round = FixedRound(decoder.target, proposer.drafter, topology, cuda_graphs, learned)
+    kept.prepare(cfg)
+    decoder.round_choice = ("fixed", "round='fixed'" if choice == "fixed" else "round='auto' on CUDA")
+    if kept.failure is not None:
+        decoder.round_choice = ("fixed", f"round='fixed', eagerly: a CUDA graph failed ({kept.failure})")
+    return kept
 
 
 @dataclass
@@ -147,13 +173,17 @@ class HeadBlocks:
     Args:
         drafter: the feature drafter (its head runs on the engine's own forward).
         capture: capture CUDA graphs (needs CUDA); False runs the same shapes eagerly.
+
+    Attributes:
+        built: bucket buffers made so far (each a graph on CUDA, captured once); captures,
+            capture_s: graphs captured and the seconds it took; failure: why graphs were given up.
     """
 
     def __init__(self, drafter: FeatureDrafter, capture: bool):
         self.drafter, self.capture = drafter, capture
         self._entries: dict[int, _Block] = {}
         self._buffers = None
-        self.captures, self.capture_s, self.failure = 0, 0.0, None
+        self.built, self.captures, self.capture_s, self.failure = 0, 0, 0.0, None
 
     def _run(self, e: _Block):
         d = self.drafter
@@ -161,6 +191,15 @@ class HeadBlocks:
         x = head.inputs(e.feats, d.embed(e.tokens))[None]                              # (1, B, w)
         pred = head.expand(d._lean.states(x, e.positions, e.mask, cache, e.slots))[0]   # (B, H)
         return pred, d._scores(pred)                                                    # (B, K)
+
+    def _give_up(self, what: str, exc: Exception) -> None:
+        """No more graphs for the head (one line says so): this generation goes on eagerly, and under
+        round="auto" the decoder runs the loop from its next one (`FixedRound.failure`)."""
+        self.capture, self.failure = False, f"{what}: {type(exc).__name__}: {exc}"
+        for entry in self._entries.values():
+            entry.graph = None
+        warnings.warn(f"mcsd: a CUDA graph of the feature head failed ({self.failure}); this generation "
+                      f"finishes eagerly, the next ones run the loop", RuntimeWarning, stacklevel=3)
 
     def __call__(self, feats: torch.Tensor, tokens: torch.Tensor, first_position: int, start: int,
                  rows_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,6 +229,7 @@ class HeadBlocks:
         fresh = e is None
         if fresh:
             dev, dtype = cache.device, cache.dtype
+            self.built += 1
             e = self._entries[b] = _Block(torch.zeros(b, feats.shape[-1], dtype=dtype, device=dev),
                                           torch.zeros(b, dtype=torch.long, device=dev),
                                           torch.zeros(1, b, dtype=torch.long, device=dev),
@@ -220,12 +260,15 @@ class HeadBlocks:
                 self.captures += 1
                 self.capture_s += time.perf_counter() - t0
             except Exception as exc:                         # runs eagerly instead
-                self.capture, self.failure, e.graph = False, f"{type(exc).__name__}: {exc}", None
-                warnings.warn(f"mcsd: CUDA graph capture of the feature head failed ({self.failure}); running "
-                              f"the same shapes eagerly", RuntimeWarning, stacklevel=2)
+                self._give_up("capture", exc)
+                e.graph = None
         if e.graph is not None:
-            e.graph.replay()
-        else:
+            try:
+                e.graph.replay()
+            except Exception as exc:                         # this block again, eagerly
+                self._give_up("replay", exc)
+                e.graph = None
+        if e.graph is None:
             e.pred, e.scores = self._run(e)
         cache.length = start + q
         self.drafter.forwards += 1
@@ -233,14 +276,14 @@ class HeadBlocks:
 
 
 class FixedRound:
-    """One generation's rounds in fixed shapes (see the module's docstring).
+    """A decoder's rounds in fixed shapes (see the module's docstring), kept from one generation to
+    the next (`choose`): its buffers, the head's blocks and their graphs are made once.
 
     Args:
         target: the decoder's target (`CachedLM` on the engine's own forward); its blocks are padded
-            to buckets from here on (captured on CUDA).
+            to buckets while the fixed round runs (captured on CUDA; `engage`, `release`).
         drafter: the feature drafter.
         topology: the static tree drafted every round (at most 64 nodes).
-        cfg: the generation's settings.
         cuda_graphs: capture the head's blocks as CUDA graphs on CUDA.
         learned: the learned policy, which prunes the drafted topology on the device
             (`mcsd.decoding.fixed_pruning`) and gates drafting on the host; None: a static tree.
@@ -248,36 +291,68 @@ class FixedRound:
     Attributes:
         kept: after a round, the topology's nodes its tree kept (the static tree's all), read with
             the emitted tokens.
+        failure: why a CUDA graph of the round (the head's or the target's) was given up, or None;
+            the generation goes on in the same shapes eagerly, and `round="auto"` runs the loop for
+            this decoder from its next generation.
     """
 
-    def __init__(self, target: CachedLM, drafter: FeatureDrafter, topology, cfg: DecodeConfig,
-                 cuda_graphs: bool = True, learned: LearnedPolicy | None = None):
-        self.target, self.drafter, self.cfg = target, drafter, cfg
+    def __init__(self, target: CachedLM, drafter: FeatureDrafter, topology, cuda_graphs: bool = True,
+                 learned: LearnedPolicy | None = None):
+        self.target, self.drafter, self.topology, self.learned = target, drafter, topology, learned
+        self.cuda_graphs = cuda_graphs
         self.device = target.device
         self.tree = StaticTree.of(topology, self.device)
         self.plain = StaticTree.of(TreeTopology.from_spec("0"), self.device)     # a round without drafting
         self.pruning = None if learned is None else DevicePruning(learned, self.tree, self.device)
         self.kept: list[int] = []
         self.hidden = tuple(drafter.feature_layers)
-        self.sampling = cfg.sampling
-        self.noise = None
-        if not cfg.sampling.greedy:
-            vocab = target.model.get_input_embeddings().weight.shape[0]
-            self.noise = PositionNoise(cfg.seed, vocab, self.device)
+        self.cfg = self.sampling = self.noise = None
         self.ids = None if drafter.vocab_ids is None else drafter.vocab_ids.to(self.device)
         capture = cuda_graphs and self.device.type == "cuda"
         self.blocks = HeadBlocks(drafter, capture)
-        target.static_blocks, target.cuda_graphs = True, cuda_graphs
+        self._before: bool | None = None                   # the target's static_blocks while engaged
+        self._engaged = False
         # the tree's additive mask among its own nodes, in the two models' dtypes
         self.tree_mask = additive_mask(self.tree.allowed, 0, drafter.dtype)[0, 0]      # (N, N)
+
+    def serves(self, target, drafter, topology, learned, cuda_graphs: bool) -> bool:
+        """This round runs a generation of these parts (else the decoder makes another)."""
+        same = all(a is b for a, b in zip((self.target, self.drafter, self.topology, self.learned),
+                                           (target, drafter, topology, learned)))
+        return same and self.cuda_graphs == cuda_graphs and drafter.dtype == self.tree_mask.dtype \
+            and drafter.device == self.device
+
+    @property
+    def failure(self) -> str | None:
+        target_blocks = self.target.blocks if self._engaged else None
+        return self.blocks.failure or (target_blocks.failure if target_blocks is not None else None)
+
+    def prepare(self, cfg: DecodeConfig) -> None:
+        """Before a generation: its settings, the target's blocks padded, the pruning's cost tables
+        made again only where the policy's costs changed (host arithmetic, no device read)."""
+        self.cfg, self.sampling = cfg, cfg.sampling
+        self.engage()
+        if self.pruning is not None:
+            self.pruning.refresh()
+
+    def engage(self) -> None:
+        """The target's blocks padded to buckets (captured on CUDA), as the fixed round runs them."""
+        if not self._engaged:
+            self._before, self._engaged = self.target.static_blocks, True
+        self.target.static_blocks = True
+
+    def release(self) -> None:
+        """The target's blocks back to what they were before `engage` (a generation on the loop)."""
+        if self._engaged:
+            self.target.static_blocks, self._engaged = self._before, False
 
     # ------------------------------------------------------------------ set-up
 
     def start(self, sequence: torch.Tensor, noise: PositionNoise | None = None) -> None:
-        """After the prefill (`sequence` (T+1,): the prompt and the root): the head reads the prompt's
-        last `window` positions, eagerly at their own shape (before the rounds, not one of them)."""
-        if noise is not None:
-            self.noise = noise
+        """After the prefill (`sequence` (T+1,): the prompt and the root; `noise`: the generation's
+        shared noise, None when greedy): the head reads the prompt's last `window` positions, eagerly
+        at their own shape (before the rounds, not one of them)."""
+        self.noise = noise                       # the generation's (sampling), or None (greedy)
         d = self.drafter                         # reset by the prefill, the prompt's features observed
         t_end = sequence.numel() - 1
         offset = 0 if d.window is None else max(0, t_end - d.window)
