@@ -5,7 +5,7 @@ round (counted on the CPU at the dispatcher, `host_reads`; on CUDA by torch's sy
 import host_reads
 import pytest
 import torch
-from conftest import FIXED_DRAFT_MS, FIXED_VERIFY_MS, assert_follows_target, tiny_llama
+from conftest import FIXED_DRAFT_MS, FIXED_VERIFY_MS, assert_follows_target, pooled_chi_square_p, tiny_llama
 from test_feature_draft import random_head, random_v2_head
 from host_reads import counting_host_reads, cuda_operators
 from test_learned_policy import constant_model, q_threshold_model
@@ -18,6 +18,7 @@ from mcsd.core.tree import TreeTopology
 from mcsd.core.verify import accept_greedy
 from mcsd.costs.cost_model import Costs
 from mcsd.decoding import fixed_round
+from mcsd.drafting.context import ContextDrafter
 from mcsd.drafting.feature_draft import FeatureDrafter
 from mcsd.drafting.policies.acceptance import FORMAT, FORMAT_VERSION, AcceptanceModel
 from mcsd.drafting.policies.learned import LearnedPolicy, choose_best_first
@@ -329,21 +330,41 @@ def test_learned_sampling_follows_the_target_distribution():
     assert assert_follows_target(dec, small, SamplingConfig(0.9, top_k=6), n=1200) > 0    # drafts were accepted
 
 
-@pytest.mark.parametrize("spec, covered", [("3,2,2,1,1", True), (None, False)])
-def test_auto_takes_the_learned_policy_where_the_tree_fits(target, spec, covered):
-    """What round="auto" runs in fixed shapes on CUDA: the learned policy on trees of at most 64 nodes;
-    its own default topology (281 nodes) runs the loop."""
+@pytest.mark.parametrize("spec, policy, context, reason", [
+    ("3,2,2,1,1", "learned", False, None),
+    (None, "learned", False, None),                       # its own 281-node topology, cut to 64
+    (None, "learned", True, None),                        # the command line's default
+    ("8,4,2", "static", False, "more than 64 nodes"),
+    ("4,2,2,2", "static", True, "more than 48 nodes (with 16 context slots)"),
+])
+def test_auto_takes_the_fixed_round_where_the_tree_fits(target, spec, policy, context, reason):
+    """What round="auto" runs in fixed shapes on CUDA: the learned policy on any topology (one past the
+    largest bucket drafted as its likeliest nodes), context drafting beside it; a static tree as it is,
+    where it fits."""
     from mcsd.core import processors
     from mcsd.decoding.propose import Proposer
-    dec = TreeDecoder(target, FeatureDrafter(random_head(target), target), tree=spec, policy="learned",
-                      attention="sdpa", calibrate=False)
+    head = FeatureDrafter(random_head(target), target)
+    dec = TreeDecoder(target, [head, "context"] if context else head, tree=spec, policy=policy, attention="sdpa",
+                      calibrate=False)
     assert dec.round == "auto"
     dec.target.reset()
     proposer = Proposer(dec.policy, dec.drafter, dec.context, 0, dec.context_costs)
-    reason = fixed_round.unavailable(dec, processors.request(target, PROMPT.numel()), proposer)
-    assert (reason is None) == covered, reason
-    if not covered:
-        assert "64 nodes" in reason
+    got = fixed_round.unavailable(dec, processors.request(target, PROMPT.numel()), proposer)
+    assert got == reason if reason is None else reason in got, got
+
+
+def test_a_learned_topology_past_the_bucket_keeps_its_likeliest_nodes():
+    """The learned policy's default topology (281 nodes) cut to 48: a closed subtree of it (every kept
+    node's parent kept, ranks as they were), its deepest chain kept whole, wider near the root."""
+    topology = TreeTopology.from_spec(LearnedPolicy.default_tree)
+    cut = fixed_round.drafted_topology(topology, learned=True, slots=16)
+    assert topology.size == 281 and cut.size == 48
+    kept = set(cut.paths)
+    assert all(p[:-1] in kept or len(p) == 1 for p in kept) and kept <= set(topology.paths)
+    assert cut.max_depth == topology.max_depth and (0,) * topology.max_depth in kept
+    assert fixed_round.drafted_topology(topology, learned=False, slots=16) is topology
+    small = TreeTopology.from_spec("3,2,2,1,1")
+    assert fixed_round.drafted_topology(small, learned=True, slots=16) is small
 
 
 def test_online_costs_run_on_the_loop(target):
@@ -353,6 +374,101 @@ def test_online_costs_run_on_the_loop(target):
                       calibrate=False, round="fixed")
     with pytest.raises(ConfigError, match="online_costs"):
         dec.generate(PROMPT, max_new_tokens=5)
+
+
+# ---------------------------------------------------------------------------- the command line's default
+
+REPEATS = torch.tensor([3, 17, 42, 5, 9, 11, 3, 17, 42, 5, 9])      # a prompt context drafting finds matches in
+
+
+def default_decoder(target, head, round, spec=None, model="mixed", **context):
+    """The command line's default configuration: the feature head, context drafting grafted in, the learned
+    policy (its own 281-node topology unless `spec`), on the test profile's fixed costs."""
+    policy = learned(spec or LearnedPolicy.default_tree, model)
+    return TreeDecoder(target, [FeatureDrafter(head, target), ContextDrafter(**context)], policy=policy,
+                       attention="sdpa", calibrate=False, round=round)
+
+
+def generate_greedy(model, prompt, n=60):
+    with torch.no_grad():
+        out = model.generate(prompt[None], attention_mask=torch.ones(1, prompt.numel(), dtype=torch.long),
+                             max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, prompt.numel():].tolist()
+
+
+@pytest.mark.parametrize("spec, sub_vocab", [(None, 0), (None, 24), ("3,2,2,1,1", 24)])
+def test_the_default_configuration_greedy_is_generates(target, spec, sub_vocab):
+    """float32 greedy output of the command line's default in the fixed round equals the loop's and
+    `generate`'s; grafted context nodes are accepted, beyond depth 1 too."""
+    want = generate_greedy(target, REPEATS)
+    fixed = default_decoder(target, random_head(target, sub_vocab), "fixed", spec).generate(REPEATS, max_new_tokens=60)
+    loop = default_decoder(target, random_head(target, sub_vocab), "loop", spec).generate(REPEATS, max_new_tokens=60)
+    assert fixed.tokens == want and loop.tokens == want
+    assert fixed.stats.round == "fixed" and "16 context slots" in fixed.stats.round_reason
+    assert ("281-node topology drafted as its 48 likeliest nodes" in fixed.stats.round_reason) == (spec is None)
+    assert fixed.stats.context_accepted > 0 and max(fixed.stats.accepted_per_round) >= 2
+    assert fixed.stats.rounds < len(want)
+
+
+@pytest.mark.parametrize("options", [dict(temperature=0.8, seed=3), dict(temperature=0.9, top_p=0.9, seed=1),
+                                     dict(temperature=1.0, top_k=5, seed=5)])
+def test_the_default_configuration_seeded_text_is_the_loops(target, options):
+    """A sampled token is the target's own seeded draw at its position: the loop's text for a seed,
+    whatever either tree held."""
+    fixed = default_decoder(target, random_head(target, 24), "fixed").generate(REPEATS, max_new_tokens=60, **options)
+    loop = default_decoder(target, random_head(target, 24), "loop").generate(REPEATS, max_new_tokens=60, **options)
+    assert fixed.tokens == loop.tokens
+
+
+@pytest.mark.parametrize("options", [{}, dict(temperature=0.8, seed=3), dict(temperature=0.9, top_p=0.9, seed=1)],
+                         ids=["greedy", "t0.8", "t0.9-p0.9"])
+def test_the_default_configuration_reads_the_host_once_a_round(target, options):
+    """Context drafting's lookups run on the host from what the round's one read returned (the emitted
+    tokens, the accepted path, the target's top-k along it): still one read a round, counted at the
+    dispatcher; a second generation builds no block again."""
+    dec = default_decoder(target, random_head(target, 24), "fixed")
+    _, rounds, tokens = host_reads.reads_per_round(dec, REPEATS, max_new_tokens=60, **options)
+    assert len(rounds) > 5 and all(len(seen) <= 1 for seen in rounds), [r for r in rounds if len(r) > 1][:3]
+    if not options:
+        assert tokens == generate_greedy(target, REPEATS)
+    built = dec.fixed_round.blocks.built, dec.target.blocks.built
+    again = host_reads.reads_per_round(dec, REPEATS, max_new_tokens=60, **options)
+    assert again[2] == tokens and (dec.fixed_round.blocks.built, dec.target.blocks.built) == built
+    assert all(len(seen) <= 1 for seen in again[1])
+
+
+def exact_three_token_probs(model, prompt, sampling, vocab):
+    """P(the first three new tokens = (a, b, c)) under plain sampling from `model`: (vocab ** 3,)."""
+    from mcsd.core.sampling import logits_to_probs
+    with torch.no_grad():
+        p0 = logits_to_probs(model(prompt[None]).logits[0, -1], sampling)                         # (V,)
+        two = torch.stack([torch.cat([prompt, torch.tensor([a])]) for a in range(vocab)])
+        p1 = logits_to_probs(model(two).logits[:, -1], sampling)                                   # (V, V)
+        three = torch.stack([torch.cat([prompt, torch.tensor([a, b])]) for a in range(vocab) for b in range(vocab)])
+        p2 = logits_to_probs(model(three).logits[:, -1], sampling).reshape(vocab, vocab, vocab)
+    return (p0[:, None, None] * p1[:, :, None] * p2).flatten()
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(1.0), SamplingConfig(0.8, top_p=0.9)], ids=["t1", "t0.8-p0.9"])
+def test_the_default_configuration_follows_the_target_beyond_depth_one(sampling):
+    """Chi-square goodness of fit of 1,500 seeded runs' first three tokens against exact enumeration,
+    where the second and third are often drafted and accepted in the first round (context nodes at
+    depths 1 and 2 and the head's): a bias at depth 2 would show."""
+    small = tiny_llama(10, vocab=8, layers=1, sharpness=25.0, hidden=16)
+    prompt = torch.tensor([1, 2, 3, *generate_greedy(small, torch.tensor([1, 2, 3]), 8), 1, 2, 3])   # it repeats
+    dec = default_decoder(small, random_head(small, sub_vocab=5, seed=2), "fixed", model="constant")
+    exact = exact_three_token_probs(small, prompt, sampling, 8)
+    counts, deep, n = torch.zeros(8 ** 3), 0, 1500
+    for seed in range(n):
+        out = dec.generate(prompt, max_new_tokens=4, temperature=sampling.temperature, top_p=sampling.top_p,
+                           seed=seed)
+        a, b, c = out.tokens[:3]
+        counts[(a * 8 + b) * 8 + c] += 1
+        deep += out.stats.accepted_per_round[0] >= 2            # the third token drafted at depth 2, accepted
+    assert counts[exact == 0].sum() == 0
+    assert deep >= 100, deep
+    p = pooled_chi_square_p(counts, exact, n)
+    assert p > 1e-3, f"chi-square p = {p:.2e}"
 
 
 # ---------------------------------------------------------------------------- kept per decoder
@@ -429,15 +545,15 @@ def test_the_cpu_default_runs_the_loop(target):
     assert max(map(len, rounds)) > 1                          # the loop, as before
 
 
-@pytest.mark.parametrize("draft, policy, reason", [
-    ("context", "static", "feature head"),
-    ("head+context", "static", "context drafting"),
-    ("head", "heuristic", "static trees or the learned"),
+@pytest.mark.parametrize("draft, policy, spec, reason", [
+    ("context", "static", "2,1", "feature head"),
+    ("head+context", "static", "8,4,1", "static tree has more than 48 nodes"),
+    ("head", "heuristic", "2,1", "static trees or the learned"),
 ])
-def test_fixed_round_refuses_what_it_cannot_run(target, draft, policy, reason):
+def test_fixed_round_refuses_what_it_cannot_run(target, draft, policy, spec, reason):
     head = FeatureDrafter(random_head(target), target)
     drafts = {"context": "context", "head": head, "head+context": [head, "context"]}
-    dec = TreeDecoder(target, drafts[draft], tree="2,1", policy=policy, attention="sdpa", calibrate=False,
+    dec = TreeDecoder(target, drafts[draft], tree=spec, policy=policy, attention="sdpa", calibrate=False,
                       round="fixed")
     with pytest.raises(ConfigError, match=reason):
         dec.generate(PROMPT, max_new_tokens=5)

@@ -272,7 +272,7 @@ class TreeDecoder:
         stats.prefill_s = time.perf_counter() - t_start
         yield emitted.add(new, new_lp)
         if rounds is not None:
-            rounds.start(sequence, noise)
+            rounds.start(sequence, noise, new[-1])
 
         while emitted.finish is None:
             if rounds is not None:   # 1-6 in fixed shapes on the device, the emitted tokens read once

@@ -18,7 +18,8 @@ value, except once at its end:
    to a bucket, captured on CUDA), its draws after each node (argmax, or the seeded Gumbel draw);
 4. accept: Medusa style over the topology's root-to-leaf paths (`accept_paths`): the same path as
    the loop's greedy matching;
-5. read: the count and the emitted tokens, in one (D+2,) tensor, read once;
+5. read: the count and the emitted tokens, in one (D+2,) tensor, read once (with context drafting,
+   also the accepted path and the target's top-k along it);
 6. commit: the target's cache keeps the accepted entries (`StaticCache.commit_rows`, a gather and
    a write of D+1 entries whatever was accepted); the head's cache drops the tree (a length).
 
@@ -28,7 +29,13 @@ whether the next level runs; a pruned node stays in the buffers and is masked ou
 acceptance, so shapes stay fixed. Its draft gate and running acceptance rate stay on the host: the
 round's one read also carries the kept tree's size, depth, drafted level widths and nodes. A round
 the gate sits out is the target's step after the root alone (the head reads its entry with the
-next drafted round's).
+next drafted round's). A learned policy's topology larger than the largest bucket holds (its own
+default, 281 nodes) is drafted as its likeliest nodes (`drafted_topology`: 48 beside context slots).
+
+With context drafting (the command line's default: the head, context nodes grafted in, the learned
+policy) the round's tree is the drafted topology then `CONTEXT_SLOTS` slots the host fills before
+the round from its own lookups beneath the root, fed by the round's one read
+(`mcsd.decoding.fixed_context`); they are verified and accepted with the drafted nodes.
 
 What is exact: the output. Greedy float32 output equals `generate`'s; sampled output follows the
 target's processed distribution, and since a sampled token is the target's own seeded draw at its
@@ -44,12 +51,11 @@ Limitations (each falls back to the loop under `round="auto"`, and is refused un
 - the policy is "static" or "learned" (fixed costs: its `online_costs` runs on the loop, and the
   round's measured times do not reach its costs or their staleness check); the other dynamic
   policies run on the loop;
-- no context drafting (its grafted nodes are found by host-side lookups), no lossy roots, no
-  rejection sampling, no logits processors or log-probabilities, no `on_round` callback;
-- trees of at most 64 nodes (the largest bucket), drafted to their full depth every round (the
-  rounds near `max_new_tokens` draft deeper than they can accept, and accept no deeper). The
-  learned policy's own default topology (281 nodes) is larger: with it, and so on the command
-  line's default (which also grafts context nodes), generations run the loop;
+- no lossy roots, no rejection sampling, no logits processors or log-probabilities, no
+  `on_round` callback; context nodes are grafted beneath the root only (`fixed_context`);
+- static trees of at most 64 nodes (48 with context drafting), drafted to their full depth every
+  round (the rounds near `max_new_tokens` draft deeper than they can accept, and accept no
+  deeper); a learned policy's larger topology is cut to its likeliest nodes;
 - on the CPU the same shapes run eagerly (slower than the loop there: it is not the CPU default).
 Timings on CUDA (`draft_s`, `verify_s`) are the host's launch times, not the device's.
 """
@@ -73,9 +79,30 @@ from ..drafting.policies.static import StaticPolicy
 from ..forward import graphs
 from ..forward.attention import additive_mask, causal_allowed
 from ..forward.lm import CachedLM
+from .fixed_context import ContextSlots
 from .fixed_pruning import DevicePruning
 
 ROUNDS = ("auto", "fixed", "loop")
+CONTEXT_SLOTS = 16              # context drafting's grafted nodes a round holds at most, beside the drafted tree
+# a drafted node's prior of being accepted by its sibling rank (product along its path): which nodes of a
+# learned policy's topology the fixed round keeps where the whole topology does not fit the largest bucket
+RANK_PRIOR = (0.7, 0.15, 0.06, 0.03)
+
+
+def drafted_topology(topology: TreeTopology, learned: bool, slots: int) -> TreeTopology:
+    """The topology a fixed round drafts: the policy's own, or, for a learned policy's topology with
+    more nodes than the largest bucket holds beside `slots` context nodes, its likeliest nodes by
+    `RANK_PRIOR` (parents before children, so the subtree is closed; the learned policy prunes it
+    further on the device). A static tree is drafted as it is (`unavailable` refuses one too large)."""
+    room = graphs.BUCKETS[-1] - slots
+    if not learned or topology.size <= room:
+        return topology
+    paths = list(topology.paths)
+    prior = {(): 1.0}
+    for path in paths:                                 # breadth-first: a parent's prior first
+        prior[path] = prior[path[:-1]] * (RANK_PRIOR[path[-1]] if path[-1] < len(RANK_PRIOR) else RANK_PRIOR[-1] / 2)
+    kept = set(sorted(paths, key=lambda p: -prior[p])[:room - 1])
+    return TreeTopology.from_spec([p for p in paths if p in kept])
 AUTO_DEVICES = ("cuda",)        # device types where round="auto" takes the fixed round
 
 
@@ -89,8 +116,6 @@ def unavailable(decoder, cfg: DecodeConfig, proposer, on_round=None) -> str | No
         return f"it grows static trees or the learned policy's, not policy {policy.name!r}"
     if type(policy) is LearnedPolicy and policy.costs.online:
         return "the learned policy's online_costs run on the loop"
-    if proposer.context is not None:
-        return "context drafting's grafted nodes run on the loop"
     if proposer.lossy:
         return "lossy_target_roots runs on the loop"
     if not cfg.sampling.greedy and cfg.sampling.method != "gumbel":
@@ -103,8 +128,10 @@ def unavailable(decoder, cfg: DecodeConfig, proposer, on_round=None) -> str | No
         return "the target does not run on the engine's own forward"
     if proposer.policy.topology.max_depth < 1:
         return "its tree drafts nothing"
-    if graphs.bucket_of(proposer.policy.topology.size) is None:
-        return f"its tree has more than {graphs.BUCKETS[-1]} nodes"
+    room = graphs.BUCKETS[-1] - (CONTEXT_SLOTS if proposer.context is not None else 0)
+    if type(policy) is StaticPolicy and proposer.policy.topology.size > room:
+        return f"its static tree has more than {room} nodes" + (f" (with {CONTEXT_SLOTS} context slots)"
+                                                                 if proposer.context is not None else "")
     return None
 
 
@@ -137,13 +164,21 @@ def choose(decoder, choice: str, cfg: DecodeConfig, proposer, on_round=None) -> 
             kept.release()
         return None
     learned = proposer.policy if type(proposer.policy) is LearnedPolicy else None
-    topology, cuda_graphs = proposer.policy.topology, decoder.target.cuda_graphs
-    if kept is None or not kept.serves(decoder.target, proposer.drafter, topology, learned, cuda_graphs):
+    topology, cuda_graphs, context = proposer.policy.topology, decoder.target.cuda_graphs, proposer.context
+    if kept is None or not kept.serves(decoder.target, proposer.drafter, topology, learned, cuda_graphs, context):
         if kept is not None:
             kept.release()
-        kept = decoder.fixed_round = FixedRound(decoder.target, proposer.drafter, topology, cuda_graphs, learned)
+        slots = 0 if context is None else min(CONTEXT_SLOTS, context.config.max_nodes)
+        kept = decoder.fixed_round = FixedRound(decoder.target, proposer.drafter, topology, cuda_graphs, learned,
+                                                context, slots)
     kept.prepare(cfg)
-    decoder.round_choice = ("fixed", "round='fixed'" if choice == "fixed" else "round='auto' on CUDA")
+    why = ["round='fixed'" if choice == "fixed" else "round='auto' on CUDA"]
+    if kept.drafted is not topology:
+        why.append(f"the learned policy's {topology.size}-node topology drafted as its {kept.drafted.size} "
+                   f"likeliest nodes")
+    if kept.slots is not None:
+        why.append(f"{kept.slots.n} context slots")
+    decoder.round_choice = ("fixed", "; ".join(why))
     if kept.failure is not None:
         decoder.round_choice = ("fixed", f"round='fixed', eagerly: a CUDA graph failed ({kept.failure})")
     return kept
@@ -297,14 +332,20 @@ class FixedRound:
     """
 
     def __init__(self, target: CachedLM, drafter: FeatureDrafter, topology, cuda_graphs: bool = True,
-                 learned: LearnedPolicy | None = None):
+                 learned: LearnedPolicy | None = None, context=None, slots: int = 0):
         self.target, self.drafter, self.topology, self.learned = target, drafter, topology, learned
-        self.cuda_graphs = cuda_graphs
+        self.cuda_graphs, self.context = cuda_graphs, context
         self.device = target.device
-        self.tree = StaticTree.of(topology, self.device)
+        self.drafted = drafted_topology(topology, learned is not None, slots)
+        self.tree = StaticTree.of(self.drafted, self.device)
         self.plain = StaticTree.of(TreeTopology.from_spec("0"), self.device)     # a round without drafting
         self.pruning = None if learned is None else DevicePruning(learned, self.tree, self.device)
         self.kept: list[int] = []
+        self.slots = None
+        if context is not None and slots > 0:
+            width = max(self.tree.max_depth, min(slots, context.config.max_len))
+            self.slots = ContextSlots(context, slots, width, self.device)
+        self._root_host: int | None = None                 # the root token, as the host read it
         self.hidden = tuple(drafter.feature_layers)
         self.cfg = self.sampling = self.noise = None
         self.ids = None if drafter.vocab_ids is None else drafter.vocab_ids.to(self.device)
@@ -315,10 +356,10 @@ class FixedRound:
         # the tree's additive mask among its own nodes, in the two models' dtypes
         self.tree_mask = additive_mask(self.tree.allowed, 0, drafter.dtype)[0, 0]      # (N, N)
 
-    def serves(self, target, drafter, topology, learned, cuda_graphs: bool) -> bool:
+    def serves(self, target, drafter, topology, learned, cuda_graphs: bool, context=None) -> bool:
         """This round runs a generation of these parts (else the decoder makes another)."""
-        same = all(a is b for a, b in zip((self.target, self.drafter, self.topology, self.learned),
-                                           (target, drafter, topology, learned)))
+        same = all(a is b for a, b in zip((self.target, self.drafter, self.topology, self.learned, self.context),
+                                           (target, drafter, topology, learned, context)))
         return same and self.cuda_graphs == cuda_graphs and drafter.dtype == self.tree_mask.dtype \
             and drafter.device == self.device
 
@@ -348,11 +389,15 @@ class FixedRound:
 
     # ------------------------------------------------------------------ set-up
 
-    def start(self, sequence: torch.Tensor, noise: PositionNoise | None = None) -> None:
+    def start(self, sequence: torch.Tensor, noise: PositionNoise | None = None, root: int | None = None) -> None:
         """After the prefill (`sequence` (T+1,): the prompt and the root; `noise`: the generation's
-        shared noise, None when greedy): the head reads the prompt's last `window` positions, eagerly
-        at their own shape (before the rounds, not one of them)."""
+        shared noise, None when greedy; `root`: the root token as the prefill read it): the head reads
+        the prompt's last `window` positions, eagerly at their own shape (before the rounds, not one
+        of them); context drafting's index (the prompt's, from the prefill) gets the root."""
         self.noise = noise                       # the generation's (sampling), or None (greedy)
+        self._root_host = root
+        if self.slots is not None:
+            self.context.extend_history([root])
         d = self.drafter                         # reset by the prefill, the prompt's features observed
         t_end = sequence.numel() - 1
         offset = 0 if d.window is None else max(0, t_end - d.window)
@@ -376,36 +421,56 @@ class FixedRound:
 
     def run(self, remaining: int, stats: GenerationStats) -> list[int]:
         """One round that may emit `remaining` more tokens; returns the tokens it emits (read once)."""
-        tree, d, pruning = self.tree, self.drafter, self.pruning
+        tree, d, pruning, slots = self.tree, self.drafter, self.pruning, self.slots
         t0 = time.perf_counter()
-        depth_limit = min(tree.max_depth, remaining - 1)
-        if pruning is not None and not (pruning.policy.gate.opens() and depth_limit >= 1):
-            return self._plain_round(stats, t0)      # the learned policy's gate: a plain target step
-        self._catch_up()                         # 1. the head reads the accepted positions it has not read
-        if pruning is not None:
-            pruning.begin(depth_limit)
-        tokens, valid = self._grow()             # 2. the tree, level by level (pruned by the policy)
+        plain = pruning is not None and not (pruning.policy.gate.opens() and min(tree.max_depth, remaining - 1) >= 1)
+        base = self.plain if plain else tree
+        n_context, context_depth = slots.fill(base, self._root_host) if slots is not None else (0, 0)   # host lookups
+        if plain:                                # the learned policy's gate: the target's step (and context's)
+            tokens, valid = self.target_root(), None
+        else:
+            self._catch_up()                     # 1. the head reads the accepted positions it has not read
+            if pruning is not None:
+                pruning.begin(min(tree.max_depth, remaining - 1))
+            tokens, valid = self._grow()         # 2. the tree, level by level (pruned by the policy)
         t1 = time.perf_counter()
         read = []
-        if pruning is not None:
+        if pruning is not None and not plain:
             kept, counts = pruning.summary()
             valid = valid & kept
             read = [counts, kept.long()]
-        n, path, next_token, states = self._verify(tree, tokens, valid, remaining - 1)   # 3-4.
+        round_tree = base if slots is None else slots.joined(base, tokens, valid)
+        if slots is not None:
+            tokens, valid = round_tree.tokens, round_tree.valid
+        depth_limit = min(round_tree.max_depth, remaining - 1)
+        n, path, next_token, states, logits = self._verify(round_tree, tokens, valid, depth_limit)   # 3-4.
         out = emitted_tokens(tokens, path, n, next_token)                                 # (D+2,)
+        if slots is not None:                    # the accepted path and the target's top-k along it (recycling)
+            read += [path, slots.recycled(logits, path)]
         values = torch.cat([out, *read]).tolist()    # 5. the round's one host read
         accepted = values[0]
         new = values[1:accepted + 2]
         # 6. commit: the target keeps the accepted entries, the head drops the tree but the root's entry
         self.target.cache.commit_rows(self.root_pos, path, accepted + 1)
-        d.cache.truncate(self._root_slot + 1)
+        if not plain:
+            d.cache.truncate(self._root_slot + 1)
         self.pending.append((d.head.fused(states.index_select(0, path[:accepted + 1])).to(d.dtype),
                              out[1:accepted + 2]))
         self.root_pos += accepted + 1
-        if pruning is not None:
-            counts = values[tree.max_depth + 2:-tree.size]
-            self.kept = [i for i, k in enumerate(values[-tree.size:]) if k]
-            pruning.observe(accepted, counts)
+        rest = values[round_tree.max_depth + 2:]
+        if slots is not None:
+            rest, path_host, top = slots.split(rest, round_tree.max_depth + 1)
+            slots.observe(self._root_host, new, path_host[:accepted + 1], top)
+        self._root_host = new[-1]
+        if plain:
+            self.kept = [0]
+            self.pruning.policy.observe_round(0, 0, 1, self.pruning.policy.round_draft_ms([]))
+            depth, nodes = 0, 1
+        elif pruning is not None:
+            counts = rest[:-tree.size]
+            self.kept = [i for i, k in enumerate(rest[-tree.size:]) if k]
+            drafted = accepted if slots is None else _drafted_depth(path_host, accepted, tree.size)
+            pruning.observe(drafted, counts)
             depth, nodes = counts[1], counts[0]
         else:
             self.kept = list(range(tree.size))
@@ -414,25 +479,7 @@ class FixedRound:
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1
         stats.target_forwards += 1
-        stats.record_round(None, accepted, drafted_depth=depth, nodes=nodes)
-        return new
-
-    def _plain_round(self, stats: GenerationStats, t0: float) -> list[int]:
-        """A round without drafting (the gate sat it out): the target's step after the root, read once;
-        the head reads the root's entry with the next drafted round's."""
-        root = self.target_root()
-        n, path, next_token, states = self._verify(self.plain, root, None, 0)
-        out = emitted_tokens(root, path, n, next_token)                                 # (2,): 0, token
-        new = out.tolist()[1:]                   # the round's one host read
-        self.target.cache.commit_rows(self.root_pos, path, 1)
-        d = self.drafter
-        self.pending.append((d.head.fused(states).to(d.dtype), out[1:]))
-        self.root_pos += 1
-        self.kept = [0]
-        self.pruning.policy.observe_round(0, 0, 1, self.pruning.policy.round_draft_ms([]))
-        stats.verify_s += time.perf_counter() - t0
-        stats.target_forwards += 1
-        stats.record_round(None, 0, drafted_depth=0, nodes=1)
+        stats.record_round(None, accepted, drafted_depth=max(depth, context_depth), nodes=nodes + n_context)
         return new
 
     def _catch_up(self) -> None:
@@ -492,8 +539,9 @@ class FixedRound:
         at = torch.full((scores.shape[0],), position, dtype=torch.long, device=self.device)
         return probs, self.noise.keyed(probs.log(), self.noise.device_keys(at), self.ids)
 
-    def _verify(self, tree: StaticTree, tokens: torch.Tensor, valid: torch.Tensor | None, depth_limit: int):
-        """The target's forward over `tree`, its draws, the accepted path (all on the device)."""
+    def _verify(self, tree, tokens: torch.Tensor, valid: torch.Tensor | None, depth_limit: int):
+        """The target's forward over `tree` (a `StaticTree`, or a `RoundTree` with context nodes), its
+        draws, the accepted path (all on the device); also the target's states and logits."""
         positions = tree.depth + self.root_pos
         logits, states = self.target.forward(tokens, positions, tree.allowed, hidden=self.hidden)   # (N, V)
         if self.noise is None:
@@ -502,4 +550,10 @@ class FixedRound:
             draws = self.noise.draw_keyed(logits, self.sampling, self.noise.device_keys(positions + 1))
         n, path, next_token = accept_paths(tree, tokens, draws, valid, depth_limit)
         self._root = next_token
-        return n, path, next_token, states
+        return n, path, next_token, states, logits
+
+
+def _drafted_depth(path: list[int], accepted: int, drafted: int) -> int:
+    """How deep the accepted path runs through drafted nodes (indices below `drafted`): what the
+    learned policy hears (context nodes are not its)."""
+    return sum(1 for node in path[1:accepted + 1] if node < drafted)
