@@ -376,6 +376,30 @@ def test_online_costs_run_on_the_loop(target):
         dec.generate(PROMPT, max_new_tokens=5)
 
 
+@pytest.mark.parametrize("spec, draft_vocab", [("4,2,2", 0), ("3,2,2,1", 24)])
+def test_an_eagle3_head_runs_the_fixed_round(spec, draft_vocab):
+    """An EAGLE-3 head steps over its static cache on its own layer code: the fixed round takes it, greedy
+    float32 equal to `generate`, seeded text and acceptances equal to the loop's, one read a round."""
+    from test_eagle3 import random_eagle3
+
+    from mcsd.drafting.eagle3 import Eagle3Drafter
+    deep = tiny_llama(4, layers=4)
+    head = random_eagle3(deep, draft_vocab=draft_vocab)
+
+    def decoder(round):
+        return TreeDecoder(deep, Eagle3Drafter(head, deep), tree=spec, policy="static", attention="sdpa",
+                           calibrate=False, round=round)
+    fixed = decoder("fixed")
+    _, rounds, tokens = host_reads.reads_per_round(fixed, PROMPT, max_new_tokens=48)
+    assert tokens == generate_greedy(deep, PROMPT, 48)
+    assert len(rounds) > 5 and max(map(len, rounds)) <= 1
+    options = dict(temperature=0.8, seed=4)
+    got, want = fixed.generate(PROMPT, max_new_tokens=40, **options), decoder("loop").generate(
+        PROMPT, max_new_tokens=40, **options)
+    assert got.tokens == want.tokens and got.stats.accepted_per_round == want.stats.accepted_per_round
+    assert got.stats.round == "fixed" and got.stats.draft_forwards > 0
+
+
 # ---------------------------------------------------------------------------- the command line's default
 
 REPEATS = torch.tensor([3, 17, 42, 5, 9, 11, 3, 17, 42, 5, 9])      # a prompt context drafting finds matches in
@@ -390,9 +414,10 @@ def default_decoder(target, head, round, spec=None, model="mixed", **context):
 
 
 def generate_greedy(model, prompt, n=60):
+    prompt = prompt.to(model.device)
     with torch.no_grad():
-        out = model.generate(prompt[None], attention_mask=torch.ones(1, prompt.numel(), dtype=torch.long),
-                             max_new_tokens=n, do_sample=False, pad_token_id=0)
+        out = model.generate(prompt[None], attention_mask=torch.ones_like(prompt)[None], max_new_tokens=n,
+                             do_sample=False, pad_token_id=0)
     return out[0, prompt.numel():].tolist()
 
 
@@ -574,15 +599,16 @@ def test_processors_and_a_bad_round_value(target):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("options", [{}, dict(temperature=0.8, seed=3)], ids=["greedy", "t0.8"])
-@pytest.mark.parametrize("policy", ["static", "learned"])
+@pytest.mark.parametrize("policy", ["static", "learned", "default"])
 def test_cuda_rounds_synchronise_once(options, policy):
     """On CUDA, torch's sync debug mode counts the synchronisations: at most one a round (the read of
     the emitted tokens) once every bucket's graph is captured; float32 greedy equals `generate`."""
     import warnings
     target = tiny_llama(0).cuda()
-    prompt = PROMPT.cuda()
+    prompt = (REPEATS if policy == "default" else PROMPT).cuda()
     dec = (fixed_decoder(target, random_head(target, 24)) if policy == "static"
-           else learned_decoder(target, random_head(target, 24), "fixed", "3,2,2,1,1", "constant"))
+           else learned_decoder(target, random_head(target, 24), "fixed", "3,2,2,1,1", "constant")
+           if policy == "learned" else default_decoder(target, random_head(target, 24), "auto"))
     dec.generate(prompt, max_new_tokens=60, **options)         # captures every bucket's graphs
     stream = dec.stream(prompt, max_new_tokens=60, **options)
     tokens = list(next(stream))
@@ -605,4 +631,20 @@ def test_cuda_rounds_synchronise_once(options, policy):
         with torch.no_grad():
             ref = target.generate(prompt[None], attention_mask=torch.ones_like(prompt)[None], max_new_tokens=60,
                                   do_sample=False, pad_token_id=0)
-        assert tokens == ref[0, PROMPT.numel():].tolist()
+        assert tokens == ref[0, prompt.numel():].tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_second_generation_captures_nothing():
+    """On CUDA the command line's default runs the fixed round under round="auto", and its decoder
+    captures every graph once: a second generation captures none (the target's nor the head's)."""
+    target = tiny_llama(0).cuda()
+    dec = default_decoder(target, random_head(target, 24), "auto")
+    first = dec.generate(REPEATS.cuda(), max_new_tokens=60)
+    assert first.stats.round == "fixed", first.stats.round_reason
+    captured = dec.target.blocks.captures, dec.fixed_round.blocks.captures
+    assert min(captured) > 0 and dec.fixed_round.failure is None
+    again = dec.generate(REPEATS.cuda(), max_new_tokens=60)
+    assert again.tokens == first.tokens == generate_greedy(target, REPEATS)
+    assert (dec.target.blocks.captures, dec.fixed_round.blocks.captures) == captured

@@ -47,7 +47,8 @@ rounding of a tie (sums over the padded buffers, padded head blocks: see `fixed_
 
 Limitations (each falls back to the loop under `round="auto"`, and is refused under
 `round="fixed"` with its reason):
-- the drafter is a `FeatureDrafter` whose head runs on the engine's own forward (Llama layers);
+- the drafter is a `FeatureDrafter` whose head runs over a static cache (`fixed_block`): mcsd's
+  head on the engine's own forward (Llama layers), or an EAGLE-3 head on its own layer code;
 - the policy is "static" or "learned" (fixed costs: its `online_costs` runs on the loop, and the
   round's measured times do not reach its costs or their staleness check); the other dynamic
   policies run on the loop;
@@ -109,8 +110,8 @@ AUTO_DEVICES = ("cuda",)        # device types where round="auto" takes the fixe
 def unavailable(decoder, cfg: DecodeConfig, proposer, on_round=None) -> str | None:
     """Why the fixed-shape round cannot run this generation (None: it can)."""
     drafter = proposer.drafter
-    if not isinstance(drafter, FeatureDrafter) or drafter._lean is None:
-        return "it drafts with a feature head on the engine's own forward only"
+    if not isinstance(drafter, FeatureDrafter) or not drafter.static_blocks:
+        return "it drafts with a feature head (mcsd's on the engine's own forward, or an EAGLE-3 head) only"
     policy = proposer.policy
     if type(policy) not in (StaticPolicy, LearnedPolicy):
         return f"it grows static trees or the learned policy's, not policy {policy.name!r}"
@@ -222,9 +223,7 @@ class HeadBlocks:
 
     def _run(self, e: _Block):
         d = self.drafter
-        head, cache = d.head, d.cache
-        x = head.inputs(e.feats, d.embed(e.tokens))[None]                              # (1, B, w)
-        pred = head.expand(d._lean.states(x, e.positions, e.mask, cache, e.slots))[0]   # (B, H)
+        pred = d.fixed_block(e.feats, d.embed(e.tokens), e.positions, e.mask, e.slots)  # (B, H)
         return pred, d._scores(pred)                                                    # (B, K)
 
     def _give_up(self, what: str, exc: Exception) -> None:
@@ -405,10 +404,10 @@ class FixedRound:
         feats = d.features_from(offset)[:n]
         cache = d.cache
         cache.reserve(n)
-        x = d.head.inputs(feats, d.embed(sequence[offset + 1:t_end + 1]))[None]
         positions = torch.arange(offset + 1, t_end + 1, device=self.device)[None]
         mask = additive_mask(causal_allowed(n, self.device), 0, d.dtype)
-        pred = d.head.expand(d._lean.states(x, positions, mask, cache, torch.arange(n, device=self.device)))[0]
+        pred = d.fixed_block(feats, d.embed(sequence[offset + 1:t_end + 1]), positions, mask,
+                             torch.arange(n, device=self.device))
         cache.length = n
         d.forwards += 1
         self.root_pos = t_end                    # the root's position in the sequence
