@@ -225,6 +225,8 @@ class TreeDecoder:
         check_context_window(self.context_window, prompt_ids.numel(), cfg.max_new_tokens)
         if baseline:
             self.round_choice = ("loop", "plain decoding")
+            if self.fixed_round is not None:
+                self.fixed_round.release()          # the target's blocks as they were before it
             return (yield from self._decode(prompt_ids, cfg, Proposer(self._baseline_policy, None, None)))
         check_lossy_roots(self.lossy_roots, cfg.sampling)
         proposer = Proposer(self.policy, self.drafter, self.context, self.lossy_roots, self.context_costs)
