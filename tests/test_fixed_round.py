@@ -435,6 +435,14 @@ def test_the_default_configuration_greedy_is_generates(target, spec, sub_vocab):
     assert fixed.stats.rounds < len(want)
 
 
+def test_context_paths_as_deep_as_the_recycled_levels(target):
+    """Short continuations (`max_len` 2) under a shallow drafted tree: the slots' paths are as deep as the
+    recycled predictions' four levels reach, and the output is still `generate`'s."""
+    dec = default_decoder(target, random_head(target, 24), "fixed", "2", max_len=2)
+    assert dec.generate(REPEATS, max_new_tokens=40).tokens == generate_greedy(target, REPEATS, 40)
+    assert dec.fixed_round.slots.width == 4 and dec.fixed_round.tree.max_depth == 1
+
+
 @pytest.mark.parametrize("options", [dict(temperature=0.8, seed=3), dict(temperature=0.9, top_p=0.9, seed=1),
                                      dict(temperature=1.0, top_k=5, seed=5)])
 def test_the_default_configuration_seeded_text_is_the_loops(target, options):

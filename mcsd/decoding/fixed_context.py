@@ -62,7 +62,8 @@ class ContextSlots:
 
     def __init__(self, context, slots: int, width: int, device):
         self.context, self.n, self.width, self.device = context, slots, width, device
-        self.depth = min(slots, context.config.max_len)                # the deepest a graft reaches
+        if width < self.reach(context, slots):
+            raise ValueError(f"paths {width} deep cannot hold a graft {self.reach(context, slots)} deep")
         g, w = slots, width + 1
         self._fields = {"tokens": g, "parents": g, "depth": g, "valid": g, "paths": g * w, "path_len": g,
                         "ancestors": g * g}
@@ -74,6 +75,13 @@ class ContextSlots:
         self._joined: dict[int, tuple] = {}                # per base tree size: its persistent buffers
         self.proposed: dict[int, list[tuple]] = {}
         self.parent_of: dict[int, int] = {}
+
+    @staticmethod
+    def reach(context, slots: int) -> int:
+        """The deepest a graft of `slots` nodes beneath the root goes: a continuation (`max_len`) or the
+        recycled predictions' levels, whichever is longer, and no more than the slots."""
+        cfg = context.config
+        return min(slots, max(cfg.max_len, len(cfg.recycle_widths)))
 
     def _view(self, buffer, name: str):
         start = 0

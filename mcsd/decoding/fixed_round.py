@@ -342,7 +342,7 @@ class FixedRound:
         self.kept: list[int] = []
         self.slots = None
         if context is not None and slots > 0:
-            width = max(self.tree.max_depth, min(slots, context.config.max_len))
+            width = max(self.tree.max_depth, ContextSlots.reach(context, slots))
             self.slots = ContextSlots(context, slots, width, self.device)
         self._root_host: int | None = None                 # the root token, as the host read it
         self.hidden = tuple(drafter.feature_layers)
