@@ -233,8 +233,8 @@ def bench(args, deadline: float) -> dict:
 
 
 def sync_profile(args, default, prompt, rounds: int = 16) -> dict:
-    """Synchronisations a round over `rounds` rounds (torch's sync debug mode; on a CPU: host reads are
-    not counted here, tests/test_fixed_round.py counts them)."""
+    """Synchronisations a round over `rounds` rounds (torch's sync debug mode; on a CPU nothing is
+    counted here: tests/host_reads.py counts the host reads at the dispatcher, in tests/test_fixed_round.py)."""
     import torch
 
     from mcsd import TreeDecoder
