@@ -528,6 +528,39 @@ def test_two_generations_build_the_blocks_once(target, hf_greedy, policy):
         assert dec.fixed_round is kept
 
 
+def test_two_requests_to_the_server_build_the_blocks_once(target, hf_greedy):
+    """The server's engine keeps one decoder: its second request builds no bucket again (on CUDA: captures
+    nothing), and both answers are `generate`'s."""
+    import asyncio
+    import time
+
+    from mcsd.serve.engine import Engine, Job, Run
+    engine = Engine(lambda: default_decoder(target, random_head(target, 24), "fixed"), max_queue=2)
+    engine.start()
+
+    async def ask(prompt):
+        job = Job([Run(prompt.tolist(), dict(max_new_tokens=60))], asyncio.get_running_loop(), time.monotonic(), 300)
+        engine.submit(job)
+        while True:
+            event = await job.events.get()
+            if event[0] == "done":
+                out = event[2]
+            elif event[0] == "end":
+                return out
+            elif event[0] != "tokens":
+                raise AssertionError(event)
+    try:
+        first = asyncio.run(ask(REPEATS))
+        kept = engine.decoder.fixed_round
+        built = kept.blocks.built, engine.decoder.target.blocks.built
+        second = asyncio.run(ask(REPEATS))
+    finally:
+        engine.stop(60)
+    assert first.tokens == second.tokens == generate_greedy(target, REPEATS)
+    assert second.stats.round == "fixed" and engine.decoder.fixed_round is kept
+    assert (kept.blocks.built, engine.decoder.target.blocks.built) == built and min(built) > 1
+
+
 def test_the_loop_after_the_fixed_round_runs_unpadded(target):
     """The fixed round pads the target's blocks while it runs; a generation on the loop runs them as
     before it (on a CPU: at their own shapes), and its stats say which round ran and why."""
