@@ -558,10 +558,10 @@ class ContextDrafter:
             return
         self.observe_path(graft.proposed, graft.tree.parents.tolist(), path.tolist(), graft.deterministic.tolist())
 
-    def observe_path(self, proposed: dict[int, list[tuple]], parents: list[int], path: list[int],
-                     grafted: list[bool]) -> None:
-        """`observe` over host lists: the round's proposed nodes, every node's parent, the accepted path
-        (node indices, root first) and which nodes were grafted (counted as accepted context nodes)."""
+    def observe_path(self, proposed: dict[int, list[tuple]], parents, path: list[int], grafted) -> None:
+        """`observe` over host values: the round's proposed nodes, each node's parent and whether it was
+        grafted (counted as an accepted context node), both indexable by node index (lists, or mappings
+        over the proposed nodes), and the accepted path (node indices, root first)."""
         on_path = set(path)
         lr = self.config.learning_rate
         for idx, keys in proposed.items():
