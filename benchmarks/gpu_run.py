@@ -12,7 +12,9 @@ call, within 8 minutes:
    static cache of one `max_cache_len` for every prompt, compiled and warmed up (its first call's
    time reported apart), HF greedy on its dynamic cache, the plain loop, context drafting alone, the
    CLI default (its decoder as `mcsd-generate` builds it), and the feature head's static tree on the
-   fixed-shape round (`round="fixed"`); tokens/s, mean accepted tokens, which round ran and why;
+   fixed-shape round (`round="fixed"`); tokens/s, mean accepted tokens, and from the runs themselves
+   which round each ran and why (`GenerationStats.round`), the CUDA graphs its decoder captured (the
+   target's and the head's) and the attention it ran;
 3. 16 rounds of the CLI default and of the fixed round under `torch.cuda.set_sync_debug_mode`,
    counting synchronisations a round;
 4. one JSON: GPU, driver, torch, transformers, every figure; meant to be committed under
@@ -113,8 +115,8 @@ def load(args):
     return target, drafter, tokenizer, prompts, default
 
 
-def methods(target, drafter, tokenizer, default, prompts, max_new: int) -> dict:
-    """name -> run(ids, temperature, seed) -> (new tokens, stats or None, note)."""
+def methods(target, drafter, tokenizer, default, prompts, max_new: int) -> tuple[dict, dict]:
+    """(name -> run(ids, temperature, seed) -> (new tokens, stats or None, note); name -> its decoder)."""
     import torch
     from transformers import StaticCache
 
@@ -147,40 +149,53 @@ def methods(target, drafter, tokenizer, default, prompts, max_new: int) -> dict:
             return out.tokens, out.stats, ""
         return run
 
+    decoders = {"plain_loop": plain, "context": context, "cli_default": default, "fixed_round": fixed}
     return {"hf_static": lambda ids, t, s: hf(ids, t, s, static=True), "hf_greedy": hf,
             "plain_loop": ours(plain, baseline=True), "context": ours(context), "cli_default": ours(default),
-            "fixed_round": ours(fixed)}
+            "fixed_round": ours(fixed)}, decoders
 
 
-def which_round(decoder, temperature: float) -> str:
-    """Which round a decoder's generation runs, and why not the fixed one where it does not."""
-    from mcsd.core import processors
-    from mcsd.decoding import fixed_round
-    from mcsd.decoding.propose import Proposer
-    cfg = processors.request(decoder.target.model, 4, max_new_tokens=8, temperature=temperature, seed=0)
-    proposer = Proposer(decoder.policy, decoder.drafter, decoder.context, decoder.lossy_roots, decoder.context_costs)
-    if decoder.round == "loop" or (decoder.round == "auto" and decoder.target.device.type != "cuda"):
-        return "loop"
-    reason = fixed_round.unavailable(decoder, cfg, proposer)
-    return "fixed" if reason is None else f"loop ({reason})"
+def graphs_of(decoder) -> dict:
+    """What a decoder's runs built and captured: the target's blocks and, where the fixed round ran, the
+    head's (buckets made, CUDA graphs captured and the seconds it took, why capture was given up)."""
+    out = {}
+    parts = {"target": decoder.target.blocks,
+             "head": decoder.fixed_round.blocks if decoder.fixed_round is not None else None}
+    for part, blocks in parts.items():
+        if blocks is not None:
+            out[part] = {"built": blocks.built, "captured": blocks.captures,
+                         "capture_s": round(blocks.capture_s, 3), "failure": blocks.failure}
+    return out
+
+
+def attention_of(decoder) -> str:
+    """The attention a decoder's target ran, in words."""
+    from mcsd.forward.attention import describe
+    if decoder.target.path == "lean":
+        return "the engine's own forward: torch SDPA over the static cache"
+    return describe(decoder.attention)
 
 
 def bench(args, deadline: float) -> dict:
     import torch
     target, drafter, tokenizer, prompts, default = load(args)
-    runs = methods(target, drafter, tokenizer, default, prompts, args.max_new_tokens)
+    runs, decoders = methods(target, drafter, tokenizer, default, prompts, args.max_new_tokens)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     result = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
-              "rounds": {"cli_default": which_round(default, 0.0), "fixed_round": "fixed"}, "settings": {}}
+              "rounds": {}, "settings": {}}
     # warm-up, apart: the static cache's compile, every graph capture
     warm = {}
     for name, run in runs.items():
         sync()
         t0 = time.perf_counter()
-        run(prompts[0], 0.0, 0)
+        _, stats, _ = run(prompts[0], 0.0, 0)
         sync()
         warm[name] = round(time.perf_counter() - t0, 3)
+        if stats is not None:                    # which round the run itself says it ran, and why
+            result["rounds"][name] = f"{stats.round} ({stats.round_reason})"
     result["first_call_s"] = warm
+    result["graphs_after_warm_up"] = {name: graphs_of(d) for name, d in decoders.items()}
+    result["attention"] = {name: attention_of(d) for name, d in decoders.items()}
     for temperature in (0.0, 0.7):
         key = "greedy" if temperature == 0 else f"T{temperature}"
         if time.monotonic() > deadline:
@@ -211,13 +226,15 @@ def bench(args, deadline: float) -> dict:
             if base:
                 f["vs_hf_static"] = round(f["tokens_per_s"] / base, 3)
         result["settings"][key] = figures
+    # and after the timed runs: more only for buckets the warm-up's prompt did not use
+    result["graphs"] = {name: graphs_of(d) for name, d in decoders.items()}
     result["_decoders"] = (default, runs)
     return result
 
 
 def sync_profile(args, default, prompt, rounds: int = 16) -> dict:
-    """Synchronisations a round over `rounds` rounds (torch's sync debug mode; on a CPU: host reads are
-    not counted here, tests/test_fixed_round.py counts them)."""
+    """Synchronisations a round over `rounds` rounds (torch's sync debug mode; on a CPU nothing is
+    counted here: tests/host_reads.py counts the host reads at the dispatcher, in tests/test_fixed_round.py)."""
     import torch
 
     from mcsd import TreeDecoder

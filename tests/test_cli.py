@@ -45,6 +45,7 @@ def test_stream_and_stats(model_dirs, capsys):
     assert len(captured.out.split()) == 10
     assert "tokens/s" in captured.err and "acceptance by depth" in captured.err
     assert "attention: torch SDPA over the cache as it is, query heads grouped" in captured.err
+    assert "round: loop (the fixed round is CUDA's default; on a CPU the loop is faster)" in captured.err
 
 
 def test_prompt_from_file_and_stdin(model_dirs, tmp_path, capsys, monkeypatch):

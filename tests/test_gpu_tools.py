@@ -71,5 +71,11 @@ def test_gpu_check_runs_every_stage_on_a_tiny_pair(tmp_path, monkeypatch):
     bench = report["stages"]["bench"]
     assert set(bench["settings"]["greedy"]) == {"hf_static", "hf_greedy", "plain_loop", "context", "cli_default",
                                                 "fixed_round"}
-    assert bench["rounds"]["fixed_round"] == "fixed" and "hf_static" in bench["first_call_s"]
+    # which round ran comes from the runs themselves: on a CPU the default is the loop, round="fixed" fixed
+    assert bench["rounds"]["fixed_round"].startswith("fixed (round='fixed'")
+    assert bench["rounds"]["cli_default"].startswith("loop (") and "hf_static" in bench["first_call_s"]
+    head = bench["graphs"]["fixed_round"]["head"]
+    assert head["built"] > 0 and head["captured"] == 0 and head["failure"] is None     # eager on a CPU
+    assert bench["graphs"]["fixed_round"]["target"]["built"] >= bench["graphs_after_warm_up"]["fixed_round"][
+        "target"]["built"] > 0 and "SDPA" in bench["attention"]["fixed_round"]
     assert len(report["stages"]["sync_profile"]["fixed_round/greedy"]["syncs_per_round"]) == 16

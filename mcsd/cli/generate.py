@@ -331,12 +331,16 @@ def run(args) -> int:
             print(_EXPECTED_NOTE, file=sys.stderr)
         if decoder.kernels_note is not None:
             print(f"matmul kernels: {decoder.kernels_note}", file=sys.stderr)
+        print(f"round: {out.stats.round} ({out.stats.round_reason})", file=sys.stderr)
         blocks = decoder.target.blocks
         if blocks is not None and blocks.capture:
             print(f"cuda graphs: {blocks.captures} captured in {blocks.capture_s:.2f}s", file=sys.stderr)
         elif blocks is not None and blocks.failure:
-            print(f"cuda graphs: off, capture failed ({blocks.failure}); the same shapes ran eagerly",
-                  file=sys.stderr)
+            print(f"cuda graphs: off ({blocks.failure}); the same shapes ran eagerly", file=sys.stderr)
+        head_blocks = decoder.fixed_round.blocks if decoder.fixed_round is not None else None
+        if out.stats.round == "fixed" and head_blocks is not None and (head_blocks.captures or head_blocks.failure):
+            print(f"head's cuda graphs: {head_blocks.captures} captured in {head_blocks.capture_s:.2f}s"
+                  + (f"; off ({head_blocks.failure})" if head_blocks.failure else ""), file=sys.stderr)
         from ..costs.forward_profile import resident_bytes
         from ..costs.profile import drafter_module
         held = resident_bytes(decoder.target.model, drafter_module(decoder.drafter) if decoder.drafter else None)

@@ -34,6 +34,8 @@ class GenerationStats:
     accepted_per_round: list[int] = field(default_factory=list)
     offered_by_depth: list[int] = field(default_factory=list)   # rounds that could accept depth d+1
     accepted_by_depth: list[int] = field(default_factory=list)  # rounds that did
+    round: str = "loop"               # how the rounds ran: "loop" or "fixed" (`mcsd.decoding.fixed_round`)
+    round_reason: str = ""            # ... and why
 
     @property
     def mean_accepted(self) -> float:
@@ -74,7 +76,7 @@ class GenerationStats:
                 "tree_nodes": self.tree_nodes, "tokens_per_s": self.tokens_per_s, "wall_s": self.wall_s,
                 "prefill_s": self.prefill_s, "draft_s": self.draft_s, "verify_s": self.verify_s,
                 "policy_s": self.policy_s, "other_s": self.other_s, "context_nodes": self.context_nodes,
-                "context_accepted": self.context_accepted}
+                "context_accepted": self.context_accepted, "round": self.round, "round_reason": self.round_reason}
 
 
 @dataclass

@@ -72,6 +72,7 @@ def _scaled(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     return (scores - scores.amax(-1, keepdim=True)) / max(cfg.temperature, 1e-30)
 
 
+PARTIAL_SORTS = ("cpu",)          # device types where top-p tries partial sorts (each checked on the host)
 TOP_P_FIRST = 64                  # candidates tried first (a partial sort)
 TOP_P_BIN = 0.125                 # log-probability width of the bins that bound a larger kept set
 TOP_P_BINS = 512                  # bins below each row's top (64 nats); the last takes everything below
@@ -100,7 +101,7 @@ def _top_p_torch(scores: torch.Tensor, mass: float) -> torch.Tensor:
     descending cumulative mass either way, so every path keeps the same set. (..., V) -> (..., V)."""
     log_norm = torch.logsumexp(scores, dim=-1, keepdim=True)                       # (..., 1)
     # off the CPU one full sort: the partial sorts' checks would each read a value on the host
-    for k in _top_p_sizes(scores, log_norm, mass) if scores.device.type == "cpu" else (None,):
+    for k in _top_p_sizes(scores, log_norm, mass) if scores.device.type in PARTIAL_SORTS else (None,):
         if k is None:
             top, order = torch.sort(scores, dim=-1, descending=True)
         else:
@@ -172,8 +173,11 @@ def choose(scores: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator
     else:
         # the Gumbel draw needs no softmax: the distribution is made only to sample from it or to report it
         dist = processed_scores(scores, cfg).softmax(-1) if noise is None or logprob else None
-        token = noise.draw_logits(scores[None], cfg, torch.tensor([position]))[0] if noise is not None \
-            else sample(dist, generator)
+        if noise is not None:            # the position's keys made where the scores are: no host read
+            at = torch.full((1,), position, dtype=torch.long, device=scores.device)
+            token = noise.draw_keyed(scores[None], cfg, noise.device_keys(at))[0]
+        else:
+            token = sample(dist, generator)
     if not logprob:
         return token, None
     logp = scores.float().log_softmax(-1) if dist is None else dist.log()

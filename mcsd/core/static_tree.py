@@ -54,31 +54,33 @@ class StaticTree:
 
     @classmethod
     def of(cls, topology: TreeTopology, device=None) -> "StaticTree":
-        topo = topology.to(device) if device is not None else topology
-        dev = topo.parents.device
-        D = topo.max_depth
-        levels = tuple((topo.level_ptr[d], topo.level_ptr[d + 1]) for d in range(D + 1))
-        parent_row, rank, fan_out = [torch.zeros(0, dtype=torch.long, device=dev)], \
-            [torch.zeros(0, dtype=torch.long, device=dev)], [0]
+        """The buffers of `topology` on `device` (default: the topology's), worked out on the host from
+        the topology's values (read once) and moved to the device at the end: no device read."""
+        dev = topology.parents.device if device is None else torch.device(device)
+        parents, n_children = topology.parents.tolist(), topology.n_children.tolist()
+        depth_of = topology.depth.tolist()
+        D = max(depth_of)
+        levels = tuple((topology.level_ptr[d], topology.level_ptr[d + 1]) for d in range(D + 1))
+        parent_row, rank, fan_out = [[]], [[]], [0]
+        ranks = topology.rank.tolist()
         for d in range(1, D + 1):
             lo, hi = levels[d]
-            parent_row.append(topo.parents[lo:hi] - levels[d - 1][0])
-            rank.append(topo.rank[lo:hi])
-            fan_out.append(int(topo.n_children[levels[d - 1][0]:levels[d - 1][1]].max()))
+            parent_row.append([p - levels[d - 1][0] for p in parents[lo:hi]])
+            rank.append(ranks[lo:hi])
+            fan_out.append(max(n_children[levels[d - 1][0]:levels[d - 1][1]]))
         # Medusa's retrieve indices: one row per leaf, its ancestors by depth, the leaf repeated past it
-        has_child = topo.n_children > 0
-        leaves = [i for i in range(topo.size) if not bool(has_child[i])]
         rows = []
-        for leaf in leaves:
+        for leaf in (i for i in range(len(parents)) if n_children[i] == 0):
             chain = [leaf]
             while chain[-1] > 0:
-                chain.append(int(topo.parents[chain[-1]]))
+                chain.append(parents[chain[-1]])
             chain.reverse()
             rows.append(chain + [leaf] * (D + 1 - len(chain)))
-        paths = torch.tensor(rows, dtype=torch.long, device=dev).reshape(len(leaves), D + 1)
-        path_len = topo.depth[paths[:, -1]] + 1
-        return cls(topo, levels, topo.parents, topo.depth, tuple(parent_row), tuple(rank), tuple(fan_out),
-                   paths, path_len, topo.mask)
+        as_long = lambda values: torch.tensor(values, dtype=torch.long).to(dev)   # noqa: E731
+        topo = topology.to(dev)
+        return cls(topo, levels, topo.parents, topo.depth, tuple(map(as_long, parent_row)), tuple(map(as_long, rank)),
+                   tuple(fan_out), as_long(rows).reshape(len(rows), D + 1),
+                   as_long([depth_of[row[-1]] + 1 for row in rows]), topo.mask)
 
     @property
     def size(self) -> int:
@@ -142,9 +144,10 @@ def accept_paths(tree: StaticTree, tokens: torch.Tensor, draws: torch.Tensor, va
     lengths = run.sum(dim=1)                                                    # (L,) nodes accepted, root incl.
     # the longest; between equally long ones the lowest deepest node (the loop's rule, where siblings repeat)
     deepest = tree.paths.gather(1, (lengths - 1)[:, None])[:, 0]               # (L,)
-    best = torch.argmax(lengths * (tree.size + 1) - deepest)
-    n = lengths[best].reshape(1) - 1                                            # (1,)
-    path = tree.paths[best]                                                     # (D+1,)
+    # (1,) and looked up with index_select: indexing with a 0-dim tensor reads it on the host
+    best = torch.argmax(lengths * (tree.size + 1) - deepest).reshape(1)
+    n = lengths.index_select(0, best) - 1                                       # (1,)
+    path = tree.paths.index_select(0, best)[0]                                  # (D+1,)
     # past the accepted part the path repeats its deepest accepted node
     path = torch.where(cols <= n, path, path.gather(0, n))
     next_token = draws.gather(0, path.gather(0, n))

@@ -124,6 +124,8 @@ class TreeDecoder:
         if round not in fixed_round.ROUNDS:
             raise ConfigError(f"round must be one of {', '.join(fixed_round.ROUNDS)}, got {round!r}")
         self.round = round
+        self.fixed_round: fixed_round.FixedRound | None = None   # kept between generations (its graphs too)
+        self.round_choice = ("loop", "")          # the last generation's round and why (`--stats`)
         self.threads = _choose_threads(threads)
         self.target, self.tokenizer = CachedLM(target, cuda_graphs=cuda_graphs), tokenizer
         self.lossy_roots = int(lossy_target_roots)
@@ -227,6 +229,9 @@ class TreeDecoder:
                                  **options)
         check_context_window(self.context_window, prompt_ids.numel(), cfg.max_new_tokens)
         if baseline:
+            self.round_choice = ("loop", "plain decoding")
+            if self.fixed_round is not None:
+                self.fixed_round.release()          # the target's blocks as they were before it
             return (yield from self._decode(prompt_ids, cfg, Proposer(self._baseline_policy, None, None)))
         check_lossy_roots(self.lossy_roots, cfg.sampling)
         proposer = Proposer(self.policy, self.drafter, self.context, self.lossy_roots, self.context_costs)
@@ -269,6 +274,7 @@ class TreeDecoder:
             with kernels.suspend():                             # the matmul flag is shared by both threads
                 return (yield from pearl.decode(self, prompt_ids, cfg, policy, drafter))
         stats, gen = GenerationStats(), make_generator(cfg.seed, self.target.device)
+        stats.round, stats.round_reason = self.round_choice
         noise = None                 # Gumbel noise by (seed, position): a seed's text whatever the trees
         if not cfg.sampling.greedy and cfg.sampling.method == "gumbel":
             vocab = self.target.model.get_input_embeddings().weight.shape[0]
@@ -282,7 +288,7 @@ class TreeDecoder:
         stats.prefill_s = time.perf_counter() - t_start
         yield emitted.add(new, new_lp)
         if rounds is not None:
-            rounds.start(sequence, noise)
+            rounds.start(sequence, noise, new[-1])
 
         while emitted.finish is None:
             if rounds is not None:   # 1-6 in fixed shapes on the device, the emitted tokens read once

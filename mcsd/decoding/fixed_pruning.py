@@ -43,13 +43,21 @@ class DevicePruning:
     def __init__(self, policy: LearnedPolicy, tree: StaticTree, device):
         self.policy, self.tree = policy, tree
         self.model = policy.model.to(device)
-        costs, n = policy.costs, tree.size
-        self.verify_ms = torch.tensor([costs.verify_ms(i) for i in range(n + 2)], dtype=torch.float64, device=device)
-        self.draft_ms = torch.tensor([costs.draft_ms(w) for w in range(n + 1)], dtype=torch.float64, device=device)
         n_children = tree.topology.n_children.to(device)
         self.max_children = [n_children[lo:hi] for lo, hi in tree.levels]      # per depth, (W_d,)
         self.has_children = [c > 0 for c in self.max_children]
         self.device = device
+        self._tables: tuple | None = None
+        self.refresh()
+
+    def refresh(self) -> None:
+        """The cost tables (verify time by kept-tree size, draft time by level width) from the policy's
+        costs, made again only where they changed (a recalibration): host arithmetic, then one upload."""
+        costs, n = self.policy.costs, self.tree.size
+        tables = (tuple(costs.verify_ms(i) for i in range(n + 2)), tuple(costs.draft_ms(w) for w in range(n + 1)))
+        if tables != self._tables:
+            self._tables = tables
+            self.verify_ms, self.draft_ms = (torch.tensor(t, dtype=torch.float64, device=self.device) for t in tables)
 
     def begin(self, depth_limit: int) -> None:
         """A drafted round that may grow `depth_limit` levels (the gate opened)."""

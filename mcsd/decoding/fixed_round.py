@@ -18,7 +18,8 @@ value, except once at its end:
    to a bucket, captured on CUDA), its draws after each node (argmax, or the seeded Gumbel draw);
 4. accept: Medusa style over the topology's root-to-leaf paths (`accept_paths`): the same path as
    the loop's greedy matching;
-5. read: the count and the emitted tokens, in one (D+2,) tensor, read once;
+5. read: the count and the emitted tokens, in one (D+2,) tensor, read once (with context drafting,
+   also the accepted path and the target's top-k along it);
 6. commit: the target's cache keeps the accepted entries (`StaticCache.commit_rows`, a gather and
    a write of D+1 entries whatever was accepted); the head's cache drops the tree (a length).
 
@@ -28,7 +29,13 @@ whether the next level runs; a pruned node stays in the buffers and is masked ou
 acceptance, so shapes stay fixed. Its draft gate and running acceptance rate stay on the host: the
 round's one read also carries the kept tree's size, depth, drafted level widths and nodes. A round
 the gate sits out is the target's step after the root alone (the head reads its entry with the
-next drafted round's).
+next drafted round's). A learned policy's topology larger than the largest bucket holds (its own
+default, 281 nodes) is drafted as its likeliest nodes (`drafted_topology`: 48 beside context slots).
+
+With context drafting (the command line's default: the head, context nodes grafted in, the learned
+policy) the round's tree is the drafted topology then `CONTEXT_SLOTS` slots the host fills before
+the round from its own lookups beneath the root, fed by the round's one read
+(`mcsd.decoding.fixed_context`); they are verified and accepted with the drafted nodes.
 
 What is exact: the output. Greedy float32 output equals `generate`'s; sampled output follows the
 target's processed distribution, and since a sampled token is the target's own seeded draw at its
@@ -40,16 +47,16 @@ rounding of a tie (sums over the padded buffers, padded head blocks: see `fixed_
 
 Limitations (each falls back to the loop under `round="auto"`, and is refused under
 `round="fixed"` with its reason):
-- the drafter is a `FeatureDrafter` whose head runs on the engine's own forward (Llama layers);
+- the drafter is a `FeatureDrafter` whose head runs over a static cache (`fixed_block`): mcsd's
+  head on the engine's own forward (Llama layers), or an EAGLE-3 head on its own layer code;
 - the policy is "static" or "learned" (fixed costs: its `online_costs` runs on the loop, and the
   round's measured times do not reach its costs or their staleness check); the other dynamic
   policies run on the loop;
-- no context drafting (its grafted nodes are found by host-side lookups), no lossy roots, no
-  rejection sampling, no logits processors or log-probabilities, no `on_round` callback;
-- trees of at most 64 nodes (the largest bucket), drafted to their full depth every round (the
-  rounds near `max_new_tokens` draft deeper than they can accept, and accept no deeper). The
-  learned policy's own default topology (281 nodes) is larger: with it, and so on the command
-  line's default (which also grafts context nodes), generations run the loop;
+- no lossy roots, no rejection sampling, no logits processors or log-probabilities, no
+  `on_round` callback; context nodes are grafted beneath the root only (`fixed_context`);
+- static trees of at most 64 nodes (48 with context drafting), drafted to their full depth every
+  round (the rounds near `max_new_tokens` draft deeper than they can accept, and accept no
+  deeper); a learned policy's larger topology is cut to its likeliest nodes;
 - on the CPU the same shapes run eagerly (slower than the loop there: it is not the CPU default).
 Timings on CUDA (`draft_s`, `verify_s`) are the host's launch times, not the device's.
 """
@@ -57,8 +64,6 @@ Timings on CUDA (`draft_s`, `verify_s`) are the host's launch times, not the dev
 from __future__ import annotations
 
 import time
-import warnings
-from dataclasses import dataclass
 
 import torch
 
@@ -73,23 +78,44 @@ from ..drafting.policies.static import StaticPolicy
 from ..forward import graphs
 from ..forward.attention import additive_mask, causal_allowed
 from ..forward.lm import CachedLM
+from .fixed_context import ContextSlots
+from .fixed_head import HeadBlocks
 from .fixed_pruning import DevicePruning
 
 ROUNDS = ("auto", "fixed", "loop")
+CONTEXT_SLOTS = 16              # context drafting's grafted nodes a round holds at most, beside the drafted tree
+# a drafted node's prior of being accepted by its sibling rank (product along its path): which nodes of a
+# learned policy's topology the fixed round keeps where the whole topology does not fit the largest bucket
+RANK_PRIOR = (0.7, 0.15, 0.06, 0.03)
+
+
+def drafted_topology(topology: TreeTopology, learned: bool, slots: int) -> TreeTopology:
+    """The topology a fixed round drafts: the policy's own, or, for a learned policy's topology with
+    more nodes than the largest bucket holds beside `slots` context nodes, its likeliest nodes by
+    `RANK_PRIOR` (parents before children, so the subtree is closed; the learned policy prunes it
+    further on the device). A static tree is drafted as it is (`unavailable` refuses one too large)."""
+    room = graphs.BUCKETS[-1] - slots
+    if not learned or topology.size <= room:
+        return topology
+    paths = list(topology.paths)
+    prior = {(): 1.0}
+    for path in paths:                                 # breadth-first: a parent's prior first
+        prior[path] = prior[path[:-1]] * (RANK_PRIOR[path[-1]] if path[-1] < len(RANK_PRIOR) else RANK_PRIOR[-1] / 2)
+    kept = set(sorted(paths, key=lambda p: -prior[p])[:room - 1])
+    return TreeTopology.from_spec([p for p in paths if p in kept])
+AUTO_DEVICES = ("cuda",)        # device types where round="auto" takes the fixed round
 
 
 def unavailable(decoder, cfg: DecodeConfig, proposer, on_round=None) -> str | None:
     """Why the fixed-shape round cannot run this generation (None: it can)."""
     drafter = proposer.drafter
-    if not isinstance(drafter, FeatureDrafter) or drafter._lean is None:
-        return "it drafts with a feature head on the engine's own forward only"
+    if not isinstance(drafter, FeatureDrafter) or not drafter.static_blocks:
+        return "it drafts with a feature head (mcsd's on the engine's own forward, or an EAGLE-3 head) only"
     policy = proposer.policy
     if type(policy) not in (StaticPolicy, LearnedPolicy):
         return f"it grows static trees or the learned policy's, not policy {policy.name!r}"
     if type(policy) is LearnedPolicy and policy.costs.online:
         return "the learned policy's online_costs run on the loop"
-    if proposer.context is not None:
-        return "context drafting's grafted nodes run on the loop"
     if proposer.lossy:
         return "lossy_target_roots runs on the loop"
     if not cfg.sampling.greedy and cfg.sampling.method != "gumbel":
@@ -102,146 +128,71 @@ def unavailable(decoder, cfg: DecodeConfig, proposer, on_round=None) -> str | No
         return "the target does not run on the engine's own forward"
     if proposer.policy.topology.max_depth < 1:
         return "its tree drafts nothing"
-    if graphs.bucket_of(proposer.policy.topology.size) is None:
-        return f"its tree has more than {graphs.BUCKETS[-1]} nodes"
+    room = graphs.BUCKETS[-1] - (CONTEXT_SLOTS if proposer.context is not None else 0)
+    if type(policy) is StaticPolicy and proposer.policy.topology.size > room:
+        return f"its static tree has more than {room} nodes" + (f" (with {CONTEXT_SLOTS} context slots)"
+                                                                 if proposer.context is not None else "")
     return None
 
 
 def choose(decoder, choice: str, cfg: DecodeConfig, proposer, on_round=None) -> "FixedRound | None":
     """The fixed-shape round for this generation, or None for the loop. "auto": fixed on CUDA where it
-    can run; "loop": never; "fixed": always (a ConfigError saying why where it cannot)."""
-    if choice == "loop" or (choice == "auto" and decoder.target.device.type != "cuda"):
+    can run; "loop": never; "fixed": always (a ConfigError saying why where it cannot). Which round
+    runs and why is left in `decoder.round_choice` ((round, reason), for `--stats`).
+
+    The decoder keeps its `FixedRound` (`decoder.fixed_round`) from one generation to the next, and
+    with it the head's blocks and their CUDA graphs: a generation with the same drafter, topology and
+    policy builds and captures nothing again (a cache that grows captures its graphs again, once).
+    The target's padded blocks are switched on while the fixed round runs, and back to what they
+    were for a generation on the loop."""
+    kept = decoder.fixed_round
+    if choice == "loop" or (choice == "auto" and decoder.target.device.type not in AUTO_DEVICES):
+        decoder.round_choice = ("loop", "round='loop'" if choice == "loop" else
+                                "the fixed round is CUDA's default; on a CPU the loop is faster")
+        if kept is not None:
+            kept.release()
         return None
     decoder.target.reset()                       # which forward runs the target is decided at a reset
     reason = unavailable(decoder, cfg, proposer, on_round)
+    if reason is None and choice == "auto" and kept is not None and kept.failure is not None:
+        reason = f"a CUDA graph of the fixed round failed ({kept.failure})"
     if reason is not None:
         if choice == "fixed":
             raise ConfigError(f"round='fixed' cannot run this generation: {reason}")
+        decoder.round_choice = ("loop", reason)
+        if kept is not None:
+            kept.release()
         return None
     learned = proposer.policy if type(proposer.policy) is LearnedPolicy else None
-    return FixedRound(decoder.target, proposer.drafter, proposer.policy.topology, cfg, decoder.target.cuda_graphs,
-                      learned)
-
-
-@dataclass
-class _Block:
-    """One bucket's persistent inputs for the head, its graph (or None: eager) and that graph's outputs."""
-
-    feats: torch.Tensor             # (B, H) features the rows read
-    tokens: torch.Tensor            # (B,) long
-    positions: torch.Tensor         # (1, B) long
-    slots: torch.Tensor             # (B,) long
-    mask: torch.Tensor              # (1, 1, B, capacity) additive
-    graph: "torch.cuda.CUDAGraph | None" = None
-    pred: torch.Tensor | None = None     # (B, H) predicted features
-    scores: torch.Tensor | None = None   # (B, K) scores over the head's (sub-)vocabulary
-
-
-class HeadBlocks:
-    """The feature head's blocks over its static cache, padded to buckets, captured as CUDA graphs.
-
-    As `mcsd.forward.graphs.StaticBlocks` does for the target: a block of Q rows runs padded to the
-    smallest bucket B >= Q, its padding rows writing after the block and seeing only themselves, and
-    attention spans the cache's whole capacity with the additive mask hiding the rest.
-
-    Args:
-        drafter: the feature drafter (its head runs on the engine's own forward).
-        capture: capture CUDA graphs (needs CUDA); False runs the same shapes eagerly.
-    """
-
-    def __init__(self, drafter: FeatureDrafter, capture: bool):
-        self.drafter, self.capture = drafter, capture
-        self._entries: dict[int, _Block] = {}
-        self._buffers = None
-        self.captures, self.capture_s, self.failure = 0, 0.0, None
-
-    def _run(self, e: _Block):
-        d = self.drafter
-        head, cache = d.head, d.cache
-        x = head.inputs(e.feats, d.embed(e.tokens))[None]                              # (1, B, w)
-        pred = head.expand(d._lean.states(x, e.positions, e.mask, cache, e.slots))[0]   # (B, H)
-        return pred, d._scores(pred)                                                    # (B, K)
-
-    def __call__(self, feats: torch.Tensor, tokens: torch.Tensor, first_position: int, start: int,
-                 rows_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One block of Q rows written at cache slots start .. start+Q-1.
-
-        Args:
-            feats: (Q, H) the features the rows read; tokens: (Q,) long the tokens that followed.
-            first_position: the first row's position; the rows' are consecutive, or all
-                `first_position` with `rows_mask` (one tree level).
-            start: the block's first slot (the cache then holds start + Q entries).
-            rows_mask: (Q, start + Q) additive mask over the slots the rows may see, or None: every
-                entry before the block, and the block's rows causally.
-        Returns:
-            (pred (Q, H), scores (Q, K)): views of the bucket's outputs, valid until its next call.
-        """
-        q = tokens.numel()
-        b = graphs.bucket_of(q)
-        cache = self.drafter.cache
-        cache.length = start                        # what a reallocation must keep
-        cache.reserve(start + b)
-        if self._buffers is not cache.keys:                 # new buffers: every graph captured again
-            self._entries.clear()
-            self._buffers = cache.keys
-            cache.keys[:, :, :, cache.length:].zero_()
-            cache.values[:, :, :, cache.length:].zero_()
-        e = self._entries.get(b)
-        fresh = e is None
-        if fresh:
-            dev, dtype = cache.device, cache.dtype
-            e = self._entries[b] = _Block(torch.zeros(b, feats.shape[-1], dtype=dtype, device=dev),
-                                          torch.zeros(b, dtype=torch.long, device=dev),
-                                          torch.zeros(1, b, dtype=torch.long, device=dev),
-                                          torch.zeros(b, dtype=torch.long, device=dev),
-                                          torch.zeros(1, 1, b, cache.capacity, dtype=dtype, device=dev))
-        # the block into the bucket's buffers, in place
-        e.feats.zero_()
-        e.feats[:q] = feats
-        e.tokens.zero_()
-        e.tokens[:q] = tokens
-        if rows_mask is None:
-            torch.arange(first_position, first_position + b, out=e.positions[0])
-            e.positions[0, q:] = first_position + q - 1
-        else:
-            e.positions.fill_(first_position)
-        torch.arange(start, start + b, out=e.slots)
-        low = torch.finfo(e.mask.dtype).min
-        e.mask.fill_(low)
-        if rows_mask is None:
-            e.mask[0, 0, :q, :start + q] = additive_mask(causal_allowed(q, cache.device), start, cache.dtype)[0, 0]
-        else:
-            e.mask[0, 0, :q, :start + q] = rows_mask
-        pad = torch.arange(q, b, device=cache.device)
-        e.mask[0, 0, pad, start + pad] = 0
-        if fresh and self.capture:
-            try:
-                t0 = time.perf_counter()
-                e.graph, (e.pred, e.scores) = graphs.capture_graph(lambda: self._run(e))
-                self.captures += 1
-                self.capture_s += time.perf_counter() - t0
-            except Exception as exc:                         # runs eagerly instead
-                self.capture, self.failure, e.graph = False, f"{type(exc).__name__}: {exc}", None
-                warnings.warn(f"mcsd: CUDA graph capture of the feature head failed ({self.failure}); running "
-                              f"the same shapes eagerly", RuntimeWarning, stacklevel=2)
-        if e.graph is not None:
-            e.graph.replay()
-        else:
-            e.pred, e.scores = self._run(e)
-        cache.length = start + q
-        self.drafter.forwards += 1
-        return e.pred[:q], e.scores[:q]
+    topology, cuda_graphs, context = proposer.policy.topology, decoder.target.cuda_graphs, proposer.context
+    if kept is None or not kept.serves(decoder.target, proposer.drafter, topology, learned, cuda_graphs, context):
+        if kept is not None:
+            kept.release()
+        slots = 0 if context is None else min(CONTEXT_SLOTS, context.config.max_nodes)
+        kept = decoder.fixed_round = FixedRound(decoder.target, proposer.drafter, topology, cuda_graphs, learned,
+                                                context, slots)
+    kept.prepare(cfg)
+    why = ["round='fixed'" if choice == "fixed" else "round='auto' on CUDA"]
+    if kept.drafted is not topology:
+        why.append(f"the learned policy's {topology.size}-node topology drafted as its {kept.drafted.size} "
+                   f"likeliest nodes")
+    if kept.slots is not None:
+        why.append(f"{kept.slots.n} context slots")
+    decoder.round_choice = ("fixed", "; ".join(why))
+    if kept.failure is not None:
+        decoder.round_choice = ("fixed", f"round='fixed', eagerly: a CUDA graph failed ({kept.failure})")
+    return kept
 
 
 class FixedRound:
-    """One generation's rounds in fixed shapes (see the module's docstring).
+    """A decoder's rounds in fixed shapes (see the module's docstring), kept from one generation to
+    the next (`choose`): its buffers, the head's blocks and their graphs are made once.
 
     Args:
         target: the decoder's target (`CachedLM` on the engine's own forward); its blocks are padded
-            to buckets from here on (captured on CUDA).
+            to buckets while the fixed round runs (captured on CUDA; `engage`, `release`).
         drafter: the feature drafter.
         topology: the static tree drafted every round (at most 64 nodes).
-        cfg: the generation's settings.
         cuda_graphs: capture the head's blocks as CUDA graphs on CUDA.
         learned: the learned policy, which prunes the drafted topology on the device
             (`mcsd.decoding.fixed_pruning`) and gates drafting on the host; None: a static tree.
@@ -249,36 +200,78 @@ class FixedRound:
     Attributes:
         kept: after a round, the topology's nodes its tree kept (the static tree's all), read with
             the emitted tokens.
+        failure: why a CUDA graph of the round (the head's or the target's) was given up, or None;
+            the generation goes on in the same shapes eagerly, and `round="auto"` runs the loop for
+            this decoder from its next generation.
     """
 
-    def __init__(self, target: CachedLM, drafter: FeatureDrafter, topology, cfg: DecodeConfig,
-                 cuda_graphs: bool = True, learned: LearnedPolicy | None = None):
-        self.target, self.drafter, self.cfg = target, drafter, cfg
+    def __init__(self, target: CachedLM, drafter: FeatureDrafter, topology, cuda_graphs: bool = True,
+                 learned: LearnedPolicy | None = None, context=None, slots: int = 0):
+        self.target, self.drafter, self.topology, self.learned = target, drafter, topology, learned
+        self.cuda_graphs, self.context = cuda_graphs, context
         self.device = target.device
-        self.tree = StaticTree.of(topology, self.device)
+        self.drafted = drafted_topology(topology, learned is not None, slots)
+        self.tree = StaticTree.of(self.drafted, self.device)
         self.plain = StaticTree.of(TreeTopology.from_spec("0"), self.device)     # a round without drafting
         self.pruning = None if learned is None else DevicePruning(learned, self.tree, self.device)
         self.kept: list[int] = []
+        self.slots = None
+        if context is not None and slots > 0:
+            width = max(self.tree.max_depth, ContextSlots.reach(context, slots))
+            self.slots = ContextSlots(context, slots, width, self.device)
+        self._root_host: int | None = None                 # the root token, as the host read it
         self.hidden = tuple(drafter.feature_layers)
-        self.sampling = cfg.sampling
-        self.noise = None
-        if not cfg.sampling.greedy:
-            vocab = target.model.get_input_embeddings().weight.shape[0]
-            self.noise = PositionNoise(cfg.seed, vocab, self.device)
+        self.cfg = self.sampling = self.noise = None
         self.ids = None if drafter.vocab_ids is None else drafter.vocab_ids.to(self.device)
         capture = cuda_graphs and self.device.type == "cuda"
         self.blocks = HeadBlocks(drafter, capture)
-        target.static_blocks, target.cuda_graphs = True, cuda_graphs
+        self._before: bool | None = None                   # the target's static_blocks while engaged
+        self._engaged = False
         # the tree's additive mask among its own nodes, in the two models' dtypes
         self.tree_mask = additive_mask(self.tree.allowed, 0, drafter.dtype)[0, 0]      # (N, N)
 
+    def serves(self, target, drafter, topology, learned, cuda_graphs: bool, context=None) -> bool:
+        """This round runs a generation of these parts (else the decoder makes another)."""
+        same = all(a is b for a, b in zip((self.target, self.drafter, self.topology, self.learned, self.context),
+                                           (target, drafter, topology, learned, context)))
+        return same and self.cuda_graphs == cuda_graphs and drafter.dtype == self.tree_mask.dtype \
+            and drafter.device == self.device
+
+    @property
+    def failure(self) -> str | None:
+        target_blocks = self.target.blocks if self._engaged else None
+        return self.blocks.failure or (target_blocks.failure if target_blocks is not None else None)
+
+    def prepare(self, cfg: DecodeConfig) -> None:
+        """Before a generation: its settings, the target's blocks padded, the pruning's cost tables
+        made again only where the policy's costs changed (host arithmetic, no device read)."""
+        self.cfg, self.sampling = cfg, cfg.sampling
+        self.engage()
+        if self.pruning is not None:
+            self.pruning.refresh()
+
+    def engage(self) -> None:
+        """The target's blocks padded to buckets (captured on CUDA), as the fixed round runs them."""
+        if not self._engaged:
+            self._before, self._engaged = self.target.static_blocks, True
+        self.target.static_blocks = True
+
+    def release(self) -> None:
+        """The target's blocks back to what they were before `engage` (a generation on the loop)."""
+        if self._engaged:
+            self.target.static_blocks, self._engaged = self._before, False
+
     # ------------------------------------------------------------------ set-up
 
-    def start(self, sequence: torch.Tensor, noise: PositionNoise | None = None) -> None:
-        """After the prefill (`sequence` (T+1,): the prompt and the root): the head reads the prompt's
-        last `window` positions, eagerly at their own shape (before the rounds, not one of them)."""
-        if noise is not None:
-            self.noise = noise
+    def start(self, sequence: torch.Tensor, noise: PositionNoise | None = None, root: int | None = None) -> None:
+        """After the prefill (`sequence` (T+1,): the prompt and the root; `noise`: the generation's
+        shared noise, None when greedy; `root`: the root token as the prefill read it): the head reads
+        the prompt's last `window` positions, eagerly at their own shape (before the rounds, not one
+        of them); context drafting's index (the prompt's, from the prefill) gets the root."""
+        self.noise = noise                       # the generation's (sampling), or None (greedy)
+        self._root_host = root
+        if self.slots is not None:
+            self.context.extend_history([root])
         d = self.drafter                         # reset by the prefill, the prompt's features observed
         t_end = sequence.numel() - 1
         offset = 0 if d.window is None else max(0, t_end - d.window)
@@ -286,10 +279,10 @@ class FixedRound:
         feats = d.features_from(offset)[:n]
         cache = d.cache
         cache.reserve(n)
-        x = d.head.inputs(feats, d.embed(sequence[offset + 1:t_end + 1]))[None]
         positions = torch.arange(offset + 1, t_end + 1, device=self.device)[None]
         mask = additive_mask(causal_allowed(n, self.device), 0, d.dtype)
-        pred = d.head.expand(d._lean.states(x, positions, mask, cache, torch.arange(n, device=self.device)))[0]
+        pred = d.fixed_block(feats, d.embed(sequence[offset + 1:t_end + 1]), positions, mask,
+                             torch.arange(n, device=self.device))
         cache.length = n
         d.forwards += 1
         self.root_pos = t_end                    # the root's position in the sequence
@@ -302,36 +295,56 @@ class FixedRound:
 
     def run(self, remaining: int, stats: GenerationStats) -> list[int]:
         """One round that may emit `remaining` more tokens; returns the tokens it emits (read once)."""
-        tree, d, pruning = self.tree, self.drafter, self.pruning
+        tree, d, pruning, slots = self.tree, self.drafter, self.pruning, self.slots
         t0 = time.perf_counter()
-        depth_limit = min(tree.max_depth, remaining - 1)
-        if pruning is not None and not (pruning.policy.gate.opens() and depth_limit >= 1):
-            return self._plain_round(stats, t0)      # the learned policy's gate: a plain target step
-        self._catch_up()                         # 1. the head reads the accepted positions it has not read
-        if pruning is not None:
-            pruning.begin(depth_limit)
-        tokens, valid = self._grow()             # 2. the tree, level by level (pruned by the policy)
+        plain = pruning is not None and not (pruning.policy.gate.opens() and min(tree.max_depth, remaining - 1) >= 1)
+        base = self.plain if plain else tree
+        n_context, context_depth = slots.fill(base, self._root_host) if slots is not None else (0, 0)   # host lookups
+        if plain:                                # the learned policy's gate: the target's step (and context's)
+            tokens, valid = self.target_root(), None
+        else:
+            self._catch_up()                     # 1. the head reads the accepted positions it has not read
+            if pruning is not None:
+                pruning.begin(min(tree.max_depth, remaining - 1))
+            tokens, valid = self._grow()         # 2. the tree, level by level (pruned by the policy)
         t1 = time.perf_counter()
         read = []
-        if pruning is not None:
+        if pruning is not None and not plain:
             kept, counts = pruning.summary()
             valid = valid & kept
             read = [counts, kept.long()]
-        n, path, next_token, states = self._verify(tree, tokens, valid, remaining - 1)   # 3-4.
+        round_tree = base if slots is None else slots.joined(base, tokens, valid)
+        if slots is not None:
+            tokens, valid = round_tree.tokens, round_tree.valid
+        depth_limit = min(round_tree.max_depth, remaining - 1)
+        n, path, next_token, states, logits = self._verify(round_tree, tokens, valid, depth_limit)   # 3-4.
         out = emitted_tokens(tokens, path, n, next_token)                                 # (D+2,)
+        if slots is not None:                    # the accepted path and the target's top-k along it (recycling)
+            read += [path, slots.recycled(logits, path)]
         values = torch.cat([out, *read]).tolist()    # 5. the round's one host read
         accepted = values[0]
         new = values[1:accepted + 2]
         # 6. commit: the target keeps the accepted entries, the head drops the tree but the root's entry
         self.target.cache.commit_rows(self.root_pos, path, accepted + 1)
-        d.cache.truncate(self._root_slot + 1)
+        if not plain:
+            d.cache.truncate(self._root_slot + 1)
         self.pending.append((d.head.fused(states.index_select(0, path[:accepted + 1])).to(d.dtype),
                              out[1:accepted + 2]))
         self.root_pos += accepted + 1
-        if pruning is not None:
-            counts = values[tree.max_depth + 2:-tree.size]
-            self.kept = [i for i, k in enumerate(values[-tree.size:]) if k]
-            pruning.observe(accepted, counts)
+        rest = values[round_tree.max_depth + 2:]
+        if slots is not None:
+            rest, path_host, top = slots.split(rest, round_tree.max_depth + 1)
+            slots.observe(self._root_host, new, path_host[:accepted + 1], top)
+        self._root_host = new[-1]
+        if plain:
+            self.kept = [0]
+            self.pruning.policy.observe_round(0, 0, 1, self.pruning.policy.round_draft_ms([]))
+            depth, nodes = 0, 1
+        elif pruning is not None:
+            counts = rest[:-tree.size]
+            self.kept = [i for i, k in enumerate(rest[-tree.size:]) if k]
+            drafted = accepted if slots is None else _drafted_depth(path_host, accepted, tree.size)
+            pruning.observe(drafted, counts)
             depth, nodes = counts[1], counts[0]
         else:
             self.kept = list(range(tree.size))
@@ -340,25 +353,7 @@ class FixedRound:
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1
         stats.target_forwards += 1
-        stats.record_round(None, accepted, drafted_depth=depth, nodes=nodes)
-        return new
-
-    def _plain_round(self, stats: GenerationStats, t0: float) -> list[int]:
-        """A round without drafting (the gate sat it out): the target's step after the root, read once;
-        the head reads the root's entry with the next drafted round's."""
-        root = self.target_root()
-        n, path, next_token, states = self._verify(self.plain, root, None, 0)
-        out = emitted_tokens(root, path, n, next_token)                                 # (2,): 0, token
-        new = out.tolist()[1:]                   # the round's one host read
-        self.target.cache.commit_rows(self.root_pos, path, 1)
-        d = self.drafter
-        self.pending.append((d.head.fused(states).to(d.dtype), out[1:]))
-        self.root_pos += 1
-        self.kept = [0]
-        self.pruning.policy.observe_round(0, 0, 1, self.pruning.policy.round_draft_ms([]))
-        stats.verify_s += time.perf_counter() - t0
-        stats.target_forwards += 1
-        stats.record_round(None, 0, drafted_depth=0, nodes=1)
+        stats.record_round(None, accepted, drafted_depth=max(depth, context_depth), nodes=nodes + n_context)
         return new
 
     def _catch_up(self) -> None:
@@ -418,8 +413,9 @@ class FixedRound:
         at = torch.full((scores.shape[0],), position, dtype=torch.long, device=self.device)
         return probs, self.noise.keyed(probs.log(), self.noise.device_keys(at), self.ids)
 
-    def _verify(self, tree: StaticTree, tokens: torch.Tensor, valid: torch.Tensor | None, depth_limit: int):
-        """The target's forward over `tree`, its draws, the accepted path (all on the device)."""
+    def _verify(self, tree, tokens: torch.Tensor, valid: torch.Tensor | None, depth_limit: int):
+        """The target's forward over `tree` (a `StaticTree`, or a `RoundTree` with context nodes), its
+        draws, the accepted path (all on the device); also the target's states and logits."""
         positions = tree.depth + self.root_pos
         logits, states = self.target.forward(tokens, positions, tree.allowed, hidden=self.hidden)   # (N, V)
         if self.noise is None:
@@ -428,4 +424,10 @@ class FixedRound:
             draws = self.noise.draw_keyed(logits, self.sampling, self.noise.device_keys(positions + 1))
         n, path, next_token = accept_paths(tree, tokens, draws, valid, depth_limit)
         self._root = next_token
-        return n, path, next_token, states
+        return n, path, next_token, states, logits
+
+
+def _drafted_depth(path: list[int], accepted: int, drafted: int) -> int:
+    """How deep the accepted path runs through drafted nodes (indices below `drafted`): what the
+    learned policy hears (context nodes are not its)."""
+    return sum(1 for node in path[1:accepted + 1] if node < drafted)

@@ -328,7 +328,7 @@ class ContextDrafter:
         self._store: tuple[NGramIndex, list[int]] | None = None
         self.rates: dict[tuple, float] = {}
         self.vocab_size: int | None = None
-        self._next = None                           # (V, recycle_k) long: recycled target predictions, -1 = none
+        self._next: dict[int, list[int]] | None = None   # token -> the target's top-k after it (recycling)
         self.history = NGramIndex(cfg.min_ngram, cfg.max_ngram)
         self.proposed_nodes = 0                     # grafted nodes so far (stats)
         self.accepted_nodes = 0
@@ -341,7 +341,7 @@ class ContextDrafter:
             return
         self.vocab_size = vocab_size
         if "recycle" in self.config.sources:
-            self._next = torch.full((vocab_size, self.config.recycle_k), -1, dtype=torch.long)
+            self._next = {}
         if self._store_src is not None and self._store is None:
             store = self._store_src if isinstance(self._store_src, ContextStore) else \
                 ContextStore.load(self._store_src, vocab_size)
@@ -367,7 +367,7 @@ class ContextDrafter:
         self.history = NGramIndex(self.config.min_ngram, self.config.max_ngram)
         self.rates = {}
         if self._next is not None:
-            self._next.fill_(-1)
+            self._next.clear()
         self.history.extend(prompt.tolist())
         self.proposed_nodes = self.accepted_nodes = 0
 
@@ -375,8 +375,17 @@ class ContextDrafter:
         """Record the target's top-k after each of `tokens` (N,) from its logits (N, V) (recycling)."""
         if self._next is None or tokens.numel() == 0:
             return
-        top = logits.topk(self.config.recycle_k, dim=-1).indices.cpu()          # (N, k)
-        self._next[tokens.cpu()] = top
+        self.recycle(tokens.tolist(), logits.topk(self.config.recycle_k, dim=-1).indices.tolist())
+
+    def recycle(self, tokens: list[int], top: list[list[int]]) -> None:
+        """`observe_logits` with what the host already holds: each token's target top-k (host lists)."""
+        if self._next is not None:
+            for token, row in zip(tokens, top):
+                self._next[token] = row[:self.config.recycle_k]
+
+    def extend_history(self, tokens: list[int]) -> None:
+        """Committed tokens (host ints) join the n-gram index (the fixed-shape round's `_sync`)."""
+        self.history.extend(tokens)
 
     def _sync(self, sequence: torch.Tensor) -> None:
         n = len(self.history)
@@ -439,11 +448,8 @@ class ContextDrafter:
             frontier = [anchor]
             for depth, width in enumerate(recycle_widths, start=1):
                 nxt = []
-                rows = self._next[torch.tensor([n.token for n in frontier])][:, :width].tolist()
-                for node, row in zip(frontier, rows):
-                    for rank, t in enumerate(row):
-                        if t < 0:
-                            break
+                for node in frontier:
+                    for rank, t in enumerate(self._next.get(node.token, ())[:width]):
                         key = ("recycle", min(rank, 3), _depth_bucket(depth))
                         child = node.child(t)
                         add(child, self._rate(key), key)
@@ -477,10 +483,43 @@ class ContextDrafter:
             its expected tokens pay for its verify time: s * round_ms > tokens * dt.
         """
         self._sync(sequence)
-        cfg = self.config
-        n_tree = tree.size
-        toks, pars = tree.tokens.tolist(), tree.parents.tolist()
         est = (node_probs if node_probs is not None else tree.logp.float().exp()).tolist()
+        tokens, parents, logp, proposed = self._choose(tree.tokens.tolist(), tree.parents.tolist(), est,
+                                                       tree.logp.tolist(), expected_tokens, round_ms, costs,
+                                                       self.config.max_nodes if max_nodes is None
+                                                       else min(self.config.max_nodes, max_nodes))
+        n_tree, n_now = tree.size, tree.size + len(tokens)
+        det = torch.zeros(n_now, dtype=torch.bool, device=tree.tokens.device)
+        det[n_tree:] = True
+        if tokens:
+            dev = tree.tokens.device
+            tree = tree.graft(torch.tensor(tokens, device=dev), torch.tensor(parents, device=dev),
+                              torch.tensor(logp, device=dev))
+            self.proposed_nodes += len(tokens)
+        return Graft(tree, det, proposed)
+
+    def graft_under_root(self, root: int, budget: int) -> tuple[list[int], list[int], dict[int, list[tuple]]]:
+        """The fixed-shape round's graft, on the host alone: up to `budget` nodes beneath the root token
+        `root` (the committed text, `extend_history`'s, ending with it), best first while more likely
+        than `min_score` (their verify rows are there whatever they hold: no cost test).
+
+        Returns:
+            (tokens, parents: each node's parent, 0 the root and i >= 1 the i-th node, parents first;
+            proposed: node index (1 + its place) -> the statistics keys that proposed it, for
+            `observe_path`).
+        """
+        tokens, parents, _, proposed = self._choose([root], [-1], [1.0], [0.0], 1.0, 0.0, None,
+                                                    min(budget, self.config.max_nodes))
+        self.proposed_nodes += len(tokens)
+        return tokens, parents, proposed
+
+    def _choose(self, toks: list[int], pars: list[int], est: list[float], base_logp: list[float],
+                expected_tokens: float, round_ms: float, costs, max_nodes: int):
+        """`graft`'s choice over host lists (the tree's tokens, parents, acceptance estimates and draft
+        log-probabilities): (tokens, parents, logp of the new nodes; proposed)."""
+        cfg = self.config
+        n_tree = len(toks)
+        est = list(est)
         est[0] = 1.0
         # the drafted tree as trie nodes (parents come first), so candidates merge into it
         nodes = [_Node(toks[0])]
@@ -523,9 +562,7 @@ class ContextDrafter:
         push_kids(nodes[0], 1.0)
         tokens, parents, logp = [], [], []
         tokens_now, ms_now, n_now = max(expected_tokens, 1.0), max(round_ms, 1e-3), n_tree
-        base_logp = tree.logp.tolist()
-        limit = cfg.max_nodes if max_nodes is None else min(cfg.max_nodes, max_nodes)
-        while heap and len(tokens) < limit:
+        while heap and len(tokens) < max_nodes:
             _, _, kid, parent, s = heapq.heappop(heap)
             if costs is not None:
                 dt = costs.marginal_verify_ms(n_now)
@@ -541,14 +578,7 @@ class ContextDrafter:
                         + math.log(max(kid.cond, 1e-6)))
             proposed[kid.tree_idx] = kid.keys
             push_kids(kid, s)
-        det = torch.zeros(n_now, dtype=torch.bool, device=tree.tokens.device)
-        det[n_tree:] = True
-        if tokens:
-            dev = tree.tokens.device
-            tree = tree.graft(torch.tensor(tokens, device=dev), torch.tensor(parents, device=dev),
-                              torch.tensor(logp, device=dev))
-            self.proposed_nodes += len(tokens)
-        return Graft(tree, det, proposed)
+        return tokens, parents, logp, proposed
 
     # ---------------------------------------------------------------- learning
 
@@ -560,14 +590,19 @@ class ContextDrafter:
         """
         if not graft.proposed:
             return
-        on_path = set(path.tolist())
-        parents = graft.tree.parents.tolist()
+        self.observe_path(graft.proposed, graft.tree.parents.tolist(), path.tolist(), graft.deterministic.tolist())
+
+    def observe_path(self, proposed: dict[int, list[tuple]], parents, path: list[int], grafted) -> None:
+        """`observe` over host values: the round's proposed nodes, each node's parent and whether it was
+        grafted (counted as an accepted context node), both indexable by node index (lists, or mappings
+        over the proposed nodes), and the accepted path (node indices, root first)."""
+        on_path = set(path)
         lr = self.config.learning_rate
-        for idx, keys in graft.proposed.items():
+        for idx, keys in proposed.items():
             if parents[idx] not in on_path:
                 continue
             hit = idx in on_path
-            if hit and graft.deterministic[idx]:
+            if hit and grafted[idx]:
                 self.accepted_nodes += 1
             for key in keys:
                 r = self._rate(key)

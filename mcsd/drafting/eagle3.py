@@ -180,13 +180,22 @@ class Eagle3Head(nn.Module):
 
     def full_scores(self, sub: torch.Tensor) -> torch.Tensor:
         """(..., K) draft-vocabulary logits -> (..., V), -inf at every other target token."""
-        if self.cfg.draft_vocab == self.cfg.vocab_size and not self.d2t.any():
+        if self._identity():
             return sub
         full = sub.new_full(sub.shape[:-1] + (self.cfg.vocab_size,), float("-inf"))
         return full.index_copy_(-1, self.vocab_ids, sub)
 
     def scores(self, predicted: torch.Tensor) -> torch.Tensor:
         return self.full_scores(self.sub_scores(predicted))
+
+    def _identity(self) -> bool:
+        """Draft id d is target id d (the whole vocabulary, d2t all 0): read from d2t once per version of
+        it, not at every call (a host read, which a captured CUDA graph cannot hold)."""
+        key = (self.d2t.data_ptr(), self.d2t._version)
+        if getattr(self, "_identity_for", None) != key:
+            self._identity_for = key
+            self._is_identity = self.cfg.draft_vocab == self.cfg.vocab_size and not bool(self.d2t.any())
+        return self._is_identity
 
     # ------------------------------------------------------------------------------ the forward
 
@@ -292,6 +301,7 @@ class Eagle3Drafter(FeatureDrafter):
         super().__init__(head, target, name=name, window=window, directory=directory)
         if head.embed_tokens is not None:
             self.embed = head.embed_tokens
+        head._identity()                         # read d2t now, not in a round
 
     def _empty_cache(self):
         cache = self.cache
@@ -302,10 +312,18 @@ class Eagle3Drafter(FeatureDrafter):
 
     def _block(self, feats, embeds, positions, mask):
         n = embeds.shape[0]
-        slots = self.cache.next_slots(n)
-        pred = self.head.step(feats[None], embeds[None], positions[None], mask, self.cache, slots)[0]
+        pred = self.fixed_block(feats, embeds, positions[None], mask, self.cache.next_slots(n))
         self.cache.length += n
         return pred
+
+    @property
+    def static_blocks(self) -> bool:
+        """Always: the head's own layer code steps over a static cache (so the fixed-shape round runs it)."""
+        return True
+
+    def fixed_block(self, feats, embeds, positions, mask, slots):
+        """`FeatureDrafter.fixed_block` on the head's own layer code (`Eagle3Head.step`)."""
+        return self.head.step(feats[None], embeds[None], positions, mask, self.cache, slots)[0]
 
     @property
     def module(self) -> nn.Module:

@@ -353,12 +353,24 @@ class FeatureDrafter:
         (Q, H) predicted features; the block's keys and values join the cache."""
         if self._lean is None:
             return self.head(feats[None], embeds[None], positions[None], mask, self.cache)[0]
-        head, n = self.head, embeds.shape[0]             # the head's forward, its layers on the engine's own
-        x = head.inputs(feats, embeds)[None]                                                    # (1, Q, w)
-        slots = self.cache.next_slots(n)
-        pred = head.expand(self._lean.states(x, positions[None], mask, self.cache, slots))[0]
+        n = embeds.shape[0]                              # the head's forward, its layers on the engine's own
+        pred = self.fixed_block(feats, embeds, positions[None], mask, self.cache.next_slots(n))
         self.cache.length += n
         return pred
+
+    @property
+    def static_blocks(self) -> bool:
+        """The head's blocks run over a static cache at given slots (`fixed_block`): what the fixed-shape
+        round needs (`mcsd.decoding.fixed_round`); here, where its layers run on the engine's own forward."""
+        return self._lean is not None
+
+    def fixed_block(self, feats: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                    slots: torch.Tensor) -> torch.Tensor:
+        """(Q, H) features, (Q, H) next-token embeddings, (1, Q) positions, (1, 1, Q, K) additive mask over
+        the static cache's first K entries, (Q,) slots the block's keys and values are written at ->
+        (Q, H) predicted features; the cache's length is the caller's (no host read: capturable)."""
+        x = self.head.inputs(feats, embeds)[None]                                               # (1, Q, w)
+        return self.head.expand(self._lean.states(x, positions, mask, self.cache, slots))[0]
 
     @property
     def vocab_ids(self) -> torch.Tensor | None:

@@ -91,7 +91,8 @@ class StaticBlocks:
             shapes eagerly.
 
     Attributes:
-        captures: graphs captured so far; capture_s: seconds spent capturing them (warm-up included).
+        built: bucket buffers made so far (one graph each on CUDA); captures: graphs captured so far;
+            capture_s: seconds spent capturing them (warm-up included).
         failure: why capturing was given up (a warning said so once; the same shapes then run
             eagerly), or None.
     """
@@ -100,7 +101,7 @@ class StaticBlocks:
         self.lean, self.capture = lean, capture
         self._entries: dict[tuple[int, tuple[int, ...]], _Entry] = {}
         self._buffers: torch.Tensor | None = None  # the cache buffer the entries were made for
-        self.captures, self.capture_s = 0, 0.0
+        self.built, self.captures, self.capture_s = 0, 0, 0.0
         self.failure: str | None = None           # why capture was given up, if it was
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: StaticCache,
@@ -134,18 +135,19 @@ class StaticBlocks:
         fresh = entry is None
         if fresh:
             entry = self._entries[key] = self._new_entry(b, cache)
+            self.built += 1
         self._fill(entry, tokens, positions, mask, start)
         if fresh and self.capture:
             try:
                 self._capture(entry, cache, hidden)
             except Exception as exc:             # a forward that cannot be captured still runs, eagerly
-                self.capture, self.failure = False, f"{type(exc).__name__}: {exc}"
-                entry.graph = None
-                warnings.warn(f"mcsd: CUDA graph capture failed ({self.failure}); running the same shapes "
-                              f"eagerly", RuntimeWarning, stacklevel=2)
+                self._give_up("capture", exc)
         if entry.graph is not None:
-            entry.graph.replay()
-        else:
+            try:
+                entry.graph.replay()
+            except Exception as exc:             # this block again, eagerly
+                self._give_up("replay", exc)
+        if entry.graph is None:
             entry.logits, entry.states = self.lean(entry.tokens, entry.positions, entry.mask, cache, entry.slots,
                                                    hidden)
         logits = entry.logits[0, q - 1:q] if last_logits else entry.logits[0, :q]
@@ -153,6 +155,14 @@ class StaticBlocks:
         if entry.graph is not None:             # the graph's buffers: the next replay writes over them
             logits, states = logits.clone(), None if states is None else states.clone()
         return logits, states
+
+    def _give_up(self, what: str, exc: Exception) -> None:
+        """No more graphs for this model (one warning says why); the same shapes run eagerly."""
+        self.capture, self.failure = False, f"{what}: {type(exc).__name__}: {exc}"
+        for entry in self._entries.values():
+            entry.graph = None
+        warnings.warn(f"mcsd: CUDA graph {what} failed ({self.failure}); running the same shapes eagerly",
+                      RuntimeWarning, stacklevel=3)
 
     def _new_entry(self, b: int, cache: StaticCache) -> _Entry:
         dev = cache.device
@@ -172,8 +182,8 @@ class StaticBlocks:
         torch.arange(start, start + b, out=entry.slots)
         entry.mask.fill_(torch.finfo(entry.mask.dtype).min)
         entry.mask[0, 0, :q, :start + q] = mask[0, 0]
-        pad = torch.arange(q, b, device=entry.mask.device)
-        entry.mask[0, 0, pad, start + pad] = 0                  # a padding row sees itself alone
+        # a padding row sees itself alone (a fill: `mask[rows, slots] = 0` uploads the 0 and syncs on CUDA)
+        entry.mask[0, 0].diagonal(start)[q:b].fill_(0)
 
     def _capture(self, entry: _Entry, cache: StaticCache, hidden: tuple[int, ...]) -> None:
         """Warm the forward up on a side stream, then capture it over the entry's buffers."""
