@@ -356,7 +356,7 @@ class ContextDrafter:
         other = copy.copy(self)
         other.rates = {}
         other.history = NGramIndex(self.config.min_ngram, self.config.max_ngram)
-        other._next = None if self._next is None else torch.full_like(self._next, -1)
+        other._next = None if self._next is None else {}            # recycled predictions: its own, none yet
         other.proposed_nodes = other.accepted_nodes = 0
         return other
 
