@@ -2,6 +2,7 @@
 penalties as an exact processor, the logprobs recorder, the metrics text, the command line's mistakes,
 the engine's queue as it stops."""
 
+import time
 import pytest
 import torch
 from conftest import perturbed
@@ -246,7 +247,7 @@ def test_a_job_submitted_while_the_engine_stops_is_answered_or_refused_never_str
     engine = Engine(lambda: Decoder(), max_queue=4)
     engine.start()
     events = []
-    job = Job([Run([1, 2], {})], asyncio.new_event_loop(), arrived=0.0, timeout_s=3600.0)
+    job = Job([Run([1, 2], {})], asyncio.new_event_loop(), arrived=time.monotonic(), timeout_s=3600.0)
     job.emit = lambda *event: events.append(event)
     real_put = engine._queue.put_nowait
 

@@ -1,7 +1,7 @@
 """Make the EAGLE-3 fixtures under tests/fixtures/eagle3/ with the `speculators` library itself.
 
-Run it in a virtual environment of its own, never in mcsd's (speculators pins
-other torch and transformers versions) and never in CI:
+Run it in a virtual environment of its own, never in mcsd's (speculators pins other torch and transformers
+versions) and never in CI:
 
     python3 -m venv /work/venv-spec
     /work/venv-spec/bin/pip install torch==2.13.0          # first, so no CUDA build comes in
@@ -11,22 +11,18 @@ other torch and transformers versions) and never in CI:
         httpx aiohttp psutil protobuf huggingface-hub openai
     /work/venv-spec/bin/python tools/make_eagle3_fixtures.py
 
-What it writes (all float32, a few hundred kilobytes):
-- target/: a tiny random Llama (8 layers, hidden 32, vocabulary 96), saved by transformers;
-- speculators/: an EAGLE-3 head built by the library for that target (`Eagle3DraftModel.from_training_args`:
-  draft vocabulary 48, target layers 1, 4, 6, norm_before_residual true), saved by its `save_pretrained`;
-- speculators-qwen3/: the same, its draft layer a Qwen3 layer (q and k norms), layers 2, 4, 5;
-- original/: a second head (layers 2, 4, 5: EAGLE-3's default for 8 layers; norm_before_residual false)
-  written in the original EAGLE-3 layout (flat config.json, `midlayer.*`, no `embed_tokens`), which the
-  library's own converter (`Eagle3Converter`) reads back: its logits are checked against the head the
-  library built before the file was written;
-- original-ids/: the same head and weights, its config naming the layers as SGLang's
-  `eagle_config.eagle_aux_hidden_state_layer_ids` would, out of order: [4, 1, 3] (SGLang captures the
-  input of layer id + 1, so layers 5, 2, 4, and concatenates them in layer order: 2, 4, 5);
-- logits.safetensors: per head, the token sequence, the target's hidden states the head reads, and the
-  library's draft logits (over the draft vocabulary) for every position at the first step and two
-  chained steps of its forward (`ttt_steps=3`, the chained steps teacher-forced, as the library runs them);
-- versions.json: the versions of speculators, torch and transformers that made them.
+What it writes (all float32, a few hundred kilobytes): target/, a tiny random Llama (8 layers, hidden 32,
+vocabulary 96), saved by transformers; speculators/, an EAGLE-3 head the library builds for it
+(`Eagle3DraftModel.from_training_args`: draft vocabulary 48, target layers 1, 4, 6, norm_before_residual true)
+and saves (`save_pretrained`); speculators-qwen3/, the same with a Qwen3 draft layer (q and k norms), layers
+2, 4, 5; original/, a second head (layers 2, 4, 5, EAGLE-3's default for 8 layers; norm_before_residual false)
+in the original layout (flat config.json, `midlayer.*`, no `embed_tokens`), which the library's own converter
+(`Eagle3Converter`) reads back, its logits checked against the head the library built; original-ids/, that
+head with its layers named as SGLang's `eagle_config.eagle_aux_hidden_state_layer_ids` would, out of order:
+[4, 1, 3] (SGLang captures the input of layer id + 1, so layers 5, 2, 4, concatenated in layer order 2, 4, 5);
+logits.safetensors, per head the tokens, the hidden states it reads and the library's draft logits at every
+position for the first step and two chained, teacher-forced steps (`ttt_steps=3`); versions.json, the
+versions of speculators, torch and transformers that made them.
 """
 
 from __future__ import annotations
@@ -112,18 +108,13 @@ def write_original(head, path: Path, target_cfg) -> None:
     path.mkdir(parents=True, exist_ok=True)
     tl = head.config.transformer_layer_config
     cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_act": "silu",
-           "hidden_size": tl.hidden_size, "intermediate_size": tl.intermediate_size,
-           "num_attention_heads": tl.num_attention_heads, "num_key_value_heads": tl.num_key_value_heads,
-           "num_hidden_layers": 1, "max_position_embeddings": tl.max_position_embeddings,
-           "rms_norm_eps": tl.rms_norm_eps, "rope_theta": 10000.0, "rope_scaling": None,
-           "vocab_size": target_cfg.vocab_size, "draft_vocab_size": DRAFT_VOCAB, "tie_word_embeddings": False,
-           "torch_dtype": "float32"}
+           **{k: getattr(tl, k) for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                          "num_key_value_heads", "max_position_embeddings", "rms_norm_eps")},
+           "num_hidden_layers": 1, "rope_theta": 10000.0, "rope_scaling": None, "vocab_size": target_cfg.vocab_size,
+           "draft_vocab_size": DRAFT_VOCAB, "tie_word_embeddings": False, "torch_dtype": "float32"}
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
-    state = {}
-    for key, value in head.state_dict().items():
-        if key.startswith(("embed_tokens", "verifier_")):
-            continue
-        state[key.replace("layers.0.", "midlayer.")] = value.contiguous()
+    state = {k.replace("layers.0.", "midlayer."): v.contiguous() for k, v in head.state_dict().items()
+             if not k.startswith(("embed_tokens", "verifier_"))}
     save_file(state, str(path / "model.safetensors"))
 
 
@@ -131,8 +122,8 @@ def write_with_sglang_ids(source: Path, path: Path, sglang_ids) -> None:
     """The original-layout head in `source` again at `path`, its config naming its target layers as SGLang's
     `eagle_config.eagle_aux_hidden_state_layer_ids` (the output of layer i), in the order given."""
     shutil.copytree(source, path)
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [int(i) for i in sglang_ids]}
+    cfg = {**json.loads((path / "config.json").read_text()),
+           "eagle_config": {"eagle_aux_hidden_state_layer_ids": [int(i) for i in sglang_ids]}}
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
 
 
@@ -145,8 +136,7 @@ def main(argv=None) -> int:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    if OUT.exists():
-        shutil.rmtree(OUT)
+    shutil.rmtree(OUT, ignore_errors=True)
     OUT.mkdir(parents=True)
     target_dir = OUT / "target"
     target = tiny_target(target_dir)
@@ -158,8 +148,8 @@ def main(argv=None) -> int:
 
     def record(name, head, ids):
         hidden = torch.cat([states[i][0, :T] for i in ids], dim=-1)               # (T, 3H): g_0 .. g_{T-1}
-        tensors[f"{name}.hidden"] = hidden.contiguous()
-        tensors[f"{name}.logits"] = library_logits(head, hidden, sequence[1:]).contiguous()
+        tensors[f"{name}.hidden"], tensors[f"{name}.logits"] = hidden.contiguous(), \
+            library_logits(head, hidden, sequence[1:]).contiguous()
         return tensors[f"{name}.logits"]
 
     # speculators format, as the library saves it (verifier path made relative to the fixture folder)
@@ -182,9 +172,8 @@ def main(argv=None) -> int:
     back = Eagle3DraftModel.from_pretrained(converted)
     back.config.transformer_layer_config._attn_implementation = "eager"
     back = Eagle3DraftModel.from_pretrained(converted, config=back.config).eval()
-    # The converted checkpoint has no embedding (the original layout stores none); the library's loader
-    # fills it from the verifier only where it is still NaN, and transformers' initialisation of missing
-    # weights sometimes gets there first, so take the verifier's embedding explicitly.
+    # No embedding in the converted checkpoint (the original layout stores none): the library fills it from
+    # the verifier only where still NaN, which transformers' initialisation may beat; so take it explicitly.
     back._load_verifier_weights(overwrite_embed_tokens=True)
     got = library_logits(back, tensors["original.hidden"], sequence[1:])
     diff = (got - want).abs().max().item()
@@ -200,11 +189,9 @@ def main(argv=None) -> int:
         cfg_file.write_text(json.dumps(cfg, indent=2))
         (OUT / name / "config.py").unlink(missing_ok=True)    # a copy of the library's source; loaders never run it
     save_file(tensors, str(OUT / "logits.safetensors"))
-    versions = {"speculators": metadata.version("speculators"), "torch": torch.__version__,
-                "transformers": transformers.__version__, "python": sys.version.split()[0],
-                "made_by": "tools/make_eagle3_fixtures.py"}
+    versions = {"speculators": metadata.version("speculators"), "torch": torch.__version__, "transformers":
+                transformers.__version__, "python": sys.version.split()[0], "made_by": "tools/make_eagle3_fixtures.py"}
     (OUT / "versions.json").write_text(json.dumps(versions, indent=1) + "\n")
-    print(json.dumps(versions))
     AutoModelForCausalLM.from_pretrained(target_dir)           # the target loads as saved
     return 0
 
