@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 import time
 from collections.abc import Callable
 
-from .engine import Draining, Job, QueueFull, _expected
+from .engine import Engine, Job, _expected
 from .protocol import recorder as logprobs_recorder
 
 log = logging.getLogger("mcsd.serve")
@@ -37,8 +36,9 @@ class _Flight:
         self.open = len(job.runs)
 
 
-class BatchEngine:
-    """A worker thread that decodes up to `max_batch` generations together, and its bounded FIFO queue.
+class BatchEngine(Engine):
+    """A worker thread that decodes up to `max_batch` generations together, and its bounded FIFO queue
+    (starting, queueing, draining and stopping as `Engine` does; the worker is its own).
 
     Args:
         build: called once on the worker thread; returns the `TreeDecoder`.
@@ -50,49 +50,10 @@ class BatchEngine:
 
     def __init__(self, build: Callable[[], object], max_batch: int, max_queue: int, metrics=None,
                  batch: Callable | None = None):
-        self._build, self.metrics, self.max_batch = build, metrics, max_batch
-        self._make_batch = batch
-        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
-        self._ready = threading.Event()
-        self._build_error: BaseException | None = None
-        self._thread = threading.Thread(target=self._work, name="mcsd-decoder", daemon=True)
-        self.decoder = None
+        super().__init__(build, max_queue, metrics)
+        self.max_batch, self._make_batch = max_batch, batch
         self.batch = None
         self.flights: list[_Flight] = []
-        self.draining = False
-
-    # ------------------------------------------------------------------ control (any thread)
-
-    def start(self) -> None:
-        """Start the worker and wait until the decoder is built; re-raises what building raised."""
-        self._thread.start()
-        self._ready.wait()
-        if self._build_error is not None:
-            raise self._build_error
-
-    def submit(self, job: Job) -> None:
-        """Queue a job; QueueFull or Draining when it cannot be taken."""
-        if self.draining:
-            raise Draining()
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            raise QueueFull() from None
-
-    def drain(self) -> None:
-        """Take no new jobs; those queued and running are answered."""
-        self.draining = True
-
-    def stop(self, timeout: float | None = None) -> None:
-        """Answer what is queued and running, then end the worker."""
-        self.draining = True
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join(timeout)
-
-    @property
-    def queue_depth(self) -> int:
-        return self._queue.qsize()
 
     @property
     def running(self) -> int:
