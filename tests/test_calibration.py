@@ -150,8 +150,9 @@ def test_a_gguf_born_target_weighs_its_q4_weights_too(q4_gguf_file):
     takes = quant.dtypes()
     pairs = {f"q4/{d}" for d in takes if d == "float32" or native_bf16 or len(takes) == 1}
     assert pairs and ("q4/float32" in pairs) == (quant.kernel_name() == "native")
+    if quant.kernel_name() == "native":
+        pairs.add("q4q8/float32")                                       # 8-bit activations: weighed too
     assert pairs <= choice.rates.keys() and "float32" in choice.rates  # every (weights, compute dtype) pair
-    assert not any(k.startswith("q4q8") for k in choice.rates)        # 8-bit activations only when asked
     best = max(choice.rates, key=choice.rates.get)
     weights, _, dtype = best.rpartition("/")
     assert (choice.weights, choice.dtype) == (weights or "dense", dtype)
@@ -201,24 +202,23 @@ class _Priced:
         self.rate = rate
 
 
-@pytest.mark.parametrize("fastest", ["q4/float32", "q4/bfloat16", "float32", "bfloat16"])
+@pytest.mark.parametrize("fastest", ["q4/float32", "q4/bfloat16", "q4q8/float32", "float32", "bfloat16"])
 def test_every_weights_and_compute_dtype_pair_is_weighed_and_the_fastest_runs(q4_gguf_file, monkeypatch, fastest):
-    """q4 weights with float32 compute is a candidate of its own beside q4 with bfloat16 (no fixed rule
-    picks the q4 compute dtype), the fastest measured pair is chosen and the others' figures are said;
-    q4 on 8-bit activations is weighed only when asked for (it decodes without a draft for now)."""
+    """q4 weights with float32 compute is a candidate of its own beside q4 with bfloat16 and q4 on 8-bit
+    activations (no fixed rule picks the q4 compute dtype or the activations), the fastest measured pair
+    is chosen and the others' figures are said."""
     from mcsd.decoding import choice
     from mcsd.drafting.pair import load_model
     from mcsd.forward import quant
     if quant.kernel_name() != "native":
         pytest.skip("the native q4 kernel (float32 and bfloat16 activations) is not built here")
     monkeypatch.setattr(choice, "host_key", lambda device: {"onednn_bf16": True})
-    rates = {"float32": 77.0, "bfloat16": 114.0, "q4/float32": 120.0, "q4/bfloat16": 133.0}
+    rates = {"float32": 77.0, "bfloat16": 114.0, "q4/float32": 120.0, "q4/bfloat16": 133.0, "q4q8/float32": 141.0}
     rates[fastest] = 200.0
-    q8_rate = {"q4q8/float32": 300.0}
 
     def cached(target, draft, dtype, remeasure=True, weights=None):
         name = str(dtype).removeprefix("torch.")
-        return _Priced({**rates, **q8_rate}[f"{weights}/{name}" if weights else name])
+        return _Priced(rates[f"{weights}/{name}" if weights else name])
     monkeypatch.setattr(choice, "load_cached", cached)
     monkeypatch.setattr(choice.Costs, "from_profile", staticmethod(lambda prof: prof))
     monkeypatch.setattr(choice, "expected_rate", lambda costs, *a, **k: (costs.rate, 2))
@@ -233,3 +233,4 @@ def test_every_weights_and_compute_dtype_pair_is_weighed_and_the_fastest_runs(q4
     assert set(only_q4.rates) == {"q4/float32", "q4/bfloat16"} and only_q4.weights == "q4"
     only_q8 = choice.choose_dtype(t, None, gguf=q4_gguf_file, weights="q4q8")
     assert set(only_q8.rates) == {"q4q8/float32"} and (only_q8.weights, only_q8.dtype) == ("q4q8", "float32")
+    assert "q4 weights on 8-bit activations (float32)" in got.reason

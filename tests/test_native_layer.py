@@ -157,12 +157,8 @@ def test_greedy_decoding_on_layers_in_one_call_equals_plain_decoding_and_generat
     prompt = PROMPT[:6]
     want = model.generate(prompt[None], max_new_tokens=30, do_sample=False,
                           attention_mask=torch.ones(1, prompt.numel()))[0, prompt.numel():].tolist()
-    if quant.on_8bit_activations(model):              # decodes plainly for now (TreeDecoder refuses a draft)
-        dec = TreeDecoder(model, None)
-        out = plain = dec.generate_baseline(prompt, max_new_tokens=30)
-    else:
-        dec = TreeDecoder(model, perturbed(_family(name), 0.3), tree="4,2,2", policy="static")
-        out, plain = dec.generate(prompt, max_new_tokens=30), dec.generate_baseline(prompt, max_new_tokens=30)
+    dec = TreeDecoder(model, perturbed(_family(name), 0.3), tree="4,2,2", policy="static")
+    out, plain = dec.generate(prompt, max_new_tokens=30), dec.generate_baseline(prompt, max_new_tokens=30)
     assert dec.target._running is not None and dec.target._running.native_layers() is not None
     assert out.tokens == plain.tokens == want, name
 
@@ -250,3 +246,24 @@ def test_a_pairs_profile_is_found_under_one_name_before_and_after_the_codes(tmp_
     drafter = FeatureDrafter(_feature_head(32, 64), model)
     assert drafter.q8_layers and profile_path(model, drafter) == before
     assert profile_path(dense, FeatureDrafter(_feature_head(32, 64), dense)) != before    # dense: its own
+
+
+@pytest.mark.parametrize("cached", [5, 37, 300])
+def test_attention_does_not_depend_on_where_in_the_block_a_rows_allowed_keys_lie(cached):
+    """A tree's second sibling sees the cache and its own key, which sits one index further in the verify
+    block than in the step that computes it alone (the first sibling's key masked out between): the
+    native attention gives it the same bits either way (its exponentials are summed in key order, not
+    in lanes that follow a key's index), so a tree with siblings verifies exactly as plain steps run."""
+    gen = torch.Generator().manual_seed(cached)
+    heads, kv_heads, dim, cap = 6, 2, 64, cached + 8
+    keys = torch.randn(kv_heads, cap, dim, generator=gen)
+    values = torch.randn(kv_heads, cap, dim, generator=gen)
+    q = torch.randn(1, heads, dim, generator=gen)
+    mine = cached + 1                                   # in the block, after a masked-out sibling's key
+    mask = torch.zeros(1, cached + 2)
+    mask[0, cached] = float("-inf")
+    in_block = native.attention(q, keys, values, cached + 2, mask, 0.125)
+    alone_keys, alone_values = keys.clone(), values.clone()
+    alone_keys[:, cached], alone_values[:, cached] = keys[:, mine], values[:, mine]
+    alone = native.attention(q, alone_keys, alone_values, cached + 1, torch.zeros(1, cached + 1), 0.125)
+    assert torch.equal(in_block, alone)

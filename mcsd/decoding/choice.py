@@ -158,8 +158,7 @@ def q4_candidates(target, gguf: Path | None, native_bf16: bool, weights: str = "
     if not q4_possible(target, gguf):
         return ()
     out = []
-    # q4q8 only when asked for, and then for plain decoding alone (TreeDecoder refuses a draft on it)
-    for kind in (Q4,) if weights != Q4Q8 else (Q4Q8,):
+    for kind in (Q4, Q4Q8):
         if weights in (kind, "auto", "dense"):
             takes = quant.dtypes(kind)
             out += [q4_candidate(d, kind) for d in takes if d == "float32" or native_bf16 or len(takes) == 1]

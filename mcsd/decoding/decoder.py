@@ -34,7 +34,7 @@ from ..drafting.context import ContextDrafter
 from ..drafting.draft import GrownTree
 from ..drafting.pearl import PearlMode
 from ..drafting.policies import TreePolicy, make_policy
-from ..forward import kernels, quant
+from ..forward import kernels
 from ..forward.lm import CachedLM
 from . import fixed_round, prompts
 from .accept import judge
@@ -131,11 +131,6 @@ class TreeDecoder:
         self.lossy_roots = int(lossy_target_roots)
         parts = resolve(target, draft, tree, policy, attention, self.lossy_roots, cuda_graphs)
         self.drafter, self.context, self.attention = parts.drafter, parts.context, parts.attention
-        if (self.drafter is not None or self.context is not None) and quant.weights_name(target) == "q4q8":
-            # a verify of sibling rows on 8-bit activations has given the embedded target other logits
-            # than its plain steps: until that is found, these weights decode plainly (exactness first)
-            raise ConfigError("q4 weights on 8-bit activations (q4q8) decode without a draft for now: a tree's "
-                              "verify is not yet exact on them; use generate_baseline() (--baseline), or q4 weights")
         self.calibration = Calibration(self.target, self.drafter, parts.draft, calibrate, release_weights)
         self.policy = make_policy(parts.policy, parts.tree, **self.calibration.policy_options(parts.policy,
                                                                                               policy_options))

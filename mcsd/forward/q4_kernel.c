@@ -516,8 +516,9 @@ static inline __m256 exp8(__m256 x) {
    stride mask_stride, additive (-inf where a key is not seen). D a multiple of 8. Each (row, head) is
    computed on its own in a fixed order (scores, their maximum, exponentials and sum, the weighted sum
    of values, one division), so a row's result does not depend on the rows beside it; a score is summed
-   in the same order whether its key falls in a group of four or not, so neither does it depend on how
-   many positions the block attends over (a verify's row and the step that computes it alone). */
+   in the same order whether its key falls in a group of four or not, and the exponentials in key order,
+   so neither does it depend on how many positions the block attends over or where among them its
+   allowed keys lie (a verify's row, siblings masked out, and the step that computes it alone). */
 void mcsd_attention(const float *q, const float *keys, const float *values, int64_t cap, int64_t L,
                     const float *mask, int64_t mask_stride, int64_t Q, int64_t H, int64_t Hkv, int64_t D,
                     float scale, float *out, int threads) {
@@ -560,16 +561,15 @@ void mcsd_attention(const float *q, const float *keys, const float *values, int6
                 mx = v > mx ? v : mx;
             }
             /* exponentials 8 at a time (the buffer holds L rounded up to 8; the tail's extra lanes are
-               -inf, so 0), summed in 8 lanes then horizontally */
+               -inf, so 0), then summed one by one in key order: a key's lane would depend on its index
+               in the block, and a tree's sibling rows put a row's own key at another index than the
+               step that computes it alone (masked keys add exact zeros, which change no sum) */
             for (int64_t j = L; j < ((L + 7) & ~(int64_t)7); j++) s[j] = -INFINITY;
             const __m256 mxv = _mm256_set1_ps(mx);
-            __m256 sv = _mm256_setzero_ps();
-            for (int64_t j = 0; j < L; j += 8) {
-                const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mxv));
-                _mm256_storeu_ps(s + j, e);
-                sv = _mm256_add_ps(sv, e);
-            }
-            const float sum = hsum(sv);
+            for (int64_t j = 0; j < L; j += 8)
+                _mm256_storeu_ps(s + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mxv)));
+            float sum = 0.0f;
+            for (int64_t j = 0; j < L; j++) sum += s[j];
             /* the weighted sum of values, 64 of the head's dimensions at a time in registers */
             for (int64_t d0 = 0; d0 < D; d0 += 64) {
                 const int w = D - d0 >= 64 ? 8 : (int)(D - d0) / 8;
