@@ -75,7 +75,10 @@ def test_a_mapped_model_prepacked_at_load_peaks_near_its_weights_once(tmp_path, 
     peak = child_peak(str(tmp_path), dtype, str(tmp_path / "logits.pt"), *(["measure"] if measure else []))
     # The plain weights' file pages and the copies held together came to 2.1x the weights over the
     # baseline (+425 MB for 206 MB of float32 weights); the copies and one group's pages, 1.1-1.2x.
-    assert peak - baseline < 1.3 * weights, \
+    # Measuring first (timing buffers, a kernel built on a cold cache) adds a little: 1.15-1.45x,
+    # against 2.2x when both layouts were alive while timed.
+    bound = 1.7 if measure else 1.3
+    assert peak - baseline < bound * weights, \
         f"loading {weights / 1e6:.0f} MB of weights raised the peak by {(peak - baseline) / 1e6:.0f} MB"
     with torch.inference_mode():
         expected = model(torch.arange(8)[None]).logits[0]
