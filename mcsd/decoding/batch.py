@@ -158,9 +158,7 @@ class BatchDecoder:
         if request in self.waiting:
             self.waiting.remove(request)
         if request.slot is not None:
-            self.slots[request.slot] = None
-            self.cache.free(request.slot)
-            request.slot = None
+            self._leave(request)
 
     @property
     def active(self) -> list[Request]:
@@ -290,14 +288,16 @@ class BatchDecoder:
 
     def _fail(self, request: Request, exc: Exception) -> None:
         request.error = exc
-        self.slots[request.slot] = None
-        self.cache.free(request.slot)
-        request.slot = None
+        self._leave(request)
 
     def _finish(self, request: Request) -> None:
         request.proposer.record(request.stats)
         request.stats.wall_s = time.perf_counter() - request.t_start
         request.output = request.emitted.output(request.stats)
+        self._leave(request)
+
+    def _leave(self, request: Request) -> None:
+        """The request gives up its slot (and the slot's cache) for the next round's admission."""
         self.slots[request.slot] = None
         self.cache.free(request.slot)
         request.slot = None

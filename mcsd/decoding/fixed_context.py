@@ -65,13 +65,19 @@ class ContextSlots:
         if width < self.reach(context, slots):
             raise ValueError(f"paths {width} deep cannot hold a graft {self.reach(context, slots)} deep")
         g, w = slots, width + 1
-        self._fields = {"tokens": g, "parents": g, "depth": g, "valid": g, "paths": g * w, "path_len": g,
-                        "ancestors": g * g}
-        size = sum(self._fields.values())
+        fields = {"tokens": g, "parents": g, "depth": g, "valid": g, "paths": g * w, "path_len": g,
+                  "ancestors": g * g}
+        size = sum(fields.values())
         pin = torch.device(device).type == "cuda"
         self._staged = torch.zeros(size, dtype=torch.long, pin_memory=pin)
         self._host = self._staged.numpy()                  # written by the host, no tensor operation
         self._device = torch.zeros(size, dtype=torch.long, device=device)
+        # each field's view of the staging buffer (host) and of its device copy, made once
+        self._host_fields, self._device_fields, start = {}, {}, 0
+        for name, n in fields.items():
+            self._host_fields[name] = self._host[start:start + n]
+            self._device_fields[name] = self._device[start:start + n]
+            start += n
         self._joined: dict[int, tuple] = {}                # per base tree size: its persistent buffers
         self.proposed: dict[int, list[tuple]] = {}
         self.parent_of: dict[int, int] = {}
@@ -83,28 +89,19 @@ class ContextSlots:
         cfg = context.config
         return min(slots, max(cfg.max_len, len(cfg.recycle_widths)))
 
-    def _view(self, buffer, name: str):
-        start = 0
-        for field, size in self._fields.items():
-            if field == name:
-                return buffer[start:start + size]
-            start += size
-        raise KeyError(name)
-
     def fill(self, base: StaticTree, root: int) -> tuple[int, int]:
         """This round's candidates beneath the root token `root` into the slots after `base`'s N nodes;
         returns (how many were grafted, the deepest)."""
         g, w, n = self.n, self.width + 1, base.size
         tokens, parents, proposed = self.context.graft_under_root(root, g)
-        host = self._host
-        host[:] = 0
+        self._host[:] = 0
         depth, index = [0], {0: 0}                           # graft node i (1 = first) -> round index
         chains: list[list[int]] = [[0]]
         for i, (token, parent) in enumerate(zip(tokens, parents), start=1):
             index[i] = n + i - 1
             depth.append(depth[parent] + 1)
             chains.append(chains[parent] + [i])
-        h = {name: self._view(host, name) for name in self._fields}
+        h = self._host_fields
         for j in range(g):
             i = j + 1
             anc = h["ancestors"][j * g:(j + 1) * g]
@@ -136,15 +133,15 @@ class ContextSlots:
             paths = base.paths.gather(1, cols[None].expand(base.paths.shape[0], w))   # the leaf repeated
             self._joined[n] = (allowed, paths)
         allowed, base_paths = self._joined[n]
-        dev = self._device
-        allowed[n:, n:] = self._view(dev, "ancestors").view(g, g).bool()
+        dev = self._device_fields
+        allowed[n:, n:] = dev["ancestors"].view(g, g).bool()
         ones = torch.ones(n, dtype=torch.bool, device=self.device) if valid is None else valid
-        return RoundTree(tokens=torch.cat([tokens, self._view(dev, "tokens")]),
-                         valid=torch.cat([ones, self._view(dev, "valid").bool()]),
-                         parents=torch.cat([base.parents, self._view(dev, "parents")]),
-                         depth=torch.cat([base.depth, self._view(dev, "depth")]),
-                         paths=torch.cat([base_paths, self._view(dev, "paths").view(g, w)]),
-                         path_len=torch.cat([base.path_len, self._view(dev, "path_len")]),
+        return RoundTree(tokens=torch.cat([tokens, dev["tokens"]]),
+                         valid=torch.cat([ones, dev["valid"].bool()]),
+                         parents=torch.cat([base.parents, dev["parents"]]),
+                         depth=torch.cat([base.depth, dev["depth"]]),
+                         paths=torch.cat([base_paths, dev["paths"].view(g, w)]),
+                         path_len=torch.cat([base.path_len, dev["path_len"]]),
                          allowed=allowed, size=n + g, max_depth=self.width)
 
     def recycled(self, logits: torch.Tensor, path: torch.Tensor) -> torch.Tensor:

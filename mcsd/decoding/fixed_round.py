@@ -297,7 +297,8 @@ class FixedRound:
         """One round that may emit `remaining` more tokens; returns the tokens it emits (read once)."""
         tree, d, pruning, slots = self.tree, self.drafter, self.pruning, self.slots
         t0 = time.perf_counter()
-        plain = pruning is not None and not (pruning.policy.gate.opens() and min(tree.max_depth, remaining - 1) >= 1)
+        drafted_limit = min(tree.max_depth, remaining - 1)
+        plain = pruning is not None and not (pruning.policy.gate.opens() and drafted_limit >= 1)
         base = self.plain if plain else tree
         n_context, context_depth = slots.fill(base, self._root_host) if slots is not None else (0, 0)   # host lookups
         if plain:                                # the learned policy's gate: the target's step (and context's)
@@ -305,7 +306,7 @@ class FixedRound:
         else:
             self._catch_up()                     # 1. the head reads the accepted positions it has not read
             if pruning is not None:
-                pruning.begin(min(tree.max_depth, remaining - 1))
+                pruning.begin(drafted_limit)
             tokens, valid = self._grow()         # 2. the tree, level by level (pruned by the policy)
         t1 = time.perf_counter()
         read = []

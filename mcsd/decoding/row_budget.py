@@ -42,10 +42,6 @@ class RowBudget:
             self._shares.append(min(self._shares[-1], self._share(b)))
         return self._shares[active - 1]
 
-    def round_rows(self, active: int) -> int:
-        """The most rows a round of `active` slots feeds."""
-        return self.per_slot(active) * max(int(active), 1)
-
     def _share(self, active: int) -> int:
         if self.lone_rows <= 1:
             return 1
