@@ -234,16 +234,14 @@ def pack(module: torch.nn.Module, join: bool = True, release: bool = False, drop
                 layer.__dict__["_mcsd_sibling"] = i
                 layer.__dict__["forward"] = types.MethodType(_packed_forward, layer)
             done += len(group)
-        if release:
-            gone = []
-            for i, layer in enumerate(group):
-                if not layer.weight.is_meta and layer.weight.untyped_storage().data_ptr() not in shared:
-                    gone.append(layer.weight)
+        if release or drop_pages:
+            plain = [i for i, layer in enumerate(group)
+                     if not layer.weight.is_meta and layer.weight.untyped_storage().data_ptr() not in shared]
+            gone = [group[i].weight for i in plain]
+            if release:
+                for i in plain:
                     packed.let_go(i)
             mapped.give_back(gone, files)                       # before the next group's pages are read
-        elif drop_pages:
-            mapped.give_back([layer.weight for layer in group if not layer.weight.is_meta
-                              and layer.weight.untyped_storage().data_ptr() not in shared], files)
     return done
 
 

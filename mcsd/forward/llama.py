@@ -274,17 +274,9 @@ class LeanForward:
 
     def _by_op(self, h, cos, sin, mask, rows, cache, slots):
         """Each decoder layer operation by operation on the model's own modules; yields h after each."""
-        k_len, half = mask.shape[-1], self.head_dim // 2
-        heads = (*h.shape[:2], -1, self.head_dim)
+        k_len = mask.shape[-1]
         for i, m in enumerate(self.layers):
-            x = _rms_norm(h, m.norm, self.one_call)
-            q = m.q(x).view(heads)                                              # (1, Q, H, D)
-            k = m.k(x).view(heads)                                              # (1, Q, H_kv, D)
-            v = m.v(x).view(heads)
-            if m.q_norm is not None:
-                q, k = _rms_norm(q, m.q_norm, self.one_call), _rms_norm(k, m.k_norm, self.one_call)
-            q = q * cos + q.roll(half, -1) * sin
-            k = k * cos + k.roll(half, -1) * sin
+            q, k, v = self._attention_inputs(m, h, cos, sin)
             keys, values = cache.layer_keys[i], cache.layer_values[i]          # (1, H_kv, capacity, D)
             keys.index_copy_(2, slots, k.transpose(1, 2))
             values.index_copy_(2, slots, v.transpose(1, 2))
@@ -295,9 +287,25 @@ class LeanForward:
                 out = F.scaled_dot_product_attention(q.transpose(1, 2), keys[:, :, :k_len], values[:, :, :k_len],
                                                      attn_mask=mask, scale=m.scaling, **self.grouped)   # (1, H, Q, D)
                 h = h + m.o(out.transpose(1, 2).reshape(*h.shape[:2], -1))     # (1, Q, C)
-            x = _rms_norm(h, m.post_norm, self.one_call)
-            h = h + m.down(m.act(m.gate(x)) * m.up(x))
+            h = self._mlp(m, h)
             yield h
+
+    def _attention_inputs(self, m, h, cos, sin):
+        """Layer `m`'s queries, keys and values of h (1, Q, C), normed and rotated: (1, Q, H, D),
+        (1, Q, H_kv, D), (1, Q, H_kv, D)."""
+        heads, half = (*h.shape[:2], -1, self.head_dim), self.head_dim // 2
+        x = _rms_norm(h, m.norm, self.one_call)
+        q = m.q(x).view(heads)                                                  # (1, Q, H, D)
+        k = m.k(x).view(heads)                                                  # (1, Q, H_kv, D)
+        v = m.v(x).view(heads)
+        if m.q_norm is not None:
+            q, k = _rms_norm(q, m.q_norm, self.one_call), _rms_norm(k, m.k_norm, self.one_call)
+        return q * cos + q.roll(half, -1) * sin, k * cos + k.roll(half, -1) * sin, v
+
+    def _mlp(self, m, h):
+        """h (1, Q, C) plus layer `m`'s MLP of its post-attention norm."""
+        x = _rms_norm(h, m.post_norm, self.one_call)
+        return h + m.down(m.act(m.gate(x)) * m.up(x))
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: StaticCache,
                  slots: torch.Tensor, hidden: tuple[int, ...] = (), last_logits: bool = False):

@@ -116,11 +116,7 @@ class CachedLM:
 
     def reset(self) -> None:
         if self._lean_reason() is None:
-            if self._own is None:
-                self._own = llama.LeanForward(self.model)
-            else:
-                self._own.refresh()
-            self._running = self._own
+            self._running = self._own_forward()
             weight = self._own.embed.weight
             padded = self.static_blocks if self.static_blocks is not None else weight.device.type == "cuda"
             capture = padded and self.cuda_graphs and weight.device.type == "cuda"
@@ -143,6 +139,10 @@ class CachedLM:
         reason = self._lean_reason()
         if reason is not None:
             raise ValueError(f"the engine's own forward cannot run this model: {reason}")
+        return self._own_forward()
+
+    def _own_forward(self) -> llama.LeanForward:
+        """The engine's own forward, made on first use, else its modules looked up again."""
         if self._own is None:
             self._own = llama.LeanForward(self.model)
         else:

@@ -33,6 +33,15 @@ _MADV_DONTNEED = 4                          # Linux: drop the pages; the next re
 _libc = None
 
 
+def _c_library() -> ctypes.CDLL:
+    """The C library (loaded once; Linux only)."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return _libc
+
+
 def file_ranges() -> list[tuple[int, int]]:
     """(start, end) of every file-backed mapping of this process (empty where /proc is not there)."""
     ranges = []
@@ -69,20 +78,16 @@ def give_back(tensors: list[torch.Tensor], ranges: list[tuple[int, int]] | None 
     Returns:
         the bytes given back (0 off Linux, or where none lies in a file mapping).
     """
-    global _libc
     if not sys.platform.startswith("linux") or not tensors:
         return 0
     ranges = file_ranges() if ranges is None else ranges
     spans = [s for s in (mapped_bytes(t, ranges) for t in tensors) if s is not None]
     if not spans:
         return 0
-    if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     page, given = mmap.PAGESIZE, 0
     for start, end in spans:
         first, last = -(-start // page) * page, end // page * page    # whole pages inside the bytes
-        if last > first and _libc.madvise(first, last - first, _MADV_DONTNEED) == 0:
+        if last > first and _c_library().madvise(first, last - first, _MADV_DONTNEED) == 0:
             given += last - first
     return given
 
@@ -91,13 +96,9 @@ def trim() -> bool:
     """Hand memory the C allocator keeps after large frees back to the system (glibc's `malloc_trim`),
     so that copies dropped (a measurement's prepacked copies) are not still counted when the next ones
     are made. False where there is no glibc."""
-    global _libc
     if not sys.platform.startswith("linux"):
         return False
-    if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     try:
-        return bool(_libc.malloc_trim(0))
+        return bool(_c_library().malloc_trim(0))
     except AttributeError:                   # another C library
         return False

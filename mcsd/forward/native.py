@@ -228,29 +228,30 @@ def int8_isa(name: str | None = None) -> str:
     return INT8_ISAS[lib.mcsd_int8_isa(-1)]
 
 
+def _on_8bit_activations(product, x: torch.Tensor, weight: tuple[torch.Tensor, ...], n: int) -> torch.Tensor:
+    """x (M, K) float32 times an 8-row interleaved weight of `n` rows through `product` (the library's
+    q4q8 or q8q8 call, taking the weight's three tensors): (M, n) float32."""
+    rows, k = x.shape
+    out = torch.empty(rows, n, dtype=torch.float32)
+    if product(x.data_ptr(), rows, k, *(t.data_ptr() for t in weight), n, out.data_ptr(),
+               torch.get_num_threads()) != 0:
+        raise MemoryError("the native q4 kernel could not allocate the quantised activations")
+    return out
+
+
 def q4q8_mm(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, n: int) -> torch.Tensor:
     """x (M, K) float32, each row quantised to 8 bits per block of 32 (llama.cpp's Q8_1), times the
     Q4_1 weight of `n` rows in the 8-row interleaved layout (`quant.interleave_q4`: codes (⌈n/8⌉, K / 32,
     4, 32) uint8, d and m (⌈n/8⌉, K / 32, 8) float32) with integer dot products (see q4_kernel.c), transposed:
     (M, n) float32."""
-    rows, k = x.shape
-    out = torch.empty(rows, n, dtype=torch.float32)
-    if _lib().mcsd_q4q8_mm(x.data_ptr(), rows, k, codes.data_ptr(), d.data_ptr(), m.data_ptr(), n,
-                           out.data_ptr(), torch.get_num_threads()) != 0:
-        raise MemoryError("the native q4 kernel could not allocate the quantised activations")
-    return out
+    return _on_8bit_activations(_lib().mcsd_q4q8_mm, x, (codes, d, m), n)
 
 
 def q8q8_mm(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, w128: torch.Tensor, n: int) -> torch.Tensor:
     """x (M, K) float32, each row quantised to 8 bits per block of 32 (llama.cpp's Q8_0), times the Q8_0
     weight of `n` rows in the 8-row interleaved layout (`quant.interleave_q8`: codes (⌈n/8⌉, K / 32, 8,
     32) int8, d (⌈n/8⌉, K / 32, 8) float32, w128 likewise int32) with integer dot products, transposed."""
-    rows, k = x.shape
-    out = torch.empty(rows, n, dtype=torch.float32)
-    if _lib().mcsd_q8q8_mm(x.data_ptr(), rows, k, codes.data_ptr(), d.data_ptr(), w128.data_ptr(), n,
-                           out.data_ptr(), torch.get_num_threads()) != 0:
-        raise MemoryError("the native q4 kernel could not allocate the quantised activations")
-    return out
+    return _on_8bit_activations(_lib().mcsd_q8q8_mm, x, (codes, d, w128), n)
 
 
 def top_p(scores: torch.Tensor, mass: float) -> torch.Tensor:

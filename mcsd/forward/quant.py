@@ -314,6 +314,11 @@ def _by_groups_of_8(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1, 8, *t.shape[1:])
 
 
+def _interleave_per_block(t: torch.Tensor) -> torch.Tensor:
+    """A value per row and block of 32, t (N, K / 32), in the interleaved layout: (⌈N/8⌉, K / 32, 8)."""
+    return _by_groups_of_8(t).transpose(1, 2).contiguous()
+
+
 def interleave_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
     """Q4_1 codes q (N, K) in 0..15, d and m (N, K / 32) in the layout of the products on 8-bit
     activations (q4_kernel.c): the rows in groups of 8 (zero rows padding the last), codes (groups,
@@ -324,8 +329,7 @@ def interleave_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
     quads = _by_groups_of_8(q.to(torch.uint8)).view(-1, 8, g, 8, 4).permute(0, 2, 3, 1, 4)   # (o, g, quad, j, t)
     quads = quads.reshape(-1, g, 8, 32)
     codes = (quads[:, :, :4] | (quads[:, :, 4:] << 4)).contiguous()
-    per_row = [_by_groups_of_8(t.float()).transpose(1, 2).contiguous() for t in (d, m)]
-    return codes, per_row[0], per_row[1]
+    return codes, _interleave_per_block(d.float()), _interleave_per_block(m.float())
 
 
 def deinterleave_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, n: int):
@@ -345,7 +349,7 @@ def interleave_q8(q: torch.Tensor, d: torch.Tensor):
     rows = _by_groups_of_8(q.to(torch.int8))                                                 # (o, 8, K)
     codes = rows.view(-1, 8, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(-1, g, 8, 32).contiguous()
     w128 = (rows.view(-1, 8, g, GROUP).sum(-1, dtype=torch.int32) * 128).transpose(1, 2).contiguous()
-    return codes, _by_groups_of_8(d.float()).transpose(1, 2).contiguous(), w128
+    return codes, _interleave_per_block(d.float()), w128
 
 
 def _q4_forward(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ no hidden states (no feature drafter reads them); eager on every device (no CUDA
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import NamedTuple
 
 import torch
@@ -144,6 +145,7 @@ class SlotForward:
             raise ValueError("a batched forward takes at most one block a slot")
         starts = [cache.lengths[b.slot] for b in blocks]
         sizes = [b.tokens.numel() for b in blocks]
+        bounds = list(accumulate(sizes, initial=0))          # block i's rows: bounds[i] .. bounds[i+1]-1
         cache.reserve(max(s + q for s, q in zip(starts, sizes)))
         rows = sum(sizes)
         masks = [additive_mask(b.allowed.to(device), s, cache.dtype) for b, s in zip(blocks, starts)]  # (1,1,Q,s+Q)
@@ -156,11 +158,10 @@ class SlotForward:
             cos, sin = lean._rotary(h, positions)                                      # (1, R, 1, D)
             plan = lean.native_layers()
             if plan is not None:
-                h = self._in_one_call(plan, h, cos, sin, cache, blocks, starts, sizes, masks, slots)
+                h = self._in_one_call(plan, h, cos, sin, cache, blocks, starts, bounds, masks, slots)
             else:
-                h = self._by_op(h, cos, sin, cache, blocks, starts, sizes, masks, slots)
+                h = self._by_op(h, cos, sin, cache, blocks, bounds, masks, slots)
             h = _rms_norm(h, lean.norm, lean.one_call)
-            bounds = torch.tensor([0, *sizes]).cumsum(0).tolist()
             picks = [(r1 - 1 if b.last_only else r0, r1) for b, r0, r1 in zip(blocks, bounds, bounds[1:])]
             if plan is not None:
                 # every row so far is what its block alone gives (the native layers); the LM head (torch's
@@ -177,17 +178,15 @@ class SlotForward:
         return logits
 
     @staticmethod
-    def _in_one_call(plan, h, cos, sin, cache, blocks, starts, sizes, masks, slots):
+    def _in_one_call(plan, h, cos, sin, cache, blocks, starts, bounds, masks, slots):
         """Each decoder layer in one native call over every block's rows (`native.layer_slots`)."""
         rows, width = h.shape[1], max(m.shape[-1] for m in masks)
         mask = h.new_full((rows, width), float("-inf"))                                 # (R, K) additive
-        r = 0
-        for m, q in zip(masks, sizes):
-            mask[r:r + q, :m.shape[-1]] = m[0, 0]
-            r += q
-        first = torch.tensor([0, *sizes]).cumsum(0)
+        for m, r0, r1 in zip(masks, bounds, bounds[1:]):
+            mask[r0:r1, :m.shape[-1]] = m[0, 0]
+        first = torch.tensor(bounds)
         which = torch.tensor([b.slot for b in blocks])
-        lens = torch.tensor([s + q for s, q in zip(starts, sizes)])
+        lens = torch.tensor([s + r1 - r0 for s, r0, r1 in zip(starts, bounds, bounds[1:])])
         cos_rows, sin_rows = cos[0, :, 0].contiguous(), sin[0, :, 0].contiguous()      # (R, D)
         slots = slots.to(torch.long).contiguous()
         for i, (weights, *_) in enumerate(plan):
@@ -197,22 +196,12 @@ class SlotForward:
             h = out
         return h
 
-    def _by_op(self, h, cos, sin, cache, blocks, starts, sizes, masks, slots):
+    def _by_op(self, h, cos, sin, cache, blocks, bounds, masks, slots):
         """Each decoder layer operation by operation on the model's own modules (as
         `LeanForward._by_op`), the products over every row, attention per block over its own slot."""
         lean = self.lean
-        half = lean.head_dim // 2
-        heads = (*h.shape[:2], -1, lean.head_dim)
-        bounds = torch.tensor([0, *sizes]).cumsum(0).tolist()
         for i, m in enumerate(lean.layers):
-            x = _rms_norm(h, m.norm, lean.one_call)
-            q = m.q(x).view(heads)                                              # (1, R, H, D)
-            k = m.k(x).view(heads)                                              # (1, R, H_kv, D)
-            v = m.v(x).view(heads)
-            if m.q_norm is not None:
-                q, k = _rms_norm(q, m.q_norm, lean.one_call), _rms_norm(k, m.k_norm, lean.one_call)
-            q = q * cos + q.roll(half, -1) * sin
-            k = k * cos + k.roll(half, -1) * sin
+            q, k, v = lean._attention_inputs(m, h, cos, sin)                  # (1, R, H or H_kv, D)
             outs = []
             for b, mask, r0, r1 in zip(blocks, masks, bounds, bounds[1:]):
                 keys = cache.layer_keys[i][b.slot:b.slot + 1]                  # (1, H_kv, capacity, D)
@@ -229,7 +218,5 @@ class SlotForward:
                         qb.transpose(1, 2), keys[:, :, :k_len], values[:, :, :k_len], attn_mask=mask,
                         scale=m.scaling, **lean.grouped)                        # (1, H, Q, D)
                     outs.append(out.transpose(1, 2).reshape(1, r1 - r0, -1))
-            h = h + m.o(torch.cat(outs, dim=1))                                 # (1, R, C)
-            x = _rms_norm(h, m.post_norm, lean.one_call)
-            h = h + m.down(m.act(m.gate(x)) * m.up(x))
+            h = lean._mlp(m, h + m.o(torch.cat(outs, dim=1)))                  # (1, R, C)
         return h
