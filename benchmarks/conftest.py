@@ -82,8 +82,8 @@ class Bench:
         self.max_new_tokens = 16 if self.smoke else opt("--bench-max-new-tokens")
         self.temperature, self.top_p = opt("--bench-temperature"), opt("--bench-top-p")
         self.dtype, self.device, self.weights = opt("--bench-dtype"), opt("--bench-device"), opt("--bench-weights")
-        if self.weights in ("q4", "q4q8") and self.dtype != "auto":
-            from mcsd.forward import quant
+        from mcsd.forward import quant
+        if self.weights in quant.ON_CODES and self.dtype != "auto":
             # what q4 (q4q8) computes in here without measurements, whatever --bench-dtype says
             self.dtype = quant.compute_dtype() if self.weights == "q4" else quant.dtypes("q4q8")[0]
         if self.weights == "auto" and self.dtype != "auto":
@@ -96,7 +96,7 @@ class Bench:
         if auto:                                       # as mcsd-generate --dtype auto --weights ... decides it
             from mcsd.decoding.choice import apply_choice, choose_dtype
             from mcsd.loading.models import gguf_source
-            gguf = gguf_source(opt("--bench-target") or DEFAULT_PRESET) if self.weights in ("auto", "q4", "q4q8") else None
+            gguf = gguf_source(opt("--bench-target") or DEFAULT_PRESET) if self.weights in ("auto", *quant.ON_CODES) else None
             choice = choose_dtype(self.target, self.draft, gguf=gguf, weights=self.weights)
             self.dtype, self.dtype_reason, self.weights = choice.dtype, choice.reason, choice.weights
             self.target, self.draft = apply_choice(self.target, self.draft, choice, gguf)

@@ -58,8 +58,10 @@ def _fmt(x, spec=".2f"):
 
 def _same(row: dict) -> str:
     """yes, no (on how many prompts), or - where no baseline ran to compare with."""
+    if row.get("equal_to_baseline"):
+        return "yes"
     mismatched = row.get("mismatched_prompts", [])
-    return "yes" if row.get("equal_to_baseline") else f"no ({len(mismatched)} prompts)" if mismatched else "-"
+    return f"no ({len(mismatched)} prompts)" if mismatched else "-"
 
 
 def tree_size(spec: str | None) -> int:
@@ -191,8 +193,9 @@ def main(argv=None) -> int:
     text = markdown(rows, env)
     (args.out / "report.md").write_text(text)
     print(text)
-    for p in [] if args.no_plots else plots(rows, args.out):
-        print(f"wrote {p}")
+    if not args.no_plots:
+        for p in plots(rows, args.out):
+            print(f"wrote {p}")
     return 0
 
 

@@ -231,11 +231,12 @@ def check_args(args) -> None:
         if not with_context:
             raise UsageError("--context-store needs a context drafter (--drafter context, feature+context or "
                              "model+context)")
-        if not Path(args.context_store).expanduser().is_file():
+        store = Path(args.context_store).expanduser()
+        if not store.is_file():
             raise UsageError(f"--context-store {args.context_store}: no such file")
         from ..drafting.context import ContextStore
         try:
-            ContextStore.check_file(Path(args.context_store).expanduser())
+            ContextStore.check_file(store)
         except ConfigError as exc:
             raise UsageError(f"--context-store: {exc}") from None
     if with_context and args.lossy_target_roots:
@@ -381,13 +382,17 @@ def processing(args) -> dict:
             "min_new_tokens": args.min_new_tokens}
 
 
+def drafts_nothing(args) -> bool:
+    """--tree 0 (or an empty spec, refused by check_args): plain target steps, nothing drafted."""
+    return args.tree is not None and args.tree.strip() in ("", "0")
+
+
 def drafter_kinds(args) -> tuple[str | None, bool, bool]:
     """(the model drafter's kind, None for the preset's default or none; whether context drafting is
     on; whether it is context alone). Without --drafter: the preset's (or --draft's) drafter with
     context merged in, except where context cannot join (--lossy-target-roots, the pearl mode) or
     nothing is to be drafted (--tree 0)."""
     if args.drafter is None:
-        no_drafting = args.tree is not None and args.tree.strip() in ("", "0")
-        return None, not (args.lossy_target_roots or args.policy == "pearl" or no_drafting), False
+        return None, not (args.lossy_target_roots or args.policy == "pearl" or drafts_nothing(args)), False
     kind, context = parse_drafter_spec(args.drafter)
     return kind, context, kind is None

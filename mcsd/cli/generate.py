@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from ..loading.presets import DEFAULT_PRESET, describe_presets
-from .args import UsageError, check_args, check_hub, drafter_kinds, parse_policy_options, processing
+from .args import UsageError, check_args, check_hub, drafter_kinds, drafts_nothing, parse_policy_options, processing
 
 
 def _decode_utf8(data: bytes, source: str) -> str:
@@ -84,6 +84,7 @@ def _auto_dtype(target, draft, args):
     """--dtype auto (with --weights auto): the dtype and weights this pair and method run fastest in here;
     the pair converted to them."""
     from ..decoding.choice import apply_choice, choose_dtype
+    from ..forward.quant import ON_CODES
     from ..loading.models import gguf_source
     if args.device != "cpu" and not str(args.device).startswith("cuda"):
         args.weights = "dense"
@@ -97,7 +98,7 @@ def _auto_dtype(target, draft, args):
     # them the fixed rule of an uncalibrated choice decides. A target with no default run is priced alone.
     alone = args.baseline and not _default_run_drafts(args)
     calibrate = False if args.baseline and args.calibrate is None else args.calibrate
-    gguf = gguf_source(args.target or DEFAULT_PRESET) if args.weights in ("auto", "q4", "q4q8") else None
+    gguf = gguf_source(args.target or DEFAULT_PRESET) if args.weights in ("auto", *ON_CODES) else None
     choice = choose_dtype(target, draft, drafting=not alone, calibrate=calibrate,
                           free_draft=drafter_kinds(args)[2], borrow=alone, gguf=gguf, weights=args.weights)
     args.dtype_calibration_s, args.calibration_provisional = choice.calibration_s, choice.provisional
@@ -121,11 +122,11 @@ def _default_run_drafts(args) -> bool:
 def load_models(args):
     """(target, draft or None, tokenizer) as the flags ask, in the dtype they are loaded in."""
     from ..drafting.pair import load_model, load_model_pair
+    from ..forward import quant
     from ..loading.models import load_tokenizer
 
     _set_threads(args)
-    if args.weights in ("q4", "q4q8"):
-        from ..forward import quant
+    if args.weights in quant.ON_CODES:
         from ..loading.models import parse_dtype
         allowed = quant.dtypes(args.weights)
         if not allowed:
@@ -211,7 +212,7 @@ def _set_threads(args) -> None:
 def _settings(args, decoder, dtype_reason) -> dict:
     """What actually ran: a baseline run has no tree, policy or drafter; a --tree 0 run no policy or drafter."""
     drafter = decoder.drafter
-    drafted = not args.baseline and args.tree.strip() != "0"     # --tree 0: plain target steps, nothing drafted
+    drafted = not args.baseline and not drafts_nothing(args)
     kind = None if drafter is None else ("feature" if getattr(drafter, "uses_target_hidden", False) else "model")
     if decoder.context is not None:
         kind = "context" if kind is None else f"{kind}+context"

@@ -21,7 +21,7 @@ import queue
 import time
 from collections.abc import Callable
 
-from .engine import Engine, Job, _expected
+from .engine import Engine, Job, _log_failure
 from .protocol import recorder as logprobs_recorder
 
 log = logging.getLogger("mcsd.serve")
@@ -107,11 +107,8 @@ class BatchEngine(Engine):
             block = False
             if job is None:
                 return True
-            if job.cancel.is_set():
-                job.emit("cancelled")
-                continue
-            if time.monotonic() > job.deadline:
-                job.emit("timeout")
+            if ended := job.ended():
+                job.emit(ended)
                 continue
             flight = _Flight(job)
             job.started = time.monotonic()
@@ -122,7 +119,7 @@ class BatchEngine(Engine):
             except Exception as exc:                  # a setting the decoder refuses: this job alone
                 for request in flight.requests:
                     self.batch.cancel(request)
-                log.error("generation failed: %s: %s", type(exc).__name__, exc, exc_info=not _expected(exc))
+                _log_failure(exc)
                 job.emit("error", exc)
                 continue
             self.flights.append(flight)
@@ -130,11 +127,9 @@ class BatchEngine(Engine):
 
     def _drop_ended(self) -> None:
         """Jobs whose client left or whose time ran out leave the batch before the next round."""
-        now = time.monotonic()
         for flight in list(self.flights):
-            job = flight.job
-            if job.cancel.is_set() or now > job.deadline:
-                self._end(flight, "cancelled" if job.cancel.is_set() else "timeout")
+            if ended := flight.job.ended():
+                self._end(flight, ended)
 
     def _end(self, flight: _Flight, *event) -> None:
         for request in flight.requests:
@@ -150,15 +145,13 @@ class BatchEngine(Engine):
         job = flight.job
         if request.error is not None:
             exc = request.error
-            log.error("generation failed: %s: %s", type(exc).__name__, exc, exc_info=not _expected(exc))
+            _log_failure(exc)
             self._end(flight, "error", exc)
             return
         run, recorder, emitted = flight.requests[request]
         new = request.new
-        if new and job.first_token is None:
-            job.first_token = time.monotonic()
-            if self.metrics is not None:
-                self.metrics.first_token(job.first_token - job.arrived)
+        if new:
+            self._note_first_token(job)
         rows = recorder.take(emitted + new, len(emitted)) if recorder is not None else None
         emitted += new
         job.emit("tokens", run.index, new, rows)

@@ -64,6 +64,12 @@ class Job:
         self.first_token: float | None = None
         self.watch = None                             # the HTTP side's task that ends when the client leaves
 
+    def ended(self) -> str | None:
+        """"cancelled" where the client left, "timeout" past the time limit, else None."""
+        if self.cancel.is_set():
+            return "cancelled"
+        return "timeout" if time.monotonic() > self.deadline else None
+
     def emit(self, *event) -> None:
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -159,18 +165,14 @@ class Engine:
             job = self._queue.get()
             if job is None:
                 return
-            if job.cancel.is_set():
-                job.emit("cancelled")
-                continue
-            if time.monotonic() > job.deadline:
-                job.emit("timeout")
+            if ended := job.ended():
+                job.emit(ended)
                 continue
             self.current, job.started = job, time.monotonic()
             try:
                 self._answer(job)
             except Exception as exc:                  # this request fails alone; the next one is served
-                log.error("generation failed: %s: %s", type(exc).__name__, exc,
-                          exc_info=not _expected(exc))
+                _log_failure(exc)
                 job.emit("error", exc)
             finally:
                 self.current = None
@@ -186,21 +188,30 @@ class Engine:
                 except StopIteration as done:
                     out = done.value
                     break
-                if new and job.first_token is None:
-                    job.first_token = time.monotonic()
-                    if self.metrics is not None:
-                        self.metrics.first_token(job.first_token - job.arrived)
+                if new:
+                    self._note_first_token(job)
                 rows = recorder.take(emitted + new, len(emitted)) if recorder is not None else None
                 emitted += new
                 job.emit("tokens", run.index, new, rows)
-                if job.cancel.is_set() or time.monotonic() > job.deadline:
+                if ended := job.ended():
                     rounds.close()                    # the generation ends here; the decoder is free
-                    job.emit("cancelled" if job.cancel.is_set() else "timeout")
+                    job.emit(ended)
                     return
             if self.metrics is not None:
                 self.metrics.generation(out.stats)
             job.emit("done", run.index, out)
         job.emit("end")
+
+    def _note_first_token(self, job: Job) -> None:
+        """A job's first generated token: its time, and the TTFT histogram's."""
+        if job.first_token is None:
+            job.first_token = time.monotonic()
+            if self.metrics is not None:
+                self.metrics.first_token(job.first_token - job.arrived)
+
+
+def _log_failure(exc: Exception) -> None:
+    log.error("generation failed: %s: %s", type(exc).__name__, exc, exc_info=not _expected(exc))
 
 
 def _expected(exc: Exception) -> bool:
