@@ -58,10 +58,8 @@ def _fmt(x, spec=".2f"):
 
 def _same(row: dict) -> str:
     """yes, no (on how many prompts), or - where no baseline ran to compare with."""
-    if row.get("equal_to_baseline"):
-        return "yes"
     mismatched = row.get("mismatched_prompts", [])
-    return f"no ({len(mismatched)} prompts)" if mismatched else "-"
+    return "yes" if row.get("equal_to_baseline") else f"no ({len(mismatched)} prompts)" if mismatched else "-"
 
 
 def tree_size(spec: str | None) -> int:
@@ -193,9 +191,8 @@ def main(argv=None) -> int:
     text = markdown(rows, env)
     (args.out / "report.md").write_text(text)
     print(text)
-    if not args.no_plots:
-        for p in plots(rows, args.out):
-            print(f"wrote {p}")
+    for p in [] if args.no_plots else plots(rows, args.out):
+        print(f"wrote {p}")
     return 0
 
 
