@@ -76,7 +76,10 @@ def test_a_slots_rows_in_a_batched_forward_are_its_lone_rows(target):
             assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
-def test_on_the_native_layers_a_slots_logits_are_its_lone_logits_bit_for_bit(tmp_path, monkeypatch):
+@pytest.mark.parametrize("act8, native_head", [(False, False), (False, True), (True, True)])
+def test_on_the_native_layers_a_slots_logits_are_its_lone_logits_bit_for_bit(tmp_path, monkeypatch, act8,
+                                                                              native_head):
+    """With a native LM head too, whose one call then covers every block's rows."""
     from test_native_layer import _on_q4_codes
     monkeypatch.setenv("MCSD_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("MCSD_NATIVE", "1")
@@ -84,14 +87,22 @@ def test_on_the_native_layers_a_slots_logits_are_its_lone_logits_bit_for_bit(tmp
     try:
         if quant.kernel_name() != "native":
             pytest.skip(f"the native q4 kernel does not run here ({native.reason()})")
-        model = _on_q4_codes(tiny_llama(0), tmp_path / "q4.gguf")
+        model = _on_q4_codes(tiny_llama(0), tmp_path / "q4.gguf", act8=act8)
+        if native_head:
+            assert quant.attach_q8(model.lm_head) == 1
         lm = CachedLM(model, lean=True)
         assert lm.lean_forward().native_layers() is not None
+        assert quant.row_invariant(model.lm_head, torch.float32) == native_head
+        calls = []
+        monkeypatch.setattr(quant.Q8Linear, "__call__",
+                            lambda self, x, call=quant.Q8Linear.__call__: calls.append(x.shape) or call(self, x))
         want = [_lone_outputs(model, p, s) for p, s in zip(FORWARD_PROMPTS, FORWARD_STEPS)]
         got = _batched_outputs(model, FORWARD_PROMPTS, FORWARD_STEPS)
         for w, g in zip(want, got):
             for a, b in zip(w, g):
                 assert torch.equal(a, b)
+        if native_head:          # the steps' rounds: the three slots' rows in one call of the head
+            assert calls[-1][-2] == len(FORWARD_PROMPTS)
     finally:
         native.reset()
 

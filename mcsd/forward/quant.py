@@ -711,6 +711,14 @@ def native_rows(layer: torch.nn.Module) -> tuple[Q4Linear, int, int] | None:
     return (q4, *layer.__dict__[_ROWS])
 
 
+def row_invariant(layer: torch.nn.Module, dtype: torch.dtype) -> bool:
+    """A forward of `layer` on `dtype` rows now computes each row on its own, in a fixed order (mcsd's
+    native Q4_1 or Q8_0 product): a row's result is the same whatever rows run beside it."""
+    codes = layer.__dict__.get(_ATTR)
+    native_codes = isinstance(codes, Q8Linear) or (isinstance(codes, Q4Linear) and codes.native)
+    return native_codes and dtype in codes.dtypes and not _local.dense
+
+
 def attached(model: torch.nn.Module) -> int:
     """How many of `model`'s layers run on q4 weights."""
     return sum(1 for layer in model.modules() if layer.__dict__.get(_ATTR) is not None)

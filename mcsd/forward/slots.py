@@ -12,8 +12,9 @@ Why a row's answer is the one it gets alone:
 - a float32 model on the native q4 kernel (`mcsd.forward.native`) runs each layer as one call
   (`native.layer_slots`), whose products, norms and attention compute every row on its own in a fixed
   order: a row's hidden state is, bit for bit, what the lone forward (`native.layer`) gives it; the LM
-  head (torch's product where it is not native) then runs on each block's own rows, as it would alone,
-  so the logits are the lone run's bit for bit, whatever else is in the batch;
+  head runs once over every block's rows where its product is native too (`quant.row_invariant`), else
+  (torch's product) on each block's own rows, as it would alone, so the logits are the lone run's bit
+  for bit, whatever else is in the batch;
 - any other model runs operation by operation on its own modules (`mcsd.forward.llama`), attention per
   block exactly as the lone forward calls it; the norms, rotary tables and activations are row-wise,
   but a dense matmul (torch's) over R rows may round a row's result differently in the last bits from
@@ -163,9 +164,10 @@ class SlotForward:
                 h = self._by_op(h, cos, sin, cache, blocks, bounds, masks, slots)
             h = _rms_norm(h, lean.norm, lean.one_call)
             picks = [(r1 - 1 if b.last_only else r0, r1) for b, r0, r1 in zip(blocks, bounds, bounds[1:])]
-            if plan is not None:
-                # every row so far is what its block alone gives (the native layers); the LM head (torch's
-                # product where it is not native) runs on each block's own rows, as alone, to keep it so
+            if plan is not None and not quant.row_invariant(lean.lm_head, h.dtype):
+                # every row so far is what its block alone gives (the native layers); the LM head on
+                # torch's product runs on each block's own rows, as alone, to keep it so (a native head
+                # computes each row on its own: one call over all of them)
                 logits = []
                 for r0, r1 in picks:
                     with kernels.running(self.kernel_table, r1 - r0):
