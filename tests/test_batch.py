@@ -275,3 +275,26 @@ def test_a_slot_cache_keeps_what_it_holds_when_it_grows():
     assert cache.capacity >= 2 * capacity
     assert torch.equal(cache.keys[..., :capacity, :], keys) and torch.equal(cache.values[..., :capacity, :], values)
     assert all(torch.equal(k, cache.keys[i]) for i, k in enumerate(cache.layer_keys))
+
+
+def test_beside_other_slots_a_slot_grafts_only_the_nodes_that_pay_for_their_place_in_the_round():
+    """Rows nearly free up to 4 and dear past them: alone, the repeated text's continuation is grafted;
+    beside three other slots' rows the same nodes would each add more to the round than they return."""
+    from mcsd.costs.cost_model import Costs
+    from mcsd.decoding.propose import Proposer
+    from mcsd.drafting.policies import make_policy
+    costs = Costs(verify={1: 4.0, 4: 4.2, 5: 8.0, 32: 116.0}, draft={1: 0.1})
+    sequence = torch.tensor([7, 8, 9, 10, 11] * 6 + [7])
+
+    def proposal(beside):
+        proposer = Proposer(make_policy("static", ""), None, ContextDrafter(max_nodes=8), 0, costs)
+        proposer.reset()
+        proposer.context.reset(sequence)
+        return proposer.propose(sequence, 100, SamplingConfig(), None, beside=beside)
+
+    alone, crowded, light = proposal(None), proposal((3, 3.0)), proposal((1, 1.0))
+    assert alone.grown.tree.size > 2 and alone.expected > 1.5
+    assert alone.grown.tree.tokens[1].item() == 8                     # the repeat's next token
+    assert crowded.grown.tree.size == 1 and crowded.expected == 1.0
+    assert 1 < light.grown.tree.size <= 3                             # beside one row: up to the 4th row
+    assert light.expected == pytest.approx(1.0 + light.graft.gain) and light.graft.gain > 0

@@ -225,31 +225,45 @@ class BatchDecoder:
 
     def _propose(self, failed: list[Request]) -> list[tuple[Request, Block, Proposal | None]]:
         """Each active slot's block: a prompt chunk (None proposal) or its round's tree; a request whose
-        proposal raised goes to `failed` instead."""
+        proposal raised goes to `failed` instead.
+
+        The prompt chunks come first (under the round's prompt budget); then each decoding slot grafts
+        its tree priced as part of the round (`RowBudget.beside`): a node joins where its expected
+        tokens pay for what its row adds to the whole forward, beside every row already planned and
+        the roots still to come. The slot that chooses first turns with the rounds."""
         plan, budget = [], self.prefill_tokens
-        decoding = sum(r.sequence is not None for r in self.active)
-        share = self.budget.per_slot(decoding)               # rows a slot's tree may have, root included
+        decoding = []
         for request in self.active:
             request.new = []
             total = request.prompt_ids.numel()
-            if request.fed < total:                          # prefill, in chunks under the round's budget
-                if budget <= 0:
-                    continue
-                chunk = request.prompt_ids[request.fed:request.fed + budget]
-                budget -= chunk.numel()
-                n = chunk.numel()
-                plan.append((request, Block(request.slot, chunk, torch.arange(request.fed, request.fed + n),
-                                            causal_allowed(n), last_only=True), None))
+            if request.fed >= total:
+                decoding.append(request)
                 continue
+            if budget <= 0:                                  # prefill, in chunks under the round's budget
+                continue
+            chunk = request.prompt_ids[request.fed:request.fed + budget]
+            budget -= chunk.numel()
+            n = chunk.numel()
+            plan.append((request, Block(request.slot, chunk, torch.arange(request.fed, request.fed + n),
+                                        causal_allowed(n), last_only=True), None))
+        share = self.budget.per_slot(len(decoding))          # rows a slot's tree may have, root included
+        turn = self.rounds % len(decoding) if decoding else 0
+        rows = sum(block.tokens.numel() for _, block, _ in plan)
+        tokens = 0.0                                         # expected tokens of the trees planned so far
+        for k, request in enumerate(decoding[turn:] + decoding[:turn]):
             remaining = request.cfg.max_new_tokens - len(request.emitted.tokens)
+            later = len(decoding) - k - 1                    # roots still to come: a row and a token each
             try:
                 proposal = request.proposer.propose(request.sequence, remaining, request.cfg.sampling, request.gen,
-                                                    request.proc, request.noise, context_nodes=share - 1)
+                                                    request.proc, request.noise, context_nodes=share - 1,
+                                                    beside=(rows + later, tokens + later))
             except Exception as exc:
                 self._fail(request, exc)
                 failed.append(request)
                 continue
             tree = proposal.grown.tree
+            rows += tree.size
+            tokens += proposal.expected
             prefix = self.cache.lengths[request.slot]
             plan.append((request, Block(request.slot, tree.tokens, tree.positions(prefix), tree.mask()), proposal))
         return plan

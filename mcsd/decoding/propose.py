@@ -33,6 +33,7 @@ from ..drafting.context import ContextDrafter, Graft
 from ..drafting.draft import Drafter, GrownTree, grow_tree
 from ..drafting.policies import TreePolicy
 from ..drafting.policies.base import Gate
+from .row_budget import BesideCosts
 
 CONTEXT_PROBE_EVERY = 3             # rounds without context drafting before it is tried again
 CONTEXT_MAX_GAP = 48                # the longest wait after probes that kept losing
@@ -48,12 +49,15 @@ class Proposal:
         drafted: the model drafter's part of it (the root alone when nothing was drafted).
         graft: context drafting's nodes, or None.
         depth: levels the model drafter was asked for (0: none).
+        expected: tokens the round is expected to emit (the drafted tree's estimate, plus what the
+            grafted nodes add), where the round priced context nodes or ran in a batch; else None.
     """
 
     grown: GrownTree
     drafted: DraftTree
     graft: Graft | None
     depth: int
+    expected: float | None = None
 
     def emitted(self, acc: Acceptance, lossy: bool) -> torch.Tensor:
         """(k,) the tokens a round emits: the accepted path below the root, then the target's own next
@@ -111,11 +115,14 @@ class Proposer:
             self.roots = logits[-1].topk(self.lossy).indices
 
     def propose(self, sequence: torch.Tensor, remaining: int, sampling: SamplingConfig, gen,
-                scores=None, noise=None, context_nodes: int | None = None) -> Proposal:
+                scores=None, noise=None, context_nodes: int | None = None,
+                beside: tuple[int, float] | None = None) -> Proposal:
         """The tree beneath the root `sequence[-1]` ((T,) committed tokens) for a round that may emit
         `remaining` more tokens; `scores` (`mcsd.core.processors.NodeScores`) processes drafted logits;
         `noise` (`mcsd.core.sampling.PositionNoise`) ranks sampled candidates by the target's own noise;
-        `context_nodes` bounds the nodes context drafting grafts this round (a batch's share)."""
+        `context_nodes` bounds the nodes context drafting grafts this round (a batch's share);
+        `beside` (a batched round): (rows, expected tokens) of the other slots' blocks in the same
+        forward, so that a grafted node is priced by what it adds to the whole round."""
         policy, drafter = self.policy, self.drafter
         depth = min(policy.begin_round(), remaining - (0 if self.lossy else 1)) if drafter is not None else 0
         if self.lossy:
@@ -123,17 +130,22 @@ class Proposer:
         grown = (grow_tree(drafter, policy, sequence, depth, sampling, gen, root_children=self.roots, scores=scores,
                            noise=noise)
                  if depth > 0 else GrownTree(DraftTree.root_only(policy.topology, sequence[-1]), None))
-        drafted, graft = grown.tree, None
-        if self.context is not None and self.context_gate.opens():   # free branches from the context, merged in
-            costs = self.context_costs
+        drafted, graft, expected = grown.tree, None, None
+        grafting = self.context is not None and self.context_gate.opens()
+        if grafting or beside is not None:
+            expected = expected_tokens(policy, self._drafted_accepts, drafted.size)
+        if grafting:                                        # free branches from the context, merged in
+            costs, others = self.context_costs, 0.0
+            if beside is not None and costs is not None:
+                costs, others = BesideCosts(costs, beside[0]), beside[1]
             spent_ms = round_ms(drafted, costs)             # from costs, not this run's clock
             probs = policy.node_probabilities()
-            expected = expected_tokens(policy, self._drafted_accepts, drafted.size)
-            graft = self.context.graft(drafted, sequence, expected, spent_ms, costs,
+            graft = self.context.graft(drafted, sequence, expected + others, spent_ms, costs,
                                        probs if probs is not None and probs.numel() == drafted.size else None,
                                        max_nodes=context_nodes)
             grown = grown.with_graft(graft)
-        return Proposal(grown, drafted, graft, depth)
+            expected += graft.gain
+        return Proposal(grown, drafted, graft, depth, expected)
 
     def observe(self, proposal: Proposal, acc: Acceptance, path_hidden: torch.Tensor | None,
                 last_logits: torch.Tensor, draft_ms: float, verify_ms: float,

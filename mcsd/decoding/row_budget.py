@@ -13,6 +13,12 @@ never switched off and on (its context drafter keeps observing its own text ever
 never grows back while the batch grows. Costs come from `mcsd.costs.cost_model.Costs` (measured per
 machine, pair, dtype and threads); without them the lone tree is divided evenly.
 
+Within its share a slot grafts what pays for its place in the whole round (`BesideCosts`): a context
+node joins where its expected tokens, against the round's expected tokens, outweigh what its row adds
+to the round's forward beside every other slot's rows. A row beside three others costs more than the
+lone tree's next row (the products leave the memory-bound regime), so a slot grafts the nodes likely
+to be accepted, not every candidate its share would hold.
+
 Limitations: the costs are a lone sequence's verify of T rows at a fixed prefix; a batch's rows
 attend over their own slots' prefixes, which the products dominate on the models this serves.
 """
@@ -53,3 +59,29 @@ class RowBudget:
         while rows < active * self.lone_rows and cost(rows + 1) <= allowed:
             rows += 1
         return min(self.lone_rows, max(MIN_ROWS, rows // active))
+
+
+class BesideCosts:
+    """A slot's view of the calibrated costs in a batched round: its tree's n rows are verified in one
+    forward beside `others` rows of the other slots, so n rows cost what `others + n` rows do and a
+    node's row adds that forward's slope there. Drafting costs are the slot's own.
+
+    Args:
+        costs: the lone costs (`mcsd.costs.cost_model.Costs`).
+        others: rows of the other slots' blocks in the same forward.
+    """
+
+    def __init__(self, costs, others: int):
+        self.costs, self.others = costs, max(int(others), 0)
+
+    def base_verify_ms(self, n: int) -> float:
+        return self.costs.base_verify_ms(self.others + n)
+
+    def verify_ms(self, n: int) -> float:
+        return self.costs.verify_ms(self.others + n)
+
+    def marginal_verify_ms(self, n: int) -> float:
+        return self.costs.marginal_verify_ms(self.others + n)
+
+    def draft_ms(self, width: int) -> float:
+        return self.costs.draft_ms(width)

@@ -297,11 +297,14 @@ class Graft:
         deterministic: (N,) bool, True for grafted nodes (proposals with a point-mass q).
         proposed: tree node index -> statistics keys of the sources that proposed it
             (grafted nodes and model nodes a source also proposed).
+        gain: the tokens the grafted nodes are expected to add to the round (the sum of their path
+            probabilities).
     """
 
     tree: DraftTree
     deterministic: torch.Tensor
     proposed: dict[int, list[tuple]]
+    gain: float = 0.0
 
 
 class ContextDrafter:
@@ -484,7 +487,7 @@ class ContextDrafter:
         """
         self._sync(sequence)
         est = (node_probs if node_probs is not None else tree.logp.float().exp()).tolist()
-        tokens, parents, logp, proposed = self._choose(tree.tokens.tolist(), tree.parents.tolist(), est,
+        tokens, parents, logp, proposed, gain = self._choose(tree.tokens.tolist(), tree.parents.tolist(), est,
                                                        tree.logp.tolist(), expected_tokens, round_ms, costs,
                                                        self.config.max_nodes if max_nodes is None
                                                        else min(self.config.max_nodes, max_nodes))
@@ -496,7 +499,7 @@ class ContextDrafter:
             tree = tree.graft(torch.tensor(tokens, device=dev), torch.tensor(parents, device=dev),
                               torch.tensor(logp, device=dev))
             self.proposed_nodes += len(tokens)
-        return Graft(tree, det, proposed)
+        return Graft(tree, det, proposed, gain)
 
     def graft_under_root(self, root: int, budget: int) -> tuple[list[int], list[int], dict[int, list[tuple]]]:
         """The fixed-shape round's graft, on the host alone: up to `budget` nodes beneath the root token
@@ -508,7 +511,7 @@ class ContextDrafter:
             proposed: node index (1 + its place) -> the statistics keys that proposed it, for
             `observe_path`).
         """
-        tokens, parents, _, proposed = self._choose([root], [-1], [1.0], [0.0], 1.0, 0.0, None,
+        tokens, parents, _, proposed, _ = self._choose([root], [-1], [1.0], [0.0], 1.0, 0.0, None,
                                                     min(budget, self.config.max_nodes))
         self.proposed_nodes += len(tokens)
         return tokens, parents, proposed
@@ -516,7 +519,7 @@ class ContextDrafter:
     def _choose(self, toks: list[int], pars: list[int], est: list[float], base_logp: list[float],
                 expected_tokens: float, round_ms: float, costs, max_nodes: int):
         """`graft`'s choice over host lists (the tree's tokens, parents, acceptance estimates and draft
-        log-probabilities): (tokens, parents, logp of the new nodes; proposed)."""
+        log-probabilities): (tokens, parents, logp of the new nodes; proposed; their expected tokens)."""
         cfg = self.config
         n_tree = len(toks)
         est = list(est)
@@ -578,7 +581,7 @@ class ContextDrafter:
                         + math.log(max(kid.cond, 1e-6)))
             proposed[kid.tree_idx] = kid.keys
             push_kids(kid, s)
-        return tokens, parents, logp, proposed
+        return tokens, parents, logp, proposed, tokens_now - max(expected_tokens, 1.0)
 
     # ---------------------------------------------------------------- learning
 
