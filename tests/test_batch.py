@@ -298,3 +298,41 @@ def test_beside_other_slots_a_slot_grafts_only_the_nodes_that_pay_for_their_plac
     assert crowded.grown.tree.size == 1 and crowded.expected == 1.0
     assert 1 < light.grown.tree.size <= 3                             # beside one row: up to the 4th row
     assert light.expected == pytest.approx(1.0 + light.graft.gain) and light.graft.gain > 0
+
+
+def test_max_batch_from_the_costs_is_the_most_rows_within_two_lone_steps():
+    from mcsd.costs.cost_model import Costs
+    from mcsd.decoding.row_budget import MAX_SLOTS, max_batch
+    assert max_batch(Costs(verify={1: 4.0, 6: 8.0, 7: 8.5}, draft={1: 0.1}, source="measured"))[0] == 6
+    assert max_batch(Costs(verify={1: 4.0, 2: 8.5}, draft={1: 0.1}, source="measured"))[0] == 1
+    assert max_batch(Costs(verify={1: 1.0, 256: 1.0}, draft={1: 0.1}, source="measured"))[0] == MAX_SLOTS
+    assert max_batch(Costs.default()) == (1, "no costs measured on this machine")
+    assert max_batch(None)[0] == 1
+    slots, why = max_batch(Costs(verify={1: 4.0, 6: 8.0, 7: 8.5}, draft={1: 0.1}, source="measured"))
+    assert why == "a forward of 6 rows costs 8.0 ms, within 2x one row's 4.0 ms"
+
+
+def test_a_server_left_to_choose_batches_by_the_costs_or_answers_one_at_a_time_and_says_why(target, caplog):
+    from mcsd.costs.cost_model import Costs
+    from mcsd.serve.batching import BatchEngine
+    dec = TreeDecoder(target, ContextDrafter(), attention="sdpa", calibrate=False)
+
+    def engine(costs, decoder=dec):
+        decoder.context_costs = costs
+        e = BatchEngine(lambda: decoder, None, 4)
+        e.decoder = decoder
+        return e, e._batch_decoder()
+
+    e, batch = engine(Costs(verify={1: 4.0, 3: 7.9, 4: 9.0}, draft={1: 0.1}, source="measured"))
+    assert isinstance(batch, BatchDecoder) and batch.max_batch == e.max_batch == 3
+    with caplog.at_level("INFO", logger="mcsd.serve"):
+        e, batch = engine(Costs(verify={1: 4.0, 2: 9.0}, draft={1: 0.1}, source="measured"))
+    assert batch is None and e.max_batch == 1 and "--max-batch auto: 1 (a forward of 1 rows" in caplog.text
+    eager = TreeDecoder(target, ContextDrafter(), attention="eager", calibrate=False)
+    with caplog.at_level("INFO", logger="mcsd.serve"):
+        e, batch = engine(Costs(verify={1: 1.0, 256: 1.0}, draft={1: 0.1}, source="measured"), eager)
+    assert batch is None and e.max_batch == 1 and "one at a time (batched decoding needs" in caplog.text
+    explicit = BatchEngine(lambda: eager, 4, 4)
+    explicit.decoder = eager
+    with pytest.raises(ConfigError, match="batched decoding needs"):
+        explicit._batch_decoder()

@@ -127,7 +127,7 @@ def test_requests_beyond_the_slots_wait_in_the_queue_and_one_more_gets_a_429(ser
 def test_max_batch_below_one_is_a_usage_error(capsys):
     from mcsd.serve.cli import main
     assert main(["--max-batch", "0", "--target", "x"]) == 2
-    assert "--max-batch must be >= 1, got 0" in capsys.readouterr().err
+    assert "--max-batch must be >= 1 or auto, got 0" in capsys.readouterr().err
 
 
 def test_the_concurrency_benchmark_runs_on_the_tiny_pair(serve_models, tmp_path):  # noqa: F811

@@ -26,6 +26,8 @@ attend over their own slots' prefixes, which the products dominate on the models
 from __future__ import annotations
 
 MIN_ROWS = 2                # the root and one node: a slot's tree shrinks to this, never to nothing
+BATCH_SLOWDOWN = 2.0        # `max_batch`: a slot's plain round may cost at most this many lone steps
+MAX_SLOTS = 16
 
 
 class RowBudget:
@@ -85,3 +87,18 @@ class BesideCosts:
 
     def draft_ms(self, width: int) -> float:
         return self.costs.draft_ms(width)
+
+
+def max_batch(costs, slowdown: float = BATCH_SLOWDOWN, limit: int = MAX_SLOTS) -> tuple[int, str]:
+    """(slots, why): the most sequences a round decodes together on this machine, from the calibrated
+    cost of T rows: the largest B whose forward of B rows costs at most `slowdown` lone steps, so that
+    each of B requests still runs at least 1 / slowdown of its lone speed while the aggregate grows.
+    1 without measured costs (generic defaults say nothing of this machine)."""
+    if costs is None or costs.source == "default":
+        return 1, "no costs measured on this machine"
+    one = costs.base_verify_ms(1)
+    slots = 1
+    while slots < limit and costs.base_verify_ms(slots + 1) <= slowdown * one:
+        slots += 1
+    return slots, (f"a forward of {slots} rows costs {costs.base_verify_ms(slots):.1f} ms, within "
+                   f"{slowdown:g}x one row's {one:.1f} ms")

@@ -40,15 +40,20 @@ class BatchEngine(Engine):
     """A worker thread that decodes up to `max_batch` generations together, and its bounded FIFO queue
     (starting, queueing, draining and stopping as `Engine` does; the worker is its own).
 
+    With `max_batch` None (`--max-batch auto`) the slots come from the decoder's calibrated costs once
+    it is built (`mcsd.decoding.row_budget.max_batch`); where that is one, or the decoder cannot decode
+    in a batch (a target off the engine's own forward), the worker answers one job at a time with the
+    whole decoder, as `Engine` does, and says why in the log.
+
     Args:
         build: called once on the worker thread; returns the `TreeDecoder`.
-        max_batch: generations decoded together (slots).
+        max_batch: generations decoded together (slots), or None: from the costs.
         max_queue: jobs that may wait beyond the running ones; one more is refused.
         metrics: a `mcsd.serve.metrics.Metrics`, or None.
         batch: builds the `BatchDecoder` from the decoder and `max_batch` (default: `BatchDecoder` itself).
     """
 
-    def __init__(self, build: Callable[[], object], max_batch: int, max_queue: int, metrics=None,
+    def __init__(self, build: Callable[[], object], max_batch: int | None, max_queue: int, metrics=None,
                  batch: Callable | None = None):
         super().__init__(build, max_queue, metrics)
         self.max_batch, self._make_batch = max_batch, batch
@@ -58,24 +63,53 @@ class BatchEngine(Engine):
     @property
     def running(self) -> int:
         """Generations in the batch (decoding, or waiting there for a slot)."""
-        return len(self.batch.active) + len(self.batch.waiting) if self.batch is not None else 0
+        if self.batch is None:
+            return super().running
+        return len(self.batch.active) + len(self.batch.waiting)
 
     @property
     def busy(self) -> bool:
-        return bool(self.flights)
+        return bool(self.flights) or super().busy
 
     # ------------------------------------------------------------------ the worker thread
 
     def _work(self) -> None:
         try:
-            from ..decoding.batch import BatchDecoder
             self.decoder = self._build()
-            self.batch = (self._make_batch or BatchDecoder)(self.decoder, self.max_batch)
+            self.batch = self._batch_decoder()
         except BaseException as exc:                  # reported by start() on the caller's thread
             self._build_error = exc
             return
         finally:
             self._ready.set()
+        if self.batch is None:
+            self._one_at_a_time()
+        else:
+            self._batched()
+
+    def _batch_decoder(self):
+        """The `BatchDecoder` of `max_batch` slots, or None: one at a time (auto only)."""
+        from ..config import ConfigError
+        from ..decoding.batch import BatchDecoder
+        from ..decoding.row_budget import max_batch
+        auto = self.max_batch is None
+        if auto:
+            decoder = self.decoder
+            self.max_batch, why = max_batch(decoder.context_costs or decoder.calibration.costs())
+            log.info("--max-batch auto: %d (%s)", self.max_batch, why)
+            if self.max_batch == 1:
+                return None
+        try:
+            return (self._make_batch or BatchDecoder)(self.decoder, self.max_batch)
+        except ConfigError as exc:
+            if not auto:
+                raise
+            log.info("--max-batch auto: one at a time (%s)", exc)
+            self.max_batch = 1
+            return None
+
+    def _batched(self) -> None:
+        """The worker's loop: a round over every slot at a time, jobs joining as slots free."""
         stopping = False
         while not (stopping and not self.flights and self._queue.empty()):
             stopping = self._take(block=not self.flights) or stopping

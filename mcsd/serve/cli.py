@@ -67,10 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the model id clients send (default: the preset name, else --target as given)")
     srv.add_argument("--max-queue", type=int, default=64,
                      help="requests that may wait for the decoder; one more gets a 429 (default 64)")
-    srv.add_argument("--max-batch", type=int, default=1, metavar="B",
+    srv.add_argument("--max-batch", type=_max_batch, default=None, metavar="B",
                      help="generations decoded together in one target forward a round (continuous batching: "
                           "requests join at a round boundary, long prompts go in chunks); each answer is the one "
-                          "a lone request gets. 1 (the default) decodes one at a time with the full drafter")
+                          "a lone request gets. 1 decodes one at a time with the full drafter; auto (the "
+                          "default) takes the most rows whose forward costs at most two lone steps, from this "
+                          "machine's calibrated costs")
     srv.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
                      help="a request's time limit, queueing included; past it the generation stops and the "
                           "request gets a 504 (default 600)")
@@ -84,11 +86,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _max_batch(text: str) -> int | None:
+    """--max-batch: an integer (>= 1: `_check_server_args`), or auto (None)."""
+    if text == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1 or auto, got {text!r}") from None
+    return value
+
+
 def _check_server_args(args) -> None:
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be between 0 and 65535, got {args.port}")
-    if args.max_batch < 1:
-        raise UsageError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.max_batch is not None and args.max_batch < 1:
+        raise UsageError(f"--max-batch must be >= 1 or auto, got {args.max_batch}")
     if args.max_queue < 1:
         raise UsageError(f"--max-queue must be >= 1, got {args.max_queue}")
     if not args.request_timeout > 0:
@@ -187,7 +200,7 @@ def _run(args, sock: socket.socket, api_key: str | None) -> int:
     port = sock.getsockname()[1]
     # the gauges read `engine` when /metrics is rendered, by then assigned below
     metrics = Metrics(lambda: {"queue_depth": engine.queue_depth, "running": engine.running})
-    if args.max_batch > 1:
+    if args.max_batch is None or args.max_batch > 1:
         from .batching import BatchEngine
         engine = BatchEngine(lambda: _build(args), args.max_batch, args.max_queue, metrics)
     else:

@@ -161,6 +161,10 @@ class Engine:
             return
         finally:
             self._ready.set()
+        self._one_at_a_time()
+
+    def _one_at_a_time(self) -> None:
+        """The worker's loop: each job answered whole before the next is taken, until the stop marker."""
         while True:
             job = self._queue.get()
             if job is None:
