@@ -6,6 +6,7 @@ import torch
 from conftest import exact_two_token_probs, pooled_chi_square_p, tiny_llama
 
 from mcsd.config import ConfigError, SamplingConfig
+from mcsd.core.output import GenerationStats
 from mcsd.decoding.batch import BatchDecoder
 from mcsd.decoding.decoder import TreeDecoder
 from mcsd.drafting.context import ContextDrafter
@@ -336,3 +337,27 @@ def test_a_server_left_to_choose_batches_by_the_costs_or_answers_one_at_a_time_a
     explicit.decoder = eager
     with pytest.raises(ConfigError, match="batched decoding needs"):
         explicit._batch_decoder()
+
+
+def test_a_requests_stats_give_its_share_of_the_batched_forwards(eos_target):
+    dec = _decoder(eos_target)
+    batch = BatchDecoder(dec, max_batch=3)
+    got = [batch.submit(p, max_new_tokens=n, ignore_eos=True) for p, n in zip(PROMPTS[:3], (6, 10, 14))]
+    rounds = []                                          # (rows of each request this round, all rows, slots)
+    while not batch.idle:
+        fed = {id(r): len(r.rows) for r in got}
+        batch.step()
+        rows = {id(r): r.rows[-1] for r in got if len(r.rows) > fed[id(r)]}
+        rounds.append((rows, batch.last_rows, batch.last_batch))
+    for r in got:
+        mine = [(rows[id(r)], all_rows, slots) for rows, all_rows, slots in rounds if id(r) in rows]
+        s = r.output.stats
+        assert s.batch_rounds == len(mine) and s.batch_rows == sum(m[0] for m in mine) == sum(r.rows)
+        assert s.batch_share == pytest.approx(sum(m[0] for m in mine) / sum(m[1] for m in mine))
+        assert s.batch_size == pytest.approx(sum(m[2] for m in mine) / len(mine))
+        assert 0 < s.batch_share < 1 and 1 <= s.batch_size <= 3
+        assert r.output.stats.as_dict()["batch_share"] == s.batch_share
+    last = got[-1].output.stats                          # alone at the end: a share of 1 in those rounds
+    assert any(len(rows) == 1 and id(got[-1]) in rows for rows, _, _ in rounds)
+    assert last.batch_size < 3
+    assert GenerationStats().batch_share is None and GenerationStats().as_dict()["batch_size"] is None

@@ -63,12 +63,17 @@ def test_concurrent_clients_get_the_lone_decoders_answers(batched, pair):  # noq
 def test_n_choices_take_slots_of_their_own_and_answer_as_one_at_a_time(batched, serve_models, tmp_path):  # noqa: F811
     body = {"model": batched.model, "prompt": "w07 w08 w09", "max_tokens": 10, "temperature": 0.9, "n": 3,
             "seed": 4}
-    got = _post(batched, "/v1/completions", body).json()["choices"]
-    lone = ServerProcess(serve_models, tmp_path)
+    answer = _post(batched, "/v1/completions", body).json()
+    got = answer["choices"]
+    lone = ServerProcess(serve_models, tmp_path)               # --max-batch auto, no costs: one at a time
     try:
-        want = _post(lone, "/v1/completions", body).json()["choices"]
+        alone = _post(lone, "/v1/completions", body).json()
+        want = alone["choices"]
     finally:
         assert lone.stop() == 0
+    # the three choices shared their forwards: each had a part of their rows
+    assert 0 < answer["mcsd"]["batch_share"] <= 1 and 1 < answer["mcsd"]["batch_size"] <= 3
+    assert "batch_share" not in alone["mcsd"]
     assert [c["text"] for c in sorted(got, key=lambda c: c["index"])] == \
         [c["text"] for c in sorted(want, key=lambda c: c["index"])]
 
@@ -145,11 +150,12 @@ def test_the_concurrency_benchmark_runs_on_the_tiny_pair(serve_models, tmp_path)
     out = tmp_path / "bench.json"
     flags = ["--target", str(serve_models / "target"), "--draft", str(serve_models / "draft"), "--dtype", "float32",
              "--no-calibrate", "--threads", "1"]
-    assert bench.main(["--max-batch", "1,2", "--clients", "1,2", "--requests", "2", "--max-tokens", "4",
+    assert bench.main(["--max-batch", "2,auto", "--clients", "1,2", "--requests", "2", "--max-tokens", "4",
                        "--prompts", str(prompts), "--out", str(out), "--", *flags]) == 0
     results = json.loads(out.read_text())["results"]
-    assert [(r["max_batch"], r["clients"], r["requests"]) for r in results] == \
-        [(1, 1, 2), (1, 2, 4), (2, 1, 2), (2, 2, 4)]
+    assert [(r["server"], r["clients"], r["requests"]) for r in results] == \
+        [("mcsd --max-batch 2", 1, 4), ("mcsd --max-batch 2", 2, 4), ("mcsd --max-batch auto", 1, 4),
+         ("mcsd --max-batch auto", 2, 4)]                      # the same requests at every level
     assert all(r["tokens"] > 0 and r["p95_s"] >= r["p50_s"] > 0 for r in results)
 
 

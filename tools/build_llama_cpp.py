@@ -5,6 +5,7 @@ by one with explicit flags taken from this CPU's /proc/cpuinfo, without AMX.
 
     python tools/build_llama_cpp.py                       # build, smoke-test, say which build stands
     python tools/build_llama_cpp.py --check               # only the smoke run of what is installed
+    python tools/build_llama_cpp.py --server DIR          # llama.cpp's llama-server from the same source
 
 The build takes 15-40 minutes on 2 cores; `--jobs` sets its parallelism (one job keeps a core free).
 """
@@ -15,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 VERSION = "0.3.36"
@@ -51,6 +53,26 @@ def build(cmake_args: str, jobs: int) -> None:
            "--no-binary", "llama-cpp-python", f"llama-cpp-python=={VERSION}"]
     print(f"building llama-cpp-python {VERSION} with CMAKE_ARGS={cmake_args!r}", flush=True)
     subprocess.run(cmd, env=env, check=True)
+
+
+def build_server(dest: Path, jobs: int) -> Path:
+    """llama.cpp's `llama-server` from the llama.cpp source vendored in llama-cpp-python's sdist of
+    VERSION (the library the benchmark's `llama_cpp` method runs), built natively under `dest`."""
+    dest.mkdir(parents=True, exist_ok=True)
+    sdist = dest / f"llama_cpp_python-{VERSION}.tar.gz"
+    if not sdist.exists():
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+                        f"llama-cpp-python=={VERSION}", "-d", str(dest)], check=True)
+    source = dest / f"llama_cpp_python-{VERSION}" / "vendor" / "llama.cpp"
+    if not source.exists():
+        with tarfile.open(sdist) as tar:
+            tar.extractall(dest, filter="data")
+    build_dir = source / "build"
+    subprocess.run(["cmake", "-S", str(source), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
+                    "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                    "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"], check=True)
+    subprocess.run(["cmake", "--build", str(build_dir), "--target", "llama-server", "-j", str(jobs)], check=True)
+    return build_dir / "bin" / "llama-server"
 
 
 _SMOKE = """
@@ -97,7 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 1)),
                     help="parallel compile jobs (default: every core)")
     ap.add_argument("--check", action="store_true", help="only smoke-test the installed build")
+    ap.add_argument("--server", type=Path, default=None, metavar="DIR",
+                    help="build llama.cpp's llama-server under DIR instead (benchmarks/serve_concurrency.py)")
     args = ap.parse_args(argv)
+    if args.server is not None:
+        print(build_server(args.server, args.jobs))
+        return 0
 
     try:
         if args.check:

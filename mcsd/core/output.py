@@ -36,6 +36,27 @@ class GenerationStats:
     accepted_by_depth: list[int] = field(default_factory=list)  # rounds that did
     round: str = "loop"               # how the rounds ran: "loop" or "fixed" (`mcsd.decoding.fixed_round`)
     round_reason: str = ""            # ... and why
+    batch_rounds: int = 0             # batched forwards it had rows in (`mcsd.decoding.batch`), prompt chunks too
+    batch_rows: int = 0               # ... the rows it fed them
+    batch_all_rows: int = 0           # ... and every slot's rows in them
+    batch_slots: int = 0              # ... and the slots they fed, summed
+
+    @property
+    def batch_share(self) -> float | None:
+        """Its share of the batched forwards it ran in (its rows over all their rows); None unbatched."""
+        return self.batch_rows / self.batch_all_rows if self.batch_all_rows else None
+
+    @property
+    def batch_size(self) -> float | None:
+        """Slots in the batched forwards it ran in, on average; None unbatched."""
+        return self.batch_slots / self.batch_rounds if self.batch_rounds else None
+
+    def record_batch(self, rows: int, all_rows: int, slots: int) -> None:
+        """A batched forward it fed `rows` of `all_rows` rows in, over `slots` slots."""
+        self.batch_rounds += 1
+        self.batch_rows += rows
+        self.batch_all_rows += all_rows
+        self.batch_slots += slots
 
     @property
     def mean_accepted(self) -> float:
@@ -76,7 +97,8 @@ class GenerationStats:
                 "tree_nodes": self.tree_nodes, "tokens_per_s": self.tokens_per_s, "wall_s": self.wall_s,
                 "prefill_s": self.prefill_s, "draft_s": self.draft_s, "verify_s": self.verify_s,
                 "policy_s": self.policy_s, "other_s": self.other_s, "context_nodes": self.context_nodes,
-                "context_accepted": self.context_accepted, "round": self.round, "round_reason": self.round_reason}
+                "context_accepted": self.context_accepted, "round": self.round, "round_reason": self.round_reason,
+                "batch_rounds": self.batch_rounds, "batch_share": self.batch_share, "batch_size": self.batch_size}
 
 
 @dataclass

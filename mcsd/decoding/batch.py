@@ -199,6 +199,7 @@ class BatchDecoder:
         advanced = failed
         for (request, block, proposal), rows in zip(plan, logits):      # 3-4. per slot
             request.rows.append(block.tokens.numel())
+            request.stats.record_batch(block.tokens.numel(), self.last_rows, self.last_batch)
             try:
                 if proposal is None:
                     self._prefilled(request, block, rows, t2 - t1)

@@ -479,18 +479,26 @@ def token_logprobs(endpoint: str, tokenizer, tokens: list[int], rows: list, offs
 
 def speculation(stats_list: list) -> dict:
     """The `mcsd` extra field: what speculation did for these generations (clients ignore it).
-    tau is tokens per target forward; acceptance by depth d is P(depth d accepted | depth d-1 was)."""
+    tau is tokens per target forward; acceptance by depth d is P(depth d accepted | depth d-1 was);
+    decoded in a batch, `batch_share` is their rows over all rows of the forwards they ran in and
+    `batch_size` those forwards' slots on average."""
     new = sum(s.new_tokens for s in stats_list)
     forwards = sum(s.target_forwards for s in stats_list)
     wall = sum(s.wall_s for s in stats_list)
     depth = max((len(s.offered_by_depth) for s in stats_list), default=0)
     offered = [sum(s.offered_by_depth[d] for s in stats_list if d < len(s.offered_by_depth)) for d in range(depth)]
     accepted = [sum(s.accepted_by_depth[d] for s in stats_list if d < len(s.accepted_by_depth)) for d in range(depth)]
-    return {"tau": round(new / forwards, 4) if forwards else 0.0,
-            "accept_by_depth": [round(a / o, 4) if o else 0.0 for a, o in zip(accepted, offered)],
-            "target_forwards": forwards, "draft_forwards": sum(s.draft_forwards for s in stats_list),
-            "rounds": sum(s.rounds for s in stats_list), "tokens_per_s": round(new / wall, 2) if wall else 0.0,
-            "wall_s": round(wall, 4)}
+    out = {"tau": round(new / forwards, 4) if forwards else 0.0,
+           "accept_by_depth": [round(a / o, 4) if o else 0.0 for a, o in zip(accepted, offered)],
+           "target_forwards": forwards, "draft_forwards": sum(s.draft_forwards for s in stats_list),
+           "rounds": sum(s.rounds for s in stats_list), "tokens_per_s": round(new / wall, 2) if wall else 0.0,
+           "wall_s": round(wall, 4)}
+    batch_rounds = sum(s.batch_rounds for s in stats_list)
+    if batch_rounds:                  # decoded in a batch: its share of those forwards, and their slots
+        out["batch_share"] = round(sum(s.batch_rows for s in stats_list)
+                                   / sum(s.batch_all_rows for s in stats_list), 4)
+        out["batch_size"] = round(sum(s.batch_slots for s in stats_list) / batch_rounds, 3)
+    return out
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
