@@ -45,12 +45,20 @@ class Engine(Protocol):
 # ---- the child ------------------------------------------------------------------------------------
 
 class LlamaCppEngine:
-    """llama-cpp-python's `Llama` on a GGUF: greedy (top-1) or sampled, the prompt given as ids."""
+    """llama-cpp-python's `Llama` on a GGUF: greedy (top-1) or sampled, the prompt given as ids; with
+    `lookup` N > 0, drafting N tokens a step by its own prompt lookup (`LlamaPromptLookupDecoding`,
+    n-grams of the prompt and the output so far), verified by the model."""
 
-    def __init__(self, model_path: str, threads: int, n_ctx: int = 2048):
+    def __init__(self, model_path: str, threads: int, n_ctx: int = 2048, lookup: int = 0):
         from llama_cpp import Llama
+        draft = None
+        if lookup:
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+            draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup)
+        # with a draft model llama-cpp-python keeps every position's logits, but sizes their buffer by
+        # the logits_all it was given (n_batch rows without): a prompt past n_batch then overflows it
         self.llm = Llama(model_path=model_path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                         verbose=False)
+                         verbose=False, draft_model=draft, logits_all=bool(lookup))
 
     def generate(self, ids, max_new_tokens, temperature=0.0, top_p=1.0, seed=None, stop_ids=()):
         llm = self.llm
@@ -117,8 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", required=True, help="GGUF file")
     ap.add_argument("--threads", type=int, required=True)
     ap.add_argument("--n-ctx", type=int, default=2048)
+    ap.add_argument("--lookup", type=int, default=0, help="prompt-lookup draft tokens a step (0: none)")
     args = ap.parse_args(argv)
-    return run_worker(lambda: LlamaCppEngine(args.model, args.threads, args.n_ctx))
+    return run_worker(lambda: LlamaCppEngine(args.model, args.threads, args.n_ctx, args.lookup))
 
 
 # ---- the parent -----------------------------------------------------------------------------------
@@ -198,9 +207,10 @@ class Worker:
 class LlamaCppWorker(Worker):
     """llama.cpp on `model_path` in a child process running this file (which imports no torch)."""
 
-    def __init__(self, model_path: str | Path, threads: int, n_ctx: int = 2048):
+    def __init__(self, model_path: str | Path, threads: int, n_ctx: int = 2048, lookup: int = 0):
         super().__init__([sys.executable, str(Path(__file__).resolve()), "--model", str(model_path),
-                          "--threads", str(threads), "--n-ctx", str(n_ctx)], name="llama.cpp worker")
+                          "--threads", str(threads), "--n-ctx", str(n_ctx), "--lookup", str(lookup)],
+                         name="llama.cpp worker")
 
 
 if __name__ == "__main__":

@@ -155,26 +155,34 @@ def llama_cpp_unavailable(bench) -> str | None:
     return None
 
 
-def llama_cpp_worker(bench) -> Worker:
-    """The session's llama.cpp process, started on first use with the preset's GGUF and torch's thread
-    count, and warmed up on the first prompt (4 tokens), as the bench warms the target up, so no
-    prompt's timing carries llama.cpp's first-call overheads. The bench closes it at the end."""
-    worker = bench.workers.get("llama_cpp")
+# llama-cpp-python's advice for its prompt lookup: 2 draft tokens a step on a CPU (10 on a GPU)
+LLAMA_LOOKUP_TOKENS = 2
+
+
+def llama_cpp_worker(bench, lookup: int = 0) -> Worker:
+    """The session's llama.cpp process (one per `lookup`: prompt-lookup draft tokens a step, 0 for
+    none), started on first use with the preset's GGUF and torch's thread count, and warmed up on the
+    first prompt (4 tokens), as the bench warms the target up, so no prompt's timing carries
+    llama.cpp's first-call overheads. The bench closes it at the end."""
+    name = f"llama_cpp_lookup{lookup}" if lookup else "llama_cpp"
+    worker = bench.workers.get(name)
     if worker is None:
         from mcsd.loading.models import fetch_preset_gguf
-        worker = bench.workers["llama_cpp"] = LlamaCppWorker(fetch_preset_gguf(bench.target_preset),
-                                                             threads=torch.get_num_threads())
+        worker = bench.workers[name] = LlamaCppWorker(fetch_preset_gguf(bench.target_preset),
+                                                      threads=torch.get_num_threads(), lookup=lookup)
         worker.generate(bench.prompts[0][1].tolist(), 4)
     return worker
 
 
-def _llama_cpp(bench, ids) -> Run:
+def _llama_cpp(bench, ids, lookup: int = 0) -> Run:
     """llama.cpp on the GGUF the target was converted from, in its own process (`benchmarks/llama_worker.py`):
     greedy (top-1) or the bench's sampling, its prompt ids; prompt processing is timed, as the engine's
-    prefill is. The seconds are the worker's own timing of the decoding, not the pipe's round trip."""
+    prefill is. The seconds are the worker's own timing of the decoding, not the pipe's round trip.
+    With `lookup`, llama-cpp-python's own prompt-lookup drafting (its forwards are not counted: tau
+    is left at 1)."""
     sampling = bench.sampling
     stop = bench.tokenizer.convert_tokens_to_ids("<|im_end|>")
-    tokens, seconds = llama_cpp_worker(bench).generate(
+    tokens, seconds = llama_cpp_worker(bench, lookup).generate(
         ids.tolist(), bench.max_new_tokens, temperature=sampling.get("temperature", 0.0),
         top_p=sampling.get("top_p", 1.0), seed=bench.seed_for(ids) if sampling else None,
         stop_ids=[stop] if isinstance(stop, int) else [])
@@ -194,6 +202,8 @@ def all_methods() -> list[Method]:
         Method("hf_assisted", "hf_assisted", lambda b, ids: _hf(b, ids, assistant=True)),
         # another engine on the same weights' source (the preset's GGUF): where a CPU user compares
         Method("llama_cpp", "llama_cpp", _llama_cpp),
+        # ... with its own prompt-lookup drafting, the closest it has to mcsd's context drafting
+        Method("llama_cpp_lookup", "llama_cpp", lambda b, ids: _llama_cpp(b, ids, LLAMA_LOOKUP_TOKENS)),
     ]
     for n in HF_FIXED:
         methods.append(Method(f"hf_assisted_n{n}", "hf_assisted", lambda b, ids, n=n: _hf(

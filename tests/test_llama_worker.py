@@ -148,6 +148,26 @@ def test_the_llama_cpp_method_sends_the_benchs_settings_and_reports_the_workers_
     assert worker.requests == [([5, 6, 7], 16, want)]
 
 
+def test_llama_cpp_with_prompt_lookup_runs_in_a_worker_of_its_own_told_how_many_tokens_to_draft(methods,
+                                                                                                 monkeypatch):
+    import llama_worker
+    started = []
+    monkeypatch.setattr(llama_worker.Worker, "__init__", lambda self, argv, name="", **kw: started.append(argv))
+    monkeypatch.setattr(llama_worker.Worker, "generate", lambda self, ids, n, **settings: ([9], 0.25))
+    monkeypatch.setattr("mcsd.loading.models.fetch_preset_gguf", lambda preset: Path("/m.gguf"))
+    plain = _Recorder()
+    bench = SimpleNamespace(workers={"llama_cpp": plain}, max_new_tokens=16, seed_for=lambda i: 42,
+                            tokenizer=SimpleNamespace(convert_tokens_to_ids=lambda t: 2), sampling={},
+                            target_preset="p", prompts=[(0, torch.tensor([1, 2]))])
+    method = next(m for m in methods.all_methods() if m.name == "llama_cpp_lookup")
+    assert method.family == "llama_cpp"
+    run = method.run(bench, torch.tensor([5, 6]))
+    assert run.tokens == [9] and plain.requests == []               # not the plain llama.cpp worker
+    [argv] = started
+    assert argv[argv.index("--lookup") + 1] == str(methods.LLAMA_LOOKUP_TOKENS) and "/m.gguf" in argv
+    assert set(bench.workers) == {"llama_cpp", f"llama_cpp_lookup{methods.LLAMA_LOOKUP_TOKENS}"}
+
+
 def test_llama_cpp_not_installed_is_one_clear_line(methods, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
