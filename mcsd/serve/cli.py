@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                 description="Serve lossless tree speculative decoding over OpenAI's API (/v1/chat/completions, "
                             "/v1/completions, /v1/models, /health, /metrics). One model pair per server, chosen "
                             f"as mcsd-generate chooses it; without --target/--draft the embedded pair "
-                            f"{DEFAULT_PRESET!r}. Requests are decoded one at a time, in arrival order.")
+                            f"{DEFAULT_PRESET!r}. Requests are taken in arrival order and decoded together, "
+                            f"as many at once as --max-batch allows.")
     add_model_arguments(p)
     srv = p.add_argument_group("server")
     srv.add_argument("--host", default="127.0.0.1",
