@@ -267,3 +267,32 @@ def test_attention_does_not_depend_on_where_in_the_block_a_rows_allowed_keys_lie
     alone_keys[:, cached], alone_values[:, cached] = keys[:, mine], values[:, mine]
     alone = native.attention(q, alone_keys, alone_values, cached + 1, torch.zeros(1, cached + 1), 0.125)
     assert torch.equal(in_block, alone)
+
+
+def test_a_feature_heads_layer_on_its_q8_0_codes_runs_as_one_native_call_and_predicts_as_operation_by_operation(
+        tmp_path, monkeypatch):
+    """Its q / k / v and gate / up share one Q8_0 product each (the codes are per row: each layer's
+    own), so the head's decoder layer runs as the target's do; its predictions are those of the same
+    codes run operation by operation."""
+    from mcsd.drafting.feature_draft import FeatureDrafter
+    model = _on_q4_codes(_family("llama"), tmp_path / "llama.gguf")
+    drafter = FeatureDrafter(_feature_head(model.config.hidden_size, model.config.vocab_size), model)
+    body = drafter.head.body.layers[0]
+    q8 = quant.native_rows(body.self_attn.q_proj)
+    assert isinstance(q8[0], quant.Q8Linear) and q8[0] is quant.native_rows(body.self_attn.v_proj)[0]
+    assert drafter._lean.native_layers() is not None            # one call a layer
+    feats, tokens = torch.randn(7, 32), torch.randint(0, 64, (7,))
+
+    def predict():
+        drafter.reset()
+        with torch.inference_mode():
+            return drafter._run(feats, tokens, torch.arange(7), causal_allowed(7))
+
+    one_call = predict()
+    monkeypatch.setattr(llama.LeanForward, "native_layers", lambda self: None)
+    by_op = predict()
+    assert torch.allclose(one_call, by_op, rtol=1e-5, atol=1e-5 * float(by_op.abs().max()))
+    separate = [layer.weight for layer in (body.self_attn.q_proj, body.self_attn.k_proj, body.self_attn.v_proj)]
+    joined_codes = q8[0].codes                                      # the rows of each layer's own codes
+    assert joined_codes.shape[0] == sum(w.shape[0] for w in separate)
+    assert torch.equal(joined_codes[:separate[0].shape[0]], quant.quantize_q8_0(separate[0])[0])

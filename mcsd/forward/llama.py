@@ -219,7 +219,9 @@ class LeanForward:
                 if any(b is None for b in biases) and any(b is not None for b in biases):
                     return None
                 bias = None if biases[0] is None else torch.cat([b.detach() for b in biases]).float().contiguous()
-                products[name] = (whole.codes, whole.d, whole.m, bias, whole.out_features, whole.in_features)
+                q8 = isinstance(whole, quant.Q8Linear)                 # Q8_0 codes (a drafter's own)
+                products[name] = (whole.codes, whole.d, None if q8 else whole.m, bias, whole.out_features,
+                                  whole.in_features, whole.w128 if q8 else None)
                 act8.add(whole.act8)
             norms = [m.norm, m.post_norm] + ([m.q_norm, m.k_norm] if m.q_norm is not None else [])
             if type(m.act).__name__ not in ("SiLU", "SiLUActivation") or \

@@ -34,15 +34,17 @@ from ..config import ConfigError
 SOURCE = Path(__file__).with_name("q4_kernel.c")
 FLAGS = ["-O3", "-std=c11", "-ffp-contract=off", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
 LIBS = ["-lm"]
-VERSION = 17                           # mcsd_q4_abi() of q4_kernel.c; cost profiles are keyed by it too
+VERSION = 18                           # mcsd_q4_abi() of q4_kernel.c; cost profiles are keyed by it too
 _lock = threading.Lock()
 _state: dict = {}                       # "lib": the loaded library or None, "reason": why not
 
 
 class _Weight(ctypes.Structure):
-    """mcsd_q4w: a Q4_1 weight (N, K) and its optional bias."""
+    """mcsd_q4w: a Q4_1 weight (N, K), or a Q8_0 one (q8, its w128 on 8-bit activations), and its
+    optional bias."""
     _fields_ = [("codes", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p),
-                ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
+                ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
+                ("w128", ctypes.c_void_p), ("q8", ctypes.c_int)]
 
 
 class LayerWeights(ctypes.Structure):
@@ -330,23 +332,25 @@ def layer_slots(weights: LayerWeights, h: torch.Tensor, out: torch.Tensor, cos: 
 def _ptr(t: torch.Tensor | None) -> int | None:
     if t is None:
         return None
-    if t.dtype != torch.float32 and t.dtype != torch.uint8 or not t.is_contiguous() or t.device.type != "cpu":
-        raise ValueError(f"the native layer reads contiguous float32 / uint8 CPU tensors, not {t.dtype} "
-                         f"{tuple(t.shape)} on {t.device}")
+    if t.dtype not in (torch.float32, torch.uint8, torch.int8, torch.int32) or not t.is_contiguous() \
+            or t.device.type != "cpu":
+        raise ValueError(f"the native layer reads contiguous float32 / uint8 / int8 / int32 CPU tensors, not "
+                         f"{t.dtype} {tuple(t.shape)} on {t.device}")
     return t.data_ptr()
 
 
 def layer_weights(norm, post_norm, q_norm, k_norm, eps: float, post_eps: float, qk_eps: float, scale: float,
                   products: dict, heads: int, kv_heads: int, head_dim: int, act8: bool = False) -> LayerWeights:
     """A decoder layer's weights for `layer`: float32 norm weights (q_norm / k_norm None where the model
-    has none) and four Q4_1 products, `products[name] = (codes, d, m, bias or None, rows, columns)` for "qkv"
-    (rows q, k, v), "o", "gate_up" (rows gate, up) and "down"; `act8`: the products on 8-bit activations
-    (`q4q8_mm`, the codes in its layout).
+    has none) and four products, `products[name] = (codes, d, m, bias or None, rows, columns, w128)` for
+    "qkv" (rows q, k, v), "o", "gate_up" (rows gate, up) and "down": Q4_1 codes, or Q8_0 ones where m
+    is None (w128: their block sums on 8-bit activations, else None); `act8`: the products on 8-bit
+    activations (`q4q8_mm` / `q8q8_mm`, the codes in their layout).
     The result points into the tensors: the caller keeps them alive as long as it."""
     weights = {}
     for name in ("qkv", "o", "gate_up", "down"):
-        codes, d, m, bias, n, k = products[name]
-        weights[name] = _Weight(_ptr(codes), _ptr(d), _ptr(m), _ptr(bias), n, k)
+        codes, d, m, bias, n, k, w128 = products[name]
+        weights[name] = _Weight(_ptr(codes), _ptr(d), _ptr(m), _ptr(bias), n, k, _ptr(w128), int(m is None))
     return LayerWeights(_ptr(norm), _ptr(post_norm), _ptr(q_norm), _ptr(k_norm), eps, post_eps, qk_eps, scale,
                         **weights, heads=heads, kv_heads=kv_heads, head_dim=head_dim, act8=int(act8))
 

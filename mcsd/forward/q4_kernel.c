@@ -30,7 +30,7 @@
 #define NB 4            /* output rows dequantised together */
 #define RB 3            /* input rows per tile */
 
-int mcsd_q4_abi(void) { return 17; }
+int mcsd_q4_abi(void) { return 18; }
 
 static inline float hsum(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -597,11 +597,14 @@ void mcsd_attention(const float *q, const float *keys, const float *values, int6
 
 /* ---- one decoder layer of a Llama-family model on Q4_1 weights, in one call ---- */
 
-/* a Q4_1 weight (N, K) and its optional bias (N,) */
+/* a Q4_1 weight (N, K) (or, q8 = 1, a Q8_0 one: m NULL; on 8-bit activations with w128, 128 x each
+   block's sum of codes, as mcsd_q8q8_mm reads it) and its optional bias (N,) */
 typedef struct {
-    const uint8_t *codes;
+    const void *codes;
     const float *d, *m, *bias;
     int64_t n, k;
+    const int32_t *w128;
+    int q8;
 } mcsd_q4w;
 
 /* a layer's weights: q / k / v joined (rows q, then k, then v), gate and up joined (gate rows first).
@@ -615,8 +618,8 @@ typedef struct {
 } mcsd_layer_t;
 
 static int product(const float *x, int64_t M, const mcsd_q4w *w, int act8, float *out, int threads) {
-    if (act8 ? mm8(x, M, w->k, w->codes, w->d, w->m, NULL, w->n, out, threads, 0)
-             : mm(x, M, w->k, w->codes, w->d, w->m, w->n, out, threads, 0)) return -1;
+    if (act8 ? mm8(x, M, w->k, w->codes, w->d, w->m, w->w128, w->n, out, threads, w->q8)
+             : mm(x, M, w->k, w->codes, w->d, w->m, w->n, out, threads, w->q8)) return -1;
     if (w->bias)
         for (int64_t r = 0; r < M; r++)
             for (int64_t j = 0; j < w->n; j++) out[r * w->n + j] += w->bias[j];

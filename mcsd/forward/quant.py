@@ -569,15 +569,25 @@ def attach_q8(module: torch.nn.Module) -> int:
     if kernel_name() != "native":
         return 0
     _changes[0] += 1
-    n = 0
-    for layer in module.modules():
-        if not isinstance(layer, torch.nn.Linear) or "forward" in layer.__dict__ or _ATTR in layer.__dict__:
-            continue
+
+    def codable(layer) -> bool:
         w = layer.weight
-        if w.is_meta or w.dtype != torch.float32 or w.device.type != "cpu" or w.shape[1] % GROUP:
-            continue
-        _put(layer, Q8Linear(*quantize_q8_0(w)))
-        n += 1
+        return type(layer) is torch.nn.Linear and "forward" not in layer.__dict__ and _ATTR not in layer.__dict__ \
+            and not w.is_meta and w.dtype == torch.float32 and w.device.type == "cpu" and w.shape[1] % GROUP == 0 \
+            and layer.bias is None
+    n = 0
+    # siblings that read one input share one product (q / k / v, gate / up), as a target's do, so that
+    # a decoder layer of the drafter runs as one native call (`LeanForward.native_layers`); Q8_0 codes
+    # are per row, so the joined codes are each layer's own
+    for group in fused.sibling_groups(module, fused.SIBLINGS + (("gate_proj", "up_proj"),)):
+        if all(codable(layer) for layer in group):
+            whole = Q8Linear(*quantize_q8_0(torch.cat([layer.weight for layer in group])))
+            _share(group, whole, lambda x, whole=whole: whole(x))
+            n += len(group)
+    for layer in module.modules():
+        if isinstance(layer, torch.nn.Linear) and codable(layer):
+            _put(layer, Q8Linear(*quantize_q8_0(layer.weight)))
+            n += 1
     return n
 
 
@@ -643,8 +653,14 @@ def _join(group: list[torch.nn.Linear], group_codes: list[Codes], act8: bool = F
     q, d, m = (torch.cat(parts) for parts in zip(*group_codes))
     whole = Q4Linear(q, d, m, act8)
     bias = None if group[0].bias is None else torch.cat([layer.bias.detach() for layer in group])
-    product = (_SharedProduct if whole.native else fused.Product)(
-        [layer.out_features for layer in group], lambda x: whole(x) if bias is None else whole(x) + bias)
+    _share(group, whole, lambda x: whole(x) if bias is None else whole(x) + bias, shared=whole.native)
+
+
+def _share(group: list[torch.nn.Linear], whole, run, shared: bool = True) -> None:
+    """Sibling layers on one coded weight `whole` (their rows one after another), `run` its product;
+    `shared`: a copied model shares it (the codes are the weights' only copy, or read-only codes of
+    their own)."""
+    product = (_SharedProduct if shared else fused.Product)([layer.out_features for layer in group], run)
     start = 0
     for i, layer in enumerate(group):
         layer.__dict__[_ATTR] = whole                  # the marker `attached` counts; the product reads it
@@ -702,13 +718,13 @@ def changes() -> int:
     return _changes[0]
 
 
-def native_rows(layer: torch.nn.Module) -> tuple[Q4Linear, int, int] | None:
-    """(the native Q4_1 weight a layer's forward reads, the layer's first and end row in it) where it
-    reads one (joined siblings share it), else None."""
-    q4 = layer.__dict__.get(_ATTR)
-    if not isinstance(q4, Q4Linear) or not q4.native:
+def native_rows(layer: torch.nn.Module) -> tuple[Q4Linear | Q8Linear, int, int] | None:
+    """(the native Q4_1 or Q8_0 weight a layer's forward reads, the layer's first and end row in it)
+    where it reads one (joined siblings share it), else None."""
+    codes = layer.__dict__.get(_ATTR)
+    if not isinstance(codes, Q8Linear) and not (isinstance(codes, Q4Linear) and codes.native):
         return None
-    return (q4, *layer.__dict__[_ROWS])
+    return (codes, *layer.__dict__[_ROWS])
 
 
 def row_invariant(layer: torch.nn.Module, dtype: torch.dtype) -> bool:
