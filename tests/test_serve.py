@@ -111,9 +111,10 @@ def server(serve_models, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def keyed_server(serve_models, tmp_path_factory):
-    """An API key and a queue of one, for the 401 and 429 cases."""
+    """An API key and a queue of one, for the 401 and 429 cases; one request decoded at a time (a batch
+    would take the queued one in: tests/test_serve_batch.py has its 429)."""
     srv = ServerProcess(serve_models, tmp_path_factory.mktemp("serve-keyed"), "--api-key", KEY, "--max-queue", "1",
-                        "--fault-injection")
+                        "--max-batch", "1", "--fault-injection")
     yield srv
     srv.stop()
 
