@@ -183,9 +183,10 @@ def main(argv=None) -> int:
                     print(f"{name:<24} clients {clients:>2}  {level['tokens_per_s']:8.2f} tokens/s  "
                           f"p50 {level['p50_s']:7.2f} s  p95 {level['p95_s']:7.2f} s", flush=True)
             finally:
-                if server.stop() != 0 and batch is not None:
-                    print(f"mcsd-serve --max-batch {batch} did not exit 0", file=sys.stderr)
-                    return 1
+                code = server.stop()
+            if code != 0 and batch is not None:
+                print(f"mcsd-serve --max-batch {batch} did not exit 0", file=sys.stderr)
+                return 1
     if args.out:
         Path(args.out).write_text(json.dumps({"server_flags": server_flags, "results": results}, indent=2) + "\n")
     if args.plot:

@@ -20,9 +20,9 @@ REPO = Path(__file__).resolve().parents[1]
 # What the command does with a model it owns (`Calibration.use_kernels`, release_weights=True):
 # load it (transformers maps the safetensors file), prepack it and let its plain weights go.
 LOAD = """
-import ctypes, gc, sys, torch
+import gc, sys, torch
 from transformers import AutoConfig, LlamaForCausalLM
-from mcsd.forward import kernels
+from mcsd.forward import kernels, mapped
 from mcsd.loading.models import load_pretrained
 
 def status(key):
@@ -36,7 +36,7 @@ with torch.inference_mode():
     warm(torch.arange(8)[None])
 del warm
 gc.collect()
-ctypes.CDLL("libc.so.6").malloc_trim(0)
+mapped.trim()
 base = status("VmRSS:")
 with open("/proc/self/clear_refs", "w") as refs:
     refs.write("5")                             # the peak starts again from what is resident now

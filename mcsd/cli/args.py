@@ -276,7 +276,8 @@ def check_pearl_drafter(args, model_kind: str | None) -> None:
     if args.draft is not None:
         draft = Path(args.draft).expanduser()
         from ..drafting.eagle3 import eagle3_layout
-        if draft.is_dir() and ((draft / "feature_head.json").is_file() or eagle3_layout(draft) is not None):
+        from ..drafting.feature_draft import is_feature_head
+        if is_feature_head(draft) or eagle3_layout(draft) is not None:
             raise UsageError(f"--policy pearl runs a standalone draft model next to the target; --draft {args.draft} "
                              f"is a head that reads the target's features: give a draft LM")
         return

@@ -118,6 +118,17 @@ class Timings:
     lowered: set
     cut_short: bool = False
 
+    def merged(self, later: "Timings") -> "Timings":
+        """These timings and a later phase's (other paths of some roles): each role the later phase
+        timed keeps only the sizes it timed, so that every path of a role covers the same sizes."""
+        sizes = {(role, n) for role, n, _ in later.ms}
+        roles = {role for role, _ in sizes}
+        keep = {k for k in self.ms if k[0] not in roles or (k[0], k[1]) in sizes}
+        return Timings(ms={**{k: self.ms[k] for k in keep}, **later.ms},
+                       spread={**{k: v for k, v in self.spread.items() if k in keep}, **later.spread},
+                       remeasured=(self.remeasured & keep) | later.remeasured,
+                       lowered=(self.lowered & keep) | later.lowered, cut_short=self.cut_short or later.cut_short)
+
 
 def _summary(rounds: list[list[float]]) -> tuple[float, float]:
     """(min of the rounds' medians, relative gap between the best two medians)."""
@@ -320,9 +331,8 @@ def measure(target, draft=None, sizes=DEFAULT_SIZES, prefix_len: int = 200, repe
     made = [m for role, m in modules.items() if packs.get(role) and not kernels.is_packed(m)]
     # Copies made here for the measurement are timed after the plain paths, their plain weights' file
     # pages given back meanwhile, so that memory never holds both layouts of a model loaded in place
-    # (the whole measurement would otherwise peak at twice its weights); copies the model had are
-    # timed interleaved with the plain paths, as they cost no memory to keep.
-    phases = [[s for s in plan if s[2] != "packed"], [s for s in plan if s[2] == "packed"]] if made else [plan]
+    # (the whole measurement would otherwise peak at twice its weights); where no copy is made (the
+    # model had its copies), every path is timed interleaved, as they cost no memory to keep.
 
     def latency(role, n, path):
         with kernels.using(path) if both[role] or packs[role] else contextlib.nullcontext():
@@ -342,25 +352,12 @@ def measure(target, draft=None, sizes=DEFAULT_SIZES, prefix_len: int = 200, repe
                               deadline=deadline)
 
     try:
-        timed = timed_phase(phases[0]) if phases[0] else None
-        if len(phases) > 1 and phases[1]:
+        timed = timed_phase([s for s in plan if not made or s[2] != "packed"])    # every size has an onednn step
+        if made:
             for module in made:
                 kernels.pack(module, drop_pages=True)
-            kept = {(r, n) for r, n, _ in timed.ms} if timed is not None else None
-            steps = [s for s in phases[1] if kept is None or (s[0], s[1]) in kept]   # the sizes the plain paths kept
-            packed = timed_phase(steps)
-            if timed is None:
-                timed = packed
-            else:
-                # every path of a role covers the same sizes (what the joint pruning gave before)
-                packed_sizes = {(r, n) for r, n, _ in packed.ms}
-                packed_roles = {r for r, _ in packed_sizes}
-                keep = {k for k in timed.ms if k[0] not in packed_roles or (k[0], k[1]) in packed_sizes}
-                timed = Timings(ms={**{k: timed.ms[k] for k in keep}, **packed.ms},
-                                spread={**{k: v for k, v in timed.spread.items() if k in keep}, **packed.spread},
-                                remeasured=(timed.remeasured & keep) | packed.remeasured,
-                                lowered=(timed.lowered & keep) | packed.lowered,
-                                cut_short=timed.cut_short or packed.cut_short)
+            kept = {(r, n) for r, n, _ in timed.ms}                                # the sizes the plain paths kept
+            timed = timed.merged(timed_phase([s for s in plan if s[2] == "packed" and (s[0], s[1]) in kept]))
     finally:
         if draft is not None and _is_feature_drafter(draft):
             draft.kernels = saved

@@ -131,13 +131,11 @@ class HeadBlocks:
                 self.capture_s += time.perf_counter() - t0
             except Exception as exc:                         # runs eagerly instead
                 self._give_up("capture", exc)
-                e.graph = None
         if e.graph is not None:
             try:
                 e.graph.replay()
             except Exception as exc:                         # this block again, eagerly
                 self._give_up("replay", exc)
-                e.graph = None
         if e.graph is None:
             e.pred, e.scores = self._run(e)
         cache.length = start + q

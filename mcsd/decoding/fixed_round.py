@@ -221,7 +221,7 @@ class FixedRound:
             self.slots = ContextSlots(context, slots, width, self.device)
         self._root_host: int | None = None                 # the root token, as the host read it
         self.hidden = tuple(drafter.feature_layers)
-        self.cfg = self.sampling = self.noise = None
+        self.sampling = self.noise = None
         self.ids = None if drafter.vocab_ids is None else drafter.vocab_ids.to(self.device)
         capture = cuda_graphs and self.device.type == "cuda"
         self.blocks = HeadBlocks(drafter, capture)
@@ -245,7 +245,7 @@ class FixedRound:
     def prepare(self, cfg: DecodeConfig) -> None:
         """Before a generation: its settings, the target's blocks padded, the pruning's cost tables
         made again only where the policy's costs changed (host arithmetic, no device read)."""
-        self.cfg, self.sampling = cfg, cfg.sampling
+        self.sampling = cfg.sampling
         self.engage()
         if self.pruning is not None:
             self.pruning.refresh()

@@ -357,10 +357,8 @@ class ContextDrafter:
         """A drafter with this one's settings, vocabulary and store (read-only, shared) for another
         sequence decoded beside this one's (a batch's slot); nothing it learns reaches this one."""
         other = copy.copy(self)
-        other.rates = {}
-        other.history = NGramIndex(self.config.min_ngram, self.config.max_ngram)
-        other._next = None if self._next is None else {}            # recycled predictions: its own, none yet
-        other.proposed_nodes = other.accepted_nodes = 0
+        other._next = None if self._next is None else {}            # recycled predictions: its own
+        other.reset(torch.empty(0, dtype=torch.long))
         return other
 
     def reset(self, prompt: torch.Tensor) -> None:

@@ -310,12 +310,6 @@ class Eagle3Drafter(FeatureDrafter):
         cache.reset()
         return cache
 
-    def _block(self, feats, embeds, positions, mask):
-        n = embeds.shape[0]
-        pred = self.fixed_block(feats, embeds, positions[None], mask, self.cache.next_slots(n))
-        self.cache.length += n
-        return pred
-
     @property
     def static_blocks(self) -> bool:
         """Always: the head's own layer code steps over a static cache (so the fixed-shape round runs it)."""

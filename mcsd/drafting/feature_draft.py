@@ -351,9 +351,9 @@ class FeatureDrafter:
     def _block(self, feats, embeds, positions, mask):
         """(Q, H) features, (Q, H) next-token embeddings, (Q,) positions, (1, 1, Q, K) additive mask ->
         (Q, H) predicted features; the block's keys and values join the cache."""
-        if self._lean is None:
+        if not self.static_blocks:
             return self.head(feats[None], embeds[None], positions[None], mask, self.cache)[0]
-        n = embeds.shape[0]                              # the head's forward, its layers on the engine's own
+        n = embeds.shape[0]                              # the head's forward over its static cache
         pred = self.fixed_block(feats, embeds, positions[None], mask, self.cache.next_slots(n))
         self.cache.length += n
         return pred

@@ -57,13 +57,14 @@ def file_ranges() -> list[tuple[int, int]]:
     return ranges
 
 
-def mapped_bytes(tensor: torch.Tensor, ranges: list[tuple[int, int]] | None = None) -> tuple[int, int] | None:
-    """(start, end) addresses of a contiguous CPU tensor's bytes where they lie in one file mapping, else None."""
+def mapped_bytes(tensor: torch.Tensor, ranges: list[tuple[int, int]]) -> tuple[int, int] | None:
+    """(start, end) addresses of a contiguous CPU tensor's bytes where they lie in one of the file
+    mappings `ranges` (`file_ranges`), else None."""
     if tensor.device.type != "cpu" or tensor.is_meta or not tensor.is_contiguous() or tensor.numel() == 0:
         return None
     start = tensor.data_ptr()
     end = start + tensor.numel() * tensor.element_size()
-    for lo, hi in file_ranges() if ranges is None else ranges:
+    for lo, hi in ranges:
         if lo <= start and end <= hi:
             return start, end
     return None

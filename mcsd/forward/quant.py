@@ -71,6 +71,7 @@ HEAD = "lm_head"         # the name the LM head's Q8_0 codes go by (the tied tok
 _Q8_BLOCK_BYTES = 34     # float16 d, 32 int8 codes
 PREFILL_ROWS = 32        # a forward over an empty cache with this many rows reads the dense weights
 _HOOKS = "_mcsd_q4_prefill_hooks"
+NATIVE_SIBLINGS = fused.SIBLINGS + (("gate_proj", "up_proj"),)   # layers the native kernel runs as one product
 _changes = [0]           # attach / detach calls so far: a plan made of the attached codes is stale once it moves
 
 
@@ -530,7 +531,7 @@ def attach(model: torch.nn.Module, gguf_path: str | Path, join: bool = True, act
     # all or nothing: every layer was checked before any is attached (`kernels.pack` leaves these alone)
     # the native kernel joins the MLP's gate and up too (1-3% off a 1-row step of SmolLM2-135M on a
     # 2-core AVX2 EPYC, a 9-row one unchanged); torch's int4 kernel gained nothing from it (`mcsd.forward.fused`)
-    siblings = fused.SIBLINGS + ((("gate_proj", "up_proj"),) if kernel == "native" else ())
+    siblings = NATIVE_SIBLINGS if kernel == "native" else fused.SIBLINGS
     groups = [g for g in fused.sibling_groups(model, siblings) if all(id(layer) in checked for layer in g)] \
         if join else []
     joined = {id(layer) for group in groups for layer in group}
@@ -572,17 +573,15 @@ def attach_q8(module: torch.nn.Module) -> int:
 
     def codable(layer) -> bool:
         w = layer.weight
-        return type(layer) is torch.nn.Linear and "forward" not in layer.__dict__ and _ATTR not in layer.__dict__ \
-            and not w.is_meta and w.dtype == torch.float32 and w.device.type == "cpu" and w.shape[1] % GROUP == 0 \
-            and layer.bias is None
+        return "forward" not in layer.__dict__ and _ATTR not in layer.__dict__ and not w.is_meta \
+            and w.dtype == torch.float32 and w.device.type == "cpu" and w.shape[1] % GROUP == 0
     n = 0
     # siblings that read one input share one product (q / k / v, gate / up), as a target's do, so that
     # a decoder layer of the drafter runs as one native call (`LeanForward.native_layers`); Q8_0 codes
     # are per row, so the joined codes are each layer's own
-    for group in fused.sibling_groups(module, fused.SIBLINGS + (("gate_proj", "up_proj"),)):
+    for group in fused.sibling_groups(module, NATIVE_SIBLINGS):
         if all(codable(layer) for layer in group):
-            whole = Q8Linear(*quantize_q8_0(torch.cat([layer.weight for layer in group])))
-            _share(group, whole, lambda x, whole=whole: whole(x))
+            _share(group, Q8Linear(*quantize_q8_0(torch.cat([layer.weight for layer in group]))))
             n += len(group)
     for layer in module.modules():
         if isinstance(layer, torch.nn.Linear) and codable(layer):
@@ -652,15 +651,16 @@ def _join(group: list[torch.nn.Linear], group_codes: list[Codes], act8: bool = F
     """Sibling layers on one int4 product: their codes concatenated along the output dimension."""
     q, d, m = (torch.cat(parts) for parts in zip(*group_codes))
     whole = Q4Linear(q, d, m, act8)
+    _share(group, whole, shared=whole.native)
+
+
+def _share(group: list[torch.nn.Linear], whole, shared: bool = True) -> None:
+    """Sibling layers on one coded weight `whole` (their rows one after another), their biases added
+    after its product; `shared`: a copied model shares it (the codes are the weights' only copy, or
+    read-only codes of their own)."""
     bias = None if group[0].bias is None else torch.cat([layer.bias.detach() for layer in group])
-    _share(group, whole, lambda x: whole(x) if bias is None else whole(x) + bias, shared=whole.native)
-
-
-def _share(group: list[torch.nn.Linear], whole, run, shared: bool = True) -> None:
-    """Sibling layers on one coded weight `whole` (their rows one after another), `run` its product;
-    `shared`: a copied model shares it (the codes are the weights' only copy, or read-only codes of
-    their own)."""
-    product = (_SharedProduct if shared else fused.Product)([layer.out_features for layer in group], run)
+    product = (_SharedProduct if shared else fused.Product)(
+        [layer.out_features for layer in group], lambda x: whole(x) if bias is None else whole(x) + bias)
     start = 0
     for i, layer in enumerate(group):
         layer.__dict__[_ATTR] = whole                  # the marker `attached` counts; the product reads it
@@ -730,9 +730,8 @@ def native_rows(layer: torch.nn.Module) -> tuple[Q4Linear | Q8Linear, int, int] 
 def row_invariant(layer: torch.nn.Module, dtype: torch.dtype) -> bool:
     """A forward of `layer` on `dtype` rows now computes each row on its own, in a fixed order (mcsd's
     native Q4_1 or Q8_0 product): a row's result is the same whatever rows run beside it."""
-    codes = layer.__dict__.get(_ATTR)
-    native_codes = isinstance(codes, Q8Linear) or (isinstance(codes, Q4Linear) and codes.native)
-    return native_codes and dtype in codes.dtypes and not _local.dense
+    rows = native_rows(layer)
+    return rows is not None and dtype in rows[0].dtypes and not _local.dense
 
 
 def attached(model: torch.nn.Module) -> int:

@@ -36,8 +36,8 @@ import torch
 from . import kernels, native, quant
 from .attention import additive_mask
 from .llama import LeanForward, _rms_norm
+from .static_cache import HEADROOM
 
-HEADROOM = 256            # positions reserved beyond what is needed when the buffers are (re)allocated
 
 
 class SlotCache:
@@ -86,9 +86,6 @@ class SlotCache:
     def free(self, slot: int) -> None:
         """The slot holds nothing (a new sequence may take it)."""
         self.lengths[slot] = 0
-
-    def truncate(self, slot: int, length: int) -> None:
-        self.lengths[slot] = min(self.lengths[slot], length)
 
     def commit(self, slot: int, prefix_len: int, keep: torch.Tensor) -> None:
         """Keep the slot's `prefix_len` positions plus its entries at offsets `keep` (k,) after them

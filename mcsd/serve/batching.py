@@ -33,7 +33,7 @@ class _Flight:
     def __init__(self, job: Job):
         self.job = job
         self.requests: dict = {}                     # Request -> (Run, TokenLogprobs or None, emitted tokens)
-        self.open = len(job.runs)
+        self.open = len(job.runs)                    # runs whose "done" is not sent yet (several finish in a round)
 
 
 class BatchEngine(Engine):
@@ -183,16 +183,9 @@ class BatchEngine(Engine):
             self._end(flight, "error", exc)
             return
         run, recorder, emitted = flight.requests[request]
-        new = request.new
-        if new:
-            self._note_first_token(job)
-        rows = recorder.take(emitted + new, len(emitted)) if recorder is not None else None
-        emitted += new
-        job.emit("tokens", run.index, new, rows)
+        self._send_tokens(job, run, recorder, emitted, request.new)
         if request.output is not None:
-            if self.metrics is not None:
-                self.metrics.generation(request.output.stats)
-            job.emit("done", run.index, request.output)
+            self._send_done(job, run, request.output)
             flight.open -= 1
             if flight.open == 0:
                 self.flights.remove(flight)

@@ -192,19 +192,28 @@ class Engine:
                 except StopIteration as done:
                     out = done.value
                     break
-                if new:
-                    self._note_first_token(job)
-                rows = recorder.take(emitted + new, len(emitted)) if recorder is not None else None
-                emitted += new
-                job.emit("tokens", run.index, new, rows)
+                self._send_tokens(job, run, recorder, emitted, new)
                 if ended := job.ended():
                     rounds.close()                    # the generation ends here; the decoder is free
                     job.emit(ended)
                     return
-            if self.metrics is not None:
-                self.metrics.generation(out.stats)
-            job.emit("done", run.index, out)
+            self._send_done(job, run, out)
         job.emit("end")
+
+    def _send_tokens(self, job: Job, run: Run, recorder, emitted: list[int], new: list[int]) -> None:
+        """A round's tokens of `run` to its job, with their logprob rows where `recorder` keeps them;
+        `emitted` (what the run sent before) grows by them."""
+        if new:
+            self._note_first_token(job)
+        rows = recorder.take(emitted + new, len(emitted)) if recorder is not None else None
+        emitted += new
+        job.emit("tokens", run.index, new, rows)
+
+    def _send_done(self, job: Job, run: Run, out) -> None:
+        """`run` finished with `out` (a GenerationOutput): into the metrics and to its job."""
+        if self.metrics is not None:
+            self.metrics.generation(out.stats)
+        job.emit("done", run.index, out)
 
     def _note_first_token(self, job: Job) -> None:
         """A job's first generated token: its time, and the TTFT histogram's."""
