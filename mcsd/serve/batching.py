@@ -74,18 +74,15 @@ class BatchEngine(Engine):
     # ------------------------------------------------------------------ the worker thread
 
     def _work(self) -> None:
-        try:
-            self.decoder = self._build()
-            self.batch = self._batch_decoder()
-        except BaseException as exc:                  # reported by start() on the caller's thread
-            self._build_error = exc
+        if not self._built():
             return
-        finally:
-            self._ready.set()
         if self.batch is None:
             self._one_at_a_time()
         else:
             self._batched()
+
+    def _prepare(self) -> None:
+        self.batch = self._batch_decoder()
 
     def _batch_decoder(self):
         """The `BatchDecoder` of `max_batch` slots, or None: one at a time (auto only)."""

@@ -154,14 +154,24 @@ class Engine:
     # ------------------------------------------------------------------ the worker thread
 
     def _work(self) -> None:
+        if self._built():
+            self._one_at_a_time()
+
+    def _built(self) -> bool:
+        """Build the decoder (and what the engine makes of it: `_prepare`) on this thread, then let
+        start() return; False where that raised (start() re-raises it on the caller's thread)."""
         try:
             self.decoder = self._build()
-        except BaseException as exc:                  # reported by start() on the caller's thread
+            self._prepare()
+        except BaseException as exc:
             self._build_error = exc
-            return
+            return False
         finally:
             self._ready.set()
-        self._one_at_a_time()
+        return True
+
+    def _prepare(self) -> None:
+        """After the decoder is built, before the first job: nothing here."""
 
     def _one_at_a_time(self) -> None:
         """The worker's loop: each job answered whole before the next is taken, until the stop marker."""
