@@ -17,7 +17,10 @@ call, within 8 minutes:
    target's and the head's) and the attention it ran;
 3. 16 rounds of the CLI default and of the fixed round under `torch.cuda.set_sync_debug_mode`,
    counting synchronisations a round;
-4. one JSON: GPU, driver, torch, transformers, every figure; meant to be committed under
+4. the batched round (`BatchDecoder`, eager): the same prompts decoded with 1, 4, 8 and 16 slots,
+   plainly and with the CLI default's context drafting, aggregate tokens/s and how many answers equal
+   their lone run's;
+5. one JSON: GPU, driver, torch, transformers, every figure; meant to be committed under
    benchmarks/results/.
 
 A stage that would pass the time budget is skipped and says so in the JSON. `--tiny` runs the same
@@ -232,6 +235,17 @@ def bench(args, deadline: float) -> dict:
     return result
 
 
+def batch_prompts(args, default) -> list:
+    """`--batch-prompts` prompts: held-out ones (the tiny pair's random ids)."""
+    import torch
+    if args.tiny:
+        g = torch.Generator().manual_seed(2)
+        return [torch.randint(2, 64, (6 + 3 * i,), generator=g).to(args.device) for i in range(args.batch_prompts)]
+    from mcsd.loading.data import chat_ids, load_prompts, stratified
+    texts = [p.text for p in stratified(load_prompts(split="heldout"))][:args.batch_prompts]
+    return [torch.tensor(chat_ids(default.tokenizer, t), device=args.device) for t in texts]
+
+
 def sync_profile(args, default, prompt, rounds: int = 16) -> dict:
     """Synchronisations a round over `rounds` rounds (torch's sync debug mode; on a CPU nothing is
     counted here: tests/host_reads.py counts the host reads at the dispatcher, in tests/test_fixed_round.py)."""
@@ -272,6 +286,37 @@ def sync_profile(args, default, prompt, rounds: int = 16) -> dict:
     return out
 
 
+def batch_stage(args, default, prompts, deadline: float, sizes=(1, 4, 8, 16)) -> dict:
+    """Aggregate tokens/s of `BatchDecoder` at each slot count over the same prompts (greedy, every answer
+    `max_new_tokens` long), plainly and with the default's context drafting; answers equal to the lone run's."""
+    import torch
+
+    from mcsd import TreeDecoder
+    from mcsd.decoding.batch import BatchDecoder
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    plain = TreeDecoder(default.target.model, None, tokenizer=default.tokenizer, attention="sdpa", calibrate=False)
+    opts = dict(max_new_tokens=args.max_new_tokens, temperature=0.0, ignore_eos=True)
+    lone = [default.generate(p, **opts).tokens for p in prompts]
+    out = {"prompts": len(prompts)}
+    for name, decoder in (("plain", plain), ("context", default)):
+        for size in sizes:
+            if time.monotonic() > deadline:
+                out[f"{name}/{size}"] = "skipped: time budget"
+                continue
+            batch = BatchDecoder(decoder, max_batch=size)
+            batch.generate(prompts[:size], **opts)                  # warm-up
+            sync()
+            t0, rounds = time.perf_counter(), batch.rounds
+            got = batch.generate(prompts, **opts)
+            sync()
+            seconds = time.perf_counter() - t0
+            tokens = sum(len(g.tokens) for g in got)
+            out[f"{name}/{size}"] = {"tokens_per_s": round(tokens / seconds, 2), "seconds": round(seconds, 3),
+                                     "rounds": batch.rounds - rounds, "same_as_lone": sum(g.tokens == t for g, t in
+                                                                                 zip(got, lone))}
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "gpu-check.json")
@@ -281,6 +326,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--budget-s", type=float, default=480.0, help="the whole run's time (default 8 minutes)")
     ap.add_argument("--no-pytest", action="store_true")
+    ap.add_argument("--batch-prompts", type=int, default=16, help="prompts for the batched stage (0: none)")
     ap.add_argument("--tiny", action="store_true", help="a random tiny pair (the CPU smoke test)")
     args = ap.parse_args(argv)
     start = time.monotonic()
@@ -310,6 +356,9 @@ def main(argv=None) -> int:
             report["stages"]["sync_profile"] = sync_profile(args, default, prompt)
         else:
             report["stages"]["sync_profile"] = "skipped: time budget"
+        write()
+        if args.batch_prompts and time.monotonic() < deadline - 20:
+            report["stages"]["batch"] = batch_stage(args, default, batch_prompts(args, default), deadline - 10)
     except Exception as exc:                 # the JSON still says what ran and what failed
         import traceback
         report["error"] = f"{type(exc).__name__}: {exc}"
