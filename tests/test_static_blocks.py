@@ -11,6 +11,7 @@ from conftest import perturbed
 from test_lean_forward import PROMPT, TOL, _family, _outputs
 
 from mcsd import TreeDecoder
+from mcsd.forward import graphs
 from mcsd.forward.graphs import BUCKETS, StaticBlocks, bucket_of
 from mcsd.forward.lm import CachedLM
 
@@ -71,11 +72,11 @@ def test_a_capture_that_fails_falls_back_to_eager_shapes_once(monkeypatch):
     lm.blocks.capture = True                                            # as on CUDA
     calls = []
 
-    def broken(self, *args):
+    def broken(run):
         calls.append(1)
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(StaticBlocks, "_capture", broken)
+    monkeypatch.setattr(graphs, "capture_graph", broken)
     ref = CachedLM(model, lean=True, static_blocks=False)
     ref.reset()
     with pytest.warns(RuntimeWarning, match="capture failed"):

@@ -10,8 +10,6 @@ captures each bucket once (again only when the head's cache grows).
 
 from __future__ import annotations
 
-import time
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -31,11 +29,10 @@ class _Block:
     slots: torch.Tensor             # (B,) long
     mask: torch.Tensor              # (1, 1, B, capacity) additive
     graph: "torch.cuda.CUDAGraph | None" = None
-    pred: torch.Tensor | None = None     # (B, H) predicted features
-    scores: torch.Tensor | None = None   # (B, K) scores over the head's (sub-)vocabulary
+    out: tuple | None = None        # (pred (B, H) predicted features, scores (B, K) over the head's vocabulary)
 
 
-class HeadBlocks:
+class HeadBlocks(graphs.Graphed):
     """The feature head's blocks over its static cache, padded to buckets, captured as CUDA graphs.
 
     As `mcsd.forward.graphs.StaticBlocks` does for the target: a block of Q rows runs padded to the
@@ -46,30 +43,26 @@ class HeadBlocks:
         drafter: the feature drafter (its head runs on the engine's own forward).
         capture: capture CUDA graphs (needs CUDA); False runs the same shapes eagerly.
 
-    Attributes:
-        built: bucket buffers made so far (each a graph on CUDA, captured once); captures,
-            capture_s: graphs captured and the seconds it took; failure: why graphs were given up.
+    Attributes: those of `mcsd.forward.graphs.Graphed` (built, captures, capture_s, failure); after a
+    failure this generation goes on eagerly, and under round="auto" the decoder runs the loop from its
+    next one (`FixedRound.failure`).
     """
 
+    eager_note = "the feature head's generation finishes eagerly, the next ones run the loop"
+
     def __init__(self, drafter: FeatureDrafter, capture: bool):
-        self.drafter, self.capture = drafter, capture
-        self._entries: dict[int, _Block] = {}
-        self._buffers = None
-        self.built, self.captures, self.capture_s, self.failure = 0, 0, 0.0, None
+        super().__init__(capture)
+        self.drafter = drafter
 
     def _run(self, e: _Block):
         d = self.drafter
         pred = d.fixed_block(e.feats, d.embed(e.tokens), e.positions, e.mask, e.slots)  # (B, H)
         return pred, d._scores(pred)                                                    # (B, K)
 
-    def _give_up(self, what: str, exc: Exception) -> None:
-        """No more graphs for the head (one line says so): this generation goes on eagerly, and under
-        round="auto" the decoder runs the loop from its next one (`FixedRound.failure`)."""
-        self.capture, self.failure = False, f"{what}: {type(exc).__name__}: {exc}"
-        for entry in self._entries.values():
-            entry.graph = None
-        warnings.warn(f"mcsd: a CUDA graph of the feature head failed ({self.failure}); this generation "
-                      f"finishes eagerly, the next ones run the loop", RuntimeWarning, stacklevel=3)
+    def _new_buffers(self) -> None:
+        cache = self.drafter.cache
+        cache.keys[:, :, :, cache.length:].zero_()
+        cache.values[:, :, :, cache.length:].zero_()
 
     def __call__(self, feats: torch.Tensor, tokens: torch.Tensor, first_position: int, start: int,
                  rows_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,21 +83,11 @@ class HeadBlocks:
         cache = self.drafter.cache
         cache.length = start                        # what a reallocation must keep
         cache.reserve(start + b)
-        if self._buffers is not cache.keys:                 # new buffers: every graph captured again
-            self._entries.clear()
-            self._buffers = cache.keys
-            cache.keys[:, :, :, cache.length:].zero_()
-            cache.values[:, :, :, cache.length:].zero_()
-        e = self._entries.get(b)
-        fresh = e is None
-        if fresh:
-            dev, dtype = cache.device, cache.dtype
-            self.built += 1
-            e = self._entries[b] = _Block(torch.zeros(b, feats.shape[-1], dtype=dtype, device=dev),
-                                          torch.zeros(b, dtype=torch.long, device=dev),
-                                          torch.zeros(1, b, dtype=torch.long, device=dev),
-                                          torch.zeros(b, dtype=torch.long, device=dev),
-                                          torch.zeros(1, 1, b, cache.capacity, dtype=dtype, device=dev))
+        dev, dtype = cache.device, cache.dtype
+        e, fresh = self._entry(b, cache.keys, lambda: _Block(
+            torch.zeros(b, feats.shape[-1], dtype=dtype, device=dev), torch.zeros(b, dtype=torch.long, device=dev),
+            torch.zeros(1, b, dtype=torch.long, device=dev), torch.zeros(b, dtype=torch.long, device=dev),
+            torch.zeros(1, 1, b, cache.capacity, dtype=dtype, device=dev)))
         # the block into the bucket's buffers, in place
         e.feats.zero_()
         e.feats[:q] = feats
@@ -123,21 +106,7 @@ class HeadBlocks:
         else:
             e.mask[0, 0, :q, :start + q] = rows_mask
         e.mask[0, 0].diagonal(start)[q:].fill_(0)          # a padding row sees itself alone
-        if fresh and self.capture:
-            try:
-                t0 = time.perf_counter()
-                e.graph, (e.pred, e.scores) = graphs.capture_graph(lambda: self._run(e))
-                self.captures += 1
-                self.capture_s += time.perf_counter() - t0
-            except Exception as exc:                         # runs eagerly instead
-                self._give_up("capture", exc)
-        if e.graph is not None:
-            try:
-                e.graph.replay()
-            except Exception as exc:                         # this block again, eagerly
-                self._give_up("replay", exc)
-        if e.graph is None:
-            e.pred, e.scores = self._run(e)
+        pred, scores = self._launch(e, fresh, self._run)
         cache.length = start + q
         self.drafter.forwards += 1
-        return e.pred[:q], e.scores[:q]
+        return pred[:q], scores[:q]

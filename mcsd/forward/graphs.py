@@ -69,20 +69,92 @@ def capture_graph(run):
     return graph, out
 
 
+class Graphed:
+    """Buckets of persistent buffers, each run as a CUDA graph captured on its first use and replayed
+    after, or eagerly: what `StaticBlocks`, the batched `mcsd.forward.slots.SlotBlocks` and the feature
+    head's `mcsd.decoding.fixed_head.HeadBlocks` share.
+
+    An entry is any object with a `graph` attribute (None: eager) and an `out` attribute (what the last
+    run returned: the graph's own buffers once captured); a subclass fills the entry's inputs in place
+    and calls `_launch`. Every entry is dropped when the cache's buffers change (`_entry`), so its
+    graphs are captured again, once.
+
+    Args:
+        capture: capture and replay CUDA graphs (needs CUDA); False runs the same shapes eagerly.
+
+    Attributes:
+        built: entries made so far (one graph each where captured); captures: graphs captured so far;
+            capture_s: seconds spent capturing them (warm-up included); failure: why capturing was
+            given up (a warning said so once; the same shapes then run eagerly), or None.
+    """
+
+    eager_note = "running the same shapes eagerly"     # what the give-up warning says follows
+
+    def __init__(self, capture: bool):
+        self.capture = capture
+        self._entries: dict = {}
+        self._buffers: torch.Tensor | None = None     # the cache buffer the entries were made for
+        self.built, self.captures, self.capture_s = 0, 0, 0.0
+        self.failure: str | None = None
+
+    def _entry(self, key, buffers: torch.Tensor, make) -> tuple[object, bool]:
+        """(the entry for `key`, made by `make()` on first use; whether it is new). Entries made over
+        other buffers than `buffers` (the cache's keys) are dropped first, and `_new_buffers` runs."""
+        if self._buffers is not buffers:
+            self._entries.clear()
+            self._buffers = buffers
+            self._new_buffers()
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = make()
+            self.built += 1
+            return entry, True
+        return entry, False
+
+    def _new_buffers(self) -> None:
+        """Called when the cache's buffers are new (a subclass zeroes what was never written)."""
+
+    def _launch(self, entry, fresh: bool, run):
+        """`run(entry)` as the entry's graph (captured when `fresh`), or eagerly; returns `entry.out`."""
+        if fresh and self.capture:
+            try:
+                t0 = time.perf_counter()
+                entry.graph, entry.out = capture_graph(lambda: run(entry))
+                self.captures += 1
+                self.capture_s += time.perf_counter() - t0
+            except Exception as exc:             # a forward that cannot be captured still runs, eagerly
+                self._give_up("capture", exc)
+        if entry.graph is not None:
+            try:
+                entry.graph.replay()
+            except Exception as exc:             # this block again, eagerly
+                self._give_up("replay", exc)
+        if entry.graph is None:
+            entry.out = run(entry)
+        return entry.out
+
+    def _give_up(self, what: str, exc: Exception) -> None:
+        """No more graphs here (one warning says why); the same shapes run eagerly."""
+        self.capture, self.failure = False, f"{what}: {type(exc).__name__}: {exc}"
+        for entry in self._entries.values():
+            entry.graph = None
+        warnings.warn(f"mcsd: CUDA graph {what} failed ({self.failure}); {self.eager_note}",
+                      RuntimeWarning, stacklevel=4)
+
+
 @dataclass
 class _Entry:
-    """One bucket's persistent inputs, its graph (or None: eager) and that graph's outputs."""
+    """One bucket's persistent inputs, its graph (or None: eager) and what it returned (logits, states)."""
 
     tokens: torch.Tensor             # (1, B) long
     positions: torch.Tensor          # (1, B) long
     slots: torch.Tensor              # (B,) long
     mask: torch.Tensor               # (1, 1, B, capacity) additive, model dtype
     graph: "torch.cuda.CUDAGraph | None" = None
-    logits: torch.Tensor | None = None
-    states: torch.Tensor | None = None
+    out: tuple | None = None
 
 
-class StaticBlocks:
+class StaticBlocks(Graphed):
     """Run `LeanForward` blocks padded to buckets over the whole cache, captured as CUDA graphs.
 
     Args:
@@ -90,19 +162,13 @@ class StaticBlocks:
         capture: capture and replay CUDA graphs (needs the model on CUDA); False runs the padded
             shapes eagerly.
 
-    Attributes:
-        built: bucket buffers made so far (one graph each on CUDA); captures: graphs captured so far;
-            capture_s: seconds spent capturing them (warm-up included).
-        failure: why capturing was given up (a warning said so once; the same shapes then run
-            eagerly), or None.
+    Attributes: those of `Graphed` (built, captures, capture_s, failure).
     """
 
     def __init__(self, lean: LeanForward, capture: bool):
-        self.lean, self.capture = lean, capture
-        self._entries: dict[tuple[int, tuple[int, ...]], _Entry] = {}
-        self._buffers: torch.Tensor | None = None  # the cache buffer the entries were made for
-        self.built, self.captures, self.capture_s = 0, 0, 0.0
-        self.failure: str | None = None           # why capture was given up, if it was
+        super().__init__(capture)
+        self.lean = lean
+        self._cache: StaticCache | None = None
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: StaticCache,
                  start: int, hidden: tuple[int, ...] = (), last_logits: bool = False):
@@ -123,46 +189,23 @@ class StaticBlocks:
         if b is None:
             raise ValueError(f"a block of {q} rows is past the largest bucket ({BUCKETS[-1]}); run it unpadded")
         cache.reserve(start + b)
-        if self._buffers is not cache.keys:                    # new buffers: every graph is captured again
-            self._entries.clear()
-            self._buffers = cache.keys
-            # attention reads every slot with weight 0 past the block, and 0 * nan is nan: the slots
-            # never written must hold finite values (later, stale entries do)
-            cache.keys[:, :, :, cache.length:].zero_()
-            cache.values[:, :, :, cache.length:].zero_()
-        key = (b, tuple(hidden))
-        entry = self._entries.get(key)
-        fresh = entry is None
-        if fresh:
-            entry = self._entries[key] = self._new_entry(b, cache)
-            self.built += 1
+        self._cache = cache
+        entry, fresh = self._entry((b, tuple(hidden)), cache.keys, lambda: self._new_entry(b, cache))
         self._fill(entry, tokens, positions, mask, start)
-        if fresh and self.capture:
-            try:
-                self._capture(entry, cache, hidden)
-            except Exception as exc:             # a forward that cannot be captured still runs, eagerly
-                self._give_up("capture", exc)
-        if entry.graph is not None:
-            try:
-                entry.graph.replay()
-            except Exception as exc:             # this block again, eagerly
-                self._give_up("replay", exc)
-        if entry.graph is None:
-            entry.logits, entry.states = self.lean(entry.tokens, entry.positions, entry.mask, cache, entry.slots,
-                                                   hidden)
-        logits = entry.logits[0, q - 1:q] if last_logits else entry.logits[0, :q]
-        states = None if entry.states is None else entry.states[0, :q]
+        all_logits, all_states = self._launch(
+            entry, fresh, lambda e: self.lean(e.tokens, e.positions, e.mask, cache, e.slots, hidden))
+        logits = all_logits[0, q - 1:q] if last_logits else all_logits[0, :q]
+        states = None if all_states is None else all_states[0, :q]
         if entry.graph is not None:             # the graph's buffers: the next replay writes over them
             logits, states = logits.clone(), None if states is None else states.clone()
         return logits, states
 
-    def _give_up(self, what: str, exc: Exception) -> None:
-        """No more graphs for this model (one warning says why); the same shapes run eagerly."""
-        self.capture, self.failure = False, f"{what}: {type(exc).__name__}: {exc}"
-        for entry in self._entries.values():
-            entry.graph = None
-        warnings.warn(f"mcsd: CUDA graph {what} failed ({self.failure}); running the same shapes eagerly",
-                      RuntimeWarning, stacklevel=3)
+    def _new_buffers(self) -> None:
+        # attention reads every slot with weight 0 past the block, and 0 * nan is nan: the slots
+        # never written must hold finite values (later, stale entries do)
+        cache = self._cache
+        cache.keys[:, :, :, cache.length:].zero_()
+        cache.values[:, :, :, cache.length:].zero_()
 
     def _new_entry(self, b: int, cache: StaticCache) -> _Entry:
         dev = cache.device
@@ -184,11 +227,3 @@ class StaticBlocks:
         entry.mask[0, 0, :q, :start + q] = mask[0, 0]
         # a padding row sees itself alone (a fill: `mask[rows, slots] = 0` uploads the 0 and syncs on CUDA)
         entry.mask[0, 0].diagonal(start)[q:b].fill_(0)
-
-    def _capture(self, entry: _Entry, cache: StaticCache, hidden: tuple[int, ...]) -> None:
-        """Warm the forward up on a side stream, then capture it over the entry's buffers."""
-        t0 = time.perf_counter()
-        entry.graph, (entry.logits, entry.states) = capture_graph(
-            lambda: self.lean(entry.tokens, entry.positions, entry.mask, cache, entry.slots, hidden))
-        self.captures += 1
-        self.capture_s += time.perf_counter() - t0
