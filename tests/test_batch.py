@@ -13,7 +13,7 @@ from mcsd.drafting.context import ContextDrafter
 from mcsd.forward import native, quant
 from mcsd.forward.attention import causal_allowed
 from mcsd.forward.lm import CachedLM
-from mcsd.forward.slots import Block, SlotCache, SlotForward
+from mcsd.forward.slots import Block, SlotBlocks, SlotCache, SlotForward
 
 EOS = 5
 PROMPTS = [[3, 4, 5, 6, 7, 3, 4, 5], [9, 10, 11], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 20, 21, 22],
@@ -45,9 +45,10 @@ def _lone_outputs(model, prompt, steps):
     return outs
 
 
-def _batched_outputs(model, prompts, steps):
+def _batched_outputs(model, prompts, steps, fixed=False):
     lm = CachedLM(model, lean=True)
-    forward = SlotForward(lm.lean_forward(), model)
+    forward = (SlotBlocks(lm.lean_forward(), model, capture=False) if fixed else
+               SlotForward(lm.lean_forward(), model))
     cache = SlotCache.for_model(forward.lean, len(prompts) + 1)
     got = [[] for _ in prompts]
     with torch.inference_mode():
@@ -66,9 +67,11 @@ FORWARD_PROMPTS = [torch.tensor([3, 4, 5, 6, 7]), torch.tensor([9, 10, 11]), tor
 FORWARD_STEPS = [[8, 9, 10], [12, 13, 14], [30, 31, 32]]
 
 
-def test_a_slots_rows_in_a_batched_forward_are_its_lone_rows(target):
+@pytest.mark.parametrize("fixed", [False, True])
+def test_a_slots_rows_in_a_batched_forward_are_its_lone_rows(target, fixed):
+    """Flat (the blocks' own rows) and in fixed shapes (every slot, padded: slot 0 runs padding alone)."""
     want = [_lone_outputs(target, p, s) for p, s in zip(FORWARD_PROMPTS, FORWARD_STEPS)]
-    got = _batched_outputs(target, FORWARD_PROMPTS, FORWARD_STEPS)
+    got = _batched_outputs(target, FORWARD_PROMPTS, FORWARD_STEPS, fixed)
     for w, g in zip(want, got):
         for a, b in zip(w, g):
             assert a.shape == b.shape
@@ -124,13 +127,15 @@ def _lone(decoder, prompt, n, **options):
     return decoder.generate(prompt, max_new_tokens=n, **options)
 
 
-@pytest.mark.parametrize("context", [True, False])
-def test_greedy_batched_answers_equal_lone_answers_with_mixed_lengths_arrivals_and_finishes(eos_target, context):
+@pytest.mark.parametrize("context, fixed", [(True, False), (False, False), (True, True)])
+def test_greedy_batched_answers_equal_lone_answers_with_mixed_lengths_arrivals_and_finishes(eos_target, context,
+                                                                                             fixed):
     dec = _decoder(eos_target, context)
     want = [_lone(dec, p, n) for p, n in zip(PROMPTS, LENGTHS)]
     assert len({len(w.tokens) for w in want}) > 2 and any(w.finish_reason == "eos" for w in want)
     assert dec.generate_baseline(PROMPTS[2], max_new_tokens=LENGTHS[2]).tokens == want[2].tokens
-    batch = BatchDecoder(dec, max_batch=3, prefill_tokens=6)       # chunks: the 14-token prompt takes 3 rounds
+    batch = BatchDecoder(dec, max_batch=3, prefill_tokens=6, fixed_shapes=fixed)   # the 14-token prompt: 3 rounds
+    assert isinstance(batch.forward, SlotBlocks if fixed else SlotForward)
     first = [batch.submit(p, max_new_tokens=n) for p, n in zip(PROMPTS[:4], LENGTHS[:4])]
     for _ in range(3):
         batch.step()
@@ -159,11 +164,12 @@ def test_greedy_answers_do_not_depend_on_the_batch_size(eos_target):
         assert [r.output.tokens for r in got] == alone
 
 
-def test_seeded_sampling_in_a_batch_is_the_lone_runs_text(eos_target):
+@pytest.mark.parametrize("fixed", [False, True])
+def test_seeded_sampling_in_a_batch_is_the_lone_runs_text(eos_target, fixed):
     dec = _decoder(eos_target)
     options = dict(temperature=0.9, top_k=20)
     want = [_lone(dec, p, n, seed=100 + i, **options).tokens for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS))]
-    batch = BatchDecoder(dec, max_batch=4, prefill_tokens=5)
+    batch = BatchDecoder(dec, max_batch=4, prefill_tokens=5, fixed_shapes=fixed)
     order = list(range(len(PROMPTS)))[::-1]                                          # another order
     got = {i: batch.submit(PROMPTS[i], max_new_tokens=LENGTHS[i], seed=100 + i, **options) for i in order}
     while not batch.idle:

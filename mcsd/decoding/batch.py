@@ -22,7 +22,8 @@ distribution but, as alone, repeats a seed's text only while the trees do.
 Limitations: the target runs on the engine's own forward (a Llama-family model); a model drafter
 (standalone draft or feature head) does not draft in a batch: slots propose from context drafting
 where the decoder has it, else decode plainly (their answers are the same, only fewer tokens a
-round); lossy_target_roots is refused (not lossless); no CUDA graphs for the batched forward.
+round); lossy_target_roots is refused (not lossless). On CUDA the round runs in fixed shapes, captured as CUDA
+graphs (`mcsd.forward.slots.SlotBlocks`): every slot, each block padded to the round's bucket of rows.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from ..core.output import Emission, GenerationOutput, GenerationStats, eos_ids
 from ..core.sampling import PositionNoise, choose, make_generator
 from ..drafting.policies import make_policy
 from ..forward.attention import causal_allowed
-from ..forward.slots import Block, SlotCache, SlotForward
+from ..forward.slots import Block, SlotBlocks, SlotCache, SlotForward
 from .accept import judge
 from .propose import Proposal, Proposer
 from .row_budget import RowBudget
@@ -96,12 +97,16 @@ class BatchDecoder:
         max_batch: slots: requests decoded at once; more wait (first come, first served).
         prefill_tokens: prompt tokens a round feeds over all prefilling slots (a long prompt goes in
             chunks, so the others' rounds go on meanwhile).
+        fixed_shapes: run the round in fixed shapes (`SlotBlocks`: every slot, blocks padded to
+            buckets), captured as CUDA graphs where the decoder's target is on CUDA with graphs on; None
+            (the default): on CUDA only. False: the flat batch of the blocks' own rows (`SlotForward`).
 
     Attributes:
         rounds: batched forwards so far; last_rows: rows the last one fed; last_batch: slots it fed.
     """
 
-    def __init__(self, decoder, max_batch: int = 4, prefill_tokens: int = PREFILL_TOKENS):
+    def __init__(self, decoder, max_batch: int = 4, prefill_tokens: int = PREFILL_TOKENS,
+                 fixed_shapes: bool | None = None):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ConfigError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         if not isinstance(prefill_tokens, int) or prefill_tokens < 1:
@@ -114,7 +119,11 @@ class BatchDecoder:
             lean = target.lean_forward()
         except ValueError as exc:
             raise ConfigError(f"batched decoding needs a model the engine's own forward runs ({exc})") from None
-        self.forward = SlotForward(lean, target.model, target.kernels)
+        cuda = target.device.type == "cuda"
+        if fixed_shapes is None:
+            fixed_shapes = cuda
+        self.forward = (SlotBlocks(lean, target.model, target.kernels, capture=cuda and target.cuda_graphs)
+                        if fixed_shapes else SlotForward(lean, target.model, target.kernels))
         self.cache = SlotCache.for_model(lean, max_batch)
         lone_rows = 1 + (decoder.context.config.max_nodes if decoder.context is not None else 0)
         self.budget = RowBudget(decoder.context_costs, lone_rows)     # trees sized by the load

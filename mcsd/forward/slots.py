@@ -22,18 +22,25 @@ Why a row's answer is the one it gets alone:
   not changed a greedy token in the tests; where two logits tie to the last bit it could, as a tree's
   rows can against a plain step in the lone loop.
 
+In fixed shapes (`SlotBlocks`, the GPU's path): every slot of the cache runs each round, its block
+padded to the round's bucket of rows (the largest block's), so that one forward of (slots, rows) is
+one captured CUDA graph per bucket, replayed; a slot without a block runs padding rows alone. Its
+products, attention and LM head are torch's over the whole (slots, rows) batch, so on a dense model
+a row's logits may differ from its lone forward's in the last bits, as `SlotForward`'s do.
+
 Limitations: Llama-family models on the engine's own forward only (`mcsd.forward.llama.supports`);
-no hidden states (no feature drafter reads them); eager on every device (no CUDA graphs yet).
+no hidden states (no feature drafter reads them).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import accumulate
 from typing import NamedTuple
 
 import torch
 
-from . import kernels, native, quant
+from . import graphs, kernels, native, quant
 from .attention import additive_mask
 from .llama import LeanForward, _rms_norm
 from .static_cache import HEADROOM
@@ -219,3 +226,111 @@ class SlotForward:
                     outs.append(out.transpose(1, 2).reshape(1, r1 - r0, -1))
             h = lean._mlp(m, h + m.o(torch.cat(outs, dim=1)))                  # (1, R, C)
         return h
+
+
+@dataclass
+class _Bucket:
+    """One bucket's persistent inputs over every slot, its graph (or None: eager) and its logits."""
+
+    tokens: torch.Tensor             # (S, R) long
+    positions: torch.Tensor          # (S, R) long
+    write: torch.Tensor              # (S, R) long: the cache entry each row's keys and values go to
+    allowed: torch.Tensor            # (S, R, capacity) bool: the entries each row sees
+    slot_of: torch.Tensor            # (S, R) long: each row's slot (constant)
+    graph: "torch.cuda.CUDAGraph | None" = None
+    out: torch.Tensor | None = None  # (S, R, V) logits
+
+
+class SlotBlocks(graphs.Graphed):
+    """`SlotForward`'s round in fixed shapes, captured as CUDA graphs: every slot of the cache, each
+    block padded to R rows, R the round's bucket (`mcsd.forward.graphs.BUCKETS`, by its largest block).
+
+    A block's rows go to its slot's entries after what the slot holds, as `SlotForward` writes them; its
+    padding rows (token 0, the block's last position) are written after the block and see only
+    themselves, and a slot without a block runs R such rows after what it holds: the commit never keeps
+    them and no real row sees them. Attention spans each slot's whole capacity with a mask, so the
+    shapes hold from round to round; the inputs are written into the bucket's buffers in place (one copy
+    each from the host) and its logits copied out of the graph's. A round whose largest block is past
+    the largest bucket (a long prompt's chunk) runs eagerly at its own shape (`SlotForward`).
+
+    Args:
+        lean, model, kernel_table: as `SlotForward` takes them.
+        capture: capture and replay CUDA graphs (the model on CUDA); False runs the same shapes eagerly.
+
+    Attributes: those of `mcsd.forward.graphs.Graphed` (built, captures, capture_s, failure), and
+        eager: the `SlotForward` that runs rounds past the largest bucket.
+    """
+
+    def __init__(self, lean: LeanForward, model: torch.nn.Module, kernel_table: kernels.KernelTable | None = None,
+                 capture: bool = True):
+        super().__init__(capture)
+        self.lean, self.model, self.kernel_table = lean, model, kernel_table
+        self.eager = SlotForward(lean, model, kernel_table)
+
+    @torch.inference_mode()
+    def __call__(self, cache: SlotCache, blocks: list[Block]) -> list[torch.Tensor]:
+        """As `SlotForward.__call__`: the blocks (at most one a slot) in one forward; per block its logits."""
+        if len({b.slot for b in blocks}) != len(blocks):
+            raise ValueError("a batched forward takes at most one block a slot")
+        sizes = [b.tokens.numel() for b in blocks]
+        r = graphs.bucket_of(max(sizes))
+        if r is None:
+            return self.eager(cache, blocks)
+        begin = list(cache.lengths)                          # where each slot's rows go
+        cache.reserve(max(begin) + r)
+        entry, fresh = self._entry(r, cache.keys, lambda: self._new_bucket(cache, r))
+        self._fill(entry, cache, blocks, begin)
+        rows = cache.slots * r
+        with kernels.running(self.kernel_table, rows), quant.forward_rows(self.model, rows, 1):
+            logits = self._launch(entry, fresh, lambda e: self._run(e, cache))
+        out = []
+        for b, q in zip(blocks, sizes):
+            got = logits[b.slot, q - 1:q] if b.last_only else logits[b.slot, :q]
+            out.append(got.clone() if entry.graph is not None else got)   # the next replay writes over them
+            cache.lengths[b.slot] = begin[b.slot] + q
+        return out
+
+    @staticmethod
+    def _new_bucket(cache: SlotCache, r: int) -> _Bucket:
+        s, dev = cache.slots, cache.device
+        return _Bucket(tokens=torch.zeros(s, r, dtype=torch.long, device=dev),
+                       positions=torch.zeros(s, r, dtype=torch.long, device=dev),
+                       write=torch.zeros(s, r, dtype=torch.long, device=dev),
+                       allowed=torch.zeros(s, r, cache.capacity, dtype=torch.bool, device=dev),
+                       slot_of=torch.arange(s, device=dev)[:, None].expand(s, r).contiguous())
+
+    @staticmethod
+    def _fill(entry: _Bucket, cache: SlotCache, blocks: list[Block], begin: list[int]) -> None:
+        """The round's blocks, padded, into the bucket's buffers: built on the host, one copy each."""
+        s, r = entry.tokens.shape
+        write = torch.tensor(begin)[:, None] + torch.arange(r)                   # (S, R)
+        tokens, positions = torch.zeros(s, r, dtype=torch.long), write.clone()
+        allowed = torch.zeros(s, r, cache.capacity, dtype=torch.bool)
+        allowed.scatter_(2, write[:, :, None], True)                             # every row sees its own entry
+        for b in blocks:
+            q, start = b.tokens.numel(), begin[b.slot]
+            tokens[b.slot, :q] = b.tokens
+            positions[b.slot, :q] = b.positions
+            positions[b.slot, q:] = b.positions[-1]
+            allowed[b.slot, :q, :start] = True                                  # the slot's held prefix
+            allowed[b.slot, :q, start:start + q] = b.allowed
+        for buffer, value in ((entry.tokens, tokens), (entry.positions, positions), (entry.write, write),
+                              (entry.allowed, allowed)):
+            buffer.copy_(value)
+
+    def _run(self, e: _Bucket, cache: SlotCache) -> torch.Tensor:
+        """The forward over the bucket's buffers: (S, R, V) logits."""
+        lean = self.lean
+        h = lean.embed(e.tokens)                                                   # (S, R, C)
+        cos, sin = lean._rotary(h, e.positions)                                    # (S, R, 1, D)
+        mask = torch.zeros(e.allowed.shape, dtype=h.dtype, device=h.device)
+        mask = mask.masked_fill_(e.allowed.logical_not(), torch.finfo(h.dtype).min)[:, None]   # (S, 1, R, K)
+        for i, m in enumerate(lean.layers):
+            q, k, v = lean._attention_inputs(m, h, cos, sin)                     # (S, R, H or H_kv, D)
+            keys, values = cache.layer_keys[i], cache.layer_values[i]             # (S, H_kv, capacity, D)
+            keys[e.slot_of, :, e.write] = k
+            values[e.slot_of, :, e.write] = v
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), keys, values, attn_mask=mask, scale=m.scaling, **lean.grouped)  # (S, H, R, D)
+            h = lean._mlp(m, h + m.o(out.transpose(1, 2).reshape(*h.shape[:2], -1)))
+        return lean.lm_head(_rms_norm(h, lean.norm, lean.one_call))
