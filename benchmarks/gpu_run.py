@@ -74,10 +74,12 @@ def run_pytest(timeout_s: float) -> dict:
     t0 = time.perf_counter()
     try:
         done = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-                               "tests"], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+                               "--tb=short", "-rf", "tests"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=timeout_s)
         lines = [ln for ln in done.stdout.splitlines() if ln.strip()]
         return {"summary": lines[-1] if lines else "", "rc": done.returncode,
                 "failures": [ln for ln in lines if ln.startswith("FAILED")][:20],
+                "tail": done.stdout[-6000:] if done.returncode else "",     # why they failed
                 "seconds": round(time.perf_counter() - t0, 1)}
     except subprocess.TimeoutExpired:
         return {"summary": f"timed out after {timeout_s:.0f} s", "rc": None, "seconds": timeout_s}

@@ -367,3 +367,23 @@ def test_a_requests_stats_give_its_share_of_the_batched_forwards(eos_target):
     assert any(len(rows) == 1 and id(got[-1]) in rows for rows, _, _ in rounds)
     assert last.batch_size < 3
     assert GenerationStats().batch_share is None and GenerationStats().as_dict()["batch_size"] is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_batched_round_replays_captured_graphs_and_answers_as_alone():
+    """On CUDA a batch runs in fixed shapes as CUDA graphs: each bucket captured once (a second batch
+    over the same buckets captures nothing), greedy float32 answers the lone ones."""
+    target = tiny_llama(3, eos=EOS, sharpness=3.0).cuda()
+    dec = _decoder(target)
+    want = [_lone(dec, torch.tensor(p).cuda(), n).tokens for p, n in zip(PROMPTS, LENGTHS)]
+    batch = BatchDecoder(dec, max_batch=4)
+    assert isinstance(batch.forward, SlotBlocks) and batch.forward.capture
+    prompts = [torch.tensor(p).cuda() for p in PROMPTS]
+    assert [o.tokens for o in batch.generate(prompts[:4], max_new_tokens=8)] == [w[:8] for w in want[:4]]
+    got = [o.tokens for o in batch.generate(prompts, max_new_tokens=max(LENGTHS))]
+    assert batch.forward.captures > 0 and batch.forward.failure is None
+    captured = batch.forward.captures
+    assert [o.tokens for o in batch.generate(prompts, max_new_tokens=max(LENGTHS))] == got
+    assert batch.forward.captures == captured
+    assert [g[:n] for g, n in zip(got, LENGTHS)] == want

@@ -31,3 +31,18 @@ def test_the_plan_runs_what_the_store_holds_through_flags_the_tools_take(tmp_pat
         text = help_text(script) + (help_text(script, sub) if sub else "")
         for flag in (w for w in cmd[2:] if w.startswith("--")):
             assert re.search(rf"{re.escape(flag)}\b", text), f"{script} {sub or ''} takes no {flag}"
+
+
+def test_a_file_too_large_to_come_back_is_split_into_parts_that_join_to_it(tmp_path):
+    folder = tmp_path / "head-gpu"
+    folder.mkdir()
+    big = bytes(range(256)) * 40                       # 10,240 bytes
+    (folder / "feature_head.safetensors").write_bytes(big)
+    (folder / "card.json").write_text("{}")
+    assert tool["split_large"](folder, limit=4096) == ["feature_head.safetensors"]
+    parts = folder / "feature_head.safetensors.parts"
+    sizes = sorted(p.stat().st_size for p in parts.glob("part*"))
+    assert not (folder / "feature_head.safetensors").exists() and (folder / "card.json").exists()
+    assert len(sizes) == 3 and max(sizes) <= 4096
+    from gpu_carry import join
+    assert join(parts, tmp_path / "back").read_bytes() == big
