@@ -263,8 +263,12 @@ def sync_profile(args, default, prompt, rounds: int = 16) -> dict:
             stream = decoder.stream(prompt, max_new_tokens=rounds * 8, temperature=temperature, seed=0,
                                     ignore_eos=True)
             next(stream)
-            per_round, times = [], []
+            per_round, times, captured = [], [], []
+
+            def captures():                       # graphs captured so far (a round that captures is slow)
+                return sum(g.get("captured", 0) for g in graphs_of(decoder).values())
             for _ in range(rounds):
+                before = captures()
                 cuda = args.device.startswith("cuda")
                 if cuda:
                     torch.cuda.synchronize()
@@ -283,8 +287,10 @@ def sync_profile(args, default, prompt, rounds: int = 16) -> dict:
                         torch.cuda.synchronize()
                 times.append(round((time.perf_counter() - t0) * 1000, 3))
                 per_round.append(sum("synchroniz" in str(w.message) for w in caught))
+                captured.append(captures() - before)
             out[f"{name}/{'greedy' if temperature == 0 else 'T0.7'}"] = {
-                "syncs_per_round": per_round, "max_syncs": max(per_round, default=0), "round_ms": times}
+                "syncs_per_round": per_round, "max_syncs": max(per_round, default=0), "round_ms": times,
+                "captures_per_round": captured}
     return out
 
 
@@ -313,7 +319,9 @@ def batch_stage(args, default, prompts, deadline: float, sizes=(1, 4, 8, 16)) ->
             sync()
             seconds = time.perf_counter() - t0
             tokens = sum(len(g.tokens) for g in got)
-            out[f"{name}/{size}"] = {"tokens_per_s": round(tokens / seconds, 2), "seconds": round(seconds, 3),
+            out[f"{name}/{size}"] = {"forward": type(batch.forward).__name__,
+                                     "captured": getattr(batch.forward, "captures", 0),
+                                     "tokens_per_s": round(tokens / seconds, 2), "seconds": round(seconds, 3),
                                      "rounds": batch.rounds - rounds, "same_as_lone": sum(g.tokens == t for g, t in
                                                                                  zip(got, lone))}
     return out

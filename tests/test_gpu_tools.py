@@ -79,8 +79,10 @@ def test_gpu_check_runs_every_stage_on_a_tiny_pair(tmp_path, monkeypatch):
     assert bench["graphs"]["fixed_round"]["target"]["built"] >= bench["graphs_after_warm_up"]["fixed_round"][
         "target"]["built"] > 0 and "SDPA" in bench["attention"]["fixed_round"]
     assert len(report["stages"]["sync_profile"]["fixed_round/greedy"]["syncs_per_round"]) == 16
+    assert report["stages"]["sync_profile"]["fixed_round/greedy"]["captures_per_round"] == [0] * 16   # eager
     batch = report["stages"]["batch"]
     assert batch["prompts"] == 3 and set(batch) == {"prompts"} | {f"{m}/{b}" for m in ("plain", "context")
                                                                  for b in (1, 4, 8, 16)}
     for size in (1, 4, 8, 16):          # float32 on a CPU: every batched answer is its lone run's
         assert batch[f"plain/{size}"]["same_as_lone"] == 3 and batch[f"plain/{size}"]["rounds"] > 0
+        assert batch[f"plain/{size}"]["forward"] == "SlotForward"          # a CPU runs the flat batch
