@@ -387,3 +387,12 @@ def test_on_cuda_the_batched_round_replays_captured_graphs_and_answers_as_alone(
     assert [o.tokens for o in batch.generate(prompts, max_new_tokens=max(LENGTHS))] == got
     assert batch.forward.captures == captured
     assert [g[:n] for g, n in zip(got, LENGTHS)] == want
+
+
+def test_a_batch_over_a_target_cast_since_refuses_a_request_and_queues_nothing():
+    target = tiny_llama(3, eos=EOS, sharpness=3.0)
+    batch = BatchDecoder(_decoder(target), max_batch=2)
+    target.to(torch.bfloat16)
+    with pytest.raises(ConfigError, match="build a new TreeDecoder for the cast pair"):
+        batch.submit(PROMPTS[0], max_new_tokens=4)
+    assert batch.idle and not batch.waiting

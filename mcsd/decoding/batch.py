@@ -142,6 +142,7 @@ class BatchDecoder:
         """Queue one prompt with `TreeDecoder.generate`'s options; it joins a slot at the next round
         with one free. A bad option is a ConfigError here, before anything runs."""
         dec = self.decoder
+        dec._check_dtype()                                   # its caches and kernels were made for that dtype
         prompt_ids = dec.encode(prompt)
         cfg = processors.request(dec.target.model, prompt_ids.numel(), max_new_tokens=max_new_tokens,
                                  temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
