@@ -46,6 +46,14 @@ def pytest_addoption(parser):
 
 
 @pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    weights = config.getoption("--bench-weights")
+    from mcsd.forward import quant
+    if weights in quant.ON_CODES and not quant.dtypes(weights):        # before any model loads
+        raise pytest.UsageError(f"--bench-weights {weights} runs on mcsd's native kernel, which is not used here "
+                                f"({quant.describe_kernel()}); use --bench-weights q4")
+
+
 def pytest_collection_modifyitems(config, items):
     """Remember which methods were selected (-k, -m, node ids), for the interleaved run: after
     pytest's own selection has removed the others from `items`."""

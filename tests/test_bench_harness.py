@@ -85,3 +85,13 @@ def test_a_smoke_report_says_it_is_no_measurement_and_a_wide_baseline_family_is_
     wide = report["markdown"](_rows(0.5, 40.0), env)
     assert "Warning: the baseline family spreads 80.0x** (baseline 0.5 tokens/s, baseline_mcsd 40.0)" in wide
     assert "Warning" not in report["markdown"](_rows(20.0, 40.0), env)         # 2x exactly: not flagged
+
+
+def test_q4q8_without_the_native_kernel_is_one_usage_error_before_anything_loads():
+    env = dict(os.environ, MCSD_NATIVE="0")
+    done = subprocess.run([sys.executable, "-m", "pytest", "benchmarks/", "--benchmark-only", "--bench-smoke",
+                           "--bench-weights", "q4q8", "--bench-dtype", "float32", "-q", "-p", "no:cacheprovider"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 4, done.stdout[-2000:] + done.stderr[-2000:]      # pytest's usage error
+    assert "--bench-weights q4q8 runs on mcsd's native kernel, which is not used here" in done.stderr
+    assert "IndexError" not in done.stdout + done.stderr
