@@ -172,6 +172,40 @@ def test_a_node_is_priced_at_the_measured_slope_not_at_corrected_whole_rounds():
     assert sizes[0] == sizes[1] > 1
 
 
+@pytest.mark.parametrize("max_nodes", [1, 2, 3, 5, 48])
+def test_lookups_stopped_at_the_grafts_reach_graft_and_learn_what_full_lookups_do(monkeypatch, max_nodes):
+    """Candidates deeper than a round's budget (past the drafted nodes) can be neither grafted nor a drafted
+    node's evidence: the lookups stop there, and the grafts, their proposers and what the rates learn
+    are the same as with every continuation followed to `max_len`."""
+    import mcsd.drafting.context as context_module
+    g = torch.Generator().manual_seed(5)
+    base = torch.randint(2, 9, (40,), generator=g)
+    seq = torch.cat([base, base[:25], base[3:30], base[:12]])           # repeats of several lengths
+    topo = TreeTopology.from_spec("2,1")
+    drafted = DraftTree.root_only(topo, seq[-1])
+    drafted.append_level(base[12:14].clone(), torch.tensor([0, 0]), torch.zeros(2), topo.child_table[0, :2])
+    drafted.append_level(base[13:14].clone(), torch.tensor([1]), torch.zeros(1), topo.child_table[1, :1])
+
+    def run(full: bool):
+        if full:
+            monkeypatch.setattr(context_module, "graft_reach", lambda n, d: 10 ** 6)
+        else:
+            monkeypatch.undo()
+        ctx = ContextDrafter(min_score=0.0, max_nodes=48)
+        ctx.bind(16, "cpu")
+        ctx.reset(seq)
+        out = []
+        for tree in (DraftTree.root_only(topo, seq[-1]), drafted):
+            graft = ctx.graft(tree, seq, 1.0, 5.0, costs=None, max_nodes=max_nodes)
+            ctx.observe(graft, torch.tensor([0, 1, graft.tree.size - 1][:2]))
+            out.append((graft.tree.tokens.tolist(), graft.tree.parents.tolist(), graft.tree.logp.tolist(),
+                        graft.proposed))
+        return out, dict(ctx.rates)
+
+    full, capped = run(True), run(False)
+    assert capped == full and len(full[0][1][0]) > 3           # the drafted round grafted beneath its nodes
+
+
 def test_a_long_match_is_not_diluted_by_short_ones():
     """Siblings are ranked by their longest match: a copy in progress keeps its full estimate even
     when many short matches continue differently, and the runner-ups are priced lower."""

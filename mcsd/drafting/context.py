@@ -405,9 +405,9 @@ class ContextDrafter:
         return r
 
     def _propose_under(self, anchor: _Node, suffix: list[int], recycle_widths: tuple[int, ...],
-                       evidence: dict[int, list[float]]) -> None:
+                       evidence: dict[int, list[float]], reach: int) -> None:
         """Add every source's candidates beneath `anchor`, the trie node whose path spells the end
-        of `suffix` (the committed text, then the drafted path to the anchor)."""
+        of `suffix` (the committed text, then the drafted path to the anchor), at most `reach` deep."""
         cfg = self.config
 
         def add(node: _Node, cond: float, key: tuple) -> None:
@@ -417,10 +417,10 @@ class ContextDrafter:
 
         lookups = []
         if "ngram" in cfg.sources:
-            lookups.append(("ngram", self.history.continuations(suffix, cfg.max_matches, cfg.max_len)))
+            lookups.append(("ngram", self.history.continuations(suffix, cfg.max_matches, min(cfg.max_len, reach))))
         if self._store is not None:
             idx, ends = self._store
-            lookups.append(("store", idx.continuations(suffix, cfg.max_matches, cfg.max_len,
+            lookups.append(("store", idx.continuations(suffix, cfg.max_matches, min(cfg.max_len, reach),
                                                        limit=len(idx), doc_ends=ends)))
         for src, matches in lookups:
             if not matches:
@@ -447,7 +447,7 @@ class ContextDrafter:
                     add(child, self._rate(key), key)
         if self._next is not None:
             frontier = [anchor]
-            for depth, width in enumerate(recycle_widths, start=1):
+            for depth, width in enumerate(recycle_widths[:reach], start=1):
                 nxt = []
                 for node in frontier:
                     for rank, t in enumerate(self._next.get(node.token, ())[:width]):
@@ -533,10 +533,11 @@ class ContextDrafter:
         evidence: dict[int, list[float]] = {}
         history_tail = self.history.tokens[-MAX_MATCH:]
         anchors = sorted((i for i in range(n_tree) if est[i] >= cfg.min_score), key=lambda i: -est[i])
+        reach = graft_reach(max_nodes, max(len(p) for p in paths))
         for i in anchors[:cfg.max_anchors]:
             suffix = (history_tail + paths[i])[-MAX_MATCH:]
             self._propose_under(nodes[i], suffix, cfg.recycle_widths if i == 0 else cfg.recycle_widths[:2],
-                                evidence)
+                                evidence, reach)
         proposed: dict[int, list[tuple]] = {}
         heap: list[tuple[float, int, _Node, int, float]] = []
         tie = 0
@@ -608,6 +609,15 @@ class ContextDrafter:
             for key in keys:
                 r = self._rate(key)
                 self.rates[key] = r + lr * (float(hit) - r)
+
+
+def graft_reach(max_nodes: int, drafted_depth: int) -> int:
+    """How deep beneath an anchor a candidate can matter: along a continuation the drafted nodes come
+    first (a node the drafter did not propose has no drafted child), at most `drafted_depth` of them,
+    free, and every node after them takes one of the round's `max_nodes`; deeper candidates can be
+    neither grafted nor a drafted node's evidence, so the lookups stop there (a batch's slot, whose
+    share is a few nodes, builds a few trie nodes instead of `max_len` per match)."""
+    return max(1, max_nodes + drafted_depth)
 
 
 def describe(drafter: ContextDrafter) -> dict:
