@@ -45,7 +45,6 @@ def pytest_addoption(parser):
                      "one method after another; each test then reports its share of that run")
 
 
-@pytest.hookimpl(trylast=True)
 def pytest_configure(config):
     weights = config.getoption("--bench-weights")
     from mcsd.forward import quant
@@ -54,6 +53,7 @@ def pytest_configure(config):
                                 f"({quant.describe_kernel()}); use --bench-weights q4")
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     """Remember which methods were selected (-k, -m, node ids), for the interleaved run: after
     pytest's own selection has removed the others from `items`."""
