@@ -689,3 +689,37 @@ def test_cuda_second_generation_captures_nothing():
     again = dec.generate(REPEATS.cuda(), max_new_tokens=60)
     assert again.tokens == first.tokens == generate_greedy(target, REPEATS)
     assert (dec.target.blocks.captures, dec.fixed_round.blocks.captures) == captured
+
+
+# ---------------------------------------------------------------------------- the policy "auto" picks
+
+def test_where_the_fixed_round_is_the_default_policy_auto_grows_the_static_tree(target, monkeypatch):
+    """On CUDA (here: the CPU taken for one) a feature head's policy "auto" is the static tree, whose
+    rounds replay as graphs, not the learned policy, whose per-level decisions run eagerly; with
+    round="loop", elsewhere, or with a standalone draft model, "auto" stays the learned policy."""
+    head = random_head(target, 24)
+    assert type(TreeDecoder(target, FeatureDrafter(head, target), attention="sdpa").policy) is LearnedPolicy
+    monkeypatch.setattr(fixed_round, "AUTO_DEVICES", ("cuda", "cpu"))
+    dec = TreeDecoder(target, [FeatureDrafter(head, target), ContextDrafter()], attention="sdpa", calibrate=False)
+    assert type(dec.policy).__name__ == "StaticPolicy"
+    assert dec.policy.topology.size == TreeTopology.from_spec("4,2,2").size == 29
+    out = dec.generate(PROMPT, max_new_tokens=20)
+    assert out.stats.round == "fixed" and out.tokens == generate_greedy(target, PROMPT, 20)
+    loop = TreeDecoder(target, FeatureDrafter(head, target), attention="sdpa", round="loop")
+    assert type(loop.policy) is LearnedPolicy
+    model = TreeDecoder(target, tiny_llama(1, layers=1), attention="sdpa")
+    assert type(model.policy) is LearnedPolicy
+
+
+@pytest.mark.parametrize("flags, want", [
+    (["--device", "cuda"], ("static", "4,2,2")),
+    (["--device", "cpu"], ("learned", LearnedPolicy.default_tree)),
+    (["--device", "cuda", "--drafter", "model"], ("learned", LearnedPolicy.default_tree)),
+    (["--device", "cuda", "--policy", "learned"], ("learned", LearnedPolicy.default_tree)),
+    (["--device", "cuda", "--tree", "3,1"], ("static", "3,1")),
+])
+def test_the_command_lines_settle_policy_auto_as_the_decoder_does(flags, want):
+    from mcsd.cli.args import build_parser, settle_policy
+    args = build_parser().parse_args(["--prompt", "x", *flags])
+    settle_policy(args, drafting=True)
+    assert (args.policy, args.tree) == want

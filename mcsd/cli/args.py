@@ -85,7 +85,8 @@ def add_model_arguments(parser: argparse.ArgumentParser):
     dec.add_argument("--policy", default="auto",
                      help="tree policy: static, heuristic, confidence, learned, svip, disco, specdecpp, or the "
                           "pearl execution mode (default auto: learned when its acceptance model is installed, "
-                          "else static)")
+                          "else static; static for a feature head on CUDA, whose fixed-shape round replays a "
+                          "static tree as CUDA graphs)")
     dec.add_argument("--policy-option", action="append", default=[], metavar="NAME=VALUE",
                      help="a policy setting, e.g. h=0.4 (svip, specdecpp), threshold=0.1 (disco), "
                           "post_verify=false (pearl); repeatable")
@@ -386,6 +387,25 @@ def processing(args) -> dict:
 def drafts_nothing(args) -> bool:
     """--tree 0 (or an empty spec, refused by check_args): plain target steps, nothing drafted."""
     return args.tree is not None and args.tree.strip() in ("", "0")
+
+
+def settle_policy(args, drafting: bool) -> None:
+    """--policy auto resolved (`resolve_policy`) and --tree's default set from it, before anything loads:
+    "static" for a feature head on CUDA, which runs the fixed-shape round, else "learned" where the run
+    drafts exactly with its acceptance model installed."""
+    from ..drafting.policies import POLICIES, resolve_policy
+    kind = drafter_kinds(args)[0]
+    if kind is None and args.draft is None:
+        kind = PRESETS[args.target or DEFAULT_PRESET].default_drafter if (args.target or DEFAULT_PRESET) in PRESETS \
+            else None
+    device = str(args.device)
+    if device == "auto":
+        import torch
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    fixed = device.startswith("cuda") and kind == "feature"
+    args.policy = resolve_policy(args.policy, lossy=args.lossy_target_roots > 0, drafting=drafting, fixed_round=fixed)
+    if args.tree is None:
+        args.tree = POLICIES[args.policy].default_tree if args.policy in POLICIES else "4,2,2"
 
 
 def drafter_kinds(args) -> tuple[str | None, bool, bool]:

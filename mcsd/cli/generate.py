@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 from ..loading.presets import DEFAULT_PRESET, describe_presets
-from .args import UsageError, check_args, check_hub, drafter_kinds, drafts_nothing, parse_policy_options, processing
+from .args import (UsageError, check_args, check_hub, drafter_kinds, drafts_nothing, parse_policy_options, processing,
+                   settle_policy)
 
 
 def _decode_utf8(data: bytes, source: str) -> str:
@@ -246,12 +247,8 @@ def run(args) -> int:
     from ..forward.threads import snapshot
     args.load_since = snapshot()                    # other processes' CPU use is read from here to the load
     from ..drafting import pearl  # noqa: F401  (registers the "pearl" execution mode)
-    from ..drafting.policies import POLICIES, resolve_policy
     parse_policy_options(args.policy_option)        # a malformed setting fails before anything loads
-    args.policy = resolve_policy(args.policy, lossy=args.lossy_target_roots > 0,
-                                 drafting=not args.baseline and not drafter_kinds(args)[2])
-    if args.tree is None:
-        args.tree = POLICIES[args.policy].default_tree if args.policy in POLICIES else "4,2,2"
+    settle_policy(args, drafting=not args.baseline and not drafter_kinds(args)[2])
     check_args(args)                               # fail on a malformed flag before loading anything
     if args.prompts_file is not None:
         texts = _read_prompts_file(args.prompts_file)

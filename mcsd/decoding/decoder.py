@@ -129,7 +129,8 @@ class TreeDecoder:
         self.threads = _choose_threads(threads)
         self.target, self.tokenizer = CachedLM(target, cuda_graphs=cuda_graphs), tokenizer
         self.lossy_roots = int(lossy_target_roots)
-        parts = resolve(target, draft, tree, policy, attention, self.lossy_roots, cuda_graphs)
+        parts = resolve(target, draft, tree, policy, attention, self.lossy_roots, cuda_graphs,
+                        fixed_round=round != "loop" and self.target.device.type in fixed_round.AUTO_DEVICES)
         self.drafter, self.context, self.attention = parts.drafter, parts.context, parts.attention
         self.calibration = Calibration(self.target, self.drafter, parts.draft, calibrate, release_weights)
         self.policy = make_policy(parts.policy, parts.tree, **self.calibration.policy_options(parts.policy,

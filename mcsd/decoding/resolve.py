@@ -42,8 +42,10 @@ class Parts:
 
 
 def resolve(target: torch.nn.Module, draft, tree, policy, attention: str, lossy_roots: int,
-            cuda_graphs: bool = True) -> Parts:
-    """`TreeDecoder`'s arguments -> its Parts (see `TreeDecoder` for what each may be)."""
+            cuda_graphs: bool = True, fixed_round: bool = False) -> Parts:
+    """`TreeDecoder`'s arguments -> its Parts (see `TreeDecoder` for what each may be); `fixed_round`:
+    the decoder takes the fixed-shape round by default on this device (round "auto" or "fixed" on CUDA),
+    where policy "auto" grows a feature head's static tree (`resolve_policy`)."""
     draft, context = split_drafters(draft)
     if context is not None and lossy_roots:
         raise ConfigError("context drafting is exact-only; it cannot be combined with lossy_target_roots")
@@ -52,7 +54,8 @@ def resolve(target: torch.nn.Module, draft, tree, policy, attention: str, lossy_
             raise ConfigError(f"policy {policy!r} shapes a draft model's tree; context drafting alone "
                               f"(no draft model) takes no policy")
         policy, tree = "static", ""                 # nothing to draft with a model: the root alone, then context
-    policy = resolve_policy(policy, lossy=lossy_roots > 0, drafting=draft is not None)
+    policy = resolve_policy(policy, lossy=lossy_roots > 0, drafting=draft is not None,
+                            fixed_round=fixed_round and getattr(draft, "static_blocks", False))
     if tree is None and isinstance(policy, str):
         tree = POLICIES[policy].default_tree if policy in POLICIES else TreePolicy.default_tree
     if lossy_roots and policy == "pearl":

@@ -29,6 +29,7 @@ from ..cli.args import (
     drafter_kinds,
     join_free_values,
     parse_policy_options,
+    settle_policy,
 )
 from ..cli.generate import build_decoder, load_models
 from ..config import ConfigError
@@ -176,12 +177,8 @@ def serve(args) -> int:
     api_key = args.api_key if args.api_key is not None else (os.environ.get(API_KEY_ENV) or None)
     args.load_since = snapshot()
     from ..drafting import pearl  # noqa: F401  (registers the "pearl" execution mode)
-    from ..drafting.policies import POLICIES, resolve_policy
     parse_policy_options(args.policy_option)
-    args.policy = resolve_policy(args.policy, lossy=args.lossy_target_roots > 0,
-                                 drafting=not drafter_kinds(args)[2])
-    if args.tree is None:
-        args.tree = POLICIES[args.policy].default_tree if args.policy in POLICIES else "4,2,2"
+    settle_policy(args, drafting=not drafter_kinds(args)[2])
     check_args(args)
     check_hub(args)
     sock = _bind(args.host, args.port)

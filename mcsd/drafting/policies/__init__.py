@@ -30,13 +30,17 @@ def register_policy(cls: type[TreePolicy]) -> type[TreePolicy]:
     return cls
 
 
-def resolve_policy(name, lossy: bool = False, drafting: bool = True):
+def resolve_policy(name, lossy: bool = False, drafting: bool = True, fixed_round: bool = False):
     """"auto" -> "learned" when its acceptance model is installed and the run is exact and drafts
-    (the lossy multi-root variant grows static trees), else "static". Other names pass through."""
+    (the lossy multi-root variant grows static trees), else "static"; also "static" where the run takes
+    the fixed-shape round by default (`fixed_round`: a feature head on CUDA), whose static tree replays
+    as CUDA graphs while the learned policy's per-level decisions run as eager operators, about 1,100 a
+    drafted round (docs/results.md: the static 4,2,2 tree 1.64x HF's static-cache generate on an H200,
+    the learned policy's 0.82x). Other names pass through."""
     if name != "auto":
         return name
     from .learned import default_model_path
-    return "learned" if drafting and not lossy and default_model_path().is_file() else "static"
+    return "learned" if drafting and not lossy and not fixed_round and default_model_path().is_file() else "static"
 
 
 def make_policy(policy, tree_spec, **options) -> TreePolicy:
