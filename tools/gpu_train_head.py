@@ -9,9 +9,9 @@ and the embedded target carried in, see tools/gpu_check.py), the run:
 3. goes on training the shipped head (`--init`) on every position, for what is left of the
    time budget (several passes over the store where the GPU is fast enough),
 4. writes the new head, its card and a JSON of each stage's time into `--out` ($OUT on the
-   GPU machine, so that it comes back); a file over what a call brings back (16 MiB) is split into
-   parts with a manifest (`<name>.parts/`, joined by `tools/gpu_carry.py join`). A training stage
-   that made no update (its budget spent loading the store) fails the run.
+   GPU machine, so that it comes back); a file over what a call brings back (16 MiB) is split
+   into parts with a manifest (`<name>.parts/`, by `tools/gpu_carry.py split`; its `join` puts it
+   together). A training stage that made no update (its budget spent loading the store) fails the run.
 
     python tools/gpu_train_head.py --out $OUT/head-gpu --budget-min 8
     python tools/gpu_train_head.py --dry-run          # print the plan
@@ -31,9 +31,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tools"))
-from gpu_carry import split  # noqa: E402
-
 BACK = 15 * 2**20               # a part's most: a little under the 16 MiB a file may be to come back
 STORE = REPO / "data" / "smollm2-135m"
 HEAD = REPO / "models" / "smollm2-135m-feature-head"
@@ -115,7 +112,10 @@ def split_large(folder: Path, limit: int = BACK) -> list[str]:
     done = []
     for path in sorted(folder.iterdir()):
         if path.is_file() and path.stat().st_size > limit:
-            split(path, folder / f"{path.name}.parts", parts=-(-path.stat().st_size // limit))
+            parts = -(-path.stat().st_size // limit)
+            subprocess.run([sys.executable, str(REPO / "tools" / "gpu_carry.py"), "split", str(path),
+                            str(folder / f"{path.name}.parts"), "--parts", str(parts)], check=True,
+                           capture_output=True)
             path.unlink()
             done.append(path.name)
     return done
