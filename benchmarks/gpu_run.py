@@ -11,8 +11,9 @@ call, within 8 minutes:
    through every method in turn), greedy and at T 0.7 (seeded): Hugging Face `generate` with a
    static cache of one `max_cache_len` for every prompt, compiled and warmed up (its first call's
    time reported apart), HF greedy on its dynamic cache, the plain loop, context drafting alone, the
-   CLI default (its decoder as `mcsd-generate` builds it), and the feature head's static tree on the
-   fixed-shape round (`round="fixed"`); tokens/s, mean accepted tokens, and from the runs themselves
+   CLI default (its decoder as `mcsd-generate` builds it: on CUDA the static tree with context
+   drafting), the same with `--policy learned` (its per-level decisions eager), and the feature head's
+   static tree alone on the fixed-shape round (`round="fixed"`); tokens/s, mean accepted tokens, and from the runs themselves
    which round each ran and why (`GenerationStats.round`), the CUDA graphs its decoder captured (the
    target's and the head's) and the attention it ran;
 3. 16 rounds of the CLI default and of the fixed round under `torch.cuda.set_sync_debug_mode`,
@@ -88,7 +89,8 @@ def run_pytest(timeout_s: float) -> dict:
 # ------------------------------------------------------------------ the pair and its methods
 
 def load(args):
-    """(target, feature drafter, tokenizer or None, prompts as (T,) id tensors, the CLI default's decoder)."""
+    """(target, feature drafter, tokenizer or None, prompts as (T,) id tensors, the CLI default's decoder,
+    the same with the learned policy)."""
     import torch
 
     from mcsd import TreeDecoder
@@ -107,20 +109,25 @@ def load(args):
         g = torch.Generator().manual_seed(1)
         prompts = [torch.randint(2, 64, (8 + 4 * i,), generator=g).to(args.device) for i in range(args.prompts)]
         default = TreeDecoder(target, drafter, tree="4,2,2", policy="static", attention="sdpa", calibrate=False)
-        return target, drafter, None, prompts, default
-    from mcsd.cli.args import build_parser
+        learned = TreeDecoder(target, drafter, policy="learned", attention="sdpa", calibrate=False, round="fixed")
+        return target, drafter, None, prompts, default, learned
+    from mcsd.cli.args import build_parser, settle_policy
     from mcsd.cli.generate import build_decoder, load_models
     from mcsd.loading.data import chat_ids, load_prompts, stratified
     cli = build_parser().parse_args(["--device", args.device, "--dtype", args.dtype, "--prompt", "x"])
+    settle_policy(cli, drafting=True)
     target, drafter, tokenizer = load_models(cli)
     default, _ = build_decoder(cli, target, drafter, tokenizer)
+    cli.policy, cli.tree = "learned", None                  # the learned policy, as the default was before CUDA's
+    settle_policy(cli, drafting=True)
+    learned, _ = build_decoder(cli, target, getattr(default, "drafter", drafter), tokenizer)
     texts = [p.text for p in stratified(load_prompts(split="heldout"))][:args.prompts]
     prompts = [torch.tensor(chat_ids(tokenizer, t), device=args.device) for t in texts]
     drafter = getattr(default, "drafter", drafter)
-    return target, drafter, tokenizer, prompts, default
+    return target, drafter, tokenizer, prompts, default, learned
 
 
-def methods(target, drafter, tokenizer, default, prompts, max_new: int) -> tuple[dict, dict]:
+def methods(target, drafter, tokenizer, default, learned, prompts, max_new: int) -> tuple[dict, dict]:
     """(name -> run(ids, temperature, seed) -> (new tokens, stats or None, note); name -> its decoder)."""
     import torch
     from transformers import StaticCache
@@ -154,10 +161,11 @@ def methods(target, drafter, tokenizer, default, prompts, max_new: int) -> tuple
             return out.tokens, out.stats, ""
         return run
 
-    decoders = {"plain_loop": plain, "context": context, "cli_default": default, "fixed_round": fixed}
+    decoders = {"plain_loop": plain, "context": context, "cli_default": default, "fixed_round": fixed,
+                "learned": learned}
     return {"hf_static": lambda ids, t, s: hf(ids, t, s, static=True), "hf_greedy": hf,
             "plain_loop": ours(plain, baseline=True), "context": ours(context), "cli_default": ours(default),
-            "fixed_round": ours(fixed)}, decoders
+            "fixed_round": ours(fixed), "learned": ours(learned)}, decoders
 
 
 def graphs_of(decoder) -> dict:
@@ -183,8 +191,8 @@ def attention_of(decoder) -> str:
 
 def bench(args, deadline: float) -> dict:
     import torch
-    target, drafter, tokenizer, prompts, default = load(args)
-    runs, decoders = methods(target, drafter, tokenizer, default, prompts, args.max_new_tokens)
+    target, drafter, tokenizer, prompts, default, learned = load(args)
+    runs, decoders = methods(target, drafter, tokenizer, default, learned, prompts, args.max_new_tokens)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     result = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
               "rounds": {}, "settings": {}}

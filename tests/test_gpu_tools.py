@@ -70,7 +70,8 @@ def test_gpu_check_runs_every_stage_on_a_tiny_pair(tmp_path, monkeypatch):
     assert report["environment"]["torch"]
     bench = report["stages"]["bench"]
     assert set(bench["settings"]["greedy"]) == {"hf_static", "hf_greedy", "plain_loop", "context", "cli_default",
-                                                "fixed_round"}
+                                                "fixed_round", "learned"}
+    assert bench["rounds"]["learned"].startswith("fixed (round='fixed'")
     # which round ran comes from the runs themselves: on a CPU the default is the loop, round="fixed" fixed
     assert bench["rounds"]["fixed_round"].startswith("fixed (round='fixed'")
     assert bench["rounds"]["cli_default"].startswith("loop (") and "hf_static" in bench["first_call_s"]
