@@ -281,3 +281,10 @@ def test_window_bounds_are_checked(target):
     with pytest.raises(ConfigError, match="window"):
         FeatureDrafter(random_head(target), target, window=0)
     assert FeatureDrafter(random_head(target), target).window == 128
+
+
+def test_a_head_on_another_device_than_the_target_is_one_clear_error(target):
+    from mcsd.config import ConfigError
+    head = random_head(target).to("meta")                  # any device but the target's (cpu here)
+    with pytest.raises(ConfigError, match="feature head's weights are on meta, the target's on cpu: move the head"):
+        FeatureDrafter(head, target)

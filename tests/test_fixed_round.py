@@ -647,9 +647,10 @@ def test_cuda_rounds_synchronise_once(options, policy):
     import warnings
     target = tiny_llama(0).cuda()
     prompt = (REPEATS if policy == "default" else PROMPT).cuda()
-    dec = (fixed_decoder(target, random_head(target, 24)) if policy == "static"
-           else learned_decoder(target, random_head(target, 24), "fixed", "3,2,2,1,1", "constant")
-           if policy == "learned" else default_decoder(target, random_head(target, 24), "auto"))
+    head = random_head(target, 24).cuda()
+    dec = (fixed_decoder(target, head) if policy == "static"
+           else learned_decoder(target, head, "fixed", "3,2,2,1,1", "constant")
+           if policy == "learned" else default_decoder(target, head, "auto"))
     dec.generate(prompt, max_new_tokens=60, **options)         # captures every bucket's graphs
     stream = dec.stream(prompt, max_new_tokens=60, **options)
     tokens = list(next(stream))
@@ -681,7 +682,7 @@ def test_cuda_second_generation_captures_nothing():
     """On CUDA the command line's default runs the fixed round under round="auto", and its decoder
     captures every graph once: a second generation captures none (the target's nor the head's)."""
     target = tiny_llama(0).cuda()
-    dec = default_decoder(target, random_head(target, 24), "auto")
+    dec = default_decoder(target, random_head(target, 24).cuda(), "auto")
     first = dec.generate(REPEATS.cuda(), max_new_tokens=60)
     assert first.stats.round == "fixed", first.stats.round_reason
     captured = dec.target.blocks.captures, dec.fixed_round.blocks.captures

@@ -257,6 +257,11 @@ class FeatureDrafter:
         if window is not None and window < 1:
             from ..config import ConfigError
             raise ConfigError(f"feature drafter window must be a positive number of positions, got {window}")
+        head_device, target_device = next(head.parameters()).device, target.get_input_embeddings().weight.device
+        if head_device != target_device:
+            from ..config import ConfigError
+            raise ConfigError(f"the feature head's weights are on {head_device}, the target's on {target_device}: "
+                              f"move the head first (head.to({str(target_device)!r}))")
         self.head = head
         self.name = name                                # names its device profile
         self.directory = directory                      # the folder it was loaded from (its acceptance model)
