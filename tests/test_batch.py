@@ -396,3 +396,24 @@ def test_a_batch_over_a_target_cast_since_refuses_a_request_and_queues_nothing()
     with pytest.raises(ConfigError, match="build a new TreeDecoder for the cast pair"):
         batch.submit(PROMPTS[0], max_new_tokens=4)
     assert batch.idle and not batch.waiting
+
+
+def test_a_fixed_shape_round_reads_nothing_on_the_host(target):
+    """Filling a bucket and running it makes no host read (counted at the dispatcher, the CPU running
+    the operators CUDA runs): on CUDA a round's one wait is the caller's read of its logits."""
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from host_reads import counting_host_reads, cuda_operators
+    with cuda_operators():
+        lm = CachedLM(target, lean=True)
+        forward = SlotBlocks(lm.lean_forward(), target, capture=False)
+        cache = SlotCache.for_model(forward.lean, 3)
+        with torch.inference_mode():
+            prompts = [Block(0, torch.tensor([3, 4, 5]), torch.arange(3), causal_allowed(3), last_only=True),
+                       Block(2, torch.tensor([9, 10]), torch.arange(2), causal_allowed(2), last_only=True)]
+            forward(cache, prompts)                                          # buffers made (capacity reserved)
+            steps = [Block(0, torch.tensor([6, 7]), torch.tensor([3, 4]), causal_allowed(2)),
+                     Block(2, torch.tensor([11]), torch.tensor([2]), causal_allowed(1))]
+            with counting_host_reads() as reads:
+                logits = forward(cache, steps)
+    assert reads == [] and [x.shape[0] for x in logits] == [2, 1] and cache.lengths == [5, 0, 3]

@@ -249,8 +249,8 @@ class SlotBlocks(graphs.Graphed):
     padding rows (token 0, the block's last position) are written after the block and see only
     themselves, and a slot without a block runs R such rows after what it holds: the commit never keeps
     them and no real row sees them. Attention spans each slot's whole capacity with a mask, so the
-    shapes hold from round to round; the inputs are written into the bucket's buffers in place (one copy
-    each from the host) and its logits copied out of the graph's. A round whose largest block is past
+    shapes hold from round to round; the inputs are written into the bucket's buffers in place, on
+    their device, and its logits copied out of the graph's. A round whose largest block is past
     the largest bucket (a long prompt's chunk) runs eagerly at its own shape (`SlotForward`).
 
     Args:
@@ -301,22 +301,22 @@ class SlotBlocks(graphs.Graphed):
 
     @staticmethod
     def _fill(entry: _Bucket, cache: SlotCache, blocks: list[Block], begin: list[int]) -> None:
-        """The round's blocks, padded, into the bucket's buffers: built on the host, one copy each."""
-        s, r = entry.tokens.shape
-        write = torch.tensor(begin)[:, None] + torch.arange(r)                   # (S, R)
-        tokens, positions = torch.zeros(s, r, dtype=torch.long), write.clone()
-        allowed = torch.zeros(s, r, cache.capacity, dtype=torch.bool)
-        allowed.scatter_(2, write[:, :, None], True)                             # every row sees its own entry
+        """The round's blocks, padded, into the bucket's buffers in place, on their device (no host read:
+        the blocks' tensors are copied where they are, the slots' lengths are the host's)."""
+        r = entry.tokens.shape[1]
+        for slot, start in enumerate(begin):                                     # row i of a slot: entry start + i
+            torch.arange(start, start + r, out=entry.write[slot])
+        entry.positions.copy_(entry.write)
+        entry.tokens.zero_()
+        entry.allowed.zero_()
+        entry.allowed.scatter_(2, entry.write[:, :, None], True)                # every row sees its own entry
         for b in blocks:
-            q, start = b.tokens.numel(), begin[b.slot]
-            tokens[b.slot, :q] = b.tokens
-            positions[b.slot, :q] = b.positions
-            positions[b.slot, q:] = b.positions[-1]
-            allowed[b.slot, :q, :start] = True                                  # the slot's held prefix
-            allowed[b.slot, :q, start:start + q] = b.allowed
-        for buffer, value in ((entry.tokens, tokens), (entry.positions, positions), (entry.write, write),
-                              (entry.allowed, allowed)):
-            buffer.copy_(value)
+            q, start, row = b.tokens.numel(), begin[b.slot], b.slot
+            entry.tokens[row, :q] = b.tokens
+            entry.positions[row, :q] = b.positions
+            entry.positions[row, q:] = b.positions[-1:].to(entry.positions.device)
+            entry.allowed[row, :q, :start].fill_(True)                               # the slot's held prefix
+            entry.allowed[row, :q, start:start + q] = b.allowed
 
     def _run(self, e: _Bucket, cache: SlotCache) -> torch.Tensor:
         """The forward over the bucket's buffers: (S, R, V) logits."""
