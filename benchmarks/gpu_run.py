@@ -241,7 +241,7 @@ def bench(args, deadline: float) -> dict:
         result["settings"][key] = figures
     # and after the timed runs: more only for buckets the warm-up's prompt did not use
     result["graphs"] = {name: graphs_of(d) for name, d in decoders.items()}
-    result["_decoders"] = (default, runs)
+    result["_decoders"] = decoders
     return result
 
 
@@ -256,16 +256,15 @@ def batch_prompts(args, default) -> list:
     return [torch.tensor(chat_ids(default.tokenizer, t), device=args.device) for t in texts]
 
 
-def sync_profile(args, default, prompt, rounds: int = 16) -> dict:
-    """Synchronisations a round over `rounds` rounds (torch's sync debug mode; on a CPU nothing is
-    counted here: tests/host_reads.py counts the host reads at the dispatcher, in tests/test_fixed_round.py)."""
+def sync_profile(args, decoders: dict, prompt, rounds: int = 16) -> dict:
+    """Synchronisations a round over `rounds` rounds of the bench's CLI default and fixed round (torch's
+    sync debug mode; on a CPU nothing is counted here: tests/host_reads.py counts the host reads at the
+    dispatcher, in tests/test_fixed_round.py)."""
     import torch
 
-    from mcsd import TreeDecoder
     out = {}
-    fixed = TreeDecoder(default.target.model, default.drafter, tree="4,2,2", policy="static", attention="sdpa",
-                        calibrate=False, round="fixed")
-    for name, decoder in (("cli_default", default), ("fixed_round", fixed)):
+    for name in ("cli_default", "fixed_round"):
+        decoder = decoders[name]
         for temperature in (0.0, 0.7):
             decoder.generate(prompt, max_new_tokens=rounds * 2, temperature=temperature, seed=0)   # captures
             stream = decoder.stream(prompt, max_new_tokens=rounds * 8, temperature=temperature, seed=0,
@@ -302,19 +301,19 @@ def sync_profile(args, default, prompt, rounds: int = 16) -> dict:
     return out
 
 
-def batch_stage(args, default, prompts, deadline: float, sizes=(1, 4, 8, 16)) -> dict:
+def batch_stage(args, decoders: dict, prompts, deadline: float, sizes=(1, 4, 8, 16)) -> dict:
     """Aggregate tokens/s of `BatchDecoder` at each slot count over the same prompts (greedy, every answer
-    `max_new_tokens` long), plainly and with the default's context drafting; answers equal to the lone run's."""
+    `max_new_tokens` long), over the bench's plain decoder and its CLI default (context drafting);
+    answers equal to the default's lone run's."""
     import torch
 
-    from mcsd import TreeDecoder
     from mcsd.decoding.batch import BatchDecoder
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
-    plain = TreeDecoder(default.target.model, None, tokenizer=default.tokenizer, attention="sdpa", calibrate=False)
+    default = decoders["cli_default"]
     opts = dict(max_new_tokens=args.max_new_tokens, temperature=0.0, ignore_eos=True)
     lone = [default.generate(p, **opts).tokens for p in prompts]
     out = {"prompts": len(prompts)}
-    for name, decoder in (("plain", plain), ("context", default)):
+    for name, decoder in (("plain", decoders["plain_loop"]), ("context", default)):
         for size in sizes:
             if time.monotonic() > deadline:
                 out[f"{name}/{size}"] = "skipped: time budget"
@@ -361,7 +360,8 @@ def main(argv=None) -> int:
         write()
     try:
         result = bench(args, deadline - 60)
-        default, _ = result.pop("_decoders")
+        decoders = result.pop("_decoders")
+        default = decoders["cli_default"]
         report["stages"]["bench"] = result
         write()
         if time.monotonic() < deadline - 20:
@@ -371,12 +371,12 @@ def main(argv=None) -> int:
                 from mcsd.loading.data import chat_ids
                 prompt = torch.tensor(chat_ids(default.tokenizer, "Write a short poem about the sea."),
                                       device=args.device)
-            report["stages"]["sync_profile"] = sync_profile(args, default, prompt)
+            report["stages"]["sync_profile"] = sync_profile(args, decoders, prompt)
         else:
             report["stages"]["sync_profile"] = "skipped: time budget"
         write()
         if args.batch_prompts and time.monotonic() < deadline - 20:
-            report["stages"]["batch"] = batch_stage(args, default, batch_prompts(args, default), deadline - 10)
+            report["stages"]["batch"] = batch_stage(args, decoders, batch_prompts(args, default), deadline - 10)
     except Exception as exc:                 # the JSON still says what ran and what failed
         import traceback
         report["error"] = f"{type(exc).__name__}: {exc}"

@@ -393,16 +393,14 @@ def settle_policy(args, drafting: bool) -> None:
     """--policy auto resolved (`resolve_policy`) and --tree's default set from it, before anything loads:
     "static" for a feature head on CUDA, which runs the fixed-shape round, else "learned" where the run
     drafts exactly with its acceptance model installed."""
+    from ..decoding import fixed_round
     from ..drafting.policies import POLICIES, resolve_policy
     kind = drafter_kinds(args)[0]
     if kind is None and args.draft is None:
         kind = PRESETS[args.target or DEFAULT_PRESET].default_drafter if (args.target or DEFAULT_PRESET) in PRESETS \
             else None
-    device = str(args.device)
-    if device == "auto":
-        import torch
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    fixed = device.startswith("cuda") and kind == "feature"
+    # --device auto spreads the model over CUDA devices (loading refuses it without one)
+    fixed = kind == "feature" and fixed_round.default_on("cuda" if args.device == "auto" else args.device)
     args.policy = resolve_policy(args.policy, lossy=args.lossy_target_roots > 0, drafting=drafting, fixed_round=fixed)
     if args.tree is None:
         args.tree = POLICIES[args.policy].default_tree if args.policy in POLICIES else "4,2,2"

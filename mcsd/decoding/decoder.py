@@ -130,7 +130,7 @@ class TreeDecoder:
         self.target, self.tokenizer = CachedLM(target, cuda_graphs=cuda_graphs), tokenizer
         self.lossy_roots = int(lossy_target_roots)
         parts = resolve(target, draft, tree, policy, attention, self.lossy_roots, cuda_graphs,
-                        fixed_round=round != "loop" and self.target.device.type in fixed_round.AUTO_DEVICES)
+                        fixed_round=round != "loop" and fixed_round.default_on(self.target.device))
         self.drafter, self.context, self.attention = parts.drafter, parts.context, parts.attention
         self.calibration = Calibration(self.target, self.drafter, parts.draft, calibrate, release_weights)
         self.policy = make_policy(parts.policy, parts.tree, **self.calibration.policy_options(parts.policy,

@@ -59,11 +59,6 @@ class HeadBlocks(graphs.Graphed):
         pred = d.fixed_block(e.feats, d.embed(e.tokens), e.positions, e.mask, e.slots)  # (B, H)
         return pred, d._scores(pred)                                                    # (B, K)
 
-    def _new_buffers(self) -> None:
-        cache = self.drafter.cache
-        cache.keys[:, :, :, cache.length:].zero_()
-        cache.values[:, :, :, cache.length:].zero_()
-
     def __call__(self, feats: torch.Tensor, tokens: torch.Tensor, first_position: int, start: int,
                  rows_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One block of Q rows written at cache slots start .. start+Q-1.
@@ -84,7 +79,7 @@ class HeadBlocks(graphs.Graphed):
         cache.length = start                        # what a reallocation must keep
         cache.reserve(start + b)
         dev, dtype = cache.device, cache.dtype
-        e, fresh = self._entry(b, cache.keys, lambda: _Block(
+        e, fresh = self._entry(b, cache, lambda: _Block(
             torch.zeros(b, feats.shape[-1], dtype=dtype, device=dev), torch.zeros(b, dtype=torch.long, device=dev),
             torch.zeros(1, b, dtype=torch.long, device=dev), torch.zeros(b, dtype=torch.long, device=dev),
             torch.zeros(1, 1, b, cache.capacity, dtype=dtype, device=dev)))

@@ -106,6 +106,12 @@ def drafted_topology(topology: TreeTopology, learned: bool, slots: int) -> TreeT
 AUTO_DEVICES = ("cuda",)        # device types where round="auto" takes the fixed round
 
 
+def default_on(device) -> bool:
+    """Whether round="auto" takes the fixed round on `device` (a torch.device, or its name as a flag
+    gives it: "cuda:1"; not parsed, so a malformed one is left to the flag's own check)."""
+    return getattr(device, "type", str(device).partition(":")[0]) in AUTO_DEVICES
+
+
 def unavailable(decoder, cfg: DecodeConfig, proposer, on_round=None) -> str | None:
     """Why the fixed-shape round cannot run this generation (None: it can)."""
     drafter = proposer.drafter
@@ -146,7 +152,7 @@ def choose(decoder, choice: str, cfg: DecodeConfig, proposer, on_round=None) -> 
     The target's padded blocks are switched on while the fixed round runs, and back to what they
     were for a generation on the loop."""
     kept = decoder.fixed_round
-    if choice == "loop" or (choice == "auto" and decoder.target.device.type not in AUTO_DEVICES):
+    if choice == "loop" or (choice == "auto" and not default_on(decoder.target.device)):
         decoder.round_choice = ("loop", "round='loop'" if choice == "loop" else
                                 "the fixed round is CUDA's default; on a CPU the loop is faster")
         if kept is not None:

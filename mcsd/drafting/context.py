@@ -485,10 +485,10 @@ class ContextDrafter:
         """
         self._sync(sequence)
         est = (node_probs if node_probs is not None else tree.logp.float().exp()).tolist()
+        budget = self.config.max_nodes if max_nodes is None else min(self.config.max_nodes, max_nodes)
         tokens, parents, logp, proposed, gain = self._choose(tree.tokens.tolist(), tree.parents.tolist(), est,
-                                                       tree.logp.tolist(), expected_tokens, round_ms, costs,
-                                                       self.config.max_nodes if max_nodes is None
-                                                       else min(self.config.max_nodes, max_nodes))
+                                                             tree.logp.tolist(), expected_tokens, round_ms, costs,
+                                                             budget)
         n_tree, n_now = tree.size, tree.size + len(tokens)
         det = torch.zeros(n_now, dtype=torch.bool, device=tree.tokens.device)
         det[n_tree:] = True
@@ -510,7 +510,7 @@ class ContextDrafter:
             `observe_path`).
         """
         tokens, parents, _, proposed, _ = self._choose([root], [-1], [1.0], [0.0], 1.0, 0.0, None,
-                                                    min(budget, self.config.max_nodes))
+                                                       min(budget, self.config.max_nodes))
         self.proposed_nodes += len(tokens)
         return tokens, parents, proposed
 

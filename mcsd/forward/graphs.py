@@ -97,13 +97,13 @@ class Graphed:
         self.built, self.captures, self.capture_s = 0, 0, 0.0
         self.failure: str | None = None
 
-    def _entry(self, key, buffers: torch.Tensor, make) -> tuple[object, bool]:
+    def _entry(self, key, cache, make) -> tuple[object, bool]:
         """(the entry for `key`, made by `make()` on first use; whether it is new). Entries made over
-        other buffers than `buffers` (the cache's keys) are dropped first, and `_new_buffers` runs."""
-        if self._buffers is not buffers:
+        other buffers than `cache`'s are dropped first, and `_new_buffers` runs."""
+        if self._buffers is not cache.keys:
             self._entries.clear()
-            self._buffers = buffers
-            self._new_buffers()
+            self._buffers = cache.keys
+            self._new_buffers(cache)
         entry = self._entries.get(key)
         if entry is None:
             entry = self._entries[key] = make()
@@ -111,8 +111,10 @@ class Graphed:
             return entry, True
         return entry, False
 
-    def _new_buffers(self) -> None:
-        """Called when the cache's buffers are new (a subclass zeroes what was never written)."""
+    def _new_buffers(self, cache) -> None:
+        """The cache's buffers are new: attention reads every entry with weight 0 past a block, and
+        0 * nan is nan, so the entries never written must hold finite values (later, stale ones do)."""
+        cache.zero_unwritten()
 
     def _launch(self, entry, fresh: bool, run):
         """`run(entry)` as the entry's graph (captured when `fresh`), or eagerly; returns `entry.out`."""
@@ -168,7 +170,6 @@ class StaticBlocks(Graphed):
     def __init__(self, lean: LeanForward, capture: bool):
         super().__init__(capture)
         self.lean = lean
-        self._cache: StaticCache | None = None
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: StaticCache,
                  start: int, hidden: tuple[int, ...] = (), last_logits: bool = False):
@@ -189,8 +190,7 @@ class StaticBlocks(Graphed):
         if b is None:
             raise ValueError(f"a block of {q} rows is past the largest bucket ({BUCKETS[-1]}); run it unpadded")
         cache.reserve(start + b)
-        self._cache = cache
-        entry, fresh = self._entry((b, tuple(hidden)), cache.keys, lambda: self._new_entry(b, cache))
+        entry, fresh = self._entry((b, tuple(hidden)), cache, lambda: self._new_entry(b, cache))
         self._fill(entry, tokens, positions, mask, start)
         all_logits, all_states = self._launch(
             entry, fresh, lambda e: self.lean(e.tokens, e.positions, e.mask, cache, e.slots, hidden))
@@ -199,13 +199,6 @@ class StaticBlocks(Graphed):
         if entry.graph is not None:             # the graph's buffers: the next replay writes over them
             logits, states = logits.clone(), None if states is None else states.clone()
         return logits, states
-
-    def _new_buffers(self) -> None:
-        # attention reads every slot with weight 0 past the block, and 0 * nan is nan: the slots
-        # never written must hold finite values (later, stale entries do)
-        cache = self._cache
-        cache.keys[:, :, :, cache.length:].zero_()
-        cache.values[:, :, :, cache.length:].zero_()
 
     def _new_entry(self, b: int, cache: StaticCache) -> _Entry:
         dev = cache.device

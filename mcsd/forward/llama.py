@@ -286,11 +286,17 @@ class LeanForward:
                 out = native.attention(q[0], keys[0], values[0], k_len, rows, m.scaling)   # (Q, H, D)
                 h = h + m.o(out.view(*h.shape[:2], -1))                         # (1, Q, C)
             else:
-                out = F.scaled_dot_product_attention(q.transpose(1, 2), keys[:, :, :k_len], values[:, :, :k_len],
-                                                     attn_mask=mask, scale=m.scaling, **self.grouped)   # (1, H, Q, D)
-                h = h + m.o(out.transpose(1, 2).reshape(*h.shape[:2], -1))     # (1, Q, C)
+                h = self._attended(m, h, q, keys, values, mask)
             h = self._mlp(m, h)
             yield h
+
+    def _attended(self, m, h, q, keys, values, mask):
+        """h (B, Q, C) plus layer `m`'s attention output: queries q (B, Q, H, D) over the first K entries
+        of keys and values (B, H_kv, >= K, D) under the additive mask (B, 1, Q, K), by torch's SDPA."""
+        k_len = mask.shape[-1]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys[:, :, :k_len], values[:, :, :k_len],
+                                             attn_mask=mask, scale=m.scaling, **self.grouped)     # (B, H, Q, D)
+        return h + m.o(out.transpose(1, 2).reshape(*h.shape[:2], -1))
 
     def _attention_inputs(self, m, h, cos, sin):
         """Layer `m`'s queries, keys and values of h (1, Q, C), normed and rotated: (1, Q, H, D),

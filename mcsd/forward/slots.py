@@ -278,7 +278,7 @@ class SlotBlocks(graphs.Graphed):
             return self.eager(cache, blocks)
         begin = list(cache.lengths)                          # where each slot's rows go
         cache.reserve(max(begin) + r)
-        entry, fresh = self._entry(r, cache.keys, lambda: self._new_bucket(cache, r))
+        entry, fresh = self._entry(r, cache, lambda: self._new_bucket(cache, r))
         self._fill(entry, cache, blocks, begin)
         rows = cache.slots * r
         with kernels.running(self.kernel_table, rows), quant.forward_rows(self.model, rows, 1):
@@ -289,6 +289,9 @@ class SlotBlocks(graphs.Graphed):
             out.append(got.clone() if entry.graph is not None else got)   # the next replay writes over them
             cache.lengths[b.slot] = begin[b.slot] + q
         return out
+
+    def _new_buffers(self, cache: SlotCache) -> None:
+        """Nothing to zero: `SlotCache.reserve` makes its buffers zero-filled."""
 
     @staticmethod
     def _new_bucket(cache: SlotCache, r: int) -> _Bucket:
@@ -330,7 +333,5 @@ class SlotBlocks(graphs.Graphed):
             keys, values = cache.layer_keys[i], cache.layer_values[i]             # (S, H_kv, capacity, D)
             keys[e.slot_of, :, e.write] = k
             values[e.slot_of, :, e.write] = v
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), keys, values, attn_mask=mask, scale=m.scaling, **lean.grouped)  # (S, H, R, D)
-            h = lean._mlp(m, h + m.o(out.transpose(1, 2).reshape(*h.shape[:2], -1)))
+            h = lean._mlp(m, lean._attended(m, h, q, keys, values, mask))
         return lean.lm_head(_rms_norm(h, lean.norm, lean.one_call))

@@ -70,6 +70,11 @@ class StaticCache:
         self.keys, self.values, self.capacity = keys, values, capacity
         self.layer_keys, self.layer_values = list(keys.unbind(0)), list(values.unbind(0))
 
+    def zero_unwritten(self) -> None:
+        """Zero every entry past `length` (buffers from `reserve` are not initialised there)."""
+        self.keys[:, :, :, self.length:].zero_()
+        self.values[:, :, :, self.length:].zero_()
+
     def next_slots(self, n: int) -> torch.Tensor:
         """Room for `n` more positions, and their slots (n,) length .. length+n-1 on the cache's device;
         the caller sets `length` once the block is written."""

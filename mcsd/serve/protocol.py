@@ -493,11 +493,11 @@ def speculation(stats_list: list) -> dict:
            "target_forwards": forwards, "draft_forwards": sum(s.draft_forwards for s in stats_list),
            "rounds": sum(s.rounds for s in stats_list), "tokens_per_s": round(new / wall, 2) if wall else 0.0,
            "wall_s": round(wall, 4)}
-    batch_rounds = sum(s.batch_rounds for s in stats_list)
-    if batch_rounds:                  # decoded in a batch: its share of those forwards, and their slots
-        out["batch_share"] = round(sum(s.batch_rows for s in stats_list)
-                                   / sum(s.batch_all_rows for s in stats_list), 4)
-        out["batch_size"] = round(sum(s.batch_slots for s in stats_list) / batch_rounds, 3)
+    from ..core.output import GenerationStats
+    batch = GenerationStats(**{k: sum(getattr(s, k) for s in stats_list)
+                               for k in ("batch_rounds", "batch_rows", "batch_all_rows", "batch_slots")})
+    if batch.batch_rounds:            # decoded in a batch: its share of those forwards, and their slots
+        out["batch_share"], out["batch_size"] = round(batch.batch_share, 4), round(batch.batch_size, 3)
     return out
 
 
