@@ -13,9 +13,10 @@ tool = runpy.run_path(str(REPO / "tools" / "gpu_train_head.py"), run_name="plan"
 
 def test_the_plan_runs_what_the_store_holds_through_flags_the_tools_take(tmp_path):
     runs = tool["store_runs"]()
-    assert "magpie-greedy-cuda" in runs and "magpie-t08" in runs
+    assert "magpie-greedy-cuda" in runs and "magpie-t08" in runs and tool["HELDOUT"] not in runs
     steps = tool["plan"](runs, tmp_path / "head", 4.8, 256)
-    assert [s for s, _ in steps][-3:] == ["held-out answers", "teacher", "train"]
+    assert [s for s, _ in steps] == ["train"]
+    assert steps[0][1][steps[0][1].index("--heldout-run") + 1] == tool["HELDOUT"]     # the store holds it
     helps: dict[tuple, str] = {}
 
     def help_text(*words: str) -> str:

@@ -1,22 +1,21 @@
 """Train the embedded pair's feature head on a GPU in one bounded run, from the token store alone.
 
-On a machine with a GPU and this repository (the committed token store `data/smollm2-135m/`
-and the embedded target carried in, see tools/gpu_check.py), the run:
-
-1. reads the chosen response runs out of the store (`target_data.py from-store`),
-2. labels them with one teacher-forced pass of the target on the GPU, keeping the layers the
-   head reads (`teacher --store-layers 2,15,-1`), and the held-out answers likewise,
-3. goes on training the shipped head (`--init`) on every position, for what is left of the
-   time budget (several passes over the store where the GPU is fast enough),
-4. writes the new head, its card and a JSON of each stage's time into `--out` ($OUT on the
-   GPU machine, so that it comes back); a file over what a call brings back (16 MiB) is split
-   into parts with a manifest (`<name>.parts/`, by `tools/gpu_carry.py split`; its `join` puts it
-   together). A training stage that made no update (its budget spent loading the store) fails the run.
+On a machine with a GPU and this repository (the committed token store `data/smollm2-135m/` and the
+embedded target carried in, see tools/gpu_carry.py), one stage goes on training the shipped head
+(`--init`) for the time budget: `tools/train_feature_drafter.py --store`, which labels the store's
+token runs with the target a chunk at a time on the GPU as it reads them (the layers the head reads
+and the target's top-k; no teacher stage, nothing written: a teacher stage's labels for the store's
+ten million positions come to ~35 GB, whose writing and reading back took the whole of an earlier
+run's window). The held-out run (`specbench-heldout-greedy`, the target's greedy answers to the
+held-out Spec-Bench prompts) gives the card's agreement. The new head, its card and a JSON of the
+run go into `--out` ($OUT on the GPU machine, so that it comes back); a file over what a call
+brings back (16 MiB) is split into parts with a manifest (`<name>.parts/`, by
+`tools/gpu_carry.py split`; its `join` puts it together). A run that made no update fails.
 
     python tools/gpu_train_head.py --out $OUT/head-gpu --budget-min 8
     python tools/gpu_train_head.py --dry-run          # print the plan
 
-`--runs` picks the runs (default: every greedy and sampled Magpie run in the store).
+`--runs` picks the runs (default: every run in the store but the held-out one).
 Nothing here is imported by the package.
 """
 
@@ -34,41 +33,35 @@ REPO = Path(__file__).resolve().parent.parent
 BACK = 15 * 2**20               # a part's most: a little under the 16 MiB a file may be to come back
 STORE = REPO / "data" / "smollm2-135m"
 HEAD = REPO / "models" / "smollm2-135m-feature-head"
-LAYERS = "2,15,-1"
-HELDOUT = "heldout-greedy"
+HELDOUT = "specbench-heldout-greedy"
 
 
 def store_runs() -> list[str]:
-    """The Magpie response runs the store holds, greedy and sampled."""
+    """The store's response runs but the held-out one: Magpie's, greedy and sampled, and Spec-Bench's fitting split."""
     manifest = json.loads((STORE / "manifest.json").read_text())
-    return sorted(r for r in manifest["runs"] if r.startswith("magpie-"))
+    return sorted(r for r in manifest["runs"] if r != HELDOUT)
 
 
-def plan(runs: list[str], out: Path, train_min: float, batch: int) -> list[tuple[str, list[str]]]:
+def plan(runs: list[str], out: Path, train_min: float, batch: int, resident: int = 524288) -> list[tuple[str, list[str]]]:
     """(stage, argv) in order; argv runs from the repository root."""
-    data = [sys.executable, "tools/target_data.py", "--dtype", "bfloat16"]
-    steps = [(f"from-store {r}", data + ["from-store", "--run", r]) for r in runs]
-    steps.append(("held-out answers", data + ["generate", "--run", HELDOUT, "--split", "heldout"]))
-    steps.append(("teacher", data + ["teacher", *runs, HELDOUT, "--store-layers", LAYERS,
-                                     "--batch-size", "512", "--token-budget", "262144"]))
-    steps.append(("train", [sys.executable, "tools/train_feature_drafter.py", "--init", str(HEAD), "--runs", *runs,
-                            "--heldout-run", HELDOUT, "--out", str(out), "--time-budget-min", f"{train_min:.2f}",
-                            "--lr", "2e-4", "--bf16", "--batch", str(batch), "--resident-positions", "0"]))
-    return steps
+    held = ["--heldout-run", HELDOUT] if HELDOUT in json.loads((STORE / "manifest.json").read_text())["runs"] else []
+    return [("train", [sys.executable, "tools/train_feature_drafter.py", "--init", str(HEAD), "--store", str(STORE),
+                       "--runs", *runs, *held, "--teacher-dtype", "bfloat16", "--resident-positions", str(resident),
+                       "--out", str(out), "--time-budget-min", f"{train_min:.2f}", "--lr", "2e-4", "--bf16",
+                       "--batch", str(batch)])]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "head-gpu")
-    ap.add_argument("--runs", nargs="*", default=None, help="store runs to train on (default: every Magpie run)")
+    ap.add_argument("--runs", nargs="*", default=None, help="store runs to train on (default: all but the held-out one)")
     ap.add_argument("--budget-min", type=float, default=8.0, help="the whole run, loading included")
-    ap.add_argument("--train-share", type=float, default=0.6, help="of the budget, at most, for training itself "
-                    "(less when the data stages took more than the rest)")
+    ap.add_argument("--resident-positions", type=int, default=524288, help="positions labelled at a time")
     ap.add_argument("--batch", type=int, default=256, help="training windows a step (large on a GPU)")
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
     runs = args.runs or store_runs()
-    steps = plan(runs, args.out, args.budget_min * args.train_share, args.batch)
+    steps = plan(runs, args.out, args.budget_min - 0.75, args.batch, args.resident_positions)
     if args.dry_run:
         for stage, cmd in steps:
             print(f"{stage}: {' '.join(cmd)}")
@@ -80,17 +73,11 @@ def main(argv=None) -> int:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     for stage, cmd in steps:
         started = time.time()
-        if stage == "train":                 # training gets what the data stages left of the budget
-            left = args.budget_min - (started - t0) / 60 - 0.75
-            if left < 0.5:
-                record["stages"].append({"stage": stage, "skipped": f"{left + 0.75:.1f} min of the budget left"})
-                (args.out / "gpu_train.json").write_text(json.dumps(record, indent=1) + "\n")
-                return 1
-            cmd = cmd[:]
-            cmd[cmd.index("--time-budget-min") + 1] = f"{min(left, args.budget_min * args.train_share):.2f}"
-        result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
+        log = args.out / f"{stage}.log"                  # written as it goes: it comes back from a run cut short
+        with open(log, "w") as f:
+            result = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, text=True, env=env)
         record["stages"].append({"stage": stage, "command": " ".join(cmd), "seconds": round(time.time() - started, 1),
-                                 "returncode": result.returncode, "tail": result.stdout[-2000:] + result.stderr[-2000:]})
+                                 "returncode": result.returncode, "tail": log.read_text()[-3000:]})
         (args.out / "gpu_train.json").write_text(json.dumps(record, indent=1) + "\n")
         print(f"{stage}: {time.time() - started:.0f} s (rc {result.returncode})", flush=True)
         if result.returncode != 0:

@@ -521,7 +521,7 @@ def run_corpus(args):
 
 @torch.inference_mode()
 def teacher_batch(model, records: list[dict], topk: int = TOPK, store_hidden: bool = False,
-                  pad_id: int = 2, store_layers: tuple[int, ...] = ()) -> list[dict]:
+                  pad_id: int = 2, store_layers: tuple[int, ...] = (), host: bool = True) -> list[dict]:
     """The target's next-token distribution at every response position,
     teacher-forced on prompt + response (right padding).
 
@@ -534,8 +534,10 @@ def teacher_batch(model, records: list[dict], topk: int = TOPK, store_hidden: bo
     with store_layers (indices into transformers' `hidden_states`: 0 =
     embeddings, i = after decoder layer i, -1 = final), layers (R, L*H)
     float16: those states concatenated, what a v2 feature head reads.
+    With host=False every tensor stays on the model's device (labels made as training goes).
     """
     device = next(model.parameters()).device
+    keep = (lambda t: t.cpu()) if host else (lambda t: t)
     seqs = [torch.cat([r["prompt"], r["response"]]).long() for r in records]
     B, L = len(seqs), max(len(s) for s in seqs)
     input_ids = torch.full((B, L), pad_id, dtype=torch.long)
@@ -552,12 +554,12 @@ def teacher_batch(model, records: list[dict], topk: int = TOPK, store_hidden: bo
         h = hidden[b, P - 1 : P - 1 + R]  # (R, H) only the positions we need go through the LM head
         probs = model.lm_head(h).float().softmax(-1)  # (R, V)
         top_p, top_i = probs.topk(topk, dim=-1)
-        out = {"key": r["key"], "topk_ids": top_i.int().cpu(), "topk_probs": top_p.half().cpu()}
+        out = {"key": r["key"], "topk_ids": keep(top_i.int()), "topk_probs": keep(top_p.half())}
         if store_hidden:
-            out["hidden"] = h.half().cpu()
+            out["hidden"] = keep(h.half())
         if store_layers:
-            out["layers"] = torch.cat([body.hidden_states[i][b, P - 1 : P - 1 + R] for i in store_layers],
-                                      dim=-1).half().cpu()
+            out["layers"] = keep(torch.cat([body.hidden_states[i][b, P - 1 : P - 1 + R] for i in store_layers],
+                                           dim=-1).half())
         results.append(out)
     return results
 

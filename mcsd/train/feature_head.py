@@ -52,6 +52,8 @@ from mcsd.loading.cache import cache_dir
 from mcsd.train import data as target_data
 from mcsd.train import portable
 from mcsd.train.eagle3_export import new_eagle3_head, write_speculators
+from mcsd.train.engine import TOPK, _pad_id
+from mcsd.train.online import OnlineExamples
 
 
 def sub_vocabulary(examples: list[dict], size: int, vocab: int) -> torch.Tensor:
@@ -81,13 +83,14 @@ def batch(examples, items, length, device):
     in_dim = examples[items[0][0]]["layers"].shape[1] if v2 else h_dim
     k = examples[items[0][0]]["topk_ids"].shape[1]
     B = len(items)
-    hid = torch.zeros(B, length, h_dim)
-    inp = torch.zeros(B, length, in_dim) if v2 else hid
-    tok = torch.zeros(B, length, dtype=torch.long)
-    ids = torch.zeros(B, length, k, dtype=torch.long)
-    probs = torch.zeros(B, length, k)
-    valid = torch.zeros(B, length, dtype=torch.bool)
-    pos = torch.zeros(B, length, dtype=torch.long)
+    at = examples[items[0][0]]["hidden"].device           # examples labelled on the device are stacked there
+    hid = torch.zeros(B, length, h_dim, device=at)
+    inp = torch.zeros(B, length, in_dim, device=at) if v2 else hid
+    tok = torch.zeros(B, length, dtype=torch.long, device=at)
+    ids = torch.zeros(B, length, k, dtype=torch.long, device=at)
+    probs = torch.zeros(B, length, k, device=at)
+    valid = torch.zeros(B, length, dtype=torch.bool, device=at)
+    pos = torch.zeros(B, length, dtype=torch.long, device=at)
     for b, (i, s) in enumerate(items):
         ex = examples[i]
         n = min(length, len(ex["response"]) - s)
@@ -98,7 +101,7 @@ def batch(examples, items, length, device):
         ids[b, :n] = ex["topk_ids"][s:s + n].long()
         probs[b, :n] = ex["topk_probs"][s:s + n].float()
         valid[b, :n] = True
-        pos[b, :n] = torch.arange(len(ex["prompt"]) + s, len(ex["prompt"]) + s + n)
+        pos[b, :n] = torch.arange(len(ex["prompt"]) + s, len(ex["prompt"]) + s + n, device=at)
     hid = hid.to(device)
     return hid, inp.to(device) if v2 else hid, tok.to(device), ids.to(device), probs.to(device), valid.to(device), pos.to(device)
 
@@ -284,6 +287,17 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", nargs="+", required=True,
                     help="response runs with hidden states (generated or teacher-labelled with --store-hidden)")
     ap.add_argument("--heldout-run", default=None, help="run on held-out prompts, for agreement")
+    ap.add_argument("--store", type=Path, default=None,
+                    help="read --runs and --heldout-run as token runs of this shard store (the repository's "
+                         "data/<target>/) and label them with the target a chunk at a time as training reads "
+                         "them (top-k and the layers the head reads, on the training device, nothing written): "
+                         "no teacher stage; the way to train on a GPU, where that pass costs less than reading "
+                         "stored labels back; needs --resident-positions")
+    ap.add_argument("--teacher-dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
+                    help="with --store: the labelling target's dtype (auto: bfloat16 on CUDA, float32 elsewhere)")
+    ap.add_argument("--teacher-topk", type=int, default=TOPK, help="with --store: the target's top-k kept a position")
+    ap.add_argument("--teacher-tokens", type=int, default=65536,
+                    help="with --store: padded tokens a labelling batch")
     ap.add_argument("--out", type=Path, default=Path("models/smollm2-135m-feature-head"))
     ap.add_argument("--init", type=Path, default=None,
                     help="start from this saved head (its architecture and sub-vocabulary), e.g. to go on "
@@ -339,20 +353,6 @@ def main(argv=None) -> int:
     target = load_model(args.target or "smollm2-135m", dtype="float32", device=device)
     embed = target.get_input_embeddings()
     data_dir = args.data_dir or target_data.default_data_dir(args.target or target_data.DEFAULT_TARGET)
-    stream = None
-    if args.resident_positions > 0:
-        stream = target_data.ShardedExamples(data_dir, args.runs, with_hidden=True)
-        train = stream.load(stream.chunks(args.resident_positions, epoch=0, seed=args.seed)[0])
-    else:
-        train = target_data.load_examples(data_dir, args.runs, with_hidden=True)
-    held = target_data.load_examples(data_dir, [args.heldout_run], with_hidden=True) if args.heldout_run else []
-    keep = None
-    if args.subset < 1.0:
-        prompt_ids = sorted(stream.by_prompt if stream else {e["prompt_id"] for e in train})
-        keep = set(random.Random(args.seed).sample(prompt_ids, round(args.subset * len(prompt_ids))))
-    prompts = stream.by_prompt if stream else {e["prompt_id"] for e in train}
-    if not any(keep is None or pid in keep for pid in prompts):   # (not just the first streamed chunk)
-        sys.exit("no training examples with hidden states; run tools/target_data.py teacher RUN --store-hidden first")
     feature_layers = tuple(int(x) for x in args.feature_layers.split(",") if x.strip())
     eagle3 = args.arch == "eagle3"
     if eagle3:
@@ -375,12 +375,41 @@ def main(argv=None) -> int:
     if widen and -1 not in feature_layers:
         sys.exit(f"a v1 head (--init {args.init}) widens to layers that include -1, the final state it reads")
     width = target.config.hidden_size * len(feature_layers)
-    if feature_layers:
+    if feature_layers and args.store is None:
         manifest = target_data.read_manifest(Path(data_dir))
         for run in args.runs + ([args.heldout_run] if args.heldout_run else []):
             stored = (manifest["teacher"].get(run) or {}).get("settings", {}).get("store_layers")
             if stored is not None and tuple(stored) != feature_layers:
                 sys.exit(f"run {run!r} stores target layers {stored}, not {list(feature_layers)}")
+    stream = None
+    if args.store is not None:                   # token runs, labelled by the target as training reads them
+        if args.resident_positions <= 0:
+            sys.exit("--store labels the runs a chunk at a time: give --resident-positions (e.g. 262144)")
+        teacher, tokenizer = target_data.load_target(args.target or target_data.DEFAULT_TARGET, device=device,
+                                                     dtype=args.teacher_dtype)
+        online = {"model": teacher, "pad_id": _pad_id(tokenizer), "layers": feature_layers,
+                  "topk": args.teacher_topk, "token_budget": args.teacher_tokens}
+        try:
+            stream = OnlineExamples(args.store, args.runs, **online)
+            held_stream = OnlineExamples(args.store, [args.heldout_run], **online) if args.heldout_run else None
+        except (KeyError, ValueError) as e:
+            sys.exit(str(e))
+        train = stream.load(stream.chunks(args.resident_positions, epoch=0, seed=args.seed)[0])
+        held = held_stream.load(held_stream.units) if held_stream else []
+    elif args.resident_positions > 0:
+        stream = target_data.ShardedExamples(data_dir, args.runs, with_hidden=True)
+        train = stream.load(stream.chunks(args.resident_positions, epoch=0, seed=args.seed)[0])
+    else:
+        train = target_data.load_examples(data_dir, args.runs, with_hidden=True)
+    if args.store is None:
+        held = target_data.load_examples(data_dir, [args.heldout_run], with_hidden=True) if args.heldout_run else []
+    keep = None
+    if args.subset < 1.0:
+        prompt_ids = sorted(stream.by_prompt if stream else {e["prompt_id"] for e in train})
+        keep = set(random.Random(args.seed).sample(prompt_ids, round(args.subset * len(prompt_ids))))
+    prompts = stream.by_prompt if stream else {e["prompt_id"] for e in train}
+    if not any(keep is None or pid in keep for pid in prompts):   # (not just the first streamed chunk)
+        sys.exit("no training examples with hidden states; run tools/target_data.py teacher RUN --store-hidden first")
 
     def prepare(examples: list[dict], subset: bool = True) -> list[dict]:
         """The examples (of the chosen subset), with the stored inputs this head reads."""
@@ -433,7 +462,7 @@ def main(argv=None) -> int:
 
     ckpt = cache_dir() / "train" / f"{args.out.name}.pt"
     run_key = {"config": cfg.__dict__, "runs": args.runs, "init": str(args.init), "subset": args.subset,
-               "resident_positions": args.resident_positions}
+               "resident_positions": args.resident_positions, "store": str(args.store) if args.store else None}
     update, seen, epoch, chunk = 0, 0, 0, 0
     if ckpt.is_file():
         state = torch.load(ckpt, weights_only=True)
@@ -463,10 +492,12 @@ def main(argv=None) -> int:
             epoch, chunk = epoch + 1, 0
             continue
         if stream is not None and (epoch, chunk) != in_memory:
-            train = items = None                     # free the last chunk before reading the next
+            train = items = stacked = None           # free the last chunk before reading the next
             train = prepare(stream.load(plan[chunk]))
             items, in_memory = windows(train, args.window), (epoch, chunk)
         random.shuffle(items)
+        # Labelled on the device: the chunk's windows stacked once, each update a slice (no per-window copies)
+        stacked = batch(train, items, args.window, device) if args.store is not None else None
         for b in range(0, len(items), args.batch):
             elapsed = time.time() - t_start
             if elapsed > budget or (args.max_updates and update >= args.max_updates):
@@ -475,8 +506,9 @@ def main(argv=None) -> int:
             for g in opt.param_groups:
                 g["lr"] = lr
             with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=args.bf16):
-                loss, stats = unrolled_loss(head, embed, *batch(train, items[b:b + args.batch], args.window, device),
-                                            args.steps_unrolled, slot, args.feat_weight)
+                windows_b = (tuple(t[b:b + args.batch] for t in stacked) if stacked is not None
+                             else batch(train, items[b:b + args.batch], args.window, device))
+                loss, stats = unrolled_loss(head, embed, *windows_b, args.steps_unrolled, slot, args.feat_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -504,8 +536,10 @@ def main(argv=None) -> int:
     kind = "EAGLE-3 draft head" if eagle3 else "target-feature draft head"
     card = {"architecture": {"kind": kind, **cfg.__dict__},
             "parameters": sum(p.numel() for p in head.parameters() if p.requires_grad),
-            "data": {"runs": run_provenance(data_dir, args.runs), "subset": args.subset, "responses": responses,
-                     "positions": positions},
+            "data": {"runs": stream.provenance() if args.store is not None else run_provenance(data_dir, args.runs),
+                     "subset": args.subset, "responses": responses, "positions": positions,
+                     **({"teacher": {"online": True, "dtype": args.teacher_dtype, "topk": args.teacher_topk}}
+                        if args.store is not None else {})},
             "training": {"updates": update, "positions_seen": seen, "seconds": round(time.time() - t_start),
                          "steps_unrolled": args.steps_unrolled, "autocast": "bfloat16" if args.bf16 else None},
             "heldout_agreement": metrics, "learning_curve": curve,
