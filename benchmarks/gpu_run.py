@@ -193,6 +193,7 @@ def bench(args, deadline: float) -> dict:
     import torch
     target, drafter, tokenizer, prompts, default, learned = load(args)
     runs, decoders = methods(target, drafter, tokenizer, default, learned, prompts, args.max_new_tokens)
+    runs = {name: run for name, run in runs.items() if name not in args.skip}
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     result = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
               "rounds": {}, "settings": {}}
@@ -345,6 +346,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-pytest", action="store_true")
     ap.add_argument("--batch-prompts", type=int, default=16, help="prompts for the batched stage (0: none)")
     ap.add_argument("--tiny", action="store_true", help="a random tiny pair (the CPU smoke test)")
+    ap.add_argument("--skip", nargs="*", default=[], help="methods to leave out of the benchmark, e.g. hf_greedy")
     args = ap.parse_args(argv)
     start = time.monotonic()
     deadline = start + args.budget_s

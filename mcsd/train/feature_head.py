@@ -478,7 +478,8 @@ def main(argv=None) -> int:
         counts = [c for pid, c in stream.by_prompt.items() if keep is None or pid in keep]
         responses, positions = sum(n for n, _ in counts), sum(n for _, n in counts)
     print(f"{responses} responses, {positions} positions, sub-vocabulary {len(sub)}"
-          + (f", read about {args.resident_positions} positions at a time" if stream else ""))
+          + (f", read about {args.resident_positions} positions at a time" if stream else "")
+          + f"; ready at {time.time() - t_start:.0f} s", flush=True)
     budget = args.time_budget_min * 60
     last_ckpt = time.time()
     curve = []
@@ -493,7 +494,10 @@ def main(argv=None) -> int:
             continue
         if stream is not None and (epoch, chunk) != in_memory:
             train = items = stacked = None           # free the last chunk before reading the next
+            read = time.time()
             train = prepare(stream.load(plan[chunk]))
+            print(f"epoch {epoch} chunk {chunk + 1}/{len(plan)}: {len(train)} responses read in "
+                  f"{time.time() - read:.1f} s, at {time.time() - t_start:.0f} s", flush=True)
             items, in_memory = windows(train, args.window), (epoch, chunk)
         random.shuffle(items)
         # Labelled on the device: the chunk's windows stacked once, each update a slice (no per-window copies)
@@ -517,7 +521,8 @@ def main(argv=None) -> int:
             seen += sum(n for _, n in stats[:1])
             if update % 50 == 0:
                 acc = stats[0][0] / max(stats[0][1], 1)
-                print(f"update {update} loss {loss.item():.3f} step-1 train top1 {acc:.3f} positions {seen}")
+                print(f"update {update} loss {loss.item():.3f} step-1 train top1 {acc:.3f} positions {seen} "
+                      f"at {time.time() - t_start:.0f} s", flush=True)
             if time.time() - last_ckpt > 300:
                 ckpt.parent.mkdir(parents=True, exist_ok=True)
                 torch.save({**run_key, "head": head.state_dict(), "opt": opt.state_dict(),
