@@ -235,6 +235,32 @@ def test_a_feature_drafter_beside_a_native_q4_target_drafts_on_q8_0_and_stays_ex
     assert torch.allclose(a, b, atol=0.05 * float(a.abs().max()))
 
 
+def test_beside_a_target_on_8bit_activations_the_head_multiplies_them_too_and_follows_a_change(tmp_path):
+    """A target on "q4q8": the head's Q8_0 products run on 8-bit activations as well (its layer in one
+    native call), drafting stays exact, and the scores stay near the float32 weights'; the target
+    put back on float32 activations takes the head's codes with it."""
+    from mcsd.drafting.feature_draft import FeatureDrafter
+    model = _on_q4_codes(_family("llama"), tmp_path / "llama.gguf", act8=True)
+    dense = FeatureDrafter(_feature_head(model.config.hidden_size, model.config.vocab_size), _family("llama"))
+    drafter = FeatureDrafter(_feature_head(model.config.hidden_size, model.config.vocab_size), model)
+    coded = [m.__dict__[quant._ATTR] for m in drafter.module.modules() if quant._ATTR in m.__dict__]
+    assert drafter.q8_layers == 9 and coded and all(isinstance(w, quant.Q8Linear) and w.act8 for w in coded)
+    assert drafter._empty_cache() is not None and drafter._lean.native_layers() is not None
+    plain = TreeDecoder(model, None).generate_baseline(PROMPT, max_new_tokens=40).tokens
+    out = TreeDecoder(model, drafter, tree="3,2,2,1", policy="static").generate(PROMPT, max_new_tokens=40)
+    assert out.tokens == plain and out.stats.draft_forwards > 0
+    with torch.inference_mode():
+        f, e = torch.randn(1, 6, 32), torch.randn(1, 6, 32)
+        a = dense.head.sub_scores(dense.head(f, e, torch.arange(6)[None]))
+        b = drafter.head.sub_scores(drafter.head(f, e, torch.arange(6)[None]))
+    assert torch.allclose(a, b, atol=0.05 * float(a.abs().max()))
+    quant.detach(model)
+    quant.attach(model, tmp_path / "llama.gguf", act8=False)
+    assert drafter.follow_target_weights() == 9
+    coded = [m.__dict__[quant._ATTR] for m in drafter.module.modules() if quant._ATTR in m.__dict__]
+    assert coded and not any(w.act8 for w in coded)
+
+
 def test_a_pairs_profile_is_found_under_one_name_before_and_after_the_codes(tmp_path):
     """--weights auto looks a q4 candidate's costs up before converting the pair, and they are stored
     after (the feature head then on its Q8_0 codes): one file, so a warm start measures nothing."""

@@ -555,8 +555,9 @@ def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, d.float()
 
 
-def attach_q8(module: torch.nn.Module) -> int:
-    """Run a drafter's float32 linear layers on Q8_0 codes of their own weights, on the native kernel.
+def attach_q8(module: torch.nn.Module, act8: bool = False) -> int:
+    """Run a drafter's float32 linear layers on Q8_0 codes of their own weights, on the native kernel;
+    `act8`: their products on 8-bit activations (`native.q8q8_mm`), as a target on "q4q8" runs its own.
 
     A draft only proposes, so its rounding never reaches the output; a quarter of the bytes is most
     of a draft step's time on a CPU (a one-layer feature head reads ~35 MB of float32 weights a
@@ -581,11 +582,11 @@ def attach_q8(module: torch.nn.Module) -> int:
     # are per row, so the joined codes are each layer's own
     for group in fused.sibling_groups(module, NATIVE_SIBLINGS):
         if all(codable(layer) for layer in group):
-            _share(group, Q8Linear(*quantize_q8_0(torch.cat([layer.weight for layer in group]))))
+            _share(group, Q8Linear(*quantize_q8_0(torch.cat([layer.weight for layer in group])), act8))
             n += len(group)
     for layer in module.modules():
         if isinstance(layer, torch.nn.Linear) and codable(layer):
-            _put(layer, Q8Linear(*quantize_q8_0(layer.weight)))
+            _put(layer, Q8Linear(*quantize_q8_0(layer.weight), act8))
             n += 1
     return n
 
