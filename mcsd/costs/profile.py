@@ -148,8 +148,8 @@ def _nvidia_driver() -> str | None:
     return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
 
 
-MEASURED_SINCE = 2          # how profiles are measured; a change names new cache files (2: head steps after a
-                            # target forward on a CPU)
+MEASURED_SINCE = 3          # how profiles are measured; a change names new cache files (2: head steps after a
+                            # target forward on a CPU; 3: a head beside a "q4q8" target on 8-bit activations too)
 
 
 def drafter_module(draft) -> torch.nn.Module | None:
