@@ -292,7 +292,8 @@ def main(argv=None) -> int:
                          "data/<target>/) and label them with the target a chunk at a time as training reads "
                          "them (top-k and the layers the head reads, on the training device, nothing written): "
                          "no teacher stage; the way to train on a GPU, where that pass costs less than reading "
-                         "stored labels back; needs --resident-positions")
+                         "stored labels back; needs --resident-positions (a chunk holds about 14 KB a position "
+                         "on the device for a head reading three 576-wide layers: labels, and its windows stacked)")
     ap.add_argument("--teacher-dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
                     help="with --store: the labelling target's dtype (auto: bfloat16 on CUDA, float32 elsewhere)")
     ap.add_argument("--teacher-topk", type=int, default=TOPK, help="with --store: the target's top-k kept a position")
