@@ -16,6 +16,9 @@ def test_the_plan_runs_what_the_store_holds_through_flags_the_tools_take(tmp_pat
     assert "magpie-greedy-cuda" in runs and "magpie-t08" in runs and tool["HELDOUT"] not in runs
     steps = tool["plan"](runs, tmp_path / "head", 4.8, 256)
     assert [s for s, _ in steps] == ["train"]
+    fresh = tool["plan"](runs, tmp_path / "head2", 4.8, 256, fresh_layers=2)
+    assert "--init" not in fresh[0][1] and fresh[0][1][fresh[0][1].index("--feature-layers") + 1] == "2,15,-1"
+    steps = steps + fresh
     assert steps[0][1][steps[0][1].index("--heldout-run") + 1] == tool["HELDOUT"]     # the store holds it
     helps: dict[tuple, str] = {}
 

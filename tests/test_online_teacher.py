@@ -78,7 +78,7 @@ def test_training_from_a_store_labels_each_chunk_in_turn(setup, monkeypatch):
     monkeypatch.setattr(OnlineExamples, "load", spy)
     out = tmp_path / "head"
     assert tfd.main(common + ["--resident-positions", "60", "--batch", "4", "--max-updates", "12",
-                              "--out", str(out)]) == 0
+                              "--feature-layers", "1,-1", "--out", str(out)]) == 0
     card = json.loads((out / "card.json").read_text())
     online = OnlineExamples(store.root, ["mp"], model=None, pad_id=0)
     assert card["data"]["positions"] == online.positions and card["data"]["responses"] == 12
@@ -89,7 +89,7 @@ def test_training_from_a_store_labels_each_chunk_in_turn(setup, monkeypatch):
     assert loads[2:2 + len(first_epoch) - 1] == first_epoch[1:]      # each chunk labelled once, in turn
     assert loads[1 + len(first_epoch)] == online.chunks(60, epoch=1)[0]
     head = FeatureHead.load(out)
-    assert head.cfg.sub_vocab <= 40
+    assert head.cfg.sub_vocab <= 40 and head.cfg.feature_layers == (1, -1)     # a new v2 head, labelled for it
 
 
 def test_a_missing_run_or_resident_size_is_named(setup):
