@@ -53,3 +53,16 @@ def test_a_file_too_large_to_come_back_is_split_into_parts_that_join_to_it(tmp_p
     assert len(sizes) == 3 and max(sizes) <= 4096
     carry = runpy.run_path(str(REPO / "tools" / "gpu_carry.py"), run_name="carry")
     assert carry["join"](parts, tmp_path / "back").read_bytes() == big
+
+
+def test_a_sampled_run_comes_back_as_a_tar_that_extracts_into_a_store(tmp_path):
+    import tarfile
+
+    from mcsd.train.shards import ShardStore
+    run = tool["HELDOUT"]                                       # any run the store holds
+    packed = tool["pack_run"](run, tmp_path)
+    assert tool["_shards"](run) >= 1 and tool["_shards"]("no-such-run") == 0
+    with tarfile.open(packed) as tar:
+        tar.extractall(tmp_path / "store", filter="data")
+    want = [(r.key, r.prompt, r.response) for r in ShardStore(REPO / "data" / "smollm2-135m").records([run])]
+    assert [(r.key, r.prompt, r.response) for r in ShardStore(tmp_path / "store").records([run])] == want
