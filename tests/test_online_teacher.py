@@ -46,7 +46,7 @@ def test_online_labels_are_the_teacher_stages(setup):
     engine.main(common + ["teacher", "mp", "--store-layers", "1,-1"])
     stored = {e["key"]: e for e in td.load_examples(data, ["mp"], with_hidden=True)}
     model, tok = td.load_target(str(tmp_path / "target"), device="cpu", dtype="float32")
-    online = OnlineExamples(store.root, ["mp"], model, engine._pad_id(tok), layers=(1, -1))
+    online = OnlineExamples(store.root, ["mp"], model, engine.padding_id(tok), layers=(1, -1))
     examples = online.load(online.units)
     assert sorted(e["key"] for e in examples) == sorted(stored) and len(stored) == 12
     for e in examples:

@@ -584,7 +584,7 @@ def run_teacher(args):
         for batch in length_batches(lengths, args.batch_size, args.token_budget):
             t_batch = time.time()
             outs = teacher_batch(model, [records[i] for i in batch], args.topk, args.store_hidden,
-                                 _pad_id(tokenizer), tuple(args.store_layers))
+                                 padding_id(tokenizer), tuple(args.store_layers))
             tokens = sum(len(records[i]["response"]) for i in batch)
             save_shard(data_dir, "teacher", run, outs, {"n_sequences": len(outs), "n_tokens": tokens,
                                                         "seconds": round(time.time() - t_batch, 1)})
@@ -610,7 +610,7 @@ def run_status(args):
 # -----------------------------------------------------------------------------
 
 
-def _pad_id(tokenizer) -> int:
+def padding_id(tokenizer) -> int:
     """Right padding under an attention mask: any id will do where the tokenizer names none."""
     for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id):
         if tid is not None:

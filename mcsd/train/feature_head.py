@@ -52,7 +52,7 @@ from mcsd.loading.cache import cache_dir
 from mcsd.train import data as target_data
 from mcsd.train import portable
 from mcsd.train.eagle3_export import new_eagle3_head, write_speculators
-from mcsd.train.engine import TOPK, _pad_id
+from mcsd.train.engine import TOPK, padding_id
 from mcsd.train.online import OnlineExamples
 
 
@@ -388,7 +388,7 @@ def main(argv=None) -> int:
             sys.exit("--store labels the runs a chunk at a time: give --resident-positions (e.g. 262144)")
         teacher, tokenizer = target_data.load_target(args.target or target_data.DEFAULT_TARGET, device=device,
                                                      dtype=args.teacher_dtype)
-        online = {"model": teacher, "pad_id": _pad_id(tokenizer), "layers": feature_layers,
+        online = {"model": teacher, "pad_id": padding_id(tokenizer), "layers": feature_layers,
                   "topk": args.teacher_topk, "token_budget": args.teacher_tokens}
         try:
             stream = OnlineExamples(args.store, args.runs, **online)
