@@ -18,7 +18,8 @@ call, within 8 minutes:
    target's and the head's) and the attention it ran;
 3. 16 rounds of the CLI default and of the fixed round under `torch.cuda.set_sync_debug_mode`,
    counting synchronisations a round;
-4. the batched round (`BatchDecoder`, eager): the same prompts decoded with 1, 4, 8 and 16 slots,
+4. the batched round (`BatchDecoder`; on CUDA in fixed shapes replayed as graphs, `SlotBlocks`): the
+   same prompts decoded with 1, 4, 8 and 16 slots,
    plainly and with the CLI default's context drafting, aggregate tokens/s and how many answers equal
    their lone run's;
 5. one JSON: GPU, driver, torch, transformers, every figure; meant to be committed under

@@ -15,11 +15,11 @@ def test_the_plan_runs_what_the_store_holds_through_flags_the_tools_take(tmp_pat
     runs = tool["store_runs"]()
     assert "magpie-greedy-cuda" in runs and "magpie-t08" in runs and tool["HELDOUT"] not in runs
     steps = tool["plan"](runs, tmp_path / "head", 4.8, 256)
-    assert [s for s, _ in steps] == ["train"]
+    assert [s for s, _, _ in steps] == ["train"]
     fresh = tool["plan"](runs, tmp_path / "head2", 4.8, 256, fresh_layers=2)
     assert "--init" not in fresh[0][1] and fresh[0][1][fresh[0][1].index("--feature-layers") + 1] == "2,15,-1"
     sampled = tool["plan"](runs, tmp_path / "head3", 4.8, 256, sample=0.7)
-    assert [s for s, _ in sampled] == ["sample", "train"]
+    assert [s for s, _, _ in sampled] == ["sample", "train"]
     assert "magpie-t07-cuda" in sampled[0][1] and "magpie-t07-cuda" in sampled[1][1]       # written, then read
     steps = steps + fresh + sampled
     assert steps[0][1][steps[0][1].index("--heldout-run") + 1] == tool["HELDOUT"]     # the store holds it
@@ -32,7 +32,7 @@ def test_the_plan_runs_what_the_store_holds_through_flags_the_tools_take(tmp_pat
                                           text=True, timeout=300).stdout
         return helps[words]
 
-    for _, cmd in steps:
+    for _, cmd, _ in steps:
         script = cmd[1]
         sub = next((w for w in cmd[2:] if w in ("campaign", "from-store", "teacher", "generate")), None)
         text = help_text(script) + (help_text(script, sub) if sub else "")

@@ -50,11 +50,13 @@ def store_runs() -> list[str]:
 
 
 def plan(runs: list[str], out: Path, train_min: float, batch: int, resident: int = 524288,
-         fresh_layers: int = 0, sample: float | None = None) -> list[tuple[str, list[str]]]:
-    """(stage, argv) in order; argv runs from the repository root. fresh_layers > 0: a new head of that many
+         fresh_layers: int = 0, sample: float | None = None,
+         sample_min: float = 3.0) -> list[tuple[str, list[str], float | None]]:
+    """(stage, argv, seconds it may run or None) in order; argv runs from the repository root. fresh_layers > 0: a new head of that many
     decoder layers reading the shipped head's target layers, not the shipped head trained further.
     sample: first the target's answers to the store's Magpie prompts at this temperature (top-p 0.95),
-    as run `sampled_run(sample)`, for as long as the caller lets that stage run; training then reads it."""
+    as run `sampled_run(sample)`, for `sample_min` minutes (stopped then: its shards so far are in the
+    store); training then reads it."""
     manifest = json.loads((STORE / "manifest.json").read_text())
     held = ["--heldout-run", HELDOUT] if HELDOUT in manifest["runs"] else []
     if fresh_layers:
@@ -68,12 +70,12 @@ def plan(runs: list[str], out: Path, train_min: float, batch: int, resident: int
         steps.append(("sample", [sys.executable, "tools/target_data.py", "--dtype", "bfloat16", "--store", str(STORE),
                                  "campaign", "--prompts", str(prompts), "--step", "8192", "--batch-size", "1024",
                                  "--token-budget", "131072", "--shard-seconds", "60", "--run", sampled_run(sample),
-                                 "--temperature", f"{sample:g}", "--top-p", "0.95"]))
+                                 "--temperature", f"{sample:g}", "--top-p", "0.95"], sample_min * 60))
         runs = [*runs, sampled_run(sample)]
     steps.append(("train", [sys.executable, "tools/train_feature_drafter.py", *start, "--store", str(STORE),
                             "--runs", *runs, *held, "--teacher-dtype", "bfloat16", "--resident-positions",
                             str(resident), "--out", str(out), "--time-budget-min", f"{train_min:.2f}", "--bf16",
-                            "--batch", str(batch)]))
+                            "--batch", str(batch)], None))
     return steps
 
 
@@ -115,9 +117,9 @@ def main(argv=None) -> int:
     runs = args.runs or store_runs()
     sample_min = args.sample_min if args.sample is not None else 0.0
     steps = plan(runs, args.out, args.budget_min - 0.75 - sample_min, args.batch, args.resident_positions,
-                 args.fresh_layers, args.sample)
+                 args.fresh_layers, args.sample, sample_min)
     if args.dry_run:
-        for stage, cmd in steps:
+        for stage, cmd, _ in steps:
             print(f"{stage}: {' '.join(cmd)}")
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
@@ -125,14 +127,14 @@ def main(argv=None) -> int:
     t0 = time.time()
     env = dict(os.environ)                  # the stages import mcsd from this checkout, installed or not
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    for stage, cmd in steps:
+    for stage, cmd, limit in steps:
         started = time.time()
         log = args.out / f"{stage}.log"                  # written as it goes: it comes back from a run cut short
         with open(log, "w") as f:
             try:
                 code = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, text=True, env=env,
-                                      timeout=sample_min * 60 if stage == "sample" else None).returncode
-            except subprocess.TimeoutExpired:   # sampling stops at its time; its shards so far are in the store
+                                      timeout=limit).returncode
+            except subprocess.TimeoutExpired:   # a stage with a time (sampling) stops there, its output kept
                 code = 0
         record["stages"].append({"stage": stage, "command": " ".join(cmd), "seconds": round(time.time() - started, 1),
                                  "returncode": code, "tail": log.read_text()[-3000:]})
@@ -142,8 +144,9 @@ def main(argv=None) -> int:
             return code
         log.unlink()                        # its tail is in gpu_train.json: a file fewer to bring back (8 at most)
         if stage == "sample" and not _shards(sampled_run(args.sample)):
-            # stopped before its first shard: training goes on without it
-            steps[-1][1].remove(sampled_run(args.sample))
+            steps[-1][1].remove(sampled_run(args.sample))     # stopped before its first shard: trained without
+        elif stage == "sample":
+            record["runs"].append(sampled_run(args.sample))
     record["total_s"] = round(time.time() - t0, 1)
     card = json.loads((args.out / "card.json").read_text())
     record["updates"] = card["training"]["updates"]

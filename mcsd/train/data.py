@@ -148,6 +148,13 @@ def response_run(manifest: dict, run: str, data_dir: Path) -> dict:
     return entry
 
 
+def run_summary(entry: dict) -> dict:
+    """A run's manifest entry (a data dir's or a shard store's) as a head's card records it: its
+    settings, size, generation time and the commands that wrote it."""
+    return {"settings": entry.get("settings"), "sequences": entry.get("n_sequences"), "tokens": entry.get("n_tokens"),
+            "minutes": round(entry.get("seconds", 0) / 60, 1), "commands": entry.get("commands", [])}
+
+
 def iter_records(data_dir: Path, run: str):
     """Yield the stored response records of a run, shard by shard."""
     manifest = read_manifest(Path(data_dir))

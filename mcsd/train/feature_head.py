@@ -27,7 +27,10 @@ fitting responses and their top-k labels; label mass outside it is dropped.
 Checkpoints go to the mcsd cache every few minutes and a killed run resumes.
 Data larger than memory is read a chunk at a time (`--resident-positions`):
 each epoch visits the runs' label shards in a new random order, and a
-killed run resumes at the chunk it was in.
+killed run resumes at the chunk it was in. With `--store` the runs are token
+runs of a shard store (the repository's data/<target>/), which the target
+labels a chunk at a time on the training device as they are read
+(`mcsd.train.online`): no teacher stage, nothing written.
 The final head (safetensors + JSON config + card) goes to --out.
 """
 
@@ -254,9 +257,7 @@ def run_provenance(data_dir: Path, runs: list[str]) -> dict:
     out = {}
     for run in runs:
         entry, teacher = target_data.response_run(manifest, run, data_dir), manifest["teacher"].get(run)
-        out[run] = {"settings": entry["settings"], "sequences": entry.get("n_sequences"),
-                    "tokens": entry.get("n_tokens"), "minutes": round(entry.get("seconds", 0) / 60, 1),
-                    "commands": entry.get("commands", [])}
+        out[run] = target_data.run_summary(entry)
         if entry.get("provenance"):              # a corpus run: per source, version, licence and size
             out[run]["sources"] = entry["provenance"]
         if teacher:
@@ -393,16 +394,16 @@ def main(argv=None) -> int:
         try:
             stream = OnlineExamples(args.store, args.runs, **online)
             held_stream = OnlineExamples(args.store, [args.heldout_run], **online) if args.heldout_run else None
-        except (KeyError, ValueError) as e:
+        except ValueError as e:
             sys.exit(str(e))
         train = stream.load(stream.chunks(args.resident_positions, epoch=0, seed=args.seed)[0])
         held = held_stream.load(held_stream.units) if held_stream else []
-    elif args.resident_positions > 0:
-        stream = target_data.ShardedExamples(data_dir, args.runs, with_hidden=True)
-        train = stream.load(stream.chunks(args.resident_positions, epoch=0, seed=args.seed)[0])
     else:
-        train = target_data.load_examples(data_dir, args.runs, with_hidden=True)
-    if args.store is None:
+        if args.resident_positions > 0:
+            stream = target_data.ShardedExamples(data_dir, args.runs, with_hidden=True)
+            train = stream.load(stream.chunks(args.resident_positions, epoch=0, seed=args.seed)[0])
+        else:
+            train = target_data.load_examples(data_dir, args.runs, with_hidden=True)
         held = target_data.load_examples(data_dir, [args.heldout_run], with_hidden=True) if args.heldout_run else []
     keep = None
     if args.subset < 1.0:

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from mcsd.train.campaign import length_batches
+from mcsd.train.data import run_summary
 from mcsd.train.engine import TOPK, teacher_batch
 from mcsd.train.shards import ShardStore
 
@@ -91,7 +92,4 @@ class OnlineExamples:
     def provenance(self) -> dict:
         """Per run: its settings, size, generation time and commands (the store's manifest)."""
         runs = self.store.manifest()["runs"]
-        return {run: {"settings": runs[run].get("settings"), "sequences": runs[run].get("n_sequences"),
-                      "tokens": runs[run].get("n_tokens"), "minutes": round(runs[run].get("seconds", 0) / 60, 1),
-                      "commands": runs[run].get("commands", []), "store": str(self.store.root)}
-                for run in self.runs}
+        return {run: {**run_summary(runs[run]), "store": str(self.store.root)} for run in self.runs}
