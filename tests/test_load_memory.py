@@ -104,8 +104,54 @@ def test_pages_are_given_back_from_a_file_mapping_only_and_read_back_the_same(tm
     values.numpy().tofile(tmp_path / "w.bin")
     weight = torch.from_file(str(tmp_path / "w.bin"), shared=False, size=values.numel(), dtype=torch.float32)
     assert torch.equal(weight, values)                              # every page read: resident
-    before = resident_file_bytes()
+    warm = torch.from_file(str(tmp_path / "w.bin"), shared=False, size=4096, dtype=torch.float32)
+    assert mapped.give_back([warm.clone().zero_(), warm + 0]) == 0 and mapped.give_back([warm]) > 0
+    before = resident_file_bytes()                  # the code give_back runs (files too) already resident
     assert mapped.give_back([weight]) == 4 << 20                    # page-aligned: every page lies inside
     assert resident_file_bytes() <= before - (3 << 20)
     assert torch.equal(weight, values)                              # read again from the file
     assert mapped.give_back([weight[1:]]) == (4 << 20) - mmap.PAGESIZE   # a page shared with a neighbour stays
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="file pages are given back on Linux only")
+def test_a_written_page_of_a_private_file_mapping_is_kept(tmp_path):
+    """A weight written in place (a `mul_`, `load_state_dict` into the loaded model) holds the process's
+    own copy of the written pages: giving them back would revert them to the file's bytes."""
+    from mcsd.forward import mapped
+    values = torch.randn(1 << 20)                                   # 4 MiB, 1024 pages of 4 KiB
+    values.numpy().tofile(tmp_path / "w.bin")
+    weight = torch.from_file(str(tmp_path / "w.bin"), shared=False, size=values.numel(), dtype=torch.float32)
+    assert torch.equal(weight, values)                              # every page read: resident, the file's
+    per_page = mmap.PAGESIZE // 4
+    edited = values.clone()
+    edited[per_page * 10: per_page * 12] *= 2.0                     # two whole pages written ...
+    edited[per_page * 100 + 7] = -1.0                               # ... and one element of a third
+    weight[per_page * 10: per_page * 12].mul_(2.0)
+    weight[per_page * 100 + 7] = -1.0
+    assert mapped.give_back([weight]) == (4 << 20) - 3 * mmap.PAGESIZE   # all but the three written pages
+    assert torch.equal(weight, edited)
+
+
+@pytest.mark.measures
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="file pages are given back on Linux only")
+def test_a_users_weight_edited_in_place_survives_the_first_cost_measurement(tmp_path, fresh_cache):
+    """The user loads a float32 model (its weights mapped from the safetensors file), edits a weight in
+    place, and builds a decoder with no profile cached: measuring the costs prepacks copies and gives
+    the plain weights' file pages back meanwhile, but never a page the user wrote."""
+    from transformers import LlamaForCausalLM
+    from mcsd import TreeDecoder
+    from mcsd.forward import mapped
+    from conftest import tiny_llama, word_tokenizer
+    if not kernels.packable(torch.float32, "cpu"):
+        pytest.skip("no oneDNN prepacking of float32 on this CPU: nothing is packed, no page given back")
+    tiny_llama(0, hidden=256).save_pretrained(tmp_path / "model")
+    model = LlamaForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32).eval()
+    weight = model.model.layers[0].mlp.up_proj.weight               # (512, 256), 128 pages
+    assert mapped.mapped_bytes(weight, mapped.file_ranges()) is not None, "transformers copied the weights"
+    with torch.no_grad():
+        weight.mul_(3.0)
+    edited = weight.detach().clone()
+    dec = TreeDecoder(model, "context", tokenizer=word_tokenizer())
+    assert dec.costs_source == "measured"
+    dec.generate("w02 w03 w04 w05", max_new_tokens=16, ignore_eos=True)
+    assert torch.equal(weight, edited), f"{(weight != edited).sum().item()} of {weight.numel()} elements reverted"

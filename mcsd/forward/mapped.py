@@ -12,12 +12,15 @@ holds the copies made so far and one group's plain pages at a time.
 
 A page given back is not lost: the next read of it maps the file's page again. Only pages
 that lie wholly inside the tensor's bytes are given back (a page it shares with a neighbour
-stays), and only where those bytes lie in a file mapping (memory torch allocated is freed
-with its tensor). A private mapping's page written in place would revert to the file's bytes,
-so this is for weights that nothing uses any more.
+stays), only where those bytes lie in a file mapping (memory torch allocated is freed with its
+tensor), and only pages still the file's own: a private mapping's page written in place (a
+user's `mul_`, `load_state_dict` into the loaded model, a LoRA merged in place) is the process's
+private copy, which `MADV_DONTNEED` would throw away, reverting the weight to the checkpoint.
+/proc/self/pagemap says which pages those are (present and not file-backed, or swapped out);
+they stay. Where pagemap cannot be read, nothing is given back.
 
-Linux only (it reads /proc/self/maps and calls madvise through libc); elsewhere nothing is
-given back.
+Linux only (it reads /proc/self/maps and /proc/self/pagemap and calls madvise through libc);
+elsewhere nothing is given back.
 """
 
 from __future__ import annotations
@@ -27,9 +30,11 @@ import ctypes.util
 import mmap
 import sys
 
+import numpy as np
 import torch
 
 _MADV_DONTNEED = 4                          # Linux: drop the pages; the next read maps the file's again
+_PRESENT, _SWAPPED, _FILE = 1 << 63, 1 << 62, 1 << 61      # /proc/<pid>/pagemap flags of a page
 _libc = None
 
 
@@ -70,14 +75,50 @@ def mapped_bytes(tensor: torch.Tensor, ranges: list[tuple[int, int]]) -> tuple[i
     return None
 
 
+def written_pages(first: int, count: int) -> np.ndarray | None:
+    """Which of `count` pages from address `first` (page-aligned) hold the process's own bytes rather
+    than the file's: present but not file-backed (a private mapping's page copied on write), or
+    swapped out (only anonymous pages swap). None where /proc/self/pagemap cannot be read.
+
+    Returns:
+        (count,) bool.
+    """
+    try:
+        with open("/proc/self/pagemap", "rb") as pagemap:
+            pagemap.seek(first // mmap.PAGESIZE * 8)
+            raw = pagemap.read(8 * count)
+    except OSError:
+        return None
+    if len(raw) != 8 * count:
+        return None
+    flags = np.frombuffer(raw, dtype=np.uint64)
+    present = (flags & np.uint64(_PRESENT)) != 0
+    own = present & ((flags & np.uint64(_FILE)) == 0)
+    return own | ((flags & np.uint64(_SWAPPED)) != 0)
+
+
+def _clean_runs(first: int, last: int) -> list[tuple[int, int]]:
+    """The (start, end) address runs of whole pages in [first, last) that are still the file's own
+    (`written_pages`), empty where that cannot be told."""
+    page = mmap.PAGESIZE
+    written = written_pages(first, (last - first) // page)
+    if written is None:
+        return []
+    # the runs of clean pages: boundaries where `written` changes, with sentinels on both ends
+    edges = np.flatnonzero(np.diff(np.concatenate(([True], written, [True])).astype(np.int8)))
+    return [(first + int(a) * page, first + int(b) * page) for a, b in zip(edges[::2], edges[1::2])]
+
+
 def give_back(tensors: list[torch.Tensor], ranges: list[tuple[int, int]] | None = None) -> int:
-    """Drop the resident pages wholly inside each tensor's bytes, where they lie in a file mapping.
+    """Drop the resident pages wholly inside each tensor's bytes, where they lie in a file mapping and
+    nothing has written them (a written page of a private mapping is kept: see the module's note).
 
     Args:
-        tensors: weights nothing will write to (reads map the file's pages again).
+        tensors: weights (reads map the file's pages again).
         ranges: the file mappings (`file_ranges`), read now if not given.
     Returns:
-        the bytes given back (0 off Linux, or where none lies in a file mapping).
+        the bytes given back (0 off Linux, where none lies in a file mapping, or where
+        /proc/self/pagemap cannot be read).
     """
     if not sys.platform.startswith("linux") or not tensors:
         return 0
@@ -88,8 +129,11 @@ def give_back(tensors: list[torch.Tensor], ranges: list[tuple[int, int]] | None 
     page, given = mmap.PAGESIZE, 0
     for start, end in spans:
         first, last = -(-start // page) * page, end // page * page    # whole pages inside the bytes
-        if last > first and _c_library().madvise(first, last - first, _MADV_DONTNEED) == 0:
-            given += last - first
+        if last <= first:
+            continue
+        for lo, hi in _clean_runs(first, last):
+            if _c_library().madvise(lo, hi - lo, _MADV_DONTNEED) == 0:
+                given += hi - lo
     return given
 
 
