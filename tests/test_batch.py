@@ -418,3 +418,179 @@ def test_a_fixed_shape_round_reads_nothing_on_the_host(target):
             with counting_host_reads() as reads:
                 logits = forward(cache, steps)
     assert reads == [] and [x.shape[0] for x in logits] == [2, 1] and cache.lengths == [5, 0, 3]
+
+
+# ---------------------------------------------------------------------------------------------- failures
+
+
+class _FailsAt:
+    """A logits processor that raises at its `after`-th call (a request's own part of a round)."""
+
+    def __init__(self, after: int):
+        self.calls, self.after = 0, after
+
+    def __call__(self, input_ids, scores):
+        self.calls += 1
+        if self.calls >= self.after:
+            raise RuntimeError("this request's processor broke")
+        return scores
+
+
+def test_a_failure_while_finishing_one_request_fails_that_request_alone(eos_target, monkeypatch):
+    dec = _decoder(eos_target)
+    want = [_lone(dec, p, n).tokens for p, n in zip(PROMPTS[:3], LENGTHS[:3])]
+    batch = BatchDecoder(dec, max_batch=3)
+    requests = [batch.submit(p, max_new_tokens=n) for p, n in zip(PROMPTS[:3], LENGTHS[:3])]
+    finish = BatchDecoder._finish
+
+    def failing_finish(self, request):
+        if request is requests[1]:
+            raise RuntimeError("finishing this one broke")
+        finish(self, request)
+
+    monkeypatch.setattr(BatchDecoder, "_finish", failing_finish)
+    while not batch.idle:
+        batch.step()
+    assert str(requests[1].error) == "finishing this one broke" and requests[1].output is None
+    assert requests[1].slot is None and batch.idle
+    assert [requests[0].output.tokens, requests[2].output.tokens] == [want[0], want[2]]
+
+
+def test_generate_raises_the_failed_requests_own_error_and_keeps_the_others_answers(eos_target):
+    from mcsd.decoding.batch import RequestFailed
+    dec = _decoder(eos_target)
+    batch = BatchDecoder(dec, max_batch=2)
+    want = [_lone(dec, p, 6).tokens for p in PROMPTS[:3]]
+    # one processor object for every prompt: it raises in whichever request calls it 8th
+    with pytest.raises(RequestFailed, match=r"prompt \d failed: RuntimeError: this request's processor broke") as info:
+        batch.generate(PROMPTS[:3], max_new_tokens=6, logits_processor=[_FailsAt(8)])
+    failed = info.value
+    assert isinstance(failed.__cause__, RuntimeError) and failed.error is failed.outputs[failed.index]
+    assert batch.idle
+    assert all(isinstance(o, Exception) or o.tokens == w for o, w in zip(failed.outputs, want))
+    assert [o.tokens for o in batch.generate(PROMPTS[:3], max_new_tokens=6)] == want    # the batch serves on
+
+
+# ---------------------------------------------------------------------------------------------- memory
+
+
+def test_the_slot_cache_is_bounded_counts_its_memory_and_shrinks_when_a_long_sequence_leaves():
+    from mcsd.forward.static_cache import HEADROOM
+    cache = SlotCache(3, layers=2, kv_heads=2, head_dim=4, dtype=torch.float32, device="cpu", limit=2000)
+    assert cache.position_bytes == 2 * 2 * 2 * 4 * 4 and cache.nbytes == 0
+    assert cache.bound_bytes == 3 * 2000 * cache.position_bytes
+    cache.reserve(10)
+    cache.lengths = [10, 10, 0]
+    small = cache.nbytes
+    cache.reserve(1900)                                   # one long sequence: doubling stops at the limit
+    cache.lengths[2] = 1900
+    assert cache.capacity == 2000 and cache.nbytes == cache.bound_bytes
+    with pytest.raises(ValueError, match="past the slot cache's limit of 2000"):
+        cache.reserve(2001)
+    cache.free(2)                                         # it leaves: the others' room comes back
+    assert cache.capacity == 10 + HEADROOM and cache.nbytes == small
+
+
+def test_one_long_request_grows_the_batchs_memory_no_further_than_its_bound_and_only_while_held():
+    from mcsd.forward.static_cache import HEADROOM
+    target = tiny_llama(3, eos=EOS, sharpness=3.0)
+    target.config.max_position_embeddings = window = 2048
+    dec = _decoder(target)
+    batch = BatchDecoder(dec, max_batch=3)
+    assert batch.cache.limit == window + 64
+    assert batch.cache.bound_bytes == 3 * (window + 64) * batch.cache.position_bytes
+    short = [batch.submit(p, max_new_tokens=60, ignore_eos=True) for p in PROMPTS[:2]]
+    batch.step()
+    before = batch.cache.nbytes
+    long = batch.submit([(7 + i) % 60 + 2 for i in range(1200)], max_new_tokens=4, ignore_eos=True)
+    peak = 0
+    while not long.done:
+        batch.step()
+        peak = max(peak, batch.cache.nbytes)
+    assert before < peak <= batch.cache.bound_bytes
+    assert not any(r.done for r in short)                 # the long one left while the others decode:
+    held = max(batch.cache.lengths)                       # their room is what they need again
+    assert batch.cache.capacity <= held + HEADROOM + 64 and batch.cache.nbytes < peak / 2
+    while not batch.idle:
+        batch.step()
+    assert [len(r.output.tokens) for r in short + [long]] == [60, 60, 4]
+
+
+# ---------------------------------------------------------------------------------------------- admission
+
+
+def test_a_burst_joins_in_one_round_and_its_prompts_prefill_together(eos_target):
+    dec = _decoder(eos_target)
+    batch = BatchDecoder(dec, max_batch=4)
+    burst = [batch.submit(p, max_new_tokens=4, ignore_eos=True) for p in PROMPTS[:3]]
+    advanced = batch.step()
+    assert all(r.slot is not None for r in burst) and not batch.waiting
+    assert batch.last_batch == 3 and batch.last_rows == sum(len(p) for p in PROMPTS[:3])   # one forward
+    assert set(advanced) == set(burst) and all(len(r.new) == 1 for r in burst)
+
+
+def test_a_group_holding_every_slot_gives_the_next_free_one_to_a_newcomer(eos_target):
+    dec = _decoder(eos_target)
+    batch = BatchDecoder(dec, max_batch=3)
+    big = "job with 12 runs"
+    runs = [batch.submit([3 + i, 4, 5], max_new_tokens=4 + i, ignore_eos=True, group=big) for i in range(12)]
+    batch.step()
+    assert [r.group for r in batch.active] == [big] * 3
+    newcomer = batch.submit(PROMPTS[1], max_new_tokens=4, ignore_eos=True, group="another job")
+    while not any(r.done for r in runs):
+        batch.step()
+        assert newcomer.slot is None
+    batch.step()                                          # the first slot that frees is the newcomer's
+    assert newcomer.slot is not None and newcomer.rows
+    while not batch.idle:
+        batch.step()
+        assert len(batch.active) <= 3
+    assert all(r.output is not None for r in runs + [newcomer])
+
+
+# ---------------------------------------------------------------------------------------------- alone
+
+
+def _head_decoder(target, context=True):
+    from test_feature_draft import random_head
+
+    from mcsd.drafting.feature_draft import FeatureDrafter
+    head = FeatureDrafter(random_head(target), target)
+    return TreeDecoder(target, [head, ContextDrafter()] if context else head, tree="3,2,1", policy="static",
+                       attention="sdpa", calibrate=False)
+
+
+@pytest.mark.parametrize("context", [True, False])
+def test_a_request_alone_in_the_batch_drafts_with_the_feature_head_as_the_lone_round_does(eos_target, context):
+    dec = _head_decoder(eos_target, context)
+    prompt = PROMPTS[0] * 3
+    plain = dec.generate_baseline(prompt, max_new_tokens=40, ignore_eos=True)
+    lone = dec.generate(prompt, max_new_tokens=40, ignore_eos=True)
+    batch = BatchDecoder(dec, max_batch=4)
+    out = batch.generate([prompt], max_new_tokens=40, ignore_eos=True)[0]
+    assert out.tokens == plain.tokens == lone.tokens
+    s = out.stats
+    assert s.draft_forwards > 0 and s.tree_nodes - s.context_nodes > 0          # head-drafted nodes
+    assert (s.draft_forwards, s.tree_nodes, s.rounds) == (lone.stats.draft_forwards, lone.stats.tree_nodes,
+                                                          lone.stats.rounds)   # the lone run's own trees
+    assert s.batch_rounds == 0 and s.batch_exact is None and s.round_reason == "alone: the lone round"
+
+
+def test_a_lone_request_hands_its_cache_to_its_slot_when_another_joins(eos_target):
+    dec = _head_decoder(eos_target)
+    prompts = [PROMPTS[0] * 3, PROMPTS[4], PROMPTS[2]]
+    want = [dec.generate_baseline(p, max_new_tokens=30, ignore_eos=True).tokens for p in prompts]
+    batch = BatchDecoder(dec, max_batch=3, prefill_tokens=5)
+    first = batch.submit(prompts[0], max_new_tokens=30, ignore_eos=True)
+    for _ in range(3):
+        batch.step()
+    assert first.lone and first.stats.rounds == 2 and first.stats.batch_rounds == 0
+    others = [batch.submit(p, max_new_tokens=30, ignore_eos=True) for p in prompts[1:]]
+    batch.step()
+    assert not first.lone and first.stats.batch_rounds == 1 and batch.last_batch == 2   # beside a chunk
+    while not batch.idle:
+        batch.step()
+    assert [r.output.tokens for r in [first] + others] == want
+    s = first.output.stats
+    assert s.draft_forwards > 0 and s.batch_rounds > 0 and s.round_reason.startswith("alone: the lone round, then")
+    assert all(r.output.stats.draft_forwards == 0 for r in others)

@@ -40,6 +40,7 @@ class GenerationStats:
     batch_rows: int = 0               # ... the rows it fed them
     batch_all_rows: int = 0           # ... and every slot's rows in them
     batch_slots: int = 0              # ... and the slots they fed, summed
+    batch_exact: bool | None = None   # batched: whether its answer is guaranteed its lone run's (None: unbatched)
 
     @property
     def batch_share(self) -> float | None:
@@ -98,7 +99,8 @@ class GenerationStats:
                 "prefill_s": self.prefill_s, "draft_s": self.draft_s, "verify_s": self.verify_s,
                 "policy_s": self.policy_s, "other_s": self.other_s, "context_nodes": self.context_nodes,
                 "context_accepted": self.context_accepted, "round": self.round, "round_reason": self.round_reason,
-                "batch_rounds": self.batch_rounds, "batch_share": self.batch_share, "batch_size": self.batch_size}
+                "batch_rounds": self.batch_rounds, "batch_share": self.batch_share, "batch_size": self.batch_size,
+                "batch_exact": self.batch_exact}
 
 
 @dataclass

@@ -48,12 +48,20 @@ from .static_cache import HEADROOM
 
 
 class SlotCache:
-    """Keys and values of B sequences (slots), every layer in two buffers of fixed capacity.
+    """Keys and values of B sequences (slots), every layer in two buffers of one capacity for all slots.
+
+    Memory: the buffers hold B x capacity positions, so every slot takes the longest slot's room. The
+    capacity grows (doubling, held entries copied) only when a block does not fit, never past `limit`,
+    and shrinks again when a slot leaves and the longest held sequence needs a quarter of it or less:
+    one long request grows the others' room at most to `limit` and only while it is held. The most
+    the buffers ever take is `bound_bytes` (B x limit positions).
 
     Args:
         slots: B, the most sequences held at once.
         layers, kv_heads, head_dim: the model's shape.
         dtype, device: of the buffers (the model's).
+        limit: the most positions a slot may hold (its sequence and the rows of one block after it:
+            `BatchDecoder` gives the context window plus its largest block); None: no bound.
 
     Attributes:
         lengths: positions each slot holds (B Python ints).
@@ -61,9 +69,13 @@ class SlotCache:
         layer_keys, layer_values: per layer, (B, H_kv, capacity, D) views of the buffers.
     """
 
-    def __init__(self, slots: int, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device):
+    def __init__(self, slots: int, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device,
+                 limit: int | None = None):
+        if limit is not None and limit < 1:
+            raise ValueError(f"a slot cache's limit must be >= 1 position, got {limit}")
         self.slots, self.layers, self.kv_heads, self.head_dim = slots, layers, kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
+        self.limit = limit
         self.lengths = [0] * slots
         self.capacity = 0
         self.keys: torch.Tensor | None = None        # (layers, B, H_kv, capacity, D)
@@ -72,27 +84,63 @@ class SlotCache:
         self.layer_values: list[torch.Tensor] = []
 
     @classmethod
-    def for_model(cls, lean: LeanForward, slots: int) -> "SlotCache":
+    def for_model(cls, lean: LeanForward, slots: int, limit: int | None = None) -> "SlotCache":
         weight = lean.embed.weight
-        return cls(slots, len(lean.layers), lean.kv_heads, lean.head_dim, weight.dtype, weight.device)
+        return cls(slots, len(lean.layers), lean.kv_heads, lean.head_dim, weight.dtype, weight.device, limit)
+
+    @property
+    def position_bytes(self) -> int:
+        """Bytes one position of one slot takes (keys and values, every layer)."""
+        item = torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * self.layers * self.kv_heads * self.head_dim * item
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the buffers take now."""
+        return self.slots * self.capacity * self.position_bytes
+
+    @property
+    def bound_bytes(self) -> int | None:
+        """The most bytes the buffers may ever take (B x limit positions), or None without a limit."""
+        return None if self.limit is None else self.slots * self.limit * self.position_bytes
 
     def reserve(self, need: int) -> None:
-        """Room for `need` positions in every slot (reallocating, held entries copied, only when they do not fit)."""
+        """Room for `need` positions in every slot (reallocating, held entries copied, only when they do
+        not fit); a ValueError past `limit`."""
         if need <= self.capacity:
             return
+        if self.limit is not None and need > self.limit:
+            raise ValueError(f"a slot needs {need} positions, past the slot cache's limit of {self.limit}")
         capacity = max(need + HEADROOM, 2 * self.capacity)
+        self._resize(capacity if self.limit is None else min(capacity, self.limit))
+
+    def _resize(self, capacity: int) -> None:
+        """Buffers of `capacity` positions a slot, zero-filled, every slot's held entries copied."""
         keys = torch.zeros(self.layers, self.slots, self.kv_heads, capacity, self.head_dim, dtype=self.dtype,
                            device=self.device)
         values = torch.zeros_like(keys)
-        if self.capacity:
-            keys[..., :self.capacity, :].copy_(self.keys)
-            values[..., :self.capacity, :].copy_(self.values)
+        held = min(self.capacity, capacity)              # every slot's entries up to there
+        if held:
+            keys[..., :held, :].copy_(self.keys[..., :held, :])
+            values[..., :held, :].copy_(self.values[..., :held, :])
         self.keys, self.values, self.capacity = keys, values, capacity
         self.layer_keys, self.layer_values = list(keys.unbind(0)), list(values.unbind(0))
 
     def free(self, slot: int) -> None:
-        """The slot holds nothing (a new sequence may take it)."""
+        """The slot holds nothing (a new sequence may take it); the buffers shrink where the longest
+        sequence still held needs a quarter of them or less."""
         self.lengths[slot] = 0
+        fits = max(self.lengths) + HEADROOM
+        if self.capacity > HEADROOM and 4 * fits <= self.capacity:
+            self._resize(fits)
+
+    def write(self, slot: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The slot holds these L positions ((layers, H_kv, L, D) each: a lone sequence's cache, say)."""
+        n = keys.shape[2]
+        self.reserve(n)
+        self.keys[:, slot, :, :n].copy_(keys)
+        self.values[:, slot, :, :n].copy_(values)
+        self.lengths[slot] = n
 
     def commit(self, slot: int, prefix_len: int, keep: torch.Tensor) -> None:
         """Keep the slot's `prefix_len` positions plus its entries at offsets `keep` (k,) after them
@@ -116,6 +164,9 @@ class Block(NamedTuple):
         allowed: (Q, Q) bool, which of the block's rows each row sees (the slot's held positions are
             seen by every row): causal for a prompt's chunk, the ancestor mask for a tree.
         last_only: only the last row's logits are wanted (a prompt's chunk).
+        prompt_rows: for a prompt's chunk, the whole prompt's rows: what its lone prefill feeds at
+            once (on torch's int4 kernel that prefill reads the dense weights from
+            `quant.PREFILL_ROWS` rows on, and so does each of its chunks here); 0 for a tree.
     """
 
     slot: int
@@ -123,6 +174,12 @@ class Block(NamedTuple):
     positions: torch.Tensor
     allowed: torch.Tensor
     last_only: bool = False
+    prompt_rows: int = 0
+
+    @property
+    def dense(self) -> bool:
+        """Its rows read a q4 model's dense weights, as its lone forward's do (`quant.starts_dense`)."""
+        return self.prompt_rows > 0 and quant.starts_dense(self.prompt_rows, 0)
 
 
 class SlotForward:
@@ -145,9 +202,23 @@ class SlotForward:
         Returns:
             per block, its logits (Q, V), or (1, V) with `last_only`.
         """
-        lean, device = self.lean, cache.device
         if len({b.slot for b in blocks}) != len(blocks):
             raise ValueError("a batched forward takes at most one block a slot")
+        dense = [b.dense for b in blocks]
+        if all(dense) or not any(dense):
+            return self._forward(cache, blocks, dense[0])
+        # on torch's int4 kernel, the blocks whose lone forward reads the dense weights (a long prompt's
+        # chunks) run apart from those on the 4-bit weights: the choice is each prompt's, not the batch's
+        logits = [None] * len(blocks)
+        for group in (True, False):
+            picked = [i for i, d in enumerate(dense) if d == group]
+            for i, out in zip(picked, self._forward(cache, [blocks[i] for i in picked], group)):
+                logits[i] = out
+        return logits
+
+    def _forward(self, cache: SlotCache, blocks: list[Block], dense: bool) -> list[torch.Tensor]:
+        """`__call__` over blocks that all read the dense weights (`dense`) or all the 4-bit ones."""
+        lean, device = self.lean, cache.device
         starts = [cache.lengths[b.slot] for b in blocks]
         sizes = [b.tokens.numel() for b in blocks]
         bounds = list(accumulate(sizes, initial=0))          # block i's rows: bounds[i] .. bounds[i+1]-1
@@ -157,8 +228,9 @@ class SlotForward:
         tokens = torch.cat([b.tokens.to(device) for b in blocks])[None]                 # (1, R)
         positions = torch.cat([b.positions.to(device) for b in blocks])[None]           # (1, R)
         slots = torch.cat([torch.arange(s, s + q, device=device) for s, q in zip(starts, sizes)])   # (R,)
-        fresh = all(s == 0 for s in starts)                  # every block starts its sequence (prompts)
-        with kernels.running(self.kernel_table, rows), quant.forward_rows(self.model, rows, 0 if fresh else 1):
+        # as the blocks' lone forwards choose (a q4 model on torch's int4 kernel): a prefill of this many rows
+        which = (max(b.prompt_rows for b in blocks), 0) if dense else (rows, 1)
+        with kernels.running(self.kernel_table, rows), quant.forward_rows(self.model, *which):
             h = lean.embed(tokens)                                                     # (1, R, C)
             cos, sin = lean._rotary(h, positions)                                      # (1, R, 1, D)
             plan = lean.native_layers()
@@ -274,7 +346,7 @@ class SlotBlocks(graphs.Graphed):
             raise ValueError("a batched forward takes at most one block a slot")
         sizes = [b.tokens.numel() for b in blocks]
         r = graphs.bucket_of(max(sizes))
-        if r is None:
+        if r is None or any(b.dense for b in blocks):     # past the buckets, or a prompt on dense weights
             return self.eager(cache, blocks)
         begin = list(cache.lengths)                          # where each slot's rows go
         cache.reserve(max(begin) + r)
