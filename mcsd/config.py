@@ -31,11 +31,39 @@ def check_context_window(context_window: int | None, prompt_len: int, max_new_to
                           f"target's context window of {context_window} tokens")
 
 
-def check_lossy_roots(width: int, sampling: "SamplingConfig") -> None:
+def _shown(value) -> str:
+    """A value as an error message names it: its type, and its repr where that is short."""
+    text = repr(value)
+    return f"{type(value).__name__} {text}" if len(text) <= 40 else type(value).__name__
+
+
+def check_callback(name: str, value, called_with: str) -> None:
+    """A ConfigError naming the argument `name` when `value` is neither None nor callable."""
+    if value is not None and not callable(value):
+        raise ConfigError(f"{name} must be a function (called with {called_with}) or None, got {_shown(value)}")
+
+
+def check_tokenizer(tokenizer) -> None:
+    """A ConfigError naming the argument when `tokenizer` is neither None nor a tokenizer (callable on
+    text, with `decode`)."""
+    if tokenizer is not None and not (callable(tokenizer) and callable(getattr(tokenizer, "decode", None))):
+        raise ConfigError(f"tokenizer must be a tokenizer (transformers' AutoTokenizer.from_pretrained(...); "
+                          f"mcsd.load_model_pair returns the pair's) or None, got {_shown(tokenizer)}")
+
+
+def check_lossy_roots(width: int, sampling: "SamplingConfig", prompt_len: int | None = None,
+                      reads_features: bool = False) -> None:
     """A ConfigError when lossy target roots (width > 0) are asked for with sampling: the variant is
-    defined for greedy decoding only."""
+    defined for greedy decoding only; or, where the prompt's length (`prompt_len` tokens) is known, for
+    a one-token prompt with a drafter that reads the target's features (`reads_features`): the first
+    round's root is then the prompt's only token, and such a drafter reads the feature of the position
+    before the root, which a one-token prompt does not have."""
     if width and not sampling.greedy:
         raise ConfigError("lossy_target_roots is defined for greedy decoding only (temperature 0)")
+    if width and reads_features and prompt_len is not None and prompt_len < 2:
+        raise ConfigError(f"lossy_target_roots with a drafter that reads the target's features (a feature head) "
+                          f"needs a prompt of 2 tokens or more, got {prompt_len}: the first round's root is the "
+                          f"prompt's last token, and the head reads the target's features before it")
 
 
 def _number(name: str, value) -> float:

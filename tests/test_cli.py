@@ -259,6 +259,19 @@ def test_the_flag_reference_names_the_default_drafter():
     assert f"`{default}` (default" in row and row.count("default") == 1
 
 
+def test_the_flag_reference_names_every_flag():
+    """docs/cli.md says it lists every flag: each of the parser's, --help aside, has a row."""
+    from pathlib import Path
+
+    from mcsd.cli.args import build_parser
+    rows = [line for line in (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text().splitlines()
+            if line.startswith("| ")]
+    flags = {flag for action in build_parser()._actions for flag in action.option_strings
+             if flag.startswith("--") and flag != "--help"}
+    missing = sorted(f for f in flags if not any(f"`{f}`" in row or f"`{f} " in row for row in rows))
+    assert not missing, f"flags without a row in docs/cli.md: {missing}"
+
+
 _numbers = st.one_of(st.integers(-3, 300).map(str), st.floats(allow_nan=True, allow_infinity=True).map(str),
                      st.text("0123456789.-e", max_size=6))
 

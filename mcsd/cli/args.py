@@ -212,6 +212,9 @@ def check_args(args) -> None:
     check_policy(args)
     if args.device != "cpu" and args.device != "auto":
         check_device(args.device)
+    if args.attention == "xformers" and args.device == "cpu":
+        raise UsageError("--attention xformers runs on CUDA devices only; on a CPU use --attention auto, gqa, sdpa "
+                         "or eager (or pass --device cuda)")
     if args.output is not None and args.prompts_file is None:
         raise UsageError("--output writes --prompts-file results; for one prompt, redirect stdout")
     if args.output is not None:
@@ -291,10 +294,22 @@ def check_pearl_drafter(args, model_kind: str | None) -> None:
                          f"target's features: add --drafter model")
 
 
+def check_window(args) -> None:
+    """--max-new-tokens within the target's context window, where its config is read without its weights
+    (`mcsd.loading.sources.context_window`: a preset's, a directory's, a GGUF's, a cached hub id's); the
+    prompt's own tokens are counted once the tokenizer has loaded."""
+    from ..loading.sources import context_window
+    window = context_window(args.target or DEFAULT_PRESET)
+    if window is not None and args.max_new_tokens >= window:
+        raise UsageError(f"--max-new-tokens {args.max_new_tokens} plus the prompt exceeds the target's context "
+                         f"window of {window} tokens")
+
+
 def check_policy(args) -> None:
-    """--policy names a policy and each --policy-option one of its settings (the values are the policy's
-    to check, when it is made)."""
-    from ..drafting.policies import POLICIES
+    """--policy names a policy and each --policy-option one of its settings with a value it takes: the
+    policy is made once here, over its own default tree, and its own checks run (a few milliseconds;
+    a policy's trained classifier or head, where it reads one, is read here too)."""
+    from ..drafting.policies import POLICIES, make_policy
     if args.policy == "auto":
         return                                        # resolved to an installed policy when the run starts
     if args.policy not in POLICIES:
@@ -309,6 +324,10 @@ def check_policy(args) -> None:
         if unknown:
             raise UsageError(f"--policy-option {unknown[0]}: policy {args.policy!r} has no such setting; its "
                              f"settings: {', '.join(known) or 'none'}")
+        try:
+            make_policy(args.policy, None, **options)
+        except (ConfigError, ValueError, TypeError) as exc:
+            raise UsageError(f"--policy-option: {exc}") from None
 
 
 def check_device(device: str) -> None:

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 from ..loading.presets import DEFAULT_PRESET, describe_presets
-from .args import (UsageError, check_args, check_hub, drafter_kinds, drafts_nothing, parse_policy_options, processing,
-                   settle_policy)
+from .args import (UsageError, check_args, check_hub, check_window, drafter_kinds, drafts_nothing, parse_policy_options,
+                   processing, settle_policy)
 
 
 def _decode_utf8(data: bytes, source: str) -> str:
@@ -103,6 +103,7 @@ def _auto_dtype(target, draft, args):
     choice = choose_dtype(target, draft, drafting=not alone, calibrate=calibrate,
                           free_draft=drafter_kinds(args)[2], borrow=alone, gguf=gguf, weights=args.weights)
     args.dtype_calibration_s, args.calibration_provisional = choice.calibration_s, choice.provisional
+    args.dtype_measured = bool(calibrate)             # every candidate measured just now, the chosen one too
     args.weights = choice.weights
     if choice.dtype != "float32" or choice.weights != "dense":
         target, draft = apply_choice(target, draft, choice, gguf)
@@ -162,13 +163,16 @@ def load_models(args):
                            weights=load_weights)
 
 
-def _check_lengths(args, target, tokenizer, prompts: list[str]) -> None:
-    """Every prompt, with the tokens asked for, fits the target's context window."""
-    from ..config import check_context_window
+def _check_lengths(args, target, tokenizer, prompts: list[str], draft=None) -> None:
+    """Every prompt, with the tokens asked for, fits the target's context window; and is long enough
+    for --lossy-target-roots with a drafter reading the target's features."""
+    from ..config import SamplingConfig, check_context_window, check_lossy_roots
     window = getattr(target.config, "max_position_embeddings", None)
+    reads_features = getattr(draft, "uses_target_hidden", False) and not args.baseline
     for prompt in prompts:
         n = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
         check_context_window(window, n, args.max_new_tokens)
+        check_lossy_roots(args.lossy_target_roots, SamplingConfig(), n, reads_features)
 
 
 def build_decoder(args, target, draft, tokenizer):
@@ -177,8 +181,11 @@ def build_decoder(args, target, draft, tokenizer):
 
     _, with_context, _ = drafter_kinds(args)
     dtype_reason = getattr(args, "dtype_fixed", None)
+    calibrate = args.calibrate
     if args.dtype == "auto":
         target, draft, args.dtype, dtype_reason = _auto_dtype(target, draft, args)
+        if getattr(args, "dtype_measured", False):
+            calibrate = None                        # --calibrate's measurement of the chosen pair serves as cached
     if args.baseline:
         draft = None                                # loaded only to choose as the default run does
     if with_context and not args.baseline:
@@ -187,7 +194,7 @@ def build_decoder(args, target, draft, tokenizer):
         draft = context if draft is None else [draft, context]
     decoder = TreeDecoder(target, draft, tokenizer=tokenizer, tree=args.tree, policy=args.policy,
                           attention=args.attention, lossy_target_roots=args.lossy_target_roots,
-                          calibrate=args.calibrate, policy_options=parse_policy_options(args.policy_option) or None,
+                          calibrate=calibrate, policy_options=parse_policy_options(args.policy_option) or None,
                           cuda_graphs=args.cuda_graphs == "on",
                           threads=None,             # chosen by _set_threads before the models loaded
                           release_weights=True)     # the models are this command's own
@@ -197,8 +204,6 @@ def build_decoder(args, target, draft, tokenizer):
 def _set_threads(args) -> None:
     """torch's thread count: --threads, else OMP_NUM_THREADS where set, else the free cores
     (`mcsd.forward.threads`, read over the start-up since `args.load_since`); the choice is kept in args."""
-    import torch
-
     from ..forward import threads
     if args.threads is not None:
         args.thread_choice = threads.explicit(args.threads, "--threads")
@@ -207,7 +212,7 @@ def _set_threads(args) -> None:
     if args.thread_choice.clamped:
         print(f"mcsd-generate: note: threads {args.thread_choice.reason}; using {args.thread_choice.threads}",
               file=sys.stderr)
-    torch.set_num_threads(args.thread_choice.threads)
+    threads.apply(args.thread_choice)
 
 
 def _settings(args, decoder, dtype_reason) -> dict:
@@ -255,9 +260,10 @@ def run(args) -> int:
     else:
         texts = [_read_prompt(args)]
     check_hub(args)
+    check_window(args)                              # the target's config, read before its weights
     target, draft, tokenizer = load_models(args)
     prompts = [_format_prompt(text, tokenizer, args) for text in texts]
-    _check_lengths(args, target, tokenizer, prompts)  # before any calibration: a bad input costs nothing
+    _check_lengths(args, target, tokenizer, prompts, draft)  # before any calibration: a bad input costs nothing
     decoder, dtype_reason = build_decoder(args, target, draft, tokenizer)
     if args.prompts_file is not None:
         if not args.chat and getattr(tokenizer, "chat_template", None):
@@ -353,7 +359,8 @@ def run(args) -> int:
             online = ", corrected online" if getattr(costs, "online", False) else ", fixed for the run"
             stale = getattr(costs, "stale", None)
             stale = f"; stale, measured again at the next quiet start: {stale}" if stale else ""
-            print(f"costs: {_COSTS_SOURCES[_costs_source(decoder, args)]}{online}{stale}", file=sys.stderr)
+            print(f"costs: {_COSTS_SOURCES[_costs_source(decoder, args)]}{online}{stale}{_borrowed_note()}",
+                  file=sys.stderr)
         if not args.baseline and getattr(decoder.policy, "model_source", None) is not None:
             print(f"acceptance model: {decoder.policy.model_source}", file=sys.stderr)
     if args.show_tree and rounds:
@@ -364,9 +371,22 @@ def run(args) -> int:
 def _costs_source(decoder, args) -> str:
     """Where the costs came from, as --stats says it: a profile the dtype choice measured in this run is
     read back from the cache by the decoder, and is no older profile."""
-    if decoder.costs_source == "cached" and getattr(args, "dtype_calibration_s", 0.0) > 0:
+    if decoder.costs_source == "cached" and (getattr(args, "dtype_calibration_s", 0.0) > 0
+                                             or getattr(args, "dtype_measured", False)):
         return "chosen"
     return decoder.costs_source
+
+
+def _borrowed_note() -> str:
+    """Where the costs were measured for another thread count (this run's count lowered by other
+    processes' load: `mcsd.costs.store.load_cached`), that note for --stats."""
+    from ..costs.store import borrowed_counts
+    counts = borrowed_counts()
+    if not counts:
+        return ""
+    n = " and ".join(map(str, counts))
+    return (f"; measured for {n} thread{'s' if counts != [1] else ''}, which serve while other processes keep "
+            f"cores busy (not measured again at the lowered count)")
 
 
 def _options(args) -> dict:

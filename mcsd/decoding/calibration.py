@@ -181,7 +181,7 @@ def device_profile(target, draft, calibrate: bool | None = None) -> tuple:
         return prof, "cached"
     if calibrate is False:
         return None, "default"
-    return store.load_or_measure(target, _timed(draft), force=True), "measured"
+    return store.load_or_measure(target, _timed(draft), force=bool(calibrate)), "measured"
 
 
 def costs_of(prof, source: str) -> cost_model.Costs:

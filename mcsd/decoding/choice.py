@@ -132,7 +132,7 @@ def choose_dtype(target, draft, candidates=None, drafting: bool = True, calibrat
     for name, prof in profiles.items():
         if prof is None:
             t, d = _candidate_copy(target, draft, name, gguf)
-            prof = load_or_measure(t, d, force=True, quiet=quiet)
+            prof = load_or_measure(t, d, force=bool(calibrate), quiet=quiet)
             spent += prof.meta.get("calibration_s", 0.0)
             del t, d
         provisional = provisional or bool(needs_remeasure(prof))
@@ -152,14 +152,14 @@ def q4_candidates(target, gguf: Path | None, native_bf16: bool, weights: str = "
     """The pairs on the target's codes this machine can run: q4 weights with each compute dtype the
     kernel takes here, bfloat16 beside float32 only where the CPU runs it natively (emulated, it is
     never the faster one), and q4q8 (8-bit activations) in float32 where the native kernel runs;
-    `weights` "q4" or "q4q8": that one's alone. Which of them is fastest is left to the measured
+    `weights` "q4" or "q4q8": that one's alone; "dense": none. Which of them is fastest is left to the measured
     costs: the integer products pay off with rows (a verify) more than in a one-row step."""
     from ..forward import quant
     if not q4_possible(target, gguf):
         return ()
     out = []
     for kind in (Q4, Q4Q8):
-        if weights in (kind, "auto", "dense"):
+        if weights in (kind, "auto"):
             takes = quant.dtypes(kind)
             out += [q4_candidate(d, kind) for d in takes if d == "float32" or native_bf16 or len(takes) == 1]
     return tuple(out)

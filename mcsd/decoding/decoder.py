@@ -23,7 +23,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..config import ConfigError, DecodeConfig, check_context_window, check_lossy_roots
+from ..config import (ConfigError, DecodeConfig, check_callback, check_context_window, check_lossy_roots,
+                      check_tokenizer)
 from ..core import processors
 from ..core.output import Emission, GenerationOutput, GenerationStats, eos_ids
 from ..core.sampling import PositionNoise, choose, make_generator
@@ -126,6 +127,7 @@ class TreeDecoder:
         self.round = round
         self.fixed_round: fixed_round.FixedRound | None = None   # kept between generations (its graphs too)
         self.round_choice = ("loop", "")          # the last generation's round and why (`--stats`)
+        check_tokenizer(tokenizer)
         self.threads = _choose_threads(threads)
         self.target, self.tokenizer = CachedLM(target, cuda_graphs=cuda_graphs), tokenizer
         self.lossy_roots = int(lossy_target_roots)
@@ -222,6 +224,7 @@ class TreeDecoder:
                **options) -> Iterator[list[int]]:
         """Generator over the same loop: yields each round's new tokens; returns the GenerationOutput.
         Takes one prompt and `generate`'s options."""
+        check_callback("on_round", on_round, "each round's tree and its Acceptance")
         self._check_dtype()
         prompt_ids = self.encode(prompt)
         cfg = processors.request(self.target.model, prompt_ids.numel(), max_new_tokens=max_new_tokens,
@@ -234,7 +237,8 @@ class TreeDecoder:
             if self.fixed_round is not None:
                 self.fixed_round.release()          # the target's blocks as they were before it
             return (yield from self._decode(prompt_ids, cfg, Proposer(self._baseline_policy, None, None)))
-        check_lossy_roots(self.lossy_roots, cfg.sampling)
+        check_lossy_roots(self.lossy_roots, cfg.sampling, prompt_ids.numel(),
+                          getattr(self.drafter, "uses_target_hidden", False))
         proposer = Proposer(self.policy, self.drafter, self.context, self.lossy_roots, self.context_costs)
         if proposer.lossy:
             _exact_loop_only(cfg, "lossy_target_roots")
@@ -384,6 +388,7 @@ class TreeDecoder:
 
     @staticmethod
     def _collect(rounds: Iterator[list[int]], streamer) -> GenerationOutput:
+        check_callback("streamer", streamer, "each round's new token ids")     # before the loop starts
         while True:
             try:
                 new = next(rounds)
@@ -404,8 +409,7 @@ def _choose_threads(threads: int | str | None):
         choice = cpu_threads.explicit(threads, "threads=")
     else:
         raise ConfigError(f"threads must be 'auto', None or an integer >= 1, got {threads!r}")
-    torch.set_num_threads(choice.threads)
-    return choice
+    return cpu_threads.apply(choice)
 
 
 def _exact_loop_only(cfg: DecodeConfig, what: str) -> None:

@@ -92,6 +92,9 @@ def model_drafter(target: torch.nn.Module, draft, attention: str, cuda_graphs: b
 def split_drafters(draft):
     """`draft` as given -> (model drafter or None, ContextDrafter or None)."""
     items = list(draft) if isinstance(draft, (list, tuple)) else [draft]
+    if not items:
+        raise ConfigError(f"draft is an empty {type(draft).__name__}: a list names a model drafter, \"context\" "
+                          f"or one of each (for the target alone, pass draft=None)")
     model, context = None, None
     for item in items:
         if isinstance(item, str) and item == "context":

@@ -304,6 +304,14 @@ class FeatureDrafter:
         return type(self)(self.head if head is None else head, target, name=self.name, window=self.window,
                           directory=self.directory)
 
+    def rebind(self, target: nn.Module, head=None) -> "FeatureDrafter":
+        """This drafter made again in place over `head` (default: this one's) and `target`, as `bound_to`
+        makes a new one: for a pair cast in place (`mcsd.drafting.pair.cast_pair`), so that the drafter
+        a caller holds runs in the models' new dtype. Returns self."""
+        type(self).__init__(self, self.head if head is None else head, target, name=self.name, window=self.window,
+                            directory=self.directory)
+        return self
+
     def _empty_cache(self):
         """An empty cache for the head's blocks (this drafter's buffers kept where they fit)."""
         if llama.unsupported_reason(self.head.body) is None:

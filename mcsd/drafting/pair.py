@@ -109,7 +109,8 @@ def load_eagle3_drafter(source: str, target, dtype="bfloat16"):
 
 def cast_pair(target, draft, dtype):
     """Convert a loaded pair to `dtype` in place (the target, and a draft model or a feature
-    head, rebound to the converted target). Returns (target, draft)."""
+    head; a feature drafter is rebound in place to the converted head and target, so the objects a
+    caller holds all run in `dtype`). Returns (target, draft), the same objects."""
     dtype = parse_dtype(dtype)
     target.to(dtype)
     if isinstance(draft, torch.nn.Module):
@@ -118,7 +119,7 @@ def cast_pair(target, draft, dtype):
         quant.detach(draft.head)              # codes of its old weights go (the new drafter makes its own)
         head = draft.head.to(dtype)
         head.attach_lm_head(target.get_output_embeddings().weight)
-        draft = draft.bound_to(target, head)
+        draft.rebind(target, head)
     return target, draft
 
 

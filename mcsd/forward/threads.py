@@ -168,6 +168,28 @@ def explicit(threads: int, how: str) -> ThreadChoice:
     return ThreadChoice(int(threads), f"{int(threads)}: as set by {how}", allowed, None)
 
 
+_applied: list[ThreadChoice] = []     # the choice `apply` last gave torch: why torch runs the threads it does
+
+
+def apply(choice: ThreadChoice) -> ThreadChoice:
+    """Set torch's (process-wide) thread count to `choice`'s and remember why (`lowered_by_load`)."""
+    import torch
+    torch.set_num_threads(choice.threads)
+    _applied[:] = [choice]
+    return choice
+
+
+def lowered_by_load(current: int) -> ThreadChoice | None:
+    """The automatic choice that set torch's `current` thread count, where it is below the cores this
+    process may use only because other processes kept some busy; None for a count somebody chose
+    (--threads, OMP_NUM_THREADS), all cores, or a count set since by other code. What the cost store
+    reads to serve another thread count's costs rather than measure (`mcsd.costs.store.load_cached`)."""
+    choice = _applied[0] if _applied else None
+    if choice is None or choice.threads != current or choice.busy is None or choice.threads >= choice.allowed:
+        return None
+    return choice
+
+
 def auto(since: Snapshot | None = None) -> ThreadChoice:
     """The thread count nobody chose: OMP_NUM_THREADS where set to a positive number, else
     `fit_threads` (the free cores). What the command line and `TreeDecoder` use alike."""

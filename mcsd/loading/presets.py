@@ -34,6 +34,7 @@ class Preset:
     feature_dir: str      # target-feature draft head, under models/ (may be absent)
     target_dir: str       # cache directory name for the converted target
     default_drafter: str = "model"   # the drafter used when none is named: the faster one end to end
+    context_window: int | None = None  # the target's max_position_embeddings, checked before it is fetched
 
     def drafter_dir(self, drafter: str) -> str:
         """The models/ folder name of one of its drafters ("model" or "feature")."""
@@ -52,6 +53,7 @@ PRESETS = {
         feature_dir="smollm2-135m-feature-head",
         target_dir="smollm2-135m-instruct",
         default_drafter="feature",   # benchmark: 0.96x vs 0.88x (learned policy), 0.81x vs 0.69x (chain of 2)
+        context_window=8192,
     ),
 }
 DEFAULT_PRESET = "smollm2-135m"

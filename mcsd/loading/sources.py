@@ -135,10 +135,50 @@ def check_source(source: str, label: str = "target") -> None:
             check_safetensors(weights)
         return
     try:
-        name, _ = resolve_source(source, label)
+        name, kw = resolve_source(source, label)
     except ModelLoadError as exc:
         raise ModelLoadError(exc if is_hub_id(source) else f"{label}: {exc}") from None
     folder = Path(name)
-    if folder.is_dir():
+    if folder.is_dir() and "gguf_file" not in kw:     # a GGUF's folder may hold anything else: not its weights
         for weights in sorted(folder.glob("*.safetensors")):
             check_safetensors(weights)
+
+
+def context_window(source: str) -> int | None:
+    """The context window (max_position_embeddings) a model source declares, read without its weights:
+    a preset's own figure, a directory's config.json, a .gguf file's header, a hub id's cached
+    config.json; None where none can be read that cheaply (the window is then checked once the
+    model has loaded)."""
+    preset = PRESETS.get(source)
+    if preset is not None:
+        return preset.context_window
+    path = Path(source).expanduser()
+    if source.endswith(".gguf"):
+        return _gguf_context_window(path) if path.is_file() else None
+    config = path / "config.json" if path.is_dir() else None
+    if config is None and is_hub_id(source):
+        try:
+            from huggingface_hub import try_to_load_from_cache
+            found = try_to_load_from_cache(source, "config.json")
+        except Exception:                              # no hub library, or a malformed id: not known here
+            found = None
+        config = Path(found) if isinstance(found, str) else None
+    try:
+        data = json.loads(config.read_text()) if config is not None else None
+    except (OSError, ValueError):
+        return None
+    window = data.get("max_position_embeddings") if isinstance(data, dict) else None
+    return window if isinstance(window, int) and not isinstance(window, bool) and window > 0 else None
+
+
+def _gguf_context_window(path: Path) -> int | None:
+    """`<architecture>.context_length` from a GGUF file's header, or None."""
+    try:
+        from gguf import GGUFReader
+        reader = GGUFReader(str(path), "r")
+        arch = reader.fields["general.architecture"]
+        name = bytes(arch.parts[arch.data[0]]).decode()
+        field = reader.fields[f"{name}.context_length"]
+        return int(field.parts[field.data[0]][0])
+    except Exception:                                  # not readable here: checked after loading
+        return None
