@@ -71,3 +71,46 @@ def test_the_walk_finds_a_planted_circle(tmp_path):
     graph = import_graph(pkg)
     assert set(graph.edges) == {("pkg.a", "pkg.sub.b"), ("pkg.sub.b", "pkg.c"), ("pkg.c", "pkg.a")}
     assert len(list(nx.simple_cycles(graph))) == 1
+
+
+# The layers, lowest first (docs: STYLE's table read from the bottom up, with the round's parts, pure
+# functions, beneath the forward): a module imports its own layer and the ones below it. `mcsd`
+# itself, `config` and `errors` sit beneath everything; `train` is apart (nothing imports it).
+LAYERS = [("mcsd", "mcsd.config", "mcsd.errors"), ("mcsd.core",), ("mcsd.forward",), ("mcsd.costs",),
+          ("mcsd.loading",), ("mcsd.drafting",), ("mcsd.decoding",), ("mcsd.serve",), ("mcsd.cli",)]
+
+# Imports that go up the order today, each with why it stays (move it down rather than add one here):
+UPWARD = {
+    # sampling's top-p and Gumbel draws call the native library's loops where it is built (the same bits)
+    ("mcsd.core.sampling", "mcsd.forward.native"),
+    # where the cache is and the progress lines: read at every layer, written by `loading`
+    ("mcsd.forward.native", "mcsd.loading.cache"), ("mcsd.forward.native", "mcsd.loading.progress"),
+    ("mcsd.forward.quant", "mcsd.loading.cache"), ("mcsd.forward.quant", "mcsd.loading.progress"),
+    ("mcsd.costs.store", "mcsd.loading.cache"), ("mcsd.costs.store", "mcsd.loading.progress"),
+    # a stand-in model for timing tools names its dtype as loading does
+    ("mcsd.costs.timing", "mcsd.loading.models"),
+    # the server takes the command line's model flags and its loading of the pair, so both read them alike
+    ("mcsd.serve.cli", "mcsd.cli.args"), ("mcsd.serve.cli", "mcsd.cli.generate"),
+}
+
+
+def _layer(module: str) -> int | None:
+    """The index in LAYERS of `module`'s layer (the longest prefix that names one), None for `mcsd.train`."""
+    if module == "mcsd.train" or module.startswith("mcsd.train."):
+        return None
+    best = max((prefix for group in LAYERS for prefix in group
+                if module == prefix or module.startswith(prefix + ".")), key=len)
+    return next(i for i, group in enumerate(LAYERS) if best in group)
+
+
+def test_imports_go_down_the_layers_or_are_named_exceptions():
+    graph = import_graph(ROOT / "mcsd")
+    upward = set()
+    for a, b in graph.edges:
+        la, lb = _layer(a), _layer(b)
+        if la is not None and lb is not None and lb > la:
+            upward.add((a, b))
+    new = sorted(f"{a} -> {b}" for a, b in upward - UPWARD)
+    assert not new, ("imports up the layer order (move the shared piece down, or name it in UPWARD with why):\n"
+                     + "\n".join(new))
+    assert UPWARD - upward == set(), f"named exceptions no module makes any more (drop them): {UPWARD - upward}"

@@ -73,7 +73,7 @@ def test_a_missing_run_names_the_command_that_makes_it(tmp_path, monkeypatch):
     for read in (lambda: list(td.iter_records(tmp_path, "fit-greedy")),
                  lambda: td.load_examples(tmp_path, ["fit-greedy"]),
                  lambda: td.ShardedExamples(tmp_path, ["fit-greedy"])):
-        with pytest.raises(SystemExit, match=MAKE_IT):
+        with pytest.raises(td.DataError, match=MAKE_IT):       # an error to catch, not an exit
             read()
     # the teacher stage says so before it loads the target or records a teacher entry for the run
     monkeypatch.setattr(engine, "load_target", lambda *a, **k: pytest.fail("loaded the target"))

@@ -17,7 +17,6 @@ import fcntl
 import json
 import os
 import random
-import sys
 from pathlib import Path
 
 import torch
@@ -26,6 +25,12 @@ from mcsd.loading.cache import cache_dir
 from mcsd.loading.data import load_prompts as load_prompts_file
 
 DEFAULT_TARGET = "smollm2-135m"          # the embedded preset; any model source works
+
+
+class DataError(ValueError):
+    """The data folder lacks what was asked of it, or holds it with other settings; the message says
+    which run and, where one does, the command that makes it. The stages' and trainers' `main`s turn
+    it into one line and exit status 1."""
 
 
 # -----------------------------------------------------------------------------
@@ -127,7 +132,7 @@ def start_run(data_dir: Path, section: str, run: str, settings: dict, command: s
     with manifest_update(data_dir) as manifest:
         entry = manifest[section].setdefault(run, {"settings": settings, "shards": [], "done": []})
         if entry["settings"] != settings:
-            sys.exit(f"run {run!r} exists with other settings:\n{entry['settings']}\nvs\n{settings}")
+            raise DataError(f"run {run!r} exists with other settings:\n{entry['settings']}\nvs\n{settings}")
         if command is not None and command not in entry.setdefault("commands", []):
             entry["commands"].append(command)  # a resumed stage with the same command adds none
         return set(entry["done"])
@@ -138,12 +143,12 @@ def start_run(data_dir: Path, section: str, run: str, settings: dict, command: s
 
 
 def response_run(manifest: dict, run: str, data_dir: Path) -> dict:
-    """The manifest entry of response run `run`; a run that is not there ends the program with
-    one line naming the command that makes it."""
+    """The manifest entry of response run `run`; DataError naming the command that makes a run that
+    is not there."""
     entry = manifest["runs"].get(run)
     if entry is None:
         there = ", ".join(sorted(manifest["runs"])) or "none"
-        sys.exit(f"no response run {run!r} in {data_dir} (runs there: {there}); make it first: "
+        raise DataError(f"no response run {run!r} in {data_dir} (runs there: {there}); make it first: "
                  f"python tools/target_data.py generate --run {run} --split fit (--split heldout for held-out prompts)")
     return entry
 

@@ -414,6 +414,18 @@ def n_params(model) -> int:
 
 
 def main(argv=None):
+    """Parse, build (the data, the basis, the draft, its optimiser), train, report (the draft and its
+    card written); a mistake in the data or the settings ends it with one line."""
+    args = parse_args(argv)
+    try:
+        run = build(args)
+        train(run)
+        report(run, argv)
+    except td.DataError as exc:
+        sys.exit(str(exc))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=td.DEFAULT_TARGET)
     parser.add_argument("--data-dir", default=None, help="default: $MCSD_CACHE/data/<target-name>")
@@ -454,163 +466,205 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.embed_basis not in EMBED_BASES:
         parser.error(f"--embed-basis must be one of {', '.join(EMBED_BASES)}")
+    return args
 
+
+
+class Run:
+    """One distillation run, as `build` makes it and `train` and `report` advance it: the settings,
+    the data, the basis, the draft and its optimiser, and the state a checkpoint resumes (steps,
+    epoch, time trained, evaluations)."""
+
+    def __init__(self, args):
+        self.args = args
+        self.data_dir = Path(args.data_dir or td.default_data_dir(args.target))
+        self.out_dir = Path(args.out)
+        self.ckpt_path = Path(args.ckpt_dir or td.cache_dir() / "checkpoints" / self.out_dir.name) / "last.pt"
+        self.cfg = DraftConfig(**{f: getattr(args, f) for f in asdict(DraftConfig())})
+        self.manifest = td.read_manifest(self.data_dir)
+        self.train, self.heldout = [], []
+        self.n_train_tokens = self.n_hidden_tokens = 0
+        self.tokenizer, self.pad_id = None, 0
+        self.basis = self.basis_check = self.init_card = None
+        self.draft = self.optimizer = None
+        self.state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "elapsed_s": 0.0, "evals": [], "tokens_seen": 0}
+
+    def save_checkpoint(self) -> None:
+        a = self.args
+        self.ckpt_path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"model": self.draft.state_dict(), "optimizer": self.optimizer.state_dict(), "state": self.state,
+                    "config": asdict(self.cfg), "runs": a.runs, "init": a.init,
+                    "init_layers": a.init_layers, "basis": self.basis},
+                   self.ckpt_path.with_suffix(".tmp"))
+        os.replace(self.ckpt_path.with_suffix(".tmp"), self.ckpt_path)
+
+    def evaluate(self) -> None:
+        if not self.heldout:
+            return
+        result = {"step": self.state["step"], "minutes": round(self.state["elapsed_s"] / 60, 1),
+                  **agreement(self.draft, self.heldout, self.pad_id)}
+        self.state["evals"].append(result)
+        tqdm.write(f"eval step {result['step']}: top1 {result['top1']:.3f} top4 {result['top4']:.3f}")
+
+
+def build(args) -> Run:
+    """The data (fitting-split runs to train on, the held-out run to evaluate), the draft on its basis
+    (new, or --init's), its optimiser, and a checkpoint of the same run resumed."""
     torch.set_num_threads(args.threads)
-    data_dir = Path(args.data_dir or td.default_data_dir(args.target))
-    out_dir = Path(args.out)
-    ckpt_path = Path(args.ckpt_dir or td.cache_dir() / "checkpoints" / out_dir.name) / "last.pt"
-    cfg = DraftConfig(**{f: getattr(args, f) for f in asdict(DraftConfig())})
-
-    # data: fitting-split runs for training, the held-out greedy run for eval
-    manifest = td.read_manifest(data_dir)
-    for run in args.runs:
-        if manifest["runs"][run]["settings"].get("split") in ("heldout", "all"):
-            sys.exit(f"run {run!r} contains held-out prompts; train on the fitting split only")
-    need_hidden = args.hidden_weight > 0 or (args.embed_basis == "hidden" and not args.init)
-    # shard by shard: a teacher pass that stored several layers holds ~3.5 KB a position, of which
-    # a sequence keeps the final state only
-    stream = td.ShardedExamples(data_dir, args.runs, with_hidden="optional" if need_hidden else False)
-    train = [make_sequence(e, args.max_len) for unit in stream.units for e in stream.load([unit])]
-    n_train_tokens = sum(len(s["next_ids"]) for s in train)
-    n_hidden_tokens = sum(len(s["hidden"]) for s in train if s["hidden"] is not None)
-    if need_hidden and n_hidden_tokens == 0:
-        sys.exit("no run given has stored hidden states: generate one with --store-hidden or run "
-                 "`target_data.py teacher <run> --store-hidden`, or pass --hidden-weight 0 --embed-basis embedding")
-    heldout = []
-    if args.heldout_run:
-        heldout = [make_sequence(e, args.max_len) for e in td.load_examples(data_dir, [args.heldout_run])]
-    print(f"train: {len(train)} sequences, {n_train_tokens} response tokens "
-          f"({n_hidden_tokens} with target hidden states); heldout: {len(heldout)} sequences")
-
-    target, tokenizer = td.load_target(args.target, device="cpu", dtype=torch.float32)
-    # padding is masked out; any id will do when the tokenizer names none
-    pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
-    E = target.get_input_embeddings().weight.detach().float()  # (V, C_target)
-    embedding_dirs = hidden_basis(E, cfg.hidden_size)
-    basis = None
+    run = Run(args)
+    _read_data(run)
+    embedding_dirs, E = _basis(run)
+    run.draft = build_draft(run.target, run.cfg, run.basis if run.basis is not None else embedding_dirs)
+    _check_basis(run, embedding_dirs, E)
+    del run.target
     if args.init:
-        # a continued draft keeps the basis its embedding was built from
-        if (Path(args.init) / BASIS_FILE).exists():
-            basis = load_basis(Path(args.init) / BASIS_FILE)
-        elif args.hidden_weight > 0:
-            sys.exit(f"--init {args.init} has no {BASIS_FILE} (it was built before hidden-state training): "
-                     "pass --hidden-weight 0")
-    elif args.embed_basis == "hidden":
-        basis = hidden_basis(sample_hidden(train, args.basis_positions)[0], cfg.hidden_size)
-    else:
-        basis = embedding_dirs
-    # a continued draft without a basis file is built on any basis: --init overwrites its weights
-    draft = build_draft(target, cfg, basis if basis is not None else embedding_dirs)
-    basis_check = None
-    if basis is not None and n_hidden_tokens:
-        # on other positions than the basis was fitted on (another seed), against the embedding's own basis
-        hidden, top1 = sample_hidden(train, 4096, seed=1)
-        basis_check = {"positions": len(top1), "target_top1_kept": {
-            "this draft's basis": round(basis_top1(E, basis, hidden, top1), 4),
-            "top singular directions of the embedding": round(basis_top1(E, embedding_dirs, hidden, top1), 4)}}
-        print(f"target top-1 kept on the basis: {basis_check['target_top1_kept']}")
-    del target
-    init_card = None
-    if args.init:
-        from transformers import AutoModelForCausalLM
-
-        source = AutoModelForCausalLM.from_pretrained(args.init, dtype=torch.float32)
-        source_state, source_layers = source.state_dict(), source.config.num_hidden_layers
-        if args.init_layers is not None or source_layers != cfg.num_hidden_layers:
-            if len(args.init_layers or ()) != cfg.num_hidden_layers:
-                sys.exit(f"--init {args.init} has {source_layers} layers and the draft {cfg.num_hidden_layers}: "
-                         f"pass --init-layers with the {cfg.num_hidden_layers} of its layers to keep")
-            try:
-                source_state = select_layers(source_state, args.init_layers, source_layers)
-            except ValueError as exc:
-                sys.exit(f"--init-layers: {exc}")
-        try:
-            draft.load_state_dict(source_state)
-        except RuntimeError as exc:
-            sys.exit(f"--init {args.init} does not match the draft architecture given: {str(exc)[:300]}")
-        card_file = Path(args.init) / "card.json"
-        init_card = json.loads(card_file.read_text()) if card_file.exists() else {}
-        print(f"starting from {args.init}")
-    decay = [p for n, p in draft.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in draft.named_parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
+        _continue_from(run)
+    decay = [p for n, p in run.draft.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in run.draft.named_parameters() if p.dim() < 2]
+    run.optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=args.lr, betas=(0.9, 0.95),
     )
-    state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "elapsed_s": 0.0, "evals": [], "tokens_seen": 0}
-    if ckpt_path.exists():
-        ckpt = torch.load(ckpt_path, weights_only=False)
-        if (ckpt["config"] != asdict(cfg) or ckpt["runs"] != args.runs or ckpt.get("init") != args.init
-                or ckpt.get("init_layers") != args.init_layers):
-            sys.exit(f"checkpoint {ckpt_path} is for another config or data; move it away to start over")
-        draft.load_state_dict(ckpt["model"])
-        basis = ckpt.get("basis", basis)  # the one the run started with
-        optimizer.load_state_dict(ckpt["optimizer"])
-        state = ckpt["state"]
-        print(f"resumed at step {state['step']} ({state['elapsed_s'] / 60:.1f} min trained)")
+    _resume(run)
+    return run
 
-    def save_checkpoint():
-        ckpt_path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"model": draft.state_dict(), "optimizer": optimizer.state_dict(), "state": state,
-                    "config": asdict(cfg), "runs": args.runs, "init": args.init,
-                    "init_layers": args.init_layers, "basis": basis},
-                   ckpt_path.with_suffix(".tmp"))
-        os.replace(ckpt_path.with_suffix(".tmp"), ckpt_path)
 
-    def evaluate():
-        if not heldout:
-            return
-        result = {"step": state["step"], "minutes": round(state["elapsed_s"] / 60, 1),
-                  **agreement(draft, heldout, pad_id)}
-        state["evals"].append(result)
-        tqdm.write(f"eval step {result['step']}: top1 {result['top1']:.3f} top4 {result['top4']:.3f}")
+def _read_data(run: Run) -> None:
+    """Fitting-split runs for training (shard by shard: a teacher pass that stored several layers holds
+    ~3.5 KB a position, of which a sequence keeps the final state only), the held-out greedy run for
+    evaluation."""
+    args = run.args
+    for name in args.runs:
+        if run.manifest["runs"][name]["settings"].get("split") in ("heldout", "all"):
+            raise td.DataError(f"run {name!r} contains held-out prompts; train on the fitting split only")
+    need_hidden = args.hidden_weight > 0 or (args.embed_basis == "hidden" and not args.init)
+    stream = td.ShardedExamples(run.data_dir, args.runs, with_hidden="optional" if need_hidden else False)
+    run.train = [make_sequence(e, args.max_len) for unit in stream.units for e in stream.load([unit])]
+    run.n_train_tokens = sum(len(s["next_ids"]) for s in run.train)
+    run.n_hidden_tokens = sum(len(s["hidden"]) for s in run.train if s["hidden"] is not None)
+    if need_hidden and run.n_hidden_tokens == 0:
+        raise td.DataError("no run given has stored hidden states: generate one with --store-hidden or run "
+                           "`target_data.py teacher <run> --store-hidden`, or pass --hidden-weight 0 --embed-basis "
+                           "embedding")
+    if args.heldout_run:
+        run.heldout = [make_sequence(e, args.max_len) for e in td.load_examples(run.data_dir, [args.heldout_run])]
+    print(f"train: {len(run.train)} sequences, {run.n_train_tokens} response tokens "
+          f"({run.n_hidden_tokens} with target hidden states); heldout: {len(run.heldout)} sequences")
 
+
+def _basis(run: Run):
+    """The target (kept on `run` until the draft is built), its tokenizer and padding id, and the basis
+    the draft's embedding is built on: --init's own, the target's final hidden states' principal
+    directions, or its embedding's singular directions. Returns (the embedding's directions, the
+    target's embedding)."""
+    args, cfg = run.args, run.cfg
+    run.target, run.tokenizer = td.load_target(args.target, device="cpu", dtype=torch.float32)
+    # padding is masked out; any id will do when the tokenizer names none
+    run.pad_id = next((i for i in (run.tokenizer.pad_token_id, run.tokenizer.eos_token_id) if i is not None), 0)
+    E = run.target.get_input_embeddings().weight.detach().float()  # (V, C_target)
+    embedding_dirs = hidden_basis(E, cfg.hidden_size)
+    if args.init:
+        # a continued draft keeps the basis its embedding was built from
+        if (Path(args.init) / BASIS_FILE).exists():
+            run.basis = load_basis(Path(args.init) / BASIS_FILE)
+        elif args.hidden_weight > 0:
+            raise td.DataError(f"--init {args.init} has no {BASIS_FILE} (it was built before hidden-state "
+                               f"training): pass --hidden-weight 0")
+    elif args.embed_basis == "hidden":
+        run.basis = hidden_basis(sample_hidden(run.train, args.basis_positions)[0], cfg.hidden_size)
+    else:
+        run.basis = embedding_dirs
+    # a continued draft without a basis file is built on any basis: --init overwrites its weights
+    return embedding_dirs, E
+
+
+def _check_basis(run: Run, embedding_dirs, E) -> None:
+    """How often the target's top-1 survives its final hidden state kept to the basis, on other
+    positions than the basis was fitted on (another seed), against the embedding's own basis."""
+    if run.basis is None or not run.n_hidden_tokens:
+        return
+    hidden, top1 = sample_hidden(run.train, 4096, seed=1)
+    run.basis_check = {"positions": len(top1), "target_top1_kept": {
+        "this draft's basis": round(basis_top1(E, run.basis, hidden, top1), 4),
+        "top singular directions of the embedding": round(basis_top1(E, embedding_dirs, hidden, top1), 4)}}
+    print(f"target top-1 kept on the basis: {run.basis_check['target_top1_kept']}")
+
+
+def _continue_from(run: Run) -> None:
+    """--init's weights in the draft (its --init-layers where it is deeper), and its card."""
+    from transformers import AutoModelForCausalLM
+
+    args, cfg = run.args, run.cfg
+    source = AutoModelForCausalLM.from_pretrained(args.init, dtype=torch.float32)
+    source_state, source_layers = source.state_dict(), source.config.num_hidden_layers
+    if args.init_layers is not None or source_layers != cfg.num_hidden_layers:
+        if len(args.init_layers or ()) != cfg.num_hidden_layers:
+            raise td.DataError(f"--init {args.init} has {source_layers} layers and the draft {cfg.num_hidden_layers}: "
+                               f"pass --init-layers with the {cfg.num_hidden_layers} of its layers to keep")
+        try:
+            source_state = select_layers(source_state, args.init_layers, source_layers)
+        except ValueError as exc:
+            raise td.DataError(f"--init-layers: {exc}") from None
+    try:
+        run.draft.load_state_dict(source_state)
+    except RuntimeError as exc:
+        raise td.DataError(f"--init {args.init} does not match the draft architecture given: "
+                           f"{str(exc)[:300]}") from None
+    card_file = Path(args.init) / "card.json"
+    run.init_card = json.loads(card_file.read_text()) if card_file.exists() else {}
+    print(f"starting from {args.init}")
+
+
+def _resume(run: Run) -> None:
+    """A checkpoint of the same config, runs and --init picked up where it stopped."""
+    args = run.args
+    if not run.ckpt_path.exists():
+        return
+    ckpt = torch.load(run.ckpt_path, weights_only=False)
+    if (ckpt["config"] != asdict(run.cfg) or ckpt["runs"] != args.runs or ckpt.get("init") != args.init
+            or ckpt.get("init_layers") != args.init_layers):
+        raise td.DataError(f"checkpoint {run.ckpt_path} is for another config or data; move it away to start over")
+    run.draft.load_state_dict(ckpt["model"])
+    run.basis = ckpt.get("basis", run.basis)  # the one the run started with
+    run.optimizer.load_state_dict(ckpt["optimizer"])
+    run.state = ckpt["state"]
+    print(f"resumed at step {run.state['step']} ({run.state['elapsed_s'] / 60:.1f} min trained)")
+
+
+def train(run: Run) -> None:
+    """Steps until the time budget or --max-steps, epochs over length-bucketed batches; an evaluation
+    and a checkpoint every few minutes (their time is not training time), both again at the end."""
+    args, state, draft = run.args, run.state, run.draft
     budget_s = args.time_budget_min * 60
     draft.train()
     bar = tqdm(total=int(budget_s), initial=int(state["elapsed_s"]), desc="distill", unit="s", dynamic_ncols=True)
     last_eval = last_ckpt = state["elapsed_s"]
     if state["step"] == 0:
-        evaluate()
+        run.evaluate()
     t_prev = time.time()
     while state["elapsed_s"] < budget_s and state["step"] < args.max_steps:
-        batches = make_batches(train, args.tokens_per_batch, shuffle=True, seed=state["epoch"])
+        batches = make_batches(run.train, args.tokens_per_batch, shuffle=True, seed=state["epoch"])
         for batch in batches[state["batch_in_epoch"]:]:
             # lr: linear warmup, then cosine over the *time* budget, so any
             # budget gets a full decay
             progress = min(state["elapsed_s"] / budget_s, 1.0)
             lr = args.lr * min(1.0, (state["step"] + 1) / args.warmup_steps)
             lr *= args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * progress))
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-
-            data = collate([train[i] for i in batch], pad_id)
-            topk_ids, next_ids, vocab = data["topk_ids"], data["next_ids"], None
-            if args.full_softmax_every > 1 and state["step"] % args.full_softmax_every != 0:
-                vocab, topk_ids, next_ids = sampled_vocab(topk_ids, next_ids, draft.config.vocab_size,
-                                                          args.negatives)
-            hidden = label_hidden(draft, data)
-            loss = distill_loss(head_logits(draft, hidden, vocab), topk_ids, data["topk_probs"], next_ids,
-                                args.hard_weight)
-            if args.hidden_weight > 0 and "hidden" in data:
-                loss = loss + args.hidden_weight * hidden_loss(hidden[data["hidden_at"]], data["hidden"], basis)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-            optimizer.step()
+            loss, tokens = _step(run, batch, lr)
 
             now = time.time()
             state["elapsed_s"] += now - t_prev
             t_prev = now
             state["step"] += 1
             state["batch_in_epoch"] += 1
-            state["tokens_seen"] += len(next_ids)
+            state["tokens_seen"] += tokens
             bar.update(int(state["elapsed_s"]) - bar.n)
             bar.set_postfix(step=state["step"], epoch=state["epoch"], loss=f"{loss.item():.3f}", lr=f"{lr:.1e}")
             if state["elapsed_s"] - last_eval >= args.eval_every_min * 60:
-                evaluate()
+                run.evaluate()
                 last_eval = state["elapsed_s"]
             if state["elapsed_s"] - last_ckpt >= args.ckpt_every_min * 60:
-                save_checkpoint()
+                run.save_checkpoint()
                 last_ckpt = state["elapsed_s"]
             t_prev = time.time()  # eval and checkpoint time is not training time
             if state["elapsed_s"] >= budget_s or state["step"] >= args.max_steps:
@@ -619,13 +673,40 @@ def main(argv=None):
             state["epoch"] += 1
             state["batch_in_epoch"] = 0
     bar.close()
-    evaluate()
-    save_checkpoint()
+    run.evaluate()
+    run.save_checkpoint()
 
+
+def _step(run: Run, batch: list[int], lr: float):
+    """One optimiser step on the sequences `batch` at learning rate `lr`: the soft labels' cross-entropy
+    (over the full vocabulary one step in --full-softmax-every, else a sampled one), plus the hidden-state
+    term where stored. Returns (loss, label tokens)."""
+    args, draft = run.args, run.draft
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    data = collate([run.train[i] for i in batch], run.pad_id)
+    topk_ids, next_ids, vocab = data["topk_ids"], data["next_ids"], None
+    if args.full_softmax_every > 1 and run.state["step"] % args.full_softmax_every != 0:
+        vocab, topk_ids, next_ids = sampled_vocab(topk_ids, next_ids, draft.config.vocab_size, args.negatives)
+    hidden = label_hidden(draft, data)
+    loss = distill_loss(head_logits(draft, hidden, vocab), topk_ids, data["topk_probs"], next_ids, args.hard_weight)
+    if args.hidden_weight > 0 and "hidden" in data:
+        loss = loss + args.hidden_weight * hidden_loss(hidden[data["hidden_at"]], data["hidden"], run.basis)
+    run.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+    run.optimizer.step()
+    return loss, len(next_ids)
+
+
+def report(run: Run, argv=None) -> None:
+    """The draft written to --out in bfloat16 with its tokenizer, basis and card (architecture, data,
+    labels, training, evaluations, the command)."""
+    args, cfg, state, draft, basis = run.args, run.cfg, run.state, run.draft, run.basis
     command = "python tools/distill_draft.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    settings = manifest["runs"]
-    export_draft(draft, out_dir, tokenizer, {
-        "name": out_dir.name,
+    settings = run.manifest["runs"]
+    export_draft(draft, run.out_dir, run.tokenizer, {
+        "name": run.out_dir.name,
         "description": "Standalone draft model for SmolLM2-135M-Instruct, trained by self-distillation "
                        "on text the target generated (tools/target_data.py, tools/distill_draft.py).",
         "target": "HuggingFaceTB/SmolLM2-135M-Instruct (local copy: " + Path(args.target).name + ")",
@@ -647,7 +728,7 @@ def main(argv=None):
                            "generation_minutes": round(settings[run].get("seconds", 0) / 60, 1),
                            "commands": settings[run].get("commands", [])}
                      for run in args.runs},
-            "response_tokens": n_train_tokens,
+            "response_tokens": run.n_train_tokens,
             "prompts": "those of the runs under data: Spec-Bench first turns with question_id % 5 != 0, prompts "
                        "the target wrote from those (self-instruct) or from its chat template alone (Magpie, "
                        "runs read from the token store); no held-out Spec-Bench prompt was used",
@@ -656,20 +737,20 @@ def main(argv=None):
                       + (f" + {args.hidden_weight} x relative squared error of the final hidden state against "
                          "the target's, projected on the embedding's basis (where stored)"
                          if args.hidden_weight > 0 and basis is not None else ""),
-            "positions_with_target_hidden": n_hidden_tokens if args.hidden_weight > 0 else 0,
-            **({"basis_check": {**basis_check, "what": "how often the target's top-1 token survives keeping "
+            "positions_with_target_hidden": run.n_hidden_tokens if args.hidden_weight > 0 else 0,
+            **({"basis_check": {**run.basis_check, "what": "how often the target's top-1 token survives keeping "
                                 "its final hidden state to the basis (the most a draft predicting that "
                                 "projection could agree), on stored training-text positions"}}
-               if basis_check else {}),
-            "steps": state["step"], "epochs": round(state["tokens_seen"] / max(n_train_tokens, 1), 2),
+               if run.basis_check else {}),
+            "steps": state["step"], "epochs": round(state["tokens_seen"] / max(run.n_train_tokens, 1), 2),
             "tokens_per_batch": args.tokens_per_batch, "lr": args.lr, "max_len": args.max_len,
             "softmax": f"full every {args.full_softmax_every} steps, otherwise over the batch's label tokens "
                        f"+ {args.negatives} random negatives",
             "train_minutes": round(state["elapsed_s"] / 60, 1), "threads": args.threads,
             "evals": state["evals"],
-            **({"continued_from": {"model": args.init, "training": init_card.get("training", {}),
-                                   "command": init_card.get("command")}} if args.init else {}),
+            **({"continued_from": {"model": args.init, "training": run.init_card.get("training", {}),
+                                   "command": run.init_card.get("command")}} if args.init else {}),
         },
         "command": command,
     }, basis=basis)
-    print(f"wrote {out_dir}")
+    print(f"wrote {run.out_dir}")

@@ -75,6 +75,7 @@ from mcsd.train import campaign
 from mcsd.train.campaign import length_batches, seed_for, seeded_generator
 from mcsd.train.data import (
     DEFAULT_TARGET,
+    DataError,
     default_data_dir,
     iter_records,
     load_prompts,
@@ -748,7 +749,11 @@ def main(argv=None):
     args.command = "python tools/target_data.py " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))
     args.data_dir = args.data_dir or str(default_data_dir(args.target))
     torch.set_num_threads(args.threads)
-    {"generate": run_generate, "selfinstruct": run_selfinstruct, "prompttext": run_prompttext, "corpus": run_corpus,
-     "teacher": run_teacher, "status": run_status,
-     "magpie": run_magpie, "answer": run_answer, "campaign": run_campaign,
-     "from-store": run_from_store, "store-status": run_store_status, "coverage": run_coverage}[args.stage](args)
+    stage = {"generate": run_generate, "selfinstruct": run_selfinstruct, "prompttext": run_prompttext,
+             "corpus": run_corpus, "teacher": run_teacher, "status": run_status,
+             "magpie": run_magpie, "answer": run_answer, "campaign": run_campaign,
+             "from-store": run_from_store, "store-status": run_store_status, "coverage": run_coverage}[args.stage]
+    try:
+        stage(args)
+    except DataError as exc:                         # a run missing, or made with other settings: one line
+        sys.exit(str(exc))

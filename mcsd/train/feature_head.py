@@ -282,6 +282,19 @@ def data_size_curve(card: dict, subset_dirs: list[Path], init_card: dict | None 
 
 
 def main(argv=None) -> int:
+    """Parse, build (the target, the data, the head), train, report (held-out agreement, the card,
+    the head written); a mistake in the data or the settings ends it with one line."""
+    args = parse_args(argv)
+    try:
+        run = build(args)
+        train(run)
+        report(run, argv)
+    except target_data.DataError as exc:
+        sys.exit(str(exc))
+    return 0
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default=None, help="target source (default: the embedded preset)")
     ap.add_argument("--data-dir", type=Path, default=None, help="target_data.py folder")
@@ -345,109 +358,174 @@ def main(argv=None) -> int:
     ap.add_argument("--bf16", action="store_true",
                     help="run the head's products in bfloat16 (autocast; weights and optimiser stay float32): "
                          "several times faster on CPUs with AMX or AVX512-BF16 and on GPUs, slower elsewhere")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
+
+class Run:
+    """One training run, as `build` makes it and `train` and `report` advance it: the settings, the
+    target, the data (in memory, or streamed a chunk at a time), the head and its optimiser, and the
+    counts (updates, positions seen, epoch and chunk) a checkpoint resumes."""
+
+    def __init__(self, args, device: str, target):
+        self.args, self.device, self.target, self.t_start = args, device, target, time.time()
+        self.embed = target.get_input_embeddings()
+        self.data_dir = args.data_dir or target_data.default_data_dir(args.target or target_data.DEFAULT_TARGET)
+        self.eagle3 = args.arch == "eagle3"
+        self.feature_layers, self.saved, self.widen = (), None, False
+        self.stream, self.train, self.held, self.keep = None, [], [], None
+        self.head = self.opt = self.params = self.slot = None
+        self.init_card, self.curve = None, []
+        self.update = self.seen = self.epoch = self.chunk = 0
+        self.responses = self.positions = 0
+
+    @property
+    def width(self) -> int:
+        return self.target.config.hidden_size * len(self.feature_layers)
+
+    def prepare(self, examples: list[dict], subset: bool = True) -> list[dict]:
+        """The examples (of the chosen subset), with the stored inputs this head reads."""
+        if subset and self.keep is not None:
+            examples = [e for e in examples if e["prompt_id"] in self.keep]
+        for ex in examples:
+            if not self.feature_layers:
+                ex.pop("layers", None)                    # v1 reads the final state only
+            elif "layers" not in ex or ex["layers"].shape[1] != self.width:
+                raise target_data.DataError(
+                    f"--feature-layers {self.args.feature_layers or list(self.feature_layers)} needs the runs' "
+                    f"stored target layers ({self.width} values a position); run tools/target_data.py teacher RUN "
+                    f"--store-layers {','.join(map(str, self.feature_layers))}")
+        return examples
+
+    def checkpoint(self) -> Path:
+        return cache_dir() / "train" / f"{self.args.out.name}.pt"
+
+    def run_key(self) -> dict:
+        """What a checkpoint must match to be resumed."""
+        a = self.args
+        return {"config": self.head.cfg.__dict__, "runs": a.runs, "init": str(a.init), "subset": a.subset,
+                "resident_positions": a.resident_positions, "store": str(a.store) if a.store else None}
+
+
+def build(args) -> Run:
+    """The target, the layers the head reads, the data, the head (new, continued or widened), its
+    optimiser, and a checkpoint of the same run resumed."""
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    t_start = time.time()
-    target = load_model(args.target or "smollm2-135m", dtype="float32", device=device)
-    embed = target.get_input_embeddings()
-    data_dir = args.data_dir or target_data.default_data_dir(args.target or target_data.DEFAULT_TARGET)
+    t_start = time.time()                        # the time budget counts the target's loading too
+    run = Run(args, device, load_model(args.target or "smollm2-135m", dtype="float32", device=device))
+    run.t_start = t_start
+    _choose_layers(run)
+    _read_data(run)
+    _make_head(run)
+    _resume(run)
+    return run
+
+
+def _choose_layers(run: Run) -> None:
+    """The target layers the head reads: --feature-layers, an EAGLE-3 head's default, or --init's
+    (a v1 head may widen to layers that include -1); checked against what the runs store."""
+    args, target = run.args, run.target
     feature_layers = tuple(int(x) for x in args.feature_layers.split(",") if x.strip())
-    eagle3 = args.arch == "eagle3"
-    if eagle3:
+    if run.eagle3:
         n_layers = target.config.num_hidden_layers
         feature_layers = feature_layers or default_feature_layers(n_layers)
         if args.init is not None:
-            sys.exit("--arch eagle3 trains a new head; --init goes on from mcsd heads only")
+            raise target_data.DataError("--arch eagle3 trains a new head; --init goes on from mcsd heads only")
         ids = list(feature_layers)
         if len(ids) != 3 or ids != sorted(set(ids)) or not all(0 <= i < n_layers for i in ids):
-            sys.exit(f"an EAGLE-3 head reads three distinct target layers among 0..{n_layers - 1} (layer inputs) "
-                     f"in ascending order, the order vLLM and SGLang concatenate them in; not {list(feature_layers)}")
+            raise target_data.DataError(
+                f"an EAGLE-3 head reads three distinct target layers among 0..{n_layers - 1} (layer inputs) in "
+                f"ascending order, the order vLLM and SGLang concatenate them in; not {list(feature_layers)}")
         args.feat_weight = 0.0               # its outputs are not the target's features: scores alone train it
     saved = FeatureHead.load(args.init) if args.init is not None else None
     widen = saved is not None and not saved.cfg.feature_layers and bool(feature_layers)
     if saved is not None and not widen:
         if feature_layers and feature_layers != saved.cfg.feature_layers:
-            sys.exit(f"{args.init} reads target layers {list(saved.cfg.feature_layers)}, not {list(feature_layers)}; "
-                     f"only a v1 head widens to other layers")
+            raise target_data.DataError(f"{args.init} reads target layers {list(saved.cfg.feature_layers)}, not "
+                                        f"{list(feature_layers)}; only a v1 head widens to other layers")
         feature_layers = saved.cfg.feature_layers
     if widen and -1 not in feature_layers:
-        sys.exit(f"a v1 head (--init {args.init}) widens to layers that include -1, the final state it reads")
-    width = target.config.hidden_size * len(feature_layers)
+        raise target_data.DataError(f"a v1 head (--init {args.init}) widens to layers that include -1, the final "
+                                    f"state it reads")
     if feature_layers and args.store is None:
-        manifest = target_data.read_manifest(Path(data_dir))
-        for run in args.runs + ([args.heldout_run] if args.heldout_run else []):
-            stored = (manifest["teacher"].get(run) or {}).get("settings", {}).get("store_layers")
+        manifest = target_data.read_manifest(Path(run.data_dir))
+        for name in args.runs + ([args.heldout_run] if args.heldout_run else []):
+            stored = (manifest["teacher"].get(name) or {}).get("settings", {}).get("store_layers")
             if stored is not None and tuple(stored) != feature_layers:
-                sys.exit(f"run {run!r} stores target layers {stored}, not {list(feature_layers)}")
-    stream = None
+                raise target_data.DataError(f"run {name!r} stores target layers {stored}, not {list(feature_layers)}")
+    run.feature_layers, run.saved, run.widen = feature_layers, saved, widen
+
+
+def _read_data(run: Run) -> None:
+    """The training examples (all, or the first chunk of a stream) and the held-out ones: from the data
+    dir, or a shard store's token runs labelled by the target as they are read (--store); the subset."""
+    args, device = run.args, run.device
     if args.store is not None:                   # token runs, labelled by the target as training reads them
         if args.resident_positions <= 0:
-            sys.exit("--store labels the runs a chunk at a time: give --resident-positions (e.g. 262144)")
+            raise target_data.DataError("--store labels the runs a chunk at a time: give --resident-positions "
+                                        "(e.g. 262144)")
         teacher, tokenizer = target_data.load_target(args.target or target_data.DEFAULT_TARGET, device=device,
                                                      dtype=args.teacher_dtype)
-        online = {"model": teacher, "pad_id": padding_id(tokenizer), "layers": feature_layers,
+        online = {"model": teacher, "pad_id": padding_id(tokenizer), "layers": run.feature_layers,
                   "topk": args.teacher_topk, "token_budget": args.teacher_tokens}
         try:
-            stream = OnlineExamples(args.store, args.runs, **online)
+            run.stream = OnlineExamples(args.store, args.runs, **online)
             held_stream = OnlineExamples(args.store, [args.heldout_run], **online) if args.heldout_run else None
         except ValueError as e:
-            sys.exit(str(e))
-        train = stream.load(stream.chunks(args.resident_positions, epoch=0, seed=args.seed)[0])
-        held = held_stream.load(held_stream.units) if held_stream else []
+            raise target_data.DataError(str(e)) from None
+        run.train = run.stream.load(run.stream.chunks(args.resident_positions, epoch=0, seed=args.seed)[0])
+        run.held = held_stream.load(held_stream.units) if held_stream else []
     else:
         if args.resident_positions > 0:
-            stream = target_data.ShardedExamples(data_dir, args.runs, with_hidden=True)
-            train = stream.load(stream.chunks(args.resident_positions, epoch=0, seed=args.seed)[0])
+            run.stream = target_data.ShardedExamples(run.data_dir, args.runs, with_hidden=True)
+            run.train = run.stream.load(run.stream.chunks(args.resident_positions, epoch=0, seed=args.seed)[0])
         else:
-            train = target_data.load_examples(data_dir, args.runs, with_hidden=True)
-        held = target_data.load_examples(data_dir, [args.heldout_run], with_hidden=True) if args.heldout_run else []
-    keep = None
+            run.train = target_data.load_examples(run.data_dir, args.runs, with_hidden=True)
+        run.held = target_data.load_examples(run.data_dir, [args.heldout_run], with_hidden=True) \
+            if args.heldout_run else []
+    stream = run.stream
     if args.subset < 1.0:
-        prompt_ids = sorted(stream.by_prompt if stream else {e["prompt_id"] for e in train})
-        keep = set(random.Random(args.seed).sample(prompt_ids, round(args.subset * len(prompt_ids))))
-    prompts = stream.by_prompt if stream else {e["prompt_id"] for e in train}
-    if not any(keep is None or pid in keep for pid in prompts):   # (not just the first streamed chunk)
-        sys.exit("no training examples with hidden states; run tools/target_data.py teacher RUN --store-hidden first")
+        prompt_ids = sorted(stream.by_prompt if stream else {e["prompt_id"] for e in run.train})
+        run.keep = set(random.Random(args.seed).sample(prompt_ids, round(args.subset * len(prompt_ids))))
+    prompts = stream.by_prompt if stream else {e["prompt_id"] for e in run.train}
+    if not any(run.keep is None or pid in run.keep for pid in prompts):   # (not just the first streamed chunk)
+        raise target_data.DataError("no training examples with hidden states; run tools/target_data.py teacher "
+                                    "RUN --store-hidden first")
+    run.train, run.held = run.prepare(run.train), run.prepare(run.held, subset=False)
+    if stream is None:
+        run.responses, run.positions = len(run.train), sum(len(e["response"]) for e in run.train)
+    else:
+        counts = [c for pid, c in stream.by_prompt.items() if run.keep is None or pid in run.keep]
+        run.responses, run.positions = sum(n for n, _ in counts), sum(n for _, n in counts)
 
-    def prepare(examples: list[dict], subset: bool = True) -> list[dict]:
-        """The examples (of the chosen subset), with the stored inputs this head reads."""
-        if subset and keep is not None:
-            examples = [e for e in examples if e["prompt_id"] in keep]
-        for ex in examples:
-            if not feature_layers:
-                ex.pop("layers", None)                    # v1 reads the final state only
-            elif "layers" not in ex or ex["layers"].shape[1] != width:
-                sys.exit(f"--feature-layers {args.feature_layers or list(feature_layers)} needs the runs' stored "
-                         f"target layers ({width} values a position); run tools/target_data.py teacher RUN "
-                         f"--store-layers {','.join(map(str, feature_layers))}")
-        return examples
 
-    train, held = prepare(train), prepare(held, subset=False)
+def _make_head(run: Run) -> None:
+    """The head: --init's (continued, or widened from v1), or a new one (mcsd's or EAGLE-3's) over the
+    sub-vocabulary of the first data read; its optimiser."""
+    args, target, device, saved = run.args, run.target, run.device, run.saved
     vocab = target.get_output_embeddings().weight.shape[0]
-    init_card = None
     if saved is not None:
-        if widen:                                                # v1 -> v2, drafting as before at the start
-            head = saved.with_feature_layers(feature_layers).to(device)
+        if run.widen:                                            # v1 -> v2, drafting as before at the start
+            head = saved.with_feature_layers(run.feature_layers).to(device)
         else:
             head = FeatureHead(saved.cfg).to(device)             # trainable, like a fresh head
             head.load_state_dict(saved.state_dict())             # weights and sub-vocabulary
         if head.cfg.vocab_size != vocab or head.cfg.target_hidden != target.config.hidden_size:
-            sys.exit(f"{args.init} was trained for another target (vocabulary {head.cfg.vocab_size}, "
-                     f"features {head.cfg.target_hidden})")
+            raise target_data.DataError(f"{args.init} was trained for another target (vocabulary "
+                                        f"{head.cfg.vocab_size}, features {head.cfg.target_hidden})")
         init_file = args.init / "card.json"
-        init_card = json.loads(init_file.read_text()) if init_file.is_file() else {}
-        print(f"starting from {args.init}" + (f", widened to target layers {list(feature_layers)}" if widen else ""))
-    elif eagle3:
-        sub = sub_vocabulary(train, args.sub_vocab, vocab)
-        head = new_eagle3_head(target, feature_layers, sub, layers=args.layers).to(device)
+        run.init_card = json.loads(init_file.read_text()) if init_file.is_file() else {}
+        print(f"starting from {args.init}" + (f", widened to target layers {list(run.feature_layers)}"
+                                              if run.widen else ""))
+    elif run.eagle3:
+        sub = sub_vocabulary(run.train, args.sub_vocab, vocab)
+        head = new_eagle3_head(target, run.feature_layers, sub, layers=args.layers).to(device)
     else:
-        sub = sub_vocabulary(train, args.sub_vocab, vocab)
+        sub = sub_vocabulary(run.train, args.sub_vocab, vocab)
         cfg = FeatureHeadConfig(target_hidden=target.config.hidden_size, hidden=args.hidden, layers=args.layers,
-                                feature_layers=feature_layers,
+                                feature_layers=run.feature_layers,
                                 heads=target.config.num_attention_heads, kv_heads=target.config.num_key_value_heads,
                                 rope_theta=float(getattr(target.config, "rope_theta", None)
                                                  or target.config.rope_parameters["rope_theta"]),
@@ -455,112 +533,128 @@ def main(argv=None) -> int:
                                 rms_norm_eps=float(target.config.rms_norm_eps))
         head = FeatureHead(cfg).to(device)
         head.vocab_ids = sub.to(device)
-    cfg, sub = head.cfg, head.vocab_ids
     head.attach_lm_head(target.get_output_embeddings().weight)
-    slot = torch.full((vocab,), -1, dtype=torch.long, device=device)
-    slot[head.vocab_ids] = torch.arange(len(sub), device=device)
-    params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
+    run.slot = torch.full((vocab,), -1, dtype=torch.long, device=device)
+    run.slot[head.vocab_ids] = torch.arange(len(head.vocab_ids), device=device)
+    run.head = head
+    run.params = [p for p in head.parameters() if p.requires_grad]
+    run.opt = torch.optim.AdamW(run.params, lr=args.lr, weight_decay=0.01)
 
-    ckpt = cache_dir() / "train" / f"{args.out.name}.pt"
-    run_key = {"config": cfg.__dict__, "runs": args.runs, "init": str(args.init), "subset": args.subset,
-               "resident_positions": args.resident_positions, "store": str(args.store) if args.store else None}
-    update, seen, epoch, chunk = 0, 0, 0, 0
+
+def _resume(run: Run) -> None:
+    """A checkpoint of the same run (`Run.run_key`) picked up where it stopped."""
+    ckpt = run.checkpoint()
     if ckpt.is_file():
         state = torch.load(ckpt, weights_only=True)
-        if all(state.get(k) == v for k, v in run_key.items()):
-            head.load_state_dict(state["head"])
-            opt.load_state_dict(state["opt"])
-            update, seen = state["update"], state["seen"]
-            epoch, chunk = state.get("epoch", 0), state.get("chunk", 0)
-            print(f"resumed at update {update}" + (f" (epoch {epoch}, chunk {chunk})" if stream else ""))
-    if stream is None:
-        responses, positions = len(train), sum(len(e["response"]) for e in train)
-    else:
-        counts = [c for pid, c in stream.by_prompt.items() if keep is None or pid in keep]
-        responses, positions = sum(n for n, _ in counts), sum(n for _, n in counts)
-    print(f"{responses} responses, {positions} positions, sub-vocabulary {len(sub)}"
-          + (f", read about {args.resident_positions} positions at a time" if stream else "")
-          + f"; ready at {time.time() - t_start:.0f} s", flush=True)
+        if all(state.get(k) == v for k, v in run.run_key().items()):
+            run.head.load_state_dict(state["head"])
+            run.opt.load_state_dict(state["opt"])
+            run.update, run.seen = state["update"], state["seen"]
+            run.epoch, run.chunk = state.get("epoch", 0), state.get("chunk", 0)
+            print(f"resumed at update {run.update}" + (f" (epoch {run.epoch}, chunk {run.chunk})"
+                                                        if run.stream else ""))
+    print(f"{run.responses} responses, {run.positions} positions, sub-vocabulary {len(run.head.vocab_ids)}"
+          + (f", read about {run.args.resident_positions} positions at a time" if run.stream else "")
+          + f"; ready at {time.time() - run.t_start:.0f} s", flush=True)
+
+
+def train(run: Run) -> None:
+    """Updates until the time budget or --max-updates: epochs over the chunks (one, in memory, without
+    a stream), windows shuffled within a chunk; a checkpoint every 5 minutes and, with held-out data,
+    a learning-curve point every 500 updates."""
+    args, stream, device = run.args, run.stream, run.device
     budget = args.time_budget_min * 60
     last_ckpt = time.time()
-    curve = []
-    head.train()
+    run.head.train()
     plan, planned = [None], None                     # without a stream: one chunk, everything, in memory
-    items, in_memory = windows(train, args.window), (0, 0)
+    items, in_memory = windows(run.train, args.window), (0, 0)
     while True:
-        if stream is not None and planned != epoch:
-            plan, planned = stream.chunks(args.resident_positions, epoch, args.seed), epoch
-        if chunk >= len(plan):
-            epoch, chunk = epoch + 1, 0
+        if stream is not None and planned != run.epoch:
+            plan, planned = stream.chunks(args.resident_positions, run.epoch, args.seed), run.epoch
+        if run.chunk >= len(plan):
+            run.epoch, run.chunk = run.epoch + 1, 0
             continue
-        if stream is not None and (epoch, chunk) != in_memory:
-            train = items = stacked = None           # free the last chunk before reading the next
+        if stream is not None and (run.epoch, run.chunk) != in_memory:
+            run.train = items = stacked = None       # free the last chunk before reading the next
             read = time.time()
-            train = prepare(stream.load(plan[chunk]))
-            print(f"epoch {epoch} chunk {chunk + 1}/{len(plan)}: {len(train)} responses read in "
-                  f"{time.time() - read:.1f} s, at {time.time() - t_start:.0f} s", flush=True)
-            items, in_memory = windows(train, args.window), (epoch, chunk)
+            run.train = run.prepare(stream.load(plan[run.chunk]))
+            print(f"epoch {run.epoch} chunk {run.chunk + 1}/{len(plan)}: {len(run.train)} responses read in "
+                  f"{time.time() - read:.1f} s, at {time.time() - run.t_start:.0f} s", flush=True)
+            items, in_memory = windows(run.train, args.window), (run.epoch, run.chunk)
         random.shuffle(items)
         # Labelled on the device: the chunk's windows stacked once, each update a slice (no per-window copies)
-        stacked = batch(train, items, args.window, device) if args.store is not None else None
+        stacked = batch(run.train, items, args.window, device) if args.store is not None else None
         for b in range(0, len(items), args.batch):
-            elapsed = time.time() - t_start
-            if elapsed > budget or (args.max_updates and update >= args.max_updates):
+            elapsed = time.time() - run.t_start
+            if elapsed > budget or (args.max_updates and run.update >= args.max_updates):
                 break
-            lr = args.lr * min(1.0, (update + 1) / 100) * 0.5 * (1 + math.cos(math.pi * min(elapsed / budget, 1.0)))
-            for g in opt.param_groups:
-                g["lr"] = lr
-            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=args.bf16):
-                windows_b = (tuple(t[b:b + args.batch] for t in stacked) if stacked is not None
-                             else batch(train, items[b:b + args.batch], args.window, device))
-                loss, stats = unrolled_loss(head, embed, *windows_b, args.steps_unrolled, slot, args.feat_weight)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            update += 1
-            seen += sum(n for _, n in stats[:1])
-            if update % 50 == 0:
+            lr = args.lr * min(1.0, (run.update + 1) / 100) * 0.5 * (1 + math.cos(math.pi * min(elapsed / budget, 1.0)))
+            windows_b = (tuple(t[b:b + args.batch] for t in stacked) if stacked is not None
+                         else batch(run.train, items[b:b + args.batch], args.window, device))
+            loss, stats = _update(run, windows_b, lr)
+            if run.update % 50 == 0:
                 acc = stats[0][0] / max(stats[0][1], 1)
-                print(f"update {update} loss {loss.item():.3f} step-1 train top1 {acc:.3f} positions {seen} "
-                      f"at {time.time() - t_start:.0f} s", flush=True)
+                print(f"update {run.update} loss {loss.item():.3f} step-1 train top1 {acc:.3f} positions "
+                      f"{run.seen} at {time.time() - run.t_start:.0f} s", flush=True)
             if time.time() - last_ckpt > 300:
+                ckpt = run.checkpoint()
                 ckpt.parent.mkdir(parents=True, exist_ok=True)
-                torch.save({**run_key, "head": head.state_dict(), "opt": opt.state_dict(),
-                            "update": update, "seen": seen, "epoch": epoch, "chunk": chunk}, ckpt)
+                torch.save({**run.run_key(), "head": run.head.state_dict(), "opt": run.opt.state_dict(),
+                            "update": run.update, "seen": run.seen, "epoch": run.epoch, "chunk": run.chunk}, ckpt)
                 last_ckpt = time.time()
-            if held and update % 500 == 0:
-                curve.append({"positions_seen": seen, "agreement": agreement(head, embed, held, args.window, device)})
+            if run.held and run.update % 500 == 0:
+                run.curve.append({"positions_seen": run.seen,
+                                  "agreement": agreement(run.head, run.embed, run.held, args.window, device)})
         else:
-            chunk += 1
+            run.chunk += 1
             continue
         break
 
-    metrics = agreement(head, embed, held, args.window, device) if held else []
+
+def _update(run: Run, windows_b: tuple, lr: float):
+    """One optimiser step on a batch of windows at learning rate `lr`; returns (loss, per-step stats)."""
+    args = run.args
+    for g in run.opt.param_groups:
+        g["lr"] = lr
+    with torch.autocast(torch.device(run.device).type, dtype=torch.bfloat16, enabled=args.bf16):
+        loss, stats = unrolled_loss(run.head, run.embed, *windows_b, args.steps_unrolled, run.slot, args.feat_weight)
+    run.opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(run.params, 1.0)
+    run.opt.step()
+    run.update += 1
+    run.seen += sum(n for _, n in stats[:1])
+    return loss, stats
+
+
+def report(run: Run, argv=None) -> None:
+    """Held-out agreement, the card (architecture, data and its provenance, training, curves, the
+    command) and the head written to --out (the speculators layout for an EAGLE-3 head)."""
+    args, head = run.args, run.head
+    metrics = agreement(head, run.embed, run.held, args.window, run.device) if run.held else []
     for m in metrics:
         print(f"held-out step {m['step']}: top-1 {m['top1']:.3f}, top-4 {m['top4']:.3f} ({m['positions']} positions)")
-    kind = "EAGLE-3 draft head" if eagle3 else "target-feature draft head"
-    card = {"architecture": {"kind": kind, **cfg.__dict__},
+    kind = "EAGLE-3 draft head" if run.eagle3 else "target-feature draft head"
+    card = {"architecture": {"kind": kind, **head.cfg.__dict__},
             "parameters": sum(p.numel() for p in head.parameters() if p.requires_grad),
-            "data": {"runs": stream.provenance() if args.store is not None else run_provenance(data_dir, args.runs),
-                     "subset": args.subset, "responses": responses, "positions": positions,
+            "data": {"runs": run.stream.provenance() if args.store is not None
+                     else run_provenance(run.data_dir, args.runs),
+                     "subset": args.subset, "responses": run.responses, "positions": run.positions,
                      **({"teacher": {"online": True, "dtype": args.teacher_dtype, "topk": args.teacher_topk}}
                         if args.store is not None else {})},
-            "training": {"updates": update, "positions_seen": seen, "seconds": round(time.time() - t_start),
+            "training": {"updates": run.update, "positions_seen": run.seen, "seconds": round(time.time() - run.t_start),
                          "steps_unrolled": args.steps_unrolled, "autocast": "bfloat16" if args.bf16 else None},
-            "heldout_agreement": metrics, "learning_curve": curve,
+            "heldout_agreement": metrics, "learning_curve": run.curve,
             "command": "python tools/train_feature_drafter.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))}
-    card["data_size_curve"] = data_size_curve(card, args.curve_from, init_card)
-    if init_card is not None:
-        card["continued_from"] = {k: init_card.get(k) for k in ("data", "training", "heldout_agreement", "command",
-                                                                "continued_from") if k in init_card}
-    if eagle3:                                   # the layout vLLM serves, which --draft reads back
+    card["data_size_curve"] = data_size_curve(card, args.curve_from, run.init_card)
+    if run.init_card is not None:
+        card["continued_from"] = {k: run.init_card.get(k) for k in ("data", "training", "heldout_agreement", "command",
+                                                                    "continued_from") if k in run.init_card}
+    if run.eagle3:                               # the layout vLLM serves, which --draft reads back
         write_speculators(head.cpu(), args.out, args.verifier or args.target or "HuggingFaceTB/SmolLM2-135M-Instruct",
-                          target.get_input_embeddings().weight, speculative_tokens=args.steps_unrolled,
-                          verifier_architectures=getattr(target.config, "architectures", None) or ["LlamaForCausalLM"],
-                          card=portable(card))
+                          run.target.get_input_embeddings().weight, speculative_tokens=args.steps_unrolled,
+                          verifier_architectures=getattr(run.target.config, "architectures", None)
+                          or ["LlamaForCausalLM"], card=portable(card))
     else:
         head.save(args.out, card=portable(card))
     print(f"wrote {args.out}")
-    return 0

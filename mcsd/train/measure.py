@@ -190,6 +190,15 @@ def per_category(draft, examples: list[dict], pad_id: int, max_len: int) -> dict
 
 
 def main(argv=None):
+    """The draft's figures (see the module docstring); a run missing from the data dir ends it with
+    one line."""
+    try:
+        return _measure(argv)
+    except td.DataError as exc:
+        sys.exit(str(exc))
+
+
+def _measure(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--draft", default=str(dd.DEFAULT_OUT), help="draft model directory (has card.json)")
     parser.add_argument("--target", default=td.DEFAULT_TARGET)
