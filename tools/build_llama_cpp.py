@@ -12,6 +12,7 @@ The build takes 15-40 minutes on 2 cores; `--jobs` sets its parallelism (one job
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -108,7 +109,8 @@ def smoke(preset: str, threads: int) -> dict | None:
         print(f"smoke run crashed (signal {-proc.returncode}): {proc.stderr.strip()[-400:]}", flush=True)
         return None
     if proc.returncode != 0:
-        raise SmokeFailed(f"smoke run failed (exit {proc.returncode}): {proc.stderr.strip()[-800:]}")
+        lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+        raise SmokeFailed(f"smoke run failed (exit {proc.returncode}): {lines[-1] if lines else 'no message'}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -128,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.check:
+            if importlib.util.find_spec("llama_cpp") is None:
+                print("build_llama_cpp: llama-cpp-python is not installed in this environment: build it with "
+                      "python tools/build_llama_cpp.py (no --check), or pip install 'mcsd[llama]'", file=sys.stderr)
+                return 1
             report = smoke(args.preset, args.threads)
             print(json.dumps(report, indent=1) if report else "the installed llama-cpp-python crashes here")
             return 0 if report else 1
@@ -140,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             print(f"the {name} build crashes here; trying the next", flush=True)
     except SmokeFailed as exc:
-        print(exc, file=sys.stderr)
+        print(f"build_llama_cpp: {exc}", file=sys.stderr)
     return 1
 
 

@@ -193,8 +193,10 @@ def export(source: str | Path, out: str | Path, layout: str, target, verifier: s
 def main(argv=None) -> int:
     import argparse
 
-    from mcsd.drafting.eagle3 import Eagle3FormatError
+    from mcsd.config import ConfigError
+    from mcsd.drafting.eagle3 import Eagle3FormatError, eagle3_layout
     from mcsd.drafting.pair import load_model
+    from mcsd.errors import ModelLoadError
     ap = argparse.ArgumentParser(description="Write an EAGLE-3 head (either layout, e.g. one trained with "
                                              "tools/train_feature_drafter.py --arch eagle3) in the layout another "
                                              "engine loads: speculators (vllm serve) or original (SGLang, EAGLE).")
@@ -206,10 +208,13 @@ def main(argv=None) -> int:
                     help="speculators layout: the target's name as vLLM will look it up (default: the one the "
                          "head names, else --target)")
     args = ap.parse_args(argv)
-    target = load_model(args.target, dtype="float32")
+    if eagle3_layout(args.head) is None:              # before the target loads: a wrong folder costs nothing
+        raise SystemExit(f"export_eagle3: {args.head} holds no EAGLE-3 head (a config.json in the original or "
+                         f"the speculators layout)")
     try:
+        target = load_model(args.target, dtype="float32")
         out = export(args.head, args.out, args.layout, target, args.verifier or None)
-    except (Eagle3FormatError, ValueError) as exc:
+    except (Eagle3FormatError, ModelLoadError, ConfigError, ValueError, OSError) as exc:
         raise SystemExit(f"export_eagle3: {exc}") from None
     print(f"wrote {out} ({args.layout} layout)")
     return 0
