@@ -295,6 +295,16 @@ def test_attention_does_not_depend_on_where_in_the_block_a_rows_allowed_keys_lie
     assert torch.equal(in_block, alone)
 
 
+def test_attention_that_cannot_allocate_its_scratch_fails_as_the_products_do():
+    """A length whose score row no allocation can hold (2^61 floats) leaves every thread without its
+    scratch: the call reports it and the caller raises MemoryError, rather than returning rows it
+    skipped (the scratch is asked for before any key is read)."""
+    q, keys = torch.randn(3, 4, 16), torch.randn(2, 8, 16)
+    with pytest.raises(MemoryError, match="attention"):
+        native.attention(q, keys, keys.clone(), 2 ** 61, torch.zeros(3, 8), 0.25)
+    assert native.attention(q, keys, keys.clone(), 8, torch.zeros(3, 8), 0.25).isfinite().all()
+
+
 def test_a_feature_heads_layer_on_its_q8_0_codes_runs_as_one_native_call_and_predicts_as_operation_by_operation(
         tmp_path, monkeypatch):
     """Its q / k / v and gate / up share one Q8_0 product each (the codes are per row: each layer's

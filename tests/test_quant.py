@@ -391,6 +391,47 @@ def test_products_on_8bit_activations_are_the_sums_of_the_quantised_rows(kernel)
         native.int8_isa("avx9")
 
 
+def test_a_block_of_tiny_values_quantises_to_the_same_sane_codes_on_every_instruction_set(kernel):
+    """A block whose largest |x| is tiny but not zero (denormals; 127 / max overflows float32) is
+    quantised to codes in -127..127 that follow x (its largest element +-127, a zero 0), the codes
+    127 / max would give were it finite, with the same bits on every instruction set here. (They all
+    came out -128 before, and AVX2 and VNNI then parted on negative weights.) The codes are read back
+    through one-hot Q8_0 weights of either sign, scaled by 2^15 so that the block's scale is normal."""
+    if kernel != "native":
+        pytest.skip("the native kernel's own quantisation")
+    amaxes = torch.tensor([1e-45, 1e-40, 1e-38, 3e-37, 1e-30, 1.0, 0.0])      # float32: denormals first
+    t = torch.linspace(-1, 1, 32)
+    t[[3, 20]] = 0.0
+    x = t * amaxes[:, None]                                                   # row i's largest |x|: amaxes[i]
+    q8 = torch.zeros(64, 32, dtype=torch.int8)
+    q8[torch.arange(32), torch.arange(32)] = 1
+    q8[32 + torch.arange(32), torch.arange(32)] = -1
+    head = quant.Q8Linear(q8, torch.full((64, 1), 2.0 ** 15).half(), act8=True)
+    q4 = quant.Q4Linear(torch.randint(0, 16, (24, 32), dtype=torch.uint8), torch.rand(24, 1).half(),
+                        -torch.rand(24, 1).half(), act8=True)
+    outs = {}
+    for isa in native.int8_isas_here():
+        native.int8_isa(isa)
+        outs[isa] = head(x), q4(x)
+    native.int8_isa(native.int8_isas_here()[0])
+    first = outs[native.int8_isas_here()[0]]
+    for isa, out in outs.items():
+        assert all(torch.equal(a, b) for a, b in zip(out, first)), isa
+    out = first[0].double()
+    assert torch.isfinite(out).all() and torch.isfinite(first[1]).all()
+    scale = (2.0 ** 15 * (amaxes / 127.0)).double()                           # dw * dx, as the kernel has it
+    seen = scale >= 2.0 ** -126                                               # normal: the codes come back
+    assert seen.tolist() == [False, True, True, True, True, True, False]
+    assert (out[~seen] == 0).all()                                            # dx 0: the block adds nothing
+    codes = torch.round(out[seen, :32] / scale[seen, None])
+    assert torch.equal(codes, -torch.round(out[seen, 32:] / scale[seen, None]))
+    up = torch.where(amaxes[seen] < 2.0 ** -64, 2.0 ** 64, 1.0)[:, None]       # float32 throughout, as the kernel
+    expected = torch.round(x[seen] * up * (127.0 / (amaxes[seen, None] * up))).clamp(-127, 127)
+    assert torch.equal(codes, expected.double())
+    assert (codes[:, -1] == 127).all() and (codes[:, 0] == -127).all() and (codes[:, [3, 20]] == 0).all()
+    assert (codes.abs() <= 127).all() and ((codes == 0) | (codes.sign() == t.sign())).all()
+
+
 def test_the_interleaved_layout_of_the_8bit_products_comes_back_as_the_codes():
     """The 8-row layout of the products on 8-bit activations holds the codes, scales and offsets
     (the last group padded), and a q4q8 layer reads its dense weight back from it."""
@@ -515,6 +556,41 @@ def test_a_native_kernel_that_cannot_be_built_leaves_torchs_with_the_cause(kerne
     assert quant.kernel_name() == ("torch" if quant._torch_kernel_runs() else None)
     if quant.kernel_name() == "torch":
         assert "could not be built" in quant.describe_kernel()
+
+
+def test_a_path_the_compiler_cannot_build_is_left_out_and_the_rest_still_builds(kernel, tmp_path):
+    """Each optional path of the 8-bit products (AVX-VNNI's {vex} form, AVX512-VNNI, AMX) is test-compiled
+    first: a compiler that fails one leaves that path out (-DMCSD_NO_<path>) and only it, and the kernel
+    built without every one of them runs the 8-bit products on AVX2 alone, with the same bits."""
+    import ctypes
+    import subprocess
+
+    if kernel != "native":
+        pytest.skip("checked once, from a machine where the native kernel builds")
+    cc = native._compiler()
+    fussy = tmp_path / "cc"                       # the compiler, failing any source that holds a tile instruction
+    fussy.write_text(f'#!/bin/sh\nfor a; do case "$a" in *.c) grep -q tdpbssd "$a" && exit 1;; esac; done\n'
+                     f'exec {cc} "$@"\n')
+    fussy.chmod(0o755)
+    assert native._left_out(str(fussy), tmp_path) == ["-DMCSD_NO_AMX"]
+    assert native._left_out(cc, tmp_path) == []
+    flags = ["-DMCSD_NO_AVXVNNI", "-DMCSD_NO_AVX512VNNI", "-DMCSD_NO_AMX"]
+    lib_path = tmp_path / "plain.so"
+    subprocess.run([cc, *native.FLAGS, *flags, str(native.SOURCE), "-o", str(lib_path), *native.LIBS], check=True,
+                   capture_output=True)
+    plain = ctypes.CDLL(str(lib_path))
+    assert plain.mcsd_int8_isas_built() == 1 and plain.mcsd_amx_grant() == -1
+    assert plain.mcsd_int8_isa(3) == 0 and plain.mcsd_int8_isa(2) == 0          # nothing but AVX2 to set
+    n, k, rows = 13, 96, 6
+    torch.manual_seed(4)
+    q, d, m = torch.randint(0, 16, (n, k), dtype=torch.uint8), torch.rand(n, 3).half(), -torch.rand(n, 3).half()
+    layer, x = quant.Q4Linear(q, d, m, act8=True), torch.randn(rows, k)
+    out = torch.empty(rows, n)
+    assert plain.mcsd_q4q8_mm(ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(rows), ctypes.c_int64(k),
+                              ctypes.c_void_p(layer.codes.data_ptr()), ctypes.c_void_p(layer.d.data_ptr()),
+                              ctypes.c_void_p(layer.m.data_ptr()), ctypes.c_int64(n), ctypes.c_void_p(out.data_ptr()),
+                              1) == 0
+    assert torch.equal(out, layer(x))
 
 
 def test_the_lean_forward_on_the_native_kernel_agrees_with_transformers_forward(q4_gguf_file, kernel):

@@ -1,6 +1,6 @@
 """The engine's native library (`q4_kernel.c`): the Q4_1 and Q8_0 products of q4 weights (on float32
-activations, or on activations rounded to 8 bits with integer dot products: VNNI or AVX2, chosen from
-the CPU's flags, the weights "q4q8"), an RMS norm, attention over a static cache, and a whole
+activations, or on activations rounded to 8 bits with integer dot products: AMX tiles, VNNI or AVX2,
+chosen from the CPU's flags, the weights "q4q8"), an RMS norm, attention over a static cache, and a whole
 Llama-family decoder layer on Q4_1 weights in one call, built once per machine with the C compiler.
 
 torch's CPU int4 kernel dequantises its weights again for every block of a few rows, so a 9-row
@@ -8,7 +8,10 @@ tree verify costs several 1-row steps. `q4_kernel.c` dequantises a block of outp
 reads it with every input row, and it computes each row exactly as it would alone (see the file).
 
 The source ships with the package; the first use compiles it with `$CC` (else `cc`) into the mcsd
-cache, keyed by the source, the flags and the compiler, and loads it with ctypes. It is used only on
+cache, keyed by the source, the flags and the compiler, and loads it with ctypes. Each optional path
+of the 8-bit products (AVX-VNNI, AVX512-VNNI, AMX) is first test-compiled as a small snippet; one the
+compiler or assembler cannot build is left out of the library (`-DMCSD_NO_<path>`), the rest still
+built, and `reason()` names it. It is used only on
 x86-64 Linux CPUs with AVX2 and FMA, and only where it shares torch's OpenMP runtime (a second
 runtime's threads would spin against torch's on the same cores). Anything else (no compiler, another
 CPU, a failed build, `MCSD_NATIVE=0`) leaves the q4 weights on torch's int4 kernel, and `reason()`
@@ -34,7 +37,7 @@ from ..config import ConfigError
 SOURCE = Path(__file__).with_name("q4_kernel.c")
 FLAGS = ["-O3", "-std=c11", "-ffp-contract=off", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
 LIBS = ["-lm"]
-VERSION = 18                           # mcsd_q4_abi() of q4_kernel.c; cost profiles are keyed by it too
+VERSION = 19                           # mcsd_q4_abi() of q4_kernel.c; cost profiles are keyed by it too
 _lock = threading.Lock()
 _state: dict = {}                       # "lib": the loaded library or None, "reason": why not
 
@@ -66,17 +69,41 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-INT8_ISAS = ("avx2", "avx-vnni", "avx512-vnni")     # mcsd_int8_isa's numbering
+INT8_ISAS = ("avx2", "avxvnni", "avx512vnni", "amx")     # mcsd_int8_isa's numbering
+# the CPU flags each needs (AMX's scaling runs on AVX-512; Linux must also grant the tile state)
+_ISA_FLAGS = {"avx2": set(), "avxvnni": {"avx_vnni"}, "avx512vnni": {"avx512_vnni", "avx512vl"},
+              "amx": {"amx_tile", "amx_int8", "avx512f", "avx512bw", "avx512vl", "avx512dq"}}
+
+
+def _isas(lib) -> dict[str, str | None]:
+    """For each of INT8_ISAS, why `lib`'s 8-bit products cannot run on it here, or None where they can."""
+    flags, built = _cpu_flags(), lib.mcsd_int8_isas_built()
+    why = {}
+    for i, name in enumerate(INT8_ISAS):
+        lacks = sorted(_ISA_FLAGS[name] - flags)
+        why[name] = (f"this CPU lacks {', '.join(lacks)}" if lacks
+                     else "the compiler cannot build it" if not built >> i & 1
+                     else "Linux did not grant the tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
+                     if name == "amx" and lib.mcsd_amx_grant() != 0 else None)
+    return why
 
 
 def int8_isas_here() -> tuple[str, ...]:
-    """The instruction sets the products on 8-bit activations can run on with this CPU, the one used
-    first: AVX512-VNNI (on 256-bit registers, so with AVX512VL), AVX-VNNI, AVX2's maddubs. All compute
-    the same bits (see q4_kernel.c); VNNI does a block's 32 multiply-adds in one instruction, AVX2 in
-    three."""
-    flags = _cpu_flags()
-    have = {"avx512-vnni": {"avx512_vnni", "avx512vl"} <= flags, "avx-vnni": "avx_vnni" in flags, "avx2": True}
-    return tuple(name for name in reversed(INT8_ISAS) if have[name])
+    """The instruction sets the products on 8-bit activations can run on here, the one used first:
+    AMX tiles (a tile product a block of 16 rows x 16 outputs; fewer than 4 rows run on AVX512-VNNI),
+    AVX512-VNNI (on 256-bit registers, so with AVX512VL), AVX-VNNI, AVX2's maddubs; only those the
+    CPU has, the library was built with and (AMX) Linux grants. All compute the same bits (see
+    q4_kernel.c). Empty where the native library is not used."""
+    if library() is None:
+        return ()
+    return tuple(name for name in reversed(INT8_ISAS) if _state["isas"][name] is None)
+
+
+def int8_isa_absent(name: str) -> str | None:
+    """Why the products on 8-bit activations cannot run on `name` here (None where they can)."""
+    if library() is None:
+        return f"the native kernel is not used: {reason()}"
+    return _state["isas"].get(name.replace("-", ""), f"no instruction set is called {name!r}")
 
 
 def _openmp_runtimes() -> set[str]:
@@ -97,10 +124,67 @@ def _compiler() -> str | None:
     return None
 
 
+# each optional path of q4_kernel.c and a snippet of the constructs it needs: where the snippet does not
+# compile and assemble, the library is built with -DMCSD_NO_<path> (that path left out, the rest kept)
+_PROBES = {
+    "AVXVNNI": """#include <immintrin.h>
+__m256i f(__m256i a, __m256i u, __m256i s) { __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(a) : "x"(u), "x"(s)); return a; }
+""",
+    "AVX512VNNI": """#include <immintrin.h>
+#include <stdint.h>
+__m256i f(__m256i a, __m256i u, const int32_t *p) {
+    __asm__("vpdpbusd %2, %1, %0" : "+x"(a) : "x"(u), "x"(u));
+    __asm__("vpdpbusd %2%{1to8%}, %1, %0" : "+x"(a) : "x"(u), "m"(*p));
+    return a;
+}
+""",
+    "AMX": """#define _DEFAULT_SOURCE
+#include <immintrin.h>
+#include <stdint.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
+void f(const int8_t *a, int32_t *c, float *o, const float *d) {
+    __asm__ volatile("ldtilecfg %0" :: "m"(*a));
+    __asm__ volatile("tileloadd (%0,%1,1), %%tmm2" :: "r"(a), "r"((int64_t)32) : "memory");
+    __asm__ volatile("tilezero %%tmm0" ::);
+    __asm__ volatile("tdpbssd %%tmm4, %%tmm2, %%tmm0" ::);
+    __asm__ volatile("tilestored %%tmm0, (%0,%1,1)" :: "r"(c), "r"((int64_t)64) : "memory");
+    __asm__ volatile("tilerelease" ::: "memory");
+    const __m512 v = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(d)), _mm256_loadu_ps(d + 8), 1);
+    const __m512i w = _mm512_inserti64x4(_mm512_set1_epi8(15), _mm256_loadu_si256((const __m256i *)a), 1);
+    _mm512_store_si512(c, _mm512_and_si512(_mm512_srli_epi16(w, 4), w));
+    _mm512_mask_storeu_ps(o, (__mmask16)255, _mm512_fmadd_ps(v, _mm512_cvtepi32_ps(_mm512_load_si512(c)), v));
+}
+long g(void) { return syscall(SYS_arch_prctl, 0x1023, 18); }
+""",
+}
+
+
+def _left_out(cc: str, folder: Path) -> list[str]:
+    """The -DMCSD_NO_<path> flags for the optional paths `cc` cannot build with FLAGS."""
+    out = []
+    for name, snippet in _PROBES.items():
+        src = folder / f"probe_{name.lower()}.c"
+        src.write_text(snippet)
+        try:
+            proc = subprocess.run([cc, *(f for f in FLAGS if f != "-shared"), "-c", str(src), "-o",
+                                   str(src.with_suffix(".o"))], capture_output=True, text=True, timeout=60,
+                                  check=False)
+            ok = proc.returncode == 0
+        except (OSError, subprocess.SubprocessError):
+            ok = False
+        if not ok:
+            out.append(f"-DMCSD_NO_{name}")
+    return out
+
+
 def _build(cc: str) -> Path:
     from ..loading.cache import cache_dir, cache_subdir, cache_writes
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS + LIBS).encode() + version.encode()).hexdigest()[:16]
+    probes = "".join(_PROBES.values())
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS + LIBS).encode() + version.encode()
+                         + probes.encode()).hexdigest()[:16]
     lib = cache_dir() / "native" / f"q4_kernel-{key}.so"
     if lib.is_file():                                   # built before: a read-only cache serves it
         return lib
@@ -109,8 +193,9 @@ def _build(cc: str) -> Path:
     with cache_writes(folder), tempfile.TemporaryDirectory(dir=folder) as tmp, \
             stage(f"compiling the q4 kernel with {Path(cc).name} (once; cached in {folder})"):
         out = Path(tmp) / lib.name
-        proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out), *LIBS], capture_output=True, text=True,
-                              timeout=300, check=False)
+        left_out = _left_out(cc, Path(tmp))
+        proc = subprocess.run([cc, *FLAGS, *left_out, str(SOURCE), "-o", str(out), *LIBS], capture_output=True,
+                              text=True, timeout=300, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-400:]}")
         out.replace(lib)
@@ -150,11 +235,16 @@ def _load():
     lib.mcsd_q8q8_mm.restype = ctypes.c_int
     lib.mcsd_int8_isa.argtypes = [ctypes.c_int]
     lib.mcsd_int8_isa.restype = ctypes.c_int
-    lib.mcsd_int8_isa(INT8_ISAS.index(int8_isas_here()[0]))
+    lib.mcsd_int8_isas_built.restype = ctypes.c_int
+    lib.mcsd_amx_grant.restype = ctypes.c_int
+    _state["isas"] = why = _isas(lib)
+    lib.mcsd_int8_isa(max(i for i, name in enumerate(INT8_ISAS) if why[name] is None))
+    # a set this CPU has that the library cannot run on, and why
+    left = "".join(f"; not on {name}: {note}" for name, note in why.items() if note and "lacks" not in note)
     lib.mcsd_rms_norm.argtypes = [p, i64, i64, p, ctypes.c_float, p]
     lib.mcsd_rms_norm.restype = None
     lib.mcsd_attention.argtypes = [p, p, p, i64, i64, p, i64, i64, i64, i64, i64, ctypes.c_float, p, ctypes.c_int]
-    lib.mcsd_attention.restype = None
+    lib.mcsd_attention.restype = ctypes.c_int
     lib.mcsd_layer.argtypes = [ctypes.POINTER(LayerWeights), p, p, i64, p, p, p, p, i64, p, i64, p, i64,
                                ctypes.c_int]
     lib.mcsd_layer.restype = ctypes.c_int
@@ -167,14 +257,15 @@ def _load():
     lib.mcsd_draw.restype = ctypes.c_int
     lib.mcsd_gumbel.argtypes = [p, i64, p, i64, i64, p]
     lib.mcsd_gumbel.restype = None
-    return lib, "built from mcsd/forward/q4_kernel.c with " + Path(cc).name
+    return lib, "built from mcsd/forward/q4_kernel.c with " + Path(cc).name + left
 
 
 def library():
     """The loaded native library, or None (then `reason()` says why). Built on first call."""
     with _lock:
         if "lib" not in _state:
-            _state["lib"], _state["reason"] = _load()
+            lib, why = _load()
+            _state["lib"], _state["reason"] = lib, why
         return _state["lib"]
 
 
@@ -219,14 +310,16 @@ def q8_mm(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor
 
 
 def int8_isa(name: str | None = None) -> str:
-    """The instruction set the products on 8-bit activations run on ("avx2", "avx-vnni" or
-    "avx512-vnni"), chosen from the CPU's flags when the library loads; `name` sets it (tests: every
-    set this CPU has computes the same bits). Raises ValueError for a set this CPU lacks."""
+    """The instruction set the products on 8-bit activations run on ("amx", "avx512vnni", "avxvnni" or
+    "avx2"), the best of `int8_isas_here()` when the library loads; `name` sets it (tests: every set
+    here computes the same bits; "avx512-vnni" spelt with a hyphen too). Raises ValueError for a set
+    that cannot run here."""
     lib = _lib()
     if name is not None:
-        if name not in int8_isas_here():
-            raise ValueError(f"the 8-bit products cannot run on {name!r} here; this CPU has {int8_isas_here()}")
-        lib.mcsd_int8_isa(INT8_ISAS.index(name))
+        key = name.replace("-", "")
+        if key not in int8_isas_here():
+            raise ValueError(f"the 8-bit products cannot run on {name!r} here; they can on {int8_isas_here()}")
+        lib.mcsd_int8_isa(INT8_ISAS.index(key))
     return INT8_ISAS[lib.mcsd_int8_isa(-1)]
 
 
@@ -307,9 +400,10 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length:
     rows, heads, dim = q.shape
     kv_heads, capacity, _ = keys.shape
     out = torch.empty_like(q)
-    _lib().mcsd_attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), capacity, length, mask.data_ptr(),
-                          mask.stride(0), rows, heads, kv_heads, dim, scale, out.data_ptr(),
-                          torch.get_num_threads())
+    if _lib().mcsd_attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), capacity, length, mask.data_ptr(),
+                             mask.stride(0), rows, heads, kv_heads, dim, scale, out.data_ptr(),
+                             torch.get_num_threads()) != 0:
+        raise MemoryError("the native attention could not allocate its scratch rows")
     return out
 
 

@@ -22,15 +22,19 @@
    block of NB output rows dequantised once into a per-thread buffer, in tiles of up to 3 rows x NB
    outputs (12 accumulators). Both make the same operations in the same order. */
 
+#define _DEFAULT_SOURCE                 /* syscall(), for the tile state (below) */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #define NB 4            /* output rows dequantised together */
 #define RB 3            /* input rows per tile */
 
-int mcsd_q4_abi(void) { return 18; }
+int mcsd_q4_abi(void) { return 19; }
 
 static inline float hsum(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -238,12 +242,48 @@ int mcsd_q8_mm(const float *x, int64_t M, int64_t K, const int8_t *codes, const 
    as unsigned bytes q + 128 and subtracts 128 x the codes' sum; AVX2, whose maddubs would saturate on
    that, takes |c| and the activation with c's sign, as llama.cpp does. Both give S exactly. */
 
-static int int8_isa = 0;                  /* 0 AVX2, 1 AVX-VNNI, 2 AVX512-VNNI (ymm, AVX512VL) */
+/* The paths this build holds: each needs its assembler or compiler support, found by test-compiling a
+   snippet when the library is built (mcsd/forward/native.py), which defines MCSD_NO_<path> for a path it
+   cannot build; the rest still builds. A path left out computes on AVX2's instructions (the same bits). */
+#if !defined(MCSD_NO_AVXVNNI)
+#define HAVE_AVXVNNI 1
+#else
+#define HAVE_AVXVNNI 0
+#endif
+#if !defined(MCSD_NO_AVX512VNNI)
+#define HAVE_AVX512VNNI 1
+#else
+#define HAVE_AVX512VNNI 0
+#endif
+#if !defined(MCSD_NO_AMX)
+#define HAVE_AMX 1
+#else
+#define HAVE_AMX 0
+#endif
 
-/* Sets the instruction set of the 8-bit products where isa >= 0 (the caller has checked the CPU has it);
-   returns the one in use. */
+/* bit i: mcsd_int8_isa's set i is built (0 AVX2, always; 1 AVX-VNNI; 2 AVX512-VNNI; 3 AMX) */
+int mcsd_int8_isas_built(void) { return 1 | HAVE_AVXVNNI << 1 | HAVE_AVX512VNNI << 2 | HAVE_AMX << 3; }
+
+/* Linux hands a process the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
+   XFEATURE_XTILEDATA; for every thread of the process); without it a tile instruction faults. Asked
+   once: 0 where granted, -1 where not (an old kernel, no AMX, or a build without the path). */
+int mcsd_amx_grant(void) {
+    static int granted = -2;
+#if HAVE_AMX
+    if (granted == -2) granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0 ? 0 : -1;
+#else
+    granted = -1;
+#endif
+    return granted;
+}
+
+static int int8_isa = 0;        /* 0 AVX2, 1 AVX-VNNI, 2 AVX512-VNNI (ymm, AVX512VL), 3 AMX tiles (below) */
+
+/* Sets the instruction set of the 8-bit products where isa >= 0 (the caller has checked the CPU has it;
+   AMX only once the tile state is granted); returns the one in use. */
 int mcsd_int8_isa(int isa) {
-    if (isa >= 0 && isa <= 2) int8_isa = isa;
+    if (isa >= 0 && isa <= 3 && (mcsd_int8_isas_built() >> isa & 1) && (isa != 3 || mcsd_amx_grant() == 0))
+        int8_isa = isa;
     return int8_isa;
 }
 
@@ -251,14 +291,19 @@ int mcsd_int8_isa(int isa) {
    Through inline assembly, so that the file builds with -mavx2 alone and no VNNI instruction is
    emitted where the CPU has none. */
 static inline __attribute__((always_inline)) __m256i dot32(int isa, __m256i acc, __m256i u, __m256i s) {
+#if HAVE_AVX512VNNI
     if (isa == 2) {
         __asm__("vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));
         return acc;
     }
+#endif
+#if HAVE_AVXVNNI
     if (isa == 1) {
         __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));
         return acc;
     }
+#endif
+    (void)isa;
     /* pairs of products summed in 16 bits (at most 2 * 128 * 127, no saturation), then pairs of pairs */
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
@@ -266,20 +311,27 @@ static inline __attribute__((always_inline)) __m256i dot32(int isa, __m256i acc,
 /* acc + the 8 lanes of u times the 4 signed bytes at p, broadcast: with AVX512-VNNI the broadcast is
    the instruction's memory operand ({1to8}), one instruction fewer a dot than loading it first */
 static inline __attribute__((always_inline)) __m256i dot32_at(int isa, __m256i acc, __m256i u, const int8_t *p) {
+#if HAVE_AVX512VNNI
     if (isa == 2) {
         __asm__("vpdpbusd %2%{1to8%}, %1, %0" : "+x"(acc) : "x"(u), "m"(*(const int32_t *)p));
         return acc;
     }
+#endif
     int32_t v;
     __builtin_memcpy(&v, p, 4);
     return dot32(isa, acc, u, _mm256_set1_epi32(v));
 }
 
 /* rows x K floats into int8 codes q (rows, K), the same plus 128 as unsigned bytes (qu), and per block
-   dx and sx (rows, K / 32), each row alone */
+   dx and sx (rows, K / 32), each row alone. Every code lies in -127..127 whatever the input, so that
+   every instruction set reads the same values (AVX2's sign trick and VNNI's q + 128 part ways on -128):
+   a block whose largest |x| is so small (below 2^-64; denormals) that 127 / a would overflow is scaled
+   by 2^64 first, exactly, giving the codes 127 / a would give if it were finite (dx, from a itself,
+   may round to 0); x * (127 / a) is clamped to +-127 before rounding, which changes no finite block
+   and sends an infinity to +-127 and a NaN to 127. */
 static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *q, uint8_t *qu, float *dx, float *sx) {
     const int64_t G = K / 32;
-    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256 sign = _mm256_set1_ps(-0.0f), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
     for (int64_t r = 0; r < M; r++)
         for (int64_t g = 0; g < G; g++) {
             const float *xb = x + r * K + 32 * g;
@@ -291,11 +343,14 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *q, uint8
             float amax = 0.0f, lanes[8];
             _mm256_storeu_ps(lanes, a);
             for (int i = 0; i < 8; i++) amax = lanes[i] > amax ? lanes[i] : amax;
-            const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-            const __m256 idv = _mm256_set1_ps(id);
+            const float up = amax < 0x1p-64f ? 0x1p64f : 1.0f;            /* exact: a power of 2 */
+            const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / (amax * up) : 0.0f;
+            const __m256 idv = _mm256_set1_ps(id), upv = _mm256_set1_ps(up);
             __m256i c[4];
-            for (int i = 0; i < 4; i++)
-                c[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            for (int i = 0; i < 4; i++) {
+                const __m256 t = _mm256_max_ps(_mm256_min_ps(_mm256_mul_ps(_mm256_mul_ps(v[i], upv), idv), hi), lo);
+                c[i] = _mm256_cvtps_epi32(_mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            }
             /* 32 int32 to 32 int8 in order: packs interleave the 128-bit halves, the permute undoes it */
             const __m256i w16 = _mm256_packs_epi32(c[0], c[1]), x16 = _mm256_packs_epi32(c[2], c[3]);
             const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16, x16),
@@ -426,6 +481,187 @@ BLOCK8(block8_q8_avxvnni, 1, 1)
 BLOCK8(block8_q8_avx512vnni, 2, 1)
 #undef BLOCK8
 
+/* ---- the same products on AMX tiles (int8_isa 3) ----
+
+   tdpbssd C += A B sums, for each of up to 16 rows of A and 16 columns of B, 4 adjacent signed byte
+   products a step: A one block of up to 16 quantised rows (R rows x 32 bytes, read where quantize_rows
+   left them), B the block's codes of two groups of 8 outputs side by side (8 rows of 64 bytes: row p
+   holds each output's 4 codes at k = 4p..4p + 3), which is the layout above with the two groups'
+   vectors p joined (Q4_1: the low nibbles as rows 0-3, the high ones as rows 4-7, unpacked into a
+   512-byte buffer; Q8_0: copied). One tdpbssd a block, from a zeroed C, so C holds each output's S[g]
+   exactly (signed x signed: Q8_0 needs no w128), stored and scaled with AVX-512 in the order the other
+   paths scale them (fma(S, dw * dx, acc), then fma(m, sx, acc)): the same bits. Two sets of tiles
+   alternate (C 0/1, A 2/3, B 4/5), so that a block's tiles run while the previous block is scaled.
+   Fewer than AMX_MIN_ROWS rows run on AVX512-VNNI, which a tile does not beat there. Each thread loads
+   its own tile configuration (tile state is per thread) and releases it when done. */
+#if HAVE_AMX
+#ifndef AMX_MIN_ROWS
+#define AMX_MIN_ROWS 4
+#endif
+#define AMX_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
+/* the tile instructions as assembly, so that no compiler support beyond an assembler that knows them is
+   needed; the memory a load reads and a store writes is named as an operand (the whole of what the
+   pointer points into), not as a clobber of all memory, which would keep the accumulators out of
+   registers */
+#define TILE_LOAD(t, base, stride) __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t \
+    :: "r"(base), "r"((int64_t)(stride)), "m"(*(const char (*)[])(base)))
+#define TILE_STORE(t, base, stride) __asm__ volatile("tilestored %%tmm" #t ", (%1,%2,1)" \
+    : "=m"(*(char (*)[1024])(base)) : "r"(base), "r"((int64_t)(stride)))
+#define TILE_ZERO(t) __asm__ volatile("tilezero %%tmm" #t ::)
+#define TILE_DPBSSD(c, a, b) __asm__ volatile("tdpbssd %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
+
+typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } amx_config;
+
+static void amx_configure(int R) {
+    amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 2; t++) {
+        c.rows[t] = (uint8_t)R;     c.colsb[t] = 64;          /* C: R rows x 16 int32 */
+        c.rows[6 + t] = (uint8_t)R; c.colsb[6 + t] = 64;      /* C of every other step */
+        c.rows[2 + t] = (uint8_t)R; c.colsb[2 + t] = 32;      /* A: R rows x one block of 32 codes */
+        c.rows[4 + t] = 8;          c.colsb[4 + t] = 64;      /* B: 8 x 4 codes of 16 outputs */
+    }
+    __asm__ volatile("ldtilecfg %0" :: "m"(c));
+}
+
+static void amx_release(void) { __asm__ volatile("tilerelease" ::: "memory"); }
+
+/* B for one block: the groups' code vectors at c0 and c1 (the same group twice for a last odd one) */
+static inline __attribute__((always_inline)) AMX_FN void amx_fill(int q8, const uint8_t *c0, const uint8_t *c1,
+                                                                  uint8_t *b) {
+    if (q8) {
+        for (int p = 0; p < 8; p++)
+            _mm512_store_si512(b + 64 * p, _mm512_inserti64x4(_mm512_castsi256_si512(
+                _mm256_loadu_si256((const __m256i *)(c0 + 32 * p))), _mm256_loadu_si256((const __m256i *)(c1 + 32 * p)), 1));
+    } else {
+        const __m512i low = _mm512_set1_epi8(0x0F);
+        for (int p = 0; p < 4; p++) {
+            const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(
+                _mm256_loadu_si256((const __m256i *)(c0 + 32 * p))), _mm256_loadu_si256((const __m256i *)(c1 + 32 * p)), 1);
+            _mm512_store_si512(b + 64 * p, _mm512_and_si512(v, low));
+            _mm512_store_si512(b + 64 * (p + 4), _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+        }
+    }
+}
+
+/* acc[r] for a block from its sums in cb (R rows of 16 int32) and its rows' dx (xs[r]) and sx (xs[16 + r]):
+   the scaling of tile8, 16 outputs a row */
+static inline __attribute__((always_inline)) AMX_FN void amx_scale(int q8, int R, const int32_t *cb, const float *d,
+                                                                   const float *m, int64_t at0, int64_t at1,
+                                                                   const float *xs, __m512 *acc) {
+    const __m512 dw = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(d + at0)), _mm256_loadu_ps(d + at1), 1);
+    const __m512 mw = q8 ? dw : _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(m + at0)),
+                                                   _mm256_loadu_ps(m + at1), 1);
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
+        const __m512 S = _mm512_cvtepi32_ps(_mm512_load_si512(cb + 16 * r));
+        acc[r] = _mm512_fmadd_ps(S, _mm512_mul_ps(dw, _mm512_set1_ps(xs[r])), acc[r]);
+        if (!q8) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[16 + r]), acc[r]);
+    }
+}
+
+/* R (1..16) quantised rows times groups o and o + 1 (o alone where `two` is 0); the outputs below N
+   written. The tiles are configured for R rows. `q8` and `R` are constants at each call.
+   Two blocks a step: both blocks' tile products issued back to back (C, A, B tiles 0, 2, 4 and 1, 3, 5),
+   the step before's two blocks scaled while they run, and only then their sums stored, so that neither
+   the tile unit nor the vector units wait on the other; B is filled a step ahead. */
+static inline __attribute__((always_inline)) AMX_FN void amx_pair(int q8, int R, const int8_t *xq, const float *xs,
+                                                                  int64_t K, const uint8_t *c,
+                                                                  const float *d, const float *m, int64_t o, int two,
+                                                                  int64_t N, float *out) {
+    const int64_t G = K / 32, gbytes = q8 ? 256 : 128, o1 = two ? o + 1 : o;
+    _Alignas(64) uint8_t bbuf[4][512];            /* B of block g in bbuf[g & 3] */
+    _Alignas(64) int32_t cbuf[4][256];            /* the sums of block g in cbuf[g & 3] */
+    __m512 acc[16];
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+#define FILL(f) do { const uint8_t *c0 = c + (o * G + (f)) * gbytes, *c1 = c + (o1 * G + (f)) * gbytes; \
+        _mm_prefetch((const char *)(c0 + 4 * gbytes), _MM_HINT_T0); \
+        _mm_prefetch((const char *)(c1 + 4 * gbytes), _MM_HINT_T0); \
+        amx_fill(q8, c0, c1, bbuf[(f) & 3]); } while (0)
+#define SCALE(h) amx_scale(q8, R, cbuf[(h) & 3], d, m, (o * G + (h)) * 8, (o1 * G + (h)) * 8, xs + 32 * (h), acc)
+    for (int64_t f = 0; f < 2 && f < G; f++) FILL(f);
+    for (int64_t g = 0; g < G + 2; g += 2) {      /* blocks g and g + 1 on tiles, g - 2 and g - 1 scaled */
+        const int one = g < G, both = g + 1 < G;
+        for (int64_t f = g + 2; f < g + 4 && f < G; f++) FILL(f);
+        /* the sums into C tiles 0 and 1, or 6 and 7 every other step: a tile is zeroed again only a
+           step after its sums were stored */
+#define STEP(C0, C1) do { \
+        if (one) { TILE_LOAD(2, xq + 32 * g, K); TILE_LOAD(4, bbuf[g & 3], 64); TILE_ZERO(C0); TILE_DPBSSD(C0, 2, 4); } \
+        if (both) { TILE_LOAD(3, xq + 32 * (g + 1), K); TILE_LOAD(5, bbuf[(g + 1) & 3], 64); TILE_ZERO(C1); \
+                    TILE_DPBSSD(C1, 3, 5); } \
+        if (g >= 2) { SCALE(g - 2); if (g - 1 < G) SCALE(g - 1); } \
+        if (one) TILE_STORE(C0, cbuf[g & 3], 64); \
+        if (both) TILE_STORE(C1, cbuf[(g + 1) & 3], 64); } while (0)
+        if (g & 2) STEP(6, 7);
+        else STEP(0, 1);
+#undef STEP
+    }
+#undef SCALE
+#undef FILL
+    const int64_t n0 = o * 8, width = two ? 16 : 8;
+    const int valid = (int)(N - n0 < width ? N - n0 : width);
+    const __mmask16 keep = (__mmask16)((1u << valid) - 1);
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(out + r * N + n0, keep, acc[r]);
+}
+
+/* one instance of amx_pair a (weight type, rows), each compiled on its own */
+typedef void (*amx_fn)(const int8_t *, const float *, int64_t, const uint8_t *, const float *, const float *, int64_t,
+                       int, int64_t, float *);
+#define AMX_PAIR(Q8, R) \
+    static __attribute__((noinline)) AMX_FN void amx_pair_##Q8##_##R( \
+            const int8_t *xq, const float *xs, int64_t K, const uint8_t *c, const float *d, const float *m, \
+            int64_t o, int two, int64_t N, float *out) { \
+        amx_pair(Q8, R, xq, xs, K, c, d, m, o, two, N, out); }
+#define AMX_PAIRS(Q8) AMX_PAIR(Q8, 1) AMX_PAIR(Q8, 2) AMX_PAIR(Q8, 3) AMX_PAIR(Q8, 4) AMX_PAIR(Q8, 5) \
+    AMX_PAIR(Q8, 6) AMX_PAIR(Q8, 7) AMX_PAIR(Q8, 8) AMX_PAIR(Q8, 9) AMX_PAIR(Q8, 10) AMX_PAIR(Q8, 11) \
+    AMX_PAIR(Q8, 12) AMX_PAIR(Q8, 13) AMX_PAIR(Q8, 14) AMX_PAIR(Q8, 15) AMX_PAIR(Q8, 16)
+AMX_PAIRS(0)
+AMX_PAIRS(1)
+#define AMX_ROW(Q8) {NULL, amx_pair_##Q8##_1, amx_pair_##Q8##_2, amx_pair_##Q8##_3, amx_pair_##Q8##_4, \
+    amx_pair_##Q8##_5, amx_pair_##Q8##_6, amx_pair_##Q8##_7, amx_pair_##Q8##_8, amx_pair_##Q8##_9, \
+    amx_pair_##Q8##_10, amx_pair_##Q8##_11, amx_pair_##Q8##_12, amx_pair_##Q8##_13, amx_pair_##Q8##_14, \
+    amx_pair_##Q8##_15, amx_pair_##Q8##_16}
+static const amx_fn amx_fns[2][17] = {AMX_ROW(0), AMX_ROW(1)};
+#undef AMX_ROW
+#undef AMX_PAIRS
+#undef AMX_PAIR
+
+/* mm8's products on tiles for M >= AMX_MIN_ROWS quantised rows: 16 rows at a time (the last R rows),
+   each thread the same pairs of groups for every 16 rows, its tiles configured when R changes. The
+   rows' dx and sx are first laid out a block at a time (16 of each), so that a block's scaling reads
+   them at fixed offsets. Returns -1 where that copy could not be allocated. */
+static int mm8_amx(const int8_t *xq, const float *dx, const float *sx, int64_t M, int64_t K, const void *codes,
+                   const float *d, const float *m, int64_t N, float *out, int threads, int q8) {
+    const int64_t G = K / 32, groups = (N + 7) / 8, pairs = (groups + 1) / 2, chunks = (M + 15) / 16;
+    float *xs = calloc((size_t)(chunks * G * 32), sizeof(float));
+    if (!xs) return -1;
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t g = 0; g < G; g++) {
+            xs[((r / 16) * G + g) * 32 + r % 16] = dx[r * G + g];
+            xs[((r / 16) * G + g) * 32 + 16 + r % 16] = sx[r * G + g];
+        }
+    #pragma omp parallel num_threads(threads)
+    {
+        int configured = 0;
+        for (int64_t r0 = 0; r0 < M; r0 += 16) {
+            const int R = M - r0 < 16 ? (int)(M - r0) : 16;
+            if (R != configured) {
+                amx_configure(R);
+                configured = R;
+            }
+            const amx_fn fn = amx_fns[q8][R];
+            #pragma omp for schedule(static) nowait
+            for (int64_t b = 0; b < pairs; b++)
+                fn(xq + r0 * K, xs + (r0 / 16) * G * 32, K, (const uint8_t *)codes, d, m, 2 * b, 2 * b + 1 < groups,
+                   N, out + r0 * N);
+        }
+        amx_release();
+    }
+    free(xs);
+    return 0;
+}
+#endif
+
 /* x (M, K) float32 times N weight rows in the layout above, on 8-bit activations; out (M, N). Q4_1:
    q8 == 0, m the offsets, w128 unused; Q8_0: q8 == 1, m unused. Returns 0, or -1 where the quantised
    rows could not be allocated (out is then untouched). */
@@ -448,7 +684,15 @@ static int mm8(const float *x, int64_t M, int64_t K, const void *codes, const fl
                              float *);
     static const block_fn fns[2][3] = {{block8_q4_avx2, block8_q4_avxvnni, block8_q4_avx512vnni},
                                        {block8_q8_avx2, block8_q8_avxvnni, block8_q8_avx512vnni}};
-    const block_fn fn = fns[q8][int8_isa];
+#if HAVE_AMX
+    if (int8_isa == 3 && M >= AMX_MIN_ROWS) {
+        const int failed = mm8_amx(xq, dx, sx, M, K, codes, d, m, N, out, threads, q8);
+        free(xb);
+        free(dx);
+        return failed;
+    }
+#endif
+    const block_fn fn = fns[q8][int8_isa == 3 ? 2 : int8_isa];      /* AMX: few rows on AVX512-VNNI */
     const int64_t groups = (N + 7) / 8, blocks = (groups + GB - 1) / GB;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
@@ -518,15 +762,18 @@ static inline __m256 exp8(__m256 x) {
    of values, one division), so a row's result does not depend on the rows beside it; a score is summed
    in the same order whether its key falls in a group of four or not, and the exponentials in key order,
    so neither does it depend on how many positions the block attends over or where among them its
-   allowed keys lie (a verify's row, siblings masked out, and the step that computes it alone). */
-void mcsd_attention(const float *q, const float *keys, const float *values, int64_t cap, int64_t L,
+   allowed keys lie (a verify's row, siblings masked out, and the step that computes it alone).
+   Returns 0, or -1 where a thread's scratch could not be allocated (out is then incomplete). */
+int mcsd_attention(const float *q, const float *keys, const float *values, int64_t cap, int64_t L,
                     const float *mask, int64_t mask_stride, int64_t Q, int64_t H, int64_t Hkv, int64_t D,
                     float scale, float *out, int threads) {
     const int64_t group = H / Hkv;
-    #pragma omp parallel num_threads(threads)
+    int failed = 0;
+    #pragma omp parallel num_threads(threads) reduction(|:failed)
     {
         float *s = malloc(sizeof(float) * (size_t)(((L + 7) & ~(int64_t)7) + 8));
         float *acc = aligned_alloc(32, sizeof(float) * (size_t)D);
+        failed = !s || !acc;
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < Q * H; t++) {
             if (!s || !acc) continue;
@@ -593,6 +840,7 @@ void mcsd_attention(const float *q, const float *keys, const float *values, int6
         free(s);
         free(acc);
     }
+    return failed ? -1 : 0;
 }
 
 /* ---- one decoder layer of a Llama-family model on Q4_1 weights, in one call ---- */
@@ -681,11 +929,11 @@ int mcsd_layer_slots(const mcsd_layer_t *L, const float *h_in, float *h_out, int
         }
     }
     if (!failed) {
-        for (int64_t i = 0; i < n_seg; i++)
-            mcsd_attention(qr + first[i] * HD, keys + cache[i] * cache_stride, values + cache[i] * cache_stride,
+        for (int64_t i = 0; i < n_seg && !failed; i++)
+            failed |= mcsd_attention(qr + first[i] * HD, keys + cache[i] * cache_stride, values + cache[i] * cache_stride,
                            cap, lens[i], mask + first[i] * mask_stride, mask_stride, first[i + 1] - first[i], H,
                            Hkv, D, L->scale, att + first[i] * HD, threads);
-        failed |= product(att, Q, &L->o, L->act8, y, threads);
+        if (!failed) failed |= product(att, Q, &L->o, L->act8, y, threads);
     }
     if (!failed) {
         for (int64_t i = 0; i < Q * C; i++) h_out[i] = h_in[i] + y[i];
