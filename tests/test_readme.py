@@ -186,3 +186,58 @@ def test_the_generation_options_snippet_runs_as_written(monkeypatch):
     first = scope["dec"].generate(scope["prompt"], max_new_tokens=32, repetition_penalty=1.3,
                                   no_repeat_ngram_size=3, return_logprobs=True)
     assert len(first.logprobs) == len(first.tokens) and all(lp <= 0 for lp in first.logprobs)
+
+
+def _recorded_figures() -> set[float]:
+    """Every number the JSON files under benchmarks/results/ hold, rounded to 1 and to 2 decimals."""
+    import json
+
+    found: set[float] = set()
+
+    def walk(value):
+        if isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, list):
+            for v in value:
+                walk(v)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            found.update({round(float(value), 1), round(float(value), 2)})
+    for path in (REPO / "benchmarks" / "results").glob("*.json"):
+        walk(json.loads(path.read_text()))
+    return found
+
+
+def test_readme_s_measured_rates_are_each_recorded_in_a_results_file():
+    """Each tokens/s and tau of README's results table, and each "N tokens/s" in its text, is a figure a
+    JSON under benchmarks/results/ records (ratios are worked out from them); figures no file records
+    ("226-232", "100-102", "173-174") are gone."""
+    recorded = _recorded_figures()
+    section = README.split("## Current results", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| method")
+            and "x plain" not in line and " over " not in line]
+    table = [float(n) for row in rows for n in re.findall(r"(?<![\w.])(\d+\.\d+)(?![\w.x])", row)]
+    text = [float(n) for n in re.findall(r"(\d+(?:\.\d+)?) tokens/s", README)]
+    assert len(table) >= 12 and text
+    missing = sorted({n for n in table + text if n not in recorded})
+    assert not missing, f"README figures no results file records: {missing}"
+    for gone in ("226-232", "100-102", "173-174"):
+        assert gone not in README
+
+
+def test_paths_commands_and_choices_the_docs_name_exist():
+    """Each `mcsd/...` or `tools/...` file README and docs/ name is there; the hub's command line is
+    `hf` (the installed hub ships it); commands run `python`, not a `.venv` the Quickstart never makes;
+    docs/benchmarks.md's --bench-weights row names every weights choice the harness takes."""
+    texts = {"README.md": README, **DOCS}
+    missing = sorted({f"{name}: {path}" for name, text in texts.items()
+                      for path in re.findall(r"(?<![\w/.])((?:mcsd|tools)/[\w/]+\.(?:py|c))", text)
+                      if not (REPO / path).is_file()})
+    assert not missing, missing
+    for name, text in texts.items():
+        commands = "\n".join(blocks("bash", text))
+        assert "huggingface-cli" not in commands, name
+        assert ".venv/" not in commands, name
+    from mcsd.config import WEIGHTS
+    row = next(line for line in DOCS["docs/benchmarks.md"].splitlines() if line.startswith("| `--bench-weights`"))
+    assert all(f"`{w}`" in row for w in (*WEIGHTS, "auto")), row
