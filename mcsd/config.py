@@ -52,16 +52,16 @@ def check_tokenizer(tokenizer) -> None:
 
 
 def check_lossy_roots(width: int, sampling: "SamplingConfig", prompt_len: int | None = None,
-                      reads_features: bool = False) -> None:
+                      reads_features: bool = False, name: str = "lossy_target_roots") -> None:
     """A ConfigError when lossy target roots (width > 0) are asked for with sampling: the variant is
     defined for greedy decoding only; or, where the prompt's length (`prompt_len` tokens) is known, for
     a one-token prompt with a drafter that reads the target's features (`reads_features`): the first
     round's root is then the prompt's only token, and such a drafter reads the feature of the position
-    before the root, which a one-token prompt does not have."""
+    before the root, which a one-token prompt does not have. `name`: the setting as the caller spells it."""
     if width and not sampling.greedy:
-        raise ConfigError("lossy_target_roots is defined for greedy decoding only (temperature 0)")
+        raise ConfigError(f"{name} is defined for greedy decoding only (temperature 0)")
     if width and reads_features and prompt_len is not None and prompt_len < 2:
-        raise ConfigError(f"lossy_target_roots with a drafter that reads the target's features (a feature head) "
+        raise ConfigError(f"{name} with a drafter that reads the target's features (a feature head) "
                           f"needs a prompt of 2 tokens or more, got {prompt_len}: the first round's root is the "
                           f"prompt's last token, and the head reads the target's features before it")
 

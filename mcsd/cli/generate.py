@@ -172,7 +172,7 @@ def _check_lengths(args, target, tokenizer, prompts: list[str], draft=None) -> N
     for prompt in prompts:
         n = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
         check_context_window(window, n, args.max_new_tokens)
-        check_lossy_roots(args.lossy_target_roots, SamplingConfig(), n, reads_features)
+        check_lossy_roots(args.lossy_target_roots, SamplingConfig(), n, reads_features, "--lossy-target-roots")
 
 
 def build_decoder(args, target, draft, tokenizer):
