@@ -73,9 +73,25 @@ def test_n_choices_take_slots_of_their_own_and_answer_as_one_at_a_time(batched, 
         assert lone.stop() == 0
     # the three choices shared their forwards: each had a part of their rows
     assert 0 < answer["mcsd"]["batch_share"] <= 1 and 1 < answer["mcsd"]["batch_size"] <= 3
-    assert "batch_share" not in alone["mcsd"]
+    assert answer["mcsd"]["batch_exact"] is False            # dense float32: equal here, not promised
+    assert "batch_share" not in alone["mcsd"] and "batch_exact" not in alone["mcsd"]
     assert [c["text"] for c in sorted(got, key=lambda c: c["index"])] == \
         [c["text"] for c in sorted(want, key=lambda c: c["index"])]
+
+
+def test_a_request_alone_drafts_with_the_model_drafter_and_says_so(batched, pair):  # noqa: F811
+    """Alone in the batched engine a request runs the lone round: the draft model drafts its trees (the
+    `mcsd` field counts its nodes), the answer is the lone decoder's, and no batched forward ran."""
+    from mcsd import TreeDecoder
+    target, draft, tokenizer = pair
+    decoder = TreeDecoder(target, draft, tokenizer=tokenizer, tree="3,2,1", policy="static")
+    prompt = "w03 w17 w42 w05 w03 w17"
+    want = decoder.generate(prompt, max_new_tokens=24, temperature=0)
+    answer = _post(batched, "/v1/completions", {"model": batched.model, "prompt": prompt, "max_tokens": 24,
+                                                "temperature": 0}).json()
+    assert answer["choices"][0]["text"] == want.text
+    mcsd = answer["mcsd"]
+    assert mcsd["draft_forwards"] > 0 and mcsd["drafted_nodes"] > 0 and "batch_share" not in mcsd
 
 
 def test_a_client_that_disconnects_frees_its_slot_and_a_fault_fails_its_request_alone(batched):
@@ -172,3 +188,186 @@ def test_a_request_past_its_time_limit_leaves_its_slot_with_a_504(serve_models, 
         assert _post(srv, "/v1/completions", {**body, "prompt": "w03", "max_tokens": 3}).status_code == 200
     finally:
         assert srv.stop() == 0
+
+
+# ---------------------------------------------------------------------------------------------- failures
+
+
+def test_a_failure_while_reporting_one_request_fails_it_alone_and_the_worker_goes_on(batched):
+    """`[[mcsd-fault-report]]` raises in the engine's reporting of the request's tokens (outside the
+    decoder's round): that request gets its 500 with its message, the one beside it its answer, the
+    next request is answered and /health stays honest (ok: the worker lives)."""
+    from mcsd.serve.processors import REPORT_FAULT_MARKER
+    body = {"model": batched.model, "prompt": "w03 w17 w42", "max_tokens": 12, "temperature": 0}
+    want = _post(batched, "/v1/completions", body).json()["choices"][0]["text"]
+    with ThreadPoolExecutor(2) as pool:
+        fault, fine = pool.map(lambda prompt: _post(batched, "/v1/completions", {**body, "prompt": prompt}),
+                               [f"w03 {REPORT_FAULT_MARKER} w42", "w03 w17 w42"])
+    assert fault.status_code == 500 and fault.json()["error"]["code"] == "generation_failed"
+    assert "fault injected while reporting tokens" in fault.json()["error"]["message"]
+    assert fine.status_code == 200 and fine.json()["choices"][0]["text"] == want
+    assert _post(batched, "/v1/completions", body).json()["choices"][0]["text"] == want
+    health = httpx.get(batched.url + "/health", timeout=10)
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    assert "fault injected while reporting tokens" in batched.log()
+
+
+def test_a_client_that_drops_while_sending_its_body_is_a_clean_499(batched):
+    import socket
+    port = int(batched.url.rsplit(":", 1)[1])
+    start = len(batched.log())
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"model\": ")
+        time.sleep(0.3)                                   # the server is reading the body when the client goes
+    deadline = time.monotonic() + 10
+    while "while sending its request" not in batched.log():
+        assert time.monotonic() < deadline, batched.log()
+        time.sleep(0.05)
+    time.sleep(0.2)                                       # anything else it would log about it
+    log = batched.log()[start:]
+    assert re.search(r"POST /v1/completions 499: the client disconnected after \S+ while sending its request", log)
+    assert "Traceback" not in log and " 500" not in log, log
+    assert 'mcsd_requests_total{endpoint="completion",status="499"}' in httpx.get(batched.url + "/metrics").text
+    assert batched.health()["status"] == "ok"
+
+
+# ---------------------------------------------------------------------------------------------- the queue
+
+
+def test_max_queue_refuses_nothing_while_batch_slots_are_free(serve_models, tmp_path):  # noqa: F811
+    srv = ServerProcess(serve_models, tmp_path, "--max-batch", "4", "--max-queue", "1")
+    try:
+        body = {"model": srv.model, "prompt": "w03 w17", "max_tokens": 8, "temperature": 0}
+        for _ in range(3):                                # three at once on an idle server, three times
+            with ThreadPoolExecutor(3) as pool:
+                answers = list(pool.map(lambda _: _post(srv, "/v1/completions", body), range(3)))
+            assert [r.status_code for r in answers] == [200] * 3
+    finally:
+        assert srv.stop() == 0
+
+
+def test_an_empty_model_name_is_a_usage_error(capsys):
+    from mcsd.serve.cli import main
+    assert main(["--model-name", "", "--target", "x"]) == 2
+    assert "--model-name is empty" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- in process
+
+
+def _jobs(runs_each, loop=None):
+    """Jobs of `runs_each[i]` runs each; their events collected in `events[i]` (on the worker thread)."""
+    import asyncio
+
+    from mcsd.serve.engine import Job, Run
+    loop = loop or asyncio.new_event_loop()
+    jobs, events = [], []
+    for i, runs in enumerate(runs_each):
+        job = Job([Run([3 + i, 4 + r, 5], {"max_new_tokens": 6, "ignore_eos": True}, r) for r in range(runs)], loop,
+                  arrived=time.monotonic(), timeout_s=3600.0)
+        got = []
+        job.emit = lambda *event, got=got, i=i: got.append(event) or ORDER.append((i, event[0]))
+        jobs.append(job)
+        events.append(got)
+    return jobs, events
+
+
+ORDER: list = []            # (job, event kind) as the worker emitted them, every job together
+
+
+class _Rounds:
+    """A `Metrics` stand-in that keeps each batched round's slots, and the engine's running gauge then."""
+
+    def __init__(self):
+        self.rounds, self.engine = [], None
+
+    def round(self, slots, rows):
+        self.rounds.append((slots, self.engine.running))
+
+    def generation(self, stats):
+        pass
+
+    def first_token(self, seconds):
+        pass
+
+
+def _engine(max_batch, max_queue=8):
+    from conftest import tiny_llama
+
+    from mcsd import TreeDecoder
+    from mcsd.drafting.context import ContextDrafter
+    from mcsd.serve.batching import BatchEngine
+    decoder = TreeDecoder(tiny_llama(3), ContextDrafter(), attention="sdpa", calibrate=False, threads=None)
+    metrics = _Rounds()
+    engine = BatchEngine(lambda: decoder, max_batch, max_queue, metrics)
+    metrics.engine = engine
+    return engine, metrics
+
+
+def _wait(events, timeout=60):
+    deadline = time.monotonic() + timeout
+    while not all(e and e[-1][0] in ("end", "error", "cancelled", "timeout") for e in events):
+        assert time.monotonic() < deadline, events
+        time.sleep(0.01)
+
+
+def test_a_burst_queued_at_once_joins_the_batch_in_one_round():
+    engine, metrics = _engine(max_batch=4, max_queue=1)
+    jobs, events = _jobs([1, 1, 1])
+    for job in jobs:                                       # an idle engine: none waits, none is refused
+        engine.submit(job)
+    engine.start()
+    try:
+        _wait(events)
+    finally:
+        engine.stop(10)
+    assert all(e[-1] == ("end",) for e in events)
+    assert metrics.rounds[0][0] == 3                       # the three prompts prefilled in one forward
+
+
+def test_one_job_of_many_runs_shares_the_slots_and_the_running_gauge_counts_slots():
+    engine, metrics = _engine(max_batch=3)
+    jobs, events = _jobs([12, 1])
+    ORDER.clear()
+    for job in jobs:                                      # queued before the worker looks: no timing in it
+        engine.submit(job)
+    engine.start()
+    try:
+        _wait(events)
+    finally:
+        engine.stop(10)
+    assert all(e[-1] == ("end",) for e in events)
+    assert max(running for _, running in metrics.rounds) == 3 and all(s <= 3 for s, _ in metrics.rounds)
+    assert sum(e[0] == "done" for e in events[0]) == 12
+    # the second job took a slot in the first round beside the big one's first two runs (first come,
+    # first served would have started it after nine of the twelve)
+    order = [job for job, kind in ORDER if kind == "done"]
+    assert order.index(1) <= 3, order
+    assert engine.running == 0
+
+
+def test_a_worker_that_dies_fails_its_jobs_and_health_answers_503(caplog):
+    from starlette.testclient import TestClient
+
+    from mcsd.serve.app import Settings, create_app
+    from mcsd.serve.metrics import Metrics
+    engine, _ = _engine(max_batch=2)
+    jobs, events = _jobs([1, 1])
+
+    def broken(block):
+        raise SystemError("the worker's own bug")
+
+    engine._take = broken
+    engine.start()
+    engine.submit(jobs[0])
+    engine._thread.join(10)
+    _wait(events[:1])
+    assert events[0][-1][0] == "error" and not engine.alive
+    assert "the decoder's worker stopped: SystemError: the worker's own bug" in caplog.text
+    app = create_app(engine, Settings(model_ids=("m",), tokenizer=None, context_window=None, vocab_size=64), Metrics())
+    with TestClient(app) as client:
+        health = client.get("/health")
+        assert health.status_code == 503 and "the worker's own bug" in health.json()["error"]
+        refused = client.post("/v1/completions", json={"model": "m", "prompt": [3, 4], "max_tokens": 2})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "decoder_stopped"

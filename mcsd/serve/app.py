@@ -20,15 +20,15 @@ from dataclasses import dataclass
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..config import ConfigError
 from . import protocol
-from .engine import Draining, Engine, Job, QueueFull, Run
+from .engine import Draining, Engine, Job, QueueFull, Run, WorkerGone
 from .metrics import Metrics
-from .processors import FAULT_MARKER, SLOW_MARKER, Fault, InjectedFault, Slow
+from .processors import FAULT_MARKER, REPORT_FAULT_MARKER, SLOW_MARKER, Fault, InjectedFault, ReportFault, Slow
 from .protocol import APIError
 
 log = logging.getLogger("mcsd.serve")
@@ -98,6 +98,9 @@ class _API:
     async def health(self, request: Request) -> Response:
         if self.engine.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
+        if not self.engine.alive:
+            return JSONResponse({"status": "error", "error": f"the decoder's worker stopped ({self.engine.died or 'ended'})"},
+                                status_code=503)
         return JSONResponse({"status": "ok", "model": self.settings.model_ids[0], "busy": self.engine.busy,
                              "queue_depth": self.engine.queue_depth})
 
@@ -160,8 +163,13 @@ class _API:
         except Draining:
             return self._error(request, endpoint, APIError(503, "the server is shutting down", "server_error",
                                                            code="shutting_down"), started)
+        except WorkerGone:
+            return self._error(request, endpoint, APIError(503, "the server's decoder has stopped (see its log)",
+                                                           "server_error", code="decoder_stopped"), started)
         except APIError as exc:
             return self._error(request, endpoint, exc, started)
+        except ClientDisconnect:        # the client left while sending its body: nothing to answer
+            return self._gone(request, endpoint, started, "while sending its request")
         self.metrics.prompt(prompt_tokens)
         try:
             first = await self._next_event(request, job)    # a failure before any token keeps its own status
@@ -185,7 +193,8 @@ class _API:
             for choice in range(req.n):
                 options = protocol.generate_options(req, len(ids), choice, self.settings.context_window)
                 if self.settings.fault_injection and text is not None:
-                    extra = [Fault()] if FAULT_MARKER in text else [Slow()] if SLOW_MARKER in text else []
+                    extra = [Fault()] if FAULT_MARKER in text else [Slow()] if SLOW_MARKER in text else \
+                        [ReportFault()] if REPORT_FAULT_MARKER in text else []
                     if extra:
                         options["logits_processor"] = extra + list(options.get("logits_processor", ()))
                 runs.append(Run(ids, options, p * req.n + choice))
@@ -402,9 +411,10 @@ class _API:
     def _failed(self, request, endpoint, event, started) -> Response:
         return self._error(request, endpoint, self._event_error(event), started)
 
-    def _gone(self, request, endpoint, started) -> Response:
-        log.info("%s %s 499: the client disconnected after %.2fs; its generation stopped", request.method,
-                 request.url.path, time.monotonic() - started)
+    def _gone(self, request, endpoint, started, when: str = "") -> Response:
+        what = f" {when}; nothing was generated" if when else "; its generation stopped"
+        log.info("%s %s 499: the client disconnected after %.2fs%s", request.method, request.url.path,
+                 time.monotonic() - started, what)
         self.metrics.request(endpoint, 499)
         return Response(status_code=499)
 

@@ -2,16 +2,22 @@
 together (`mcsd.decoding.batch.BatchDecoder`), continuously.
 
 It answers the same jobs as `mcsd.serve.engine.Engine` (the HTTP side cannot tell them apart) from
-the same bounded queue: a job is taken off the queue at a round boundary while a slot is free for
-it (so the queue, and its 429 when full, holds what waits beyond the running generations); each of
-its runs (prompts times `n` choices) takes a slot of its own. A long prompt goes in chunks under
-the round's prompt budget, so the others' rounds go on. After every round each advanced run's
-tokens go to its job's channel; a job whose client left or whose time ran out is cancelled before
-the next round, its slots free for that round. A run whose own part of a round raises fails its job
-alone; an exception in the shared forward fails every job in flight (their slots' states are
-unknown), and the worker goes on with the next.
+the same queue. At each round boundary the worker takes queued jobs into the batch while fewer than
+B jobs are in it, every one at once (a burst joins in one round, its prompts prefilled together);
+each of a job's runs (prompts times `n` choices) takes a slot of its own as slots free, the job
+holding the fewest slots first, so one job of many runs cannot keep the others out. Jobs the worker
+would take at once do not count as waiting: `--max-queue` bounds the jobs beyond them (then a 429).
+A long prompt goes in chunks under the round's prompt budget, so the others' rounds go on. A job
+alone in the batch runs the lone round (its drafter's trees: `mcsd.decoding.batch`).
 
-Every answer is the one the lone decoder gives (see `mcsd.decoding.batch`).
+After every round each advanced run's tokens go to its job's channel; a job whose client left or
+whose time ran out is cancelled before the next round, its slots free for that round. A run whose
+own part of a round raises fails its job alone, and so does an exception while its tokens,
+log-probabilities or figures are reported; an exception in the shared forward fails every job in
+flight (their slots' states are unknown), and the worker goes on with the next.
+
+Whether an answer is the one the lone decoder gives: see `mcsd.decoding.batch` (bit for bit on the
+native q4 layers; the `mcsd` field's `batch_exact` says so per answer).
 """
 
 from __future__ import annotations
@@ -62,20 +68,28 @@ class BatchEngine(Engine):
 
     @property
     def running(self) -> int:
-        """Generations in the batch (decoding, or waiting there for a slot)."""
+        """Generations being decoded: those holding a slot (at most `max_batch`)."""
         if self.batch is None:
             return super().running
-        return len(self.batch.active) + len(self.batch.waiting)
+        return sum(1 for r in list(self.batch.slots) if r is not None)
 
     @property
     def busy(self) -> bool:
         return bool(self.flights) or super().busy
 
+    def _room(self) -> int:
+        """Queued jobs the worker takes into the batch at its next round: while fewer than `max_batch`
+        jobs are in it (one at a time as `Engine` where it answers so)."""
+        if self.batch is None and (self.max_batch is None or self._ready.is_set()):
+            return super()._room()
+        return max(0, self.max_batch - len(self.flights))
+
+    def _in_flight(self) -> list[Job]:
+        return [flight.job for flight in list(self.flights)] + super()._in_flight()
+
     # ------------------------------------------------------------------ the worker thread
 
-    def _work(self) -> None:
-        if not self._built():
-            return
+    def _serve(self) -> None:
         if self.batch is None:
             self._one_at_a_time()
         else:
@@ -83,6 +97,13 @@ class BatchEngine(Engine):
 
     def _prepare(self) -> None:
         self.batch = self._batch_decoder()
+        if self.batch is not None:
+            cache, exact = self.batch.cache, self.batch.exact
+            bound = "no bound: the model states no context window" if cache.bound_bytes is None else \
+                f"at most {cache.bound_bytes / 2**20:.0f} MiB ({cache.slots} slots x {cache.limit} positions)"
+            log.info("batched: %d slots, their cache %s; a batched answer is %s", self.max_batch, bound,
+                     "bit for bit the lone one (native q4 layers)" if exact else
+                     "not guaranteed the lone one (see docs/server.md)")
 
     def _batch_decoder(self):
         """The `BatchDecoder` of `max_batch` slots, or None: one at a time (auto only)."""
@@ -106,7 +127,8 @@ class BatchEngine(Engine):
             return None
 
     def _batched(self) -> None:
-        """The worker's loop: a round over every slot at a time, jobs joining as slots free."""
+        """The worker's loop: a round over every slot at a time, jobs joining as slots free. Whatever a
+        job's reporting raises fails that job alone; the loop goes on."""
         stopping = False
         while not (stopping and not self.flights and self._queue.empty()):
             stopping = self._take(block=not self.flights) or stopping
@@ -123,14 +145,24 @@ class BatchEngine(Engine):
             if self.batch.last_batch:
                 log.debug("batched round: %d slots, %d rows", self.batch.last_batch, self.batch.last_rows)
                 if self.metrics is not None:
-                    self.metrics.round(self.batch.last_batch, self.batch.last_rows)
+                    try:
+                        self.metrics.round(self.batch.last_batch, self.batch.last_rows)
+                    except Exception as exc:          # the figures are not worth a request
+                        log.error("batch metrics failed: %s: %s", type(exc).__name__, exc, exc_info=True)
             for request in advanced:
-                self._report(request)
+                try:
+                    self._report(request)
+                except Exception as exc:              # this request's reporting: its job fails alone
+                    _log_failure(exc)
+                    flight = self._flight_of(request)
+                    if flight is not None:
+                        self._end(flight, "error", exc)
 
     def _take(self, block: bool) -> bool:
-        """Move queued jobs into the batch while a slot is free for them (waiting for one when the
-        batch is empty). Returns True where the stop sentinel came."""
-        while not self.batch.waiting and len(self.batch.active) < self.max_batch:
+        """Move queued jobs into the batch while fewer than `max_batch` are in it (waiting for one when
+        the batch is empty), each with all its runs: they take slots as slots free, the job holding the
+        fewest first. Returns True where the stop sentinel came."""
+        while len(self.flights) < self.max_batch:
             try:
                 job = self._queue.get(block=block)
             except queue.Empty:
@@ -145,7 +177,7 @@ class BatchEngine(Engine):
             job.started = time.monotonic()
             try:
                 for run in job.runs:
-                    request = self.batch.submit(run.prompt_ids, **run.options)
+                    request = self.batch.submit(run.prompt_ids, group=job, **run.options)
                     flight.requests[request] = (run, logprobs_recorder(run.options), [])
             except Exception as exc:                  # a setting the decoder refuses: this job alone
                 for request in flight.requests:
@@ -166,11 +198,15 @@ class BatchEngine(Engine):
         for request in flight.requests:
             if not request.done:
                 self.batch.cancel(request)
-        self.flights.remove(flight)
+        if flight in self.flights:
+            self.flights.remove(flight)
         flight.job.emit(*event)
 
+    def _flight_of(self, request) -> _Flight | None:
+        return next((f for f in self.flights if request in f.requests), None)
+
     def _report(self, request) -> None:
-        flight = next((f for f in self.flights if request in f.requests), None)
+        flight = self._flight_of(request)
         if flight is None:
             return
         job = flight.job

@@ -68,13 +68,17 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--model-name", default=None,
                      help="the model id clients send (default: the preset name, else --target as given)")
     srv.add_argument("--max-queue", type=int, default=64,
-                     help="requests that may wait for the decoder; one more gets a 429 (default 64)")
+                     help="requests that may wait for the decoder beyond those it takes at once (while batch "
+                          "slots are free, or it is idle); one more gets a 429 (default 64)")
     srv.add_argument("--max-batch", type=_max_batch, default=None, metavar="B",
                      help="generations decoded together in one target forward a round (continuous batching: "
-                          "requests join at a round boundary, long prompts go in chunks); each answer is the one "
-                          "a lone request gets. 1 decodes one at a time with the full drafter; auto (the "
-                          "default) takes the most rows whose forward costs at most two lone steps, from this "
-                          "machine's calibrated costs")
+                          "requests join at a round boundary, long prompts go in chunks, a request's runs share "
+                          "the slots fairly with other requests'); a request alone decodes with the full "
+                          "drafter, beside others with context drafting only. Answers are the lone ones bit for "
+                          "bit on native q4 / q4q8 weights, not guaranteed on dense, bfloat16 or torch's int4 "
+                          "kernel (the answer's mcsd field says batch_exact). 1 decodes one at a time with the "
+                          "full drafter; auto (the default) takes the most rows whose forward costs at most two "
+                          "lone steps, from this machine's calibrated costs")
     srv.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
                      help="a request's time limit, queueing included; past it the generation stops and the "
                           "request gets a 504 (default 600)")
@@ -112,6 +116,8 @@ def _check_server_args(args) -> None:
         raise UsageError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
     if args.api_key is not None and not args.api_key.strip():
         raise UsageError("--api-key is empty")
+    if args.model_name is not None and not args.model_name.strip():
+        raise UsageError("--model-name is empty: give the model id clients send, or leave the flag out")
 
 
 def _model_id(args) -> str:

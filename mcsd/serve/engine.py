@@ -8,7 +8,9 @@ A job is a request's generations (its prompts times its `n` choices), run one af
 `TreeDecoder.stream`. After every round the worker passes the round's tokens to the job's asyncio
 queue and checks whether the job was cancelled (its client left) or ran past its time limit; either
 closes the generation there, so the decoder is free again within one round. An exception inside a
-generation ends that job with an "error" event; the worker goes on with the next job.
+generation, or while its tokens are reported, ends that job with an "error" event; the worker goes
+on with the next job. Should the worker itself end (an error outside any job), every job in flight
+and queued gets its "error" at once, new ones are refused, and `/health` says so (503).
 
 Limitations: one sequence at a time (`mcsd.serve.batching.BatchEngine`, `--max-batch`, decodes
 several in one forward); a job with many choices holds the decoder until all are done.
@@ -85,18 +87,28 @@ class Draining(Exception):
     """The server is shutting down and takes no new jobs."""
 
 
+class WorkerGone(Exception):
+    """The decoder's worker thread has ended: no job can be answered."""
+
+
 class Engine:
     """The decoder's single worker thread and its bounded FIFO queue.
 
     Args:
         build: called once on the worker thread; returns the `TreeDecoder`.
-        max_queue: jobs that may wait (the running one not counted); one more is refused.
+        max_queue: jobs that may wait (those the worker takes at once not counted: the next one while
+            it is idle); one more is refused.
         metrics: a `mcsd.serve.metrics.Metrics` the worker reports generations to, or None.
+
+    Attributes:
+        died: why the worker thread ended while serving, or None.
     """
 
     def __init__(self, build: Callable[[], object], max_queue: int, metrics=None):
         self._build, self.metrics = build, metrics
-        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self.max_queue = max_queue
+        self._queue: queue.Queue = queue.Queue()     # bounded in `submit`, by what may wait
+        self.died: str | None = None
         self._ready = threading.Event()
         self._build_error: BaseException | None = None
         self._thread = threading.Thread(target=self._work, name="mcsd-decoder", daemon=True)
@@ -117,14 +129,25 @@ class Engine:
             raise self._build_error
 
     def submit(self, job: Job) -> None:
-        """Queue a job; QueueFull or Draining when it cannot be taken."""
+        """Queue a job; QueueFull, Draining or WorkerGone when it cannot be taken. Jobs the worker
+        takes at its next look (`_room`) do not count as waiting."""
         with self._admit:
             if self.draining:
                 raise Draining()
-            try:
-                self._queue.put_nowait(job)
-            except queue.Full:
-                raise QueueFull() from None
+            if not self.alive:
+                raise WorkerGone()
+            if self._queue.qsize() >= self.max_queue + self._room():
+                raise QueueFull()
+            self._queue.put_nowait(job)
+
+    def _room(self) -> int:
+        """Queued jobs the worker takes as soon as it looks: one while it is idle."""
+        return 0 if self.busy else 1
+
+    @property
+    def alive(self) -> bool:
+        """The worker thread is serving (or not started yet)."""
+        return self.died is None and (self._thread.is_alive() or not self._ready.is_set())
 
     def drain(self) -> None:
         """Take no new jobs; those queued and running are answered."""
@@ -154,8 +177,38 @@ class Engine:
     # ------------------------------------------------------------------ the worker thread
 
     def _work(self) -> None:
-        if self._built():
-            self._one_at_a_time()
+        if not self._built():
+            return
+        try:
+            self._serve()
+        except BaseException as exc:                  # outside any job: the worker ends, loudly
+            self._die(exc)
+
+    def _serve(self) -> None:
+        """The worker's loop, until the stop marker."""
+        self._one_at_a_time()
+
+    def _die(self, exc: BaseException) -> None:
+        """The worker is ending on `exc`: every job in flight and queued gets an "error" event, new
+        ones are refused (`alive`), and the log says why."""
+        log.critical("the decoder's worker stopped: %s: %s; requests are refused from now on", type(exc).__name__,
+                     exc, exc_info=(type(exc), exc, exc.__traceback__))
+        error = exc if isinstance(exc, Exception) else RuntimeError(f"{type(exc).__name__}: {exc}")
+        with self._admit:                             # no job is queued behind this unanswered
+            self.died = f"{type(exc).__name__}: {exc}"
+            for job in self._in_flight():
+                job.emit("error", error)
+            while True:
+                try:
+                    job = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    job.emit("error", error)
+
+    def _in_flight(self) -> list[Job]:
+        """The jobs the worker has taken and not answered."""
+        return [self.current] if self.current is not None else []
 
     def _built(self) -> bool:
         """Build the decoder (and what the engine makes of it: `_prepare`) on this thread, then let

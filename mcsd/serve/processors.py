@@ -95,8 +95,10 @@ def _finite(value: float) -> float:
     return max(FLOOR, value)
 
 
-# Test-only markers (`mcsd-serve --fault-injection`): a prompt holding one fails, or slows, its generation.
+# Test-only markers (`mcsd-serve --fault-injection`): a prompt holding one fails its generation, fails the
+# reporting of its tokens (outside the decoder's round), or slows its generation.
 FAULT_MARKER = "[[mcsd-fault]]"
+REPORT_FAULT_MARKER = "[[mcsd-fault-report]]"
 SLOW_MARKER = "[[mcsd-slow]]"
 
 
@@ -129,3 +131,18 @@ class Slow:
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         time.sleep(self.seconds)
         return scores
+
+
+class ReportFault(TokenLogprobs):
+    """Test-only (`mcsd-serve --fault-injection`): a recorder whose `take` raises `InjectedFault`, so that
+    the engine's reporting of a round's tokens fails (outside the decoder's round) for this request.
+    As a processor it passes the scores through and keeps nothing."""
+
+    def __init__(self):
+        super().__init__(0, SamplingConfig(), 0)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return scores
+
+    def take(self, completion: list[int], start: int):
+        raise InjectedFault("fault injected while reporting tokens, for a test (--fault-injection)")

@@ -480,8 +480,12 @@ def token_logprobs(endpoint: str, tokenizer, tokens: list[int], rows: list, offs
 def speculation(stats_list: list) -> dict:
     """The `mcsd` extra field: what speculation did for these generations (clients ignore it).
     tau is tokens per target forward; acceptance by depth d is P(depth d accepted | depth d-1 was);
-    decoded in a batch, `batch_share` is their rows over all rows of the forwards they ran in and
-    `batch_size` those forwards' slots on average."""
+    what drafted: `drafted_nodes` (the model drafter's: feature head or draft model) and
+    `context_nodes` (context drafting's), summed over the rounds' trees; decoded in a batch,
+    `batch_share` is their rows over all rows of the forwards they ran in, `batch_size` those
+    forwards' slots on average, and `batch_exact` whether each answer is guaranteed the one a lone
+    request gets (bit for bit on native q4 layers; false on dense, bfloat16 or torch's int4 kernel,
+    where it is not promised)."""
     new = sum(s.new_tokens for s in stats_list)
     forwards = sum(s.target_forwards for s in stats_list)
     wall = sum(s.wall_s for s in stats_list)
@@ -492,12 +496,15 @@ def speculation(stats_list: list) -> dict:
            "accept_by_depth": [round(a / o, 4) if o else 0.0 for a, o in zip(accepted, offered)],
            "target_forwards": forwards, "draft_forwards": sum(s.draft_forwards for s in stats_list),
            "rounds": sum(s.rounds for s in stats_list), "tokens_per_s": round(new / wall, 2) if wall else 0.0,
-           "wall_s": round(wall, 4)}
+           "wall_s": round(wall, 4),
+           "drafted_nodes": sum(s.tree_nodes - s.context_nodes for s in stats_list),
+           "context_nodes": sum(s.context_nodes for s in stats_list)}
     from ..core.output import GenerationStats
     batch = GenerationStats(**{k: sum(getattr(s, k) for s in stats_list)
                                for k in ("batch_rounds", "batch_rows", "batch_all_rows", "batch_slots")})
     if batch.batch_rounds:            # decoded in a batch: its share of those forwards, and their slots
         out["batch_share"], out["batch_size"] = round(batch.batch_share, 4), round(batch.batch_size, 3)
+        out["batch_exact"] = all(s.batch_exact is not False for s in stats_list)
     return out
 
 
