@@ -502,6 +502,9 @@ def test_the_command_line_runs_q4q8_and_its_baseline_in_the_same_arithmetic(q4_g
     for out in runs.values():
         assert out["settings"]["weights"] == "q4q8" and out["settings"]["dtype"] == "float32"
     assert "on 8-bit activations" in runs["tree"]["settings"]["matmul_kernels"]
+    # the instruction set that ran, by name: amx, avx512vnni, avxvnni or avx2
+    assert f"({native.int8_isa()} integer products)" in runs["tree"]["settings"]["matmul_kernels"]
+    assert native.int8_isa() == native.int8_isas_here()[0]
     assert runs["tree"]["tokens"] == runs["baseline"]["tokens"]          # --baseline: the same arithmetic
     assert main(common + ["--dtype", "bfloat16"]) == 2
     assert "--weights q4q8 computes in float32 here" in capsys.readouterr().err
