@@ -1,6 +1,8 @@
 """Several requests in one forward (`mcsd.forward.slots`, `mcsd.decoding.batch`): each answer is the one
 the request gets decoded alone, whatever else is in the batch and whenever it arrived."""
 
+import contextlib
+
 import pytest
 import torch
 from conftest import exact_two_token_probs, pooled_chi_square_p, tiny_llama
@@ -80,10 +82,10 @@ def test_a_slots_rows_in_a_batched_forward_are_its_lone_rows(target, fixed):
             assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
-@pytest.mark.parametrize("act8, native_head", [(False, False), (False, True), (True, True)])
-def test_on_the_native_layers_a_slots_logits_are_its_lone_logits_bit_for_bit(tmp_path, monkeypatch, act8,
-                                                                              native_head):
-    """With a native LM head too, whose one call then covers every block's rows."""
+@contextlib.contextmanager
+def _on_native_q4(tmp_path, monkeypatch, act8: bool):
+    """A tiny model on the native kernel's Q4_1 codes (8-bit activations with `act8`); skips where that
+    kernel does not run."""
     from test_native_layer import _on_q4_codes
     monkeypatch.setenv("MCSD_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("MCSD_NATIVE", "1")
@@ -91,7 +93,16 @@ def test_on_the_native_layers_a_slots_logits_are_its_lone_logits_bit_for_bit(tmp
     try:
         if quant.kernel_name() != "native":
             pytest.skip(f"the native q4 kernel does not run here ({native.reason()})")
-        model = _on_q4_codes(tiny_llama(0), tmp_path / "q4.gguf", act8=act8)
+        yield _on_q4_codes(tiny_llama(0), tmp_path / "q4.gguf", act8=act8)
+    finally:
+        native.reset()
+
+
+@pytest.mark.parametrize("act8, native_head", [(False, False), (False, True), (True, True)])
+def test_on_the_native_layers_a_slots_logits_are_its_lone_logits_bit_for_bit(tmp_path, monkeypatch, act8,
+                                                                              native_head):
+    """With a native LM head too, whose one call then covers every block's rows."""
+    with _on_native_q4(tmp_path, monkeypatch, act8) as model:
         if native_head:
             assert quant.attach_q8(model.lm_head) == 1
         lm = CachedLM(model, lean=True)
@@ -107,8 +118,6 @@ def test_on_the_native_layers_a_slots_logits_are_its_lone_logits_bit_for_bit(tmp
                 assert torch.equal(a, b)
         if native_head:          # the steps' rounds: the three slots' rows in one call of the head
             assert calls[-1][-2] == len(FORWARD_PROMPTS)
-    finally:
-        native.reset()
 
 
 def test_a_slot_commits_its_own_path_and_leaves_the_others(target):
@@ -177,7 +186,9 @@ def test_seeded_sampling_in_a_batch_is_the_lone_runs_text(eos_target, fixed):
     assert [got[i].output.tokens for i in range(len(PROMPTS))] == want
 
 
-def test_batched_sampling_follows_the_target(target):
+@pytest.mark.parametrize("method", ["gumbel", "rejection"])
+def test_batched_sampling_follows_the_target(target, method):
+    """The seeded Gumbel draw and multi-candidate rejection sampling, each through `BatchDecoder`."""
     sampling = SamplingConfig(temperature=1.0, top_k=8, top_p=1.0)     # 64 cells of (first, second)
     prompt = torch.tensor([1, 2, 3])
     vocab = target.config.vocab_size
@@ -187,9 +198,11 @@ def test_batched_sampling_follows_the_target(target):
     # beside every request, others with other prompts, so that each round's forward mixes them
     requests = []
     for seed in range(n):
-        requests.append(batch.submit(prompt, max_new_tokens=2, temperature=1.0, top_k=8, seed=seed))
+        requests.append(batch.submit(prompt, max_new_tokens=2, temperature=1.0, top_k=8, seed=seed,
+                                     sampling_method=method))
         if seed % 4 == 0:
-            batch.submit([7, 8, 9, 10, 11][: 1 + seed % 5], max_new_tokens=3, temperature=1.0, seed=seed)
+            batch.submit([7, 8, 9, 10, 11][: 1 + seed % 5], max_new_tokens=3, temperature=1.0, seed=seed,
+                         sampling_method=method)
     while not batch.idle:
         batch.step()
     counts = torch.zeros(vocab * vocab)
@@ -594,3 +607,120 @@ def test_a_lone_request_hands_its_cache_to_its_slot_when_another_joins(eos_targe
     s = first.output.stats
     assert s.draft_forwards > 0 and s.batch_rounds > 0 and s.round_reason.startswith("alone: the lone round, then")
     assert all(r.output.stats.draft_forwards == 0 for r in others)
+
+
+# ---------------------------------------------------------------------------------------------- review gaps
+
+
+@pytest.mark.parametrize("act8", [False, True])
+def test_on_the_native_layers_chunked_prompts_beside_tree_blocks_give_the_lone_logits_bit_for_bit(
+        tmp_path, monkeypatch, act8):
+    """Slot 0 verifies a tree while slot 1's prompt goes in chunks beside it: the tree's logits are its
+    lone verify's, and the prompt's last row its lone prefill's (one forward of the whole prompt)."""
+    with _on_native_q4(tmp_path, monkeypatch, act8) as model:
+        first, second = torch.tensor([3, 4, 5, 6, 7, 8, 9]), torch.tensor([20 + i for i in range(11)])
+        tokens = torch.tensor([10, 11, 12, 13, 14])                       # root, two children, a grandchild each
+        parents = torch.tensor([-1, 0, 0, 1, 2])
+        allowed = torch.zeros(5, 5, dtype=torch.bool)
+        for i in range(5):
+            j = i
+            while j >= 0:
+                allowed[i, j], j = True, int(parents[j])
+        positions = first.numel() + torch.tensor([0, 1, 1, 2, 2])
+        lone = CachedLM(model, lean=True)
+        with torch.inference_mode():
+            lone.reset()
+            lone.extend(first)
+            want_tree = lone.forward(tokens, positions, allowed)
+            lone.reset()
+            want_prompt = lone.extend(second, last_logits=True)[-1]
+            forward = SlotForward(lone.lean_forward(), model)
+            assert forward.lean.native_layers() is not None
+            cache = SlotCache.for_model(forward.lean, 2)
+            forward(cache, [Block(0, first, torch.arange(first.numel()), causal_allowed(first.numel()),
+                                  last_only=True, prompt_rows=first.numel())])
+            chunks = [(0, 4), (4, 8), (8, 11)]
+            for k, (a, b) in enumerate(chunks):
+                blocks = [Block(1, second[a:b], torch.arange(a, b), causal_allowed(b - a), last_only=True,
+                                prompt_rows=second.numel())]
+                if k == 1:                                                  # the tree beside the middle chunk
+                    blocks.insert(0, Block(0, tokens, positions, allowed))
+                got = forward(cache, blocks)
+                if k == 1:
+                    assert torch.equal(got[0], want_tree)
+        assert torch.equal(got[-1][-1], want_prompt)
+
+
+def test_the_int4_kernels_dense_or_4bit_choice_is_each_prompts_not_the_batchs(target, monkeypatch):
+    """On torch's int4 kernel a prefill of `PREFILL_ROWS` rows or more reads the dense weights: a long
+    prompt's chunks do (as its lone prefill does), a short prompt and a tree beside them do not, however
+    many rows the round has in all."""
+    import contextlib
+    calls = []
+
+    @contextlib.contextmanager
+    def forward_rows(model, rows, cached):
+        calls.append((rows, quant.starts_dense(rows, cached)))
+        yield
+
+    monkeypatch.setattr(quant, "starts_dense", lambda rows, cached: cached == 0 and rows >= quant.PREFILL_ROWS)
+    monkeypatch.setattr(quant, "forward_rows", forward_rows)
+    lm = CachedLM(target, lean=True)
+    forward = SlotForward(lm.lean_forward(), target)
+    cache = SlotCache.for_model(forward.lean, 3)
+    long = torch.tensor([(3 + i) % 50 + 2 for i in range(quant.PREFILL_ROWS + 8)])
+    short = torch.tensor([9, 10, 11, 12, 13])
+    with torch.inference_mode():
+        forward(cache, [Block(2, short[:3], torch.arange(3), causal_allowed(3), True, 3)])
+        blocks = [Block(0, long[:16], torch.arange(16), causal_allowed(16), True, long.numel()),
+                  Block(1, short, torch.arange(5), causal_allowed(5), True, short.numel()),
+                  Block(2, torch.tensor([4, 5]), torch.tensor([3, 4]), causal_allowed(2))]
+        calls.clear()
+        mixed = forward(cache, blocks)
+        # two forwards: the long prompt's chunk on the dense weights (as its lone prefill of all its rows),
+        # the short prompt and the tree beside it on the 4-bit ones
+        assert sorted(calls) == [(7, False), (long.numel(), True)]
+        calls.clear()
+        rest = forward(cache, [Block(0, long[16:], torch.arange(16, long.numel()), causal_allowed(long.numel() - 16),
+                                     True, long.numel())])
+        assert calls == [(long.numel(), True)]                            # its later chunk dense too
+    lone = CachedLM(target, lean=True)
+    with torch.inference_mode():
+        lone.reset()
+        want = lone.extend(short, last_logits=True)[-1]
+        lone.reset()
+        want_long = lone.extend(long, last_logits=True)[-1]
+    assert torch.allclose(mixed[1][-1], want, atol=1e-6, rtol=0) and torch.allclose(rest[0][-1], want_long, atol=1e-5)
+
+
+def test_each_slot_is_given_its_own_drafting_time_not_the_rounds(eos_target, monkeypatch):
+    """A fake clock that only proposals move: slot i's proposal takes i + 1 seconds; each request's
+    draft_s sums its own proposals' seconds (and its policy hears its own)."""
+    import mcsd.decoding.batch as batch_module
+    from mcsd.decoding.propose import Proposer
+    now = [0.0]
+    monkeypatch.setattr(batch_module, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: now[0])}))
+    seconds: dict = {}
+    heard: dict = {}
+    propose, observe = Proposer.propose, Proposer.observe
+
+    def timed_propose(self, *args, **kwargs):
+        now[0] += seconds.get(id(self), 0.0)
+        return propose(self, *args, **kwargs)
+
+    def heard_observe(self, proposal, acc, hidden, last, draft_ms, verify_ms, forward_ms=None):
+        heard.setdefault(id(self), []).append(draft_ms)
+        return observe(self, proposal, acc, hidden, last, draft_ms, verify_ms, forward_ms)
+
+    monkeypatch.setattr(Proposer, "propose", timed_propose)
+    monkeypatch.setattr(Proposer, "observe", heard_observe)
+    batch = BatchDecoder(_decoder(eos_target), max_batch=3)
+    requests = [batch.submit(p, max_new_tokens=12, ignore_eos=True) for p in PROMPTS[:3]]
+    for i, r in enumerate(requests):
+        seconds[id(r.proposer)] = i + 1.0
+    while not batch.idle:
+        batch.step()
+    for i, r in enumerate(requests):
+        rounds = r.output.stats.rounds
+        assert rounds > 1 and r.output.stats.draft_s == pytest.approx((i + 1.0) * rounds)
+        assert heard[id(r.proposer)] == [pytest.approx((i + 1.0) * 1000)] * rounds

@@ -312,10 +312,9 @@ def _wait(events, timeout=60):
         time.sleep(0.01)
 
 
-def test_a_burst_queued_at_once_joins_the_batch_in_one_round():
-    engine, metrics = _engine(max_batch=4, max_queue=1)
-    jobs, events = _jobs([1, 1, 1])
-    for job in jobs:                                       # an idle engine: none waits, none is refused
+def _answer_queued(engine, jobs, events):
+    """The jobs queued before the worker starts (so no timing decides what it takes at once), answered."""
+    for job in jobs:
         engine.submit(job)
     engine.start()
     try:
@@ -323,6 +322,12 @@ def test_a_burst_queued_at_once_joins_the_batch_in_one_round():
     finally:
         engine.stop(10)
     assert all(e[-1] == ("end",) for e in events)
+
+
+def test_a_burst_queued_at_once_joins_the_batch_in_one_round():
+    engine, metrics = _engine(max_batch=4, max_queue=1)
+    jobs, events = _jobs([1, 1, 1])
+    _answer_queued(engine, jobs, events)                   # an idle engine: none waits, none is refused
     assert metrics.rounds[0][0] == 3                       # the three prompts prefilled in one forward
 
 
@@ -330,14 +335,7 @@ def test_one_job_of_many_runs_shares_the_slots_and_the_running_gauge_counts_slot
     engine, metrics = _engine(max_batch=3)
     jobs, events = _jobs([12, 1])
     ORDER.clear()
-    for job in jobs:                                      # queued before the worker looks: no timing in it
-        engine.submit(job)
-    engine.start()
-    try:
-        _wait(events)
-    finally:
-        engine.stop(10)
-    assert all(e[-1] == ("end",) for e in events)
+    _answer_queued(engine, jobs, events)
     assert max(running for _, running in metrics.rounds) == 3 and all(s <= 3 for s, _ in metrics.rounds)
     assert sum(e[0] == "done" for e in events[0]) == 12
     # the second job took a slot in the first round beside the big one's first two runs (first come,

@@ -99,8 +99,8 @@ class _API:
         if self.engine.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         if not self.engine.alive:
-            return JSONResponse({"status": "error", "error": f"the decoder's worker stopped ({self.engine.died or 'ended'})"},
-                                status_code=503)
+            why = self.engine.died or "it ended"
+            return JSONResponse({"status": "error", "error": f"the decoder's worker stopped ({why})"}, status_code=503)
         return JSONResponse({"status": "ok", "model": self.settings.model_ids[0], "busy": self.engine.busy,
                              "queue_depth": self.engine.queue_depth})
 
