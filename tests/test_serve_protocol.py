@@ -290,3 +290,16 @@ def test_a_job_submitted_while_the_engine_stops_is_answered_or_refused_never_str
     assert refused or events[-1:] == [("end",)], f"queued behind the stop marker, unanswered: {events}"
     with pytest.raises(Draining):                     # and once stopped, a job is refused at once
         engine.submit(job)
+
+
+def test_the_server_reference_names_every_server_flag_and_says_n_choices_run_together():
+    from pathlib import Path
+
+    from mcsd.serve.cli import build_parser
+    text = (Path(__file__).resolve().parents[1] / "docs" / "server.md").read_text()
+    group = next(g for g in build_parser()._action_groups if g.title == "server")
+    flags = [a.option_strings[0] for a in group._group_actions]
+    assert {"--model-name", "--log-level", "--fault-injection", "--max-batch", "--max-queue"} <= set(flags)
+    for flag in flags:
+        assert f"`{flag}" in text, flag
+    assert "one after another" not in text and "decode together" in text

@@ -20,7 +20,14 @@ Why a row's answer is the one it gets alone:
   but a dense matmul (torch's) over R rows may round a row's result differently in the last bits from
   one over that block's rows alone (measured on the tests' tiny float32 models: up to 6e-8). That has
   not changed a greedy token in the tests; where two logits tie to the last bit it could, as a tree's
-  rows can against a plain step in the lone loop.
+  rows can against a plain step in the lone loop. In bfloat16 the rounding by row count is coarser
+  (an H200 run found 1-2 of 6 batched answers equal to their lone ones): nothing is promised there.
+- on torch's int4 kernel a q4 model's forward reads the dense weights where it starts a sequence with
+  `quant.PREFILL_ROWS` rows or more: here that choice is each block's own (`Block.dense`: a prompt's
+  chunks follow its lone prefill of the whole prompt), the blocks of each kind in a forward of their
+  own, never the whole batch's row count. The products themselves are torch's (not row-invariant).
+So the lone logits, bit for bit, are promised on the native q4 / q4q8 layers only
+(`BatchDecoder.exact`); elsewhere a batched answer may part from its lone one near a tie.
 
 In fixed shapes (`SlotBlocks`, the GPU's path): every slot of the cache runs each round, its block
 padded to the round's bucket of rows (the largest block's), so that one forward of (slots, rows) is
@@ -28,8 +35,12 @@ one captured CUDA graph per bucket, replayed; a slot without a block runs paddin
 products, attention and LM head are torch's over the whole (slots, rows) batch, so on a dense model
 a row's logits may differ from its lone forward's in the last bits, as `SlotForward`'s do.
 
+Memory: `SlotCache` holds every slot at one capacity (the longest slot's), bounded by its `limit` (the
+context window and one block), and gives the room back when the longest sequence leaves.
+
 Limitations: Llama-family models on the engine's own forward only (`mcsd.forward.llama.supports`);
-no hidden states (no feature drafter reads them).
+no hidden states (no feature drafter reads them: a model drafter drafts only for a request alone,
+on the lone round's cache, `mcsd.decoding.batch`).
 """
 
 from __future__ import annotations
