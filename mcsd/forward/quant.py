@@ -33,8 +33,8 @@ layer and every block size:
 
 Q4 weights on 8-bit activations ("q4q8", `attach(..., act8=True)`, native kernel, float32 compute):
 the Q4_1 layers and the Q8_0 head multiply the same codes by each input row quantised to 8 bits per
-block of 32 (llama.cpp's Q8_1 / Q8_0), with integer dot products (VNNI where the CPU has it, AVX2
-otherwise; `native.q4q8_mm`). That rounding of the activations makes a slightly different target,
+block of 32 (llama.cpp's Q8_1 / Q8_0), with integer dot products (AMX tiles or VNNI where the CPU has
+them, AVX2 otherwise, the same bits on each; `native.q4q8_mm`). That rounding of the activations makes a slightly different target,
 as bfloat16 compute does: greedy output under q4q8 is exact with respect to plain q4q8 decoding,
 since a row is quantised and summed on its own at every block size.
 
