@@ -23,6 +23,7 @@ class GenerationStats:
     target_forwards: int = 0          # prefill included: plain decoding has one per token
     draft_forwards: int = 0
     rounds: int = 0
+    plain_rounds: int = 0             # of those, rounds that drafted and grafted nothing: plain steps
     tree_nodes: int = 0               # draft nodes verified, summed over rounds
     wall_s: float = 0.0
     prefill_s: float = 0.0
@@ -77,6 +78,14 @@ class GenerationStats:
     def other_s(self) -> float:
         return max(self.wall_s - self.prefill_s - self.draft_s - self.verify_s, 0.0)
 
+    def record_step(self, seconds: float) -> None:
+        """One plain step (a round with nothing drafted or grafted): a target forward of the root alone."""
+        self.target_forwards += 1
+        self.rounds += 1
+        self.plain_rounds += 1
+        self.verify_s += seconds
+        self.accepted_per_round.append(0)
+
     def record_round(self, tree: DraftTree | None, n_accepted: int, drafted_depth: int | None = None,
                      nodes: int | None = None) -> None:
         """One round: its tree (or, read nowhere on the host, its depth and node count) and its accepted count."""
@@ -94,6 +103,7 @@ class GenerationStats:
     def as_dict(self) -> dict:
         return {"new_tokens": self.new_tokens, "target_forwards": self.target_forwards,
                 "draft_forwards": self.draft_forwards, "rounds": self.rounds,
+                "plain_rounds": self.plain_rounds,
                 "mean_accepted": self.mean_accepted, "accept_by_depth": self.accept_by_depth,
                 "tree_nodes": self.tree_nodes, "tokens_per_s": self.tokens_per_s, "wall_s": self.wall_s,
                 "prefill_s": self.prefill_s, "draft_s": self.draft_s, "verify_s": self.verify_s,

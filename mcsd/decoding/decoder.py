@@ -303,11 +303,21 @@ class TreeDecoder:
             t0 = time.perf_counter()
             proposal = proposer.propose(sequence, cfg.max_new_tokens - len(emitted.tokens), cfg.sampling, gen, proc,
                                         noise)
+            if proposal is None:     # nothing drafted or grafted: the plain loop's step, no tree
+                token, new_lp = self._step(sequence, cfg, gen, proposer, proc, noise, t0)
+                stats.record_step(time.perf_counter() - t0)
+                if on_round is not None:                     # the step as a tree of the root alone
+                    on_round(DraftTree.root_only(policy.topology, sequence[-1]),
+                             Acceptance(torch.zeros(1, dtype=torch.long, device=token.device), token))
+                sequence = torch.cat([sequence, token.reshape(1)])
+                yield emitted.add([int(token)], new_lp)
+                continue
             t1 = time.perf_counter()
             # 3-4. verify every node in one target forward, then accept (the target's cache keeps the path)
             acc, path_hidden, last, new_lp = self._verify(proposal.grown, sequence, cfg, gen, policy,
-                                                          proposer.hidden, proposer.lossy > 0, proposer.context, proc,
-                                                          noise)
+                                                          proposer.hidden, proposer.lossy > 0,
+                                                          proposer.context if proposer.recycles(proposal) else None,
+                                                          proc, noise)
             t2 = time.perf_counter()
             # 5. commit the path to the drafter's cache; the proposers observe how the round went
             proposer.observe(proposal, acc, path_hidden, last, (t1 - t0) * 1000, (t2 - t1) * 1000,
@@ -351,6 +361,22 @@ class TreeDecoder:
         scores = logits[-1] if proc is None else proc.at_prefix(prompt_ids, logits[-1])
         root, new_lp = choose(scores, cfg.sampling, gen, cfg.return_logprobs, noise, prompt_ids.numel())
         return torch.cat([prompt_ids, root.reshape(1)]), [int(root)], new_lp
+
+    def _step(self, sequence: torch.Tensor, cfg: DecodeConfig, gen, proposer: Proposer, proc, noise, t0: float):
+        """The plain loop's step, for a round that drafts and grafts nothing (every plain round, and
+        every round of `generate_baseline`): the target reads the root `sequence[-1]` ((T,) the
+        committed sequence) and draws the next token from its logits, as the prefill draws the first.
+
+        Returns:
+            (the next token (), with `cfg.return_logprobs` its (1,) float32 log-probability else None).
+        """
+        out = self.target.extend(sequence[-1:], hidden=proposer.hidden)
+        logits, states = out if proposer.hidden else (out, None)                 # (1, V), (1, H)
+        scores = logits[-1] if proc is None else proc.at_prefix(sequence, logits[-1])
+        token, new_lp = choose(scores, cfg.sampling, gen, cfg.return_logprobs, noise, sequence.numel())
+        proposer.observe_step(sequence[-1:], logits, states, (time.perf_counter() - t0) * 1000,
+                              self.target.forward_ms)
+        return token, new_lp
 
     def _verify(self, grown: GrownTree, sequence: torch.Tensor, cfg: DecodeConfig, gen, policy: TreePolicy,
                 hidden: bool | tuple[int, ...] = False, skip_root: bool = False,

@@ -122,16 +122,21 @@ class Proposer:
         `noise` (`mcsd.core.sampling.PositionNoise`) ranks sampled candidates by the target's own noise;
         `context_nodes` bounds the nodes context drafting grafts this round (a batch's share);
         `beside` (a batched round): (rows, expected tokens) of the other slots' blocks in the same
-        forward, so that a grafted node is priced by what it adds to the whole round."""
+        forward, so that a grafted node is priced by what it adds to the whole round.
+
+        Returns None where the round drafts nothing and grafts nothing (`plain`): it is then the plain
+        loop's step (`TreeDecoder._step`), with no tree made."""
         policy, drafter = self.policy, self.drafter
         depth = min(policy.begin_round(), remaining - (0 if self.lossy else 1)) if drafter is not None else 0
         if self.lossy:
             depth = max(depth, 1)                           # the candidate roots are this round's level 1
+        grafting = self.context is not None and self.context_gate.opens()
+        if depth == 0 and not grafting and beside is None:
+            return None
         grown = (grow_tree(drafter, policy, sequence, depth, sampling, gen, root_children=self.roots, scores=scores,
                            noise=noise)
                  if depth > 0 else GrownTree(DraftTree.root_only(policy.topology, sequence[-1]), None))
         drafted, graft, expected = grown.tree, None, None
-        grafting = self.context is not None and self.context_gate.opens()
         if grafting or beside is not None:
             expected = expected_tokens(policy, self._drafted_accepts, drafted.size)
         if grafting:                                        # free branches from the context, merged in
@@ -168,6 +173,25 @@ class Proposer:
         self.policy.observe_timing(proposal.grown.tree, draft_ms, verify_ms, forward_ms)
         if self.lossy:
             self.roots = last_logits.topk(self.lossy).indices
+
+    def observe_step(self, root: torch.Tensor, logits: torch.Tensor, states: torch.Tensor | None,
+                     ms: float, forward_ms: float | None = None) -> None:
+        """After a plain step (`propose` gave None): the drafter's features of the root (the target's
+        hidden states `states` (1, H), fused when it next drafts), the target's top-k after the root
+        (`logits` (1, V)) recycled only where the next round grafts, and the policy hears the step's
+        time (`ms`, `forward_ms` its target forward)."""
+        if self.hidden:
+            self.drafter.observe_target(states)
+        if self.context is not None and self.context_gate.will_open():
+            self.context.observe_logits(root, logits)
+        self._drafted_accepts.append(0)
+        self.policy.observe_step(ms, forward_ms)
+
+    def recycles(self, proposal: Proposal) -> bool:
+        """Whether a round's verify records the target's predictions along its path for context
+        drafting (recycling): where this round grafted or the next one will; a round between
+        rounds that do not graft skips the top-k."""
+        return self.context is not None and (proposal.graft is not None or self.context_gate.will_open())
 
     def _value_context(self, proposal: Proposal, acc: Acceptance) -> None:
         """What this round's grafted nodes were worth, into the context gate (needs costs)."""

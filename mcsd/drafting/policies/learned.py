@@ -143,6 +143,7 @@ class LearnedPolicy(TreePolicy):
             raise ConfigError(f"online_costs must be true or false, got {online_costs!r}")
         self.costs.online = online_costs
         self.predict_s = 0.0          # feature building + prediction time, for the overhead report
+        self._root: torch.Tensor | None = None           # (1,) ones: each round's root, made once
         self.reset()
 
     def bind_drafter(self, drafter) -> None:
@@ -171,11 +172,14 @@ class LearnedPolicy(TreePolicy):
         self.gate.value = value
 
     def begin_round(self) -> int:
-        self._path_pred = torch.ones(1, device=self.topology.parents.device)   # the root is certain
+        if self._root is None or self._root.device != self.topology.parents.device:
+            self._root = torch.ones(1, device=self.topology.parents.device)   # the root is certain
+        self._path_pred, self._last = self._root, None                       # (replaced, never written)
+        if not self.gate.opens():
+            return 0                        # a plain step: nothing else of a drafted round is needed
         self._draft_ms = self.costs.draft_ms(1)                               # the root's draft step
         self._draft_base_ms = self.costs.base_draft_ms(1)                     # the same, uncorrected
-        self._last = None
-        return self.topology.max_depth if self.gate.opens() else 0
+        return self.topology.max_depth
 
     def expand(self, frontier: Frontier) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -259,6 +263,11 @@ class LearnedPolicy(TreePolicy):
         self.costs.observe("verify", tree.size, self.costs.base_verify_ms(tree.size), verify_ms, forward_ms)
         if self.gate.ran:
             self.costs.observe("draft", None, self._draft_base_ms, draft_ms)
+
+    def observe_step(self, ms: float, forward_ms: float | None = None) -> None:
+        # a plain step: the staleness check's own measure of a 1-row verify (nothing drafted, so the
+        # running acceptance and the gate's value are as they were)
+        self.costs.observe("verify", 1, self.costs.base_verify_ms(1), ms, forward_ms)
 
 
 def recent_acceptance(recent: float, n_accepted: int, tree: DraftTree) -> float:

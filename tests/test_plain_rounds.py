@@ -1,0 +1,110 @@
+"""A round that drafts nothing and grafts nothing is the plain loop's step: no tree is made or verified,
+the text is what plain decoding writes (greedy, float32; seeded sampling the same text; the target's
+distribution), and the drafters catch up when drafting resumes."""
+
+import pytest
+import torch
+from conftest import assert_follows_target
+from test_feature_draft import random_head
+
+from mcsd import TreeDecoder
+from mcsd.config import SamplingConfig
+from mcsd.decoding import decoder as decoder_module
+from mcsd.drafting.feature_draft import FeatureDrafter
+from mcsd.drafting.policies.static import StaticPolicy
+from mcsd.core.tree import TreeTopology
+
+PROMPT = torch.tensor([3, 17, 42, 5, 9, 11])
+
+
+class EveryOther(StaticPolicy):
+    """The static tree on every `period`-th round; nothing drafted on the others (a shut gate)."""
+
+    def __init__(self, topology, period: int = 3):
+        super().__init__(topology)
+        self.period, self.calls, self.steps = period, 0, []
+
+    def reset(self) -> None:
+        self.calls = 0
+
+    def begin_round(self) -> int:
+        self.calls += 1
+        return self.topology.max_depth if self.calls % self.period == 0 else 0
+
+    def observe_step(self, ms, forward_ms=None) -> None:
+        self.steps.append(ms)
+
+
+def decoder(target, draft, period=3, spec="2,2"):
+    return TreeDecoder(target, draft, policy=EveryOther(TreeTopology.from_spec(spec), period), attention="sdpa")
+
+
+def count_calls(monkeypatch, owner, name):
+    calls = []
+    original = getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("drafter", ["model", "head", "head+context"])
+def test_rounds_that_draft_nothing_are_plain_steps_and_the_text_is_plain_decodings(target, random_draft,
+                                                                                 monkeypatch, drafter):
+    draft = {"model": random_draft, "head": FeatureDrafter(random_head(target), target),
+             "head+context": [FeatureDrafter(random_head(target), target), "context"]}[drafter]
+    dec = decoder(target, draft)
+    if drafter == "head+context":                        # context drafting sits out as a shut gate does
+        monkeypatch.setattr("mcsd.drafting.policies.base.Gate.opens", lambda self: False)
+        monkeypatch.setattr("mcsd.drafting.policies.base.Gate.will_open", lambda self: False)
+    reference = dec.generate_baseline(PROMPT, max_new_tokens=40).tokens
+    verified = count_calls(monkeypatch, decoder_module.TreeDecoder, "_verify")
+    out = dec.generate(PROMPT, max_new_tokens=40)
+    assert out.tokens == reference
+    s = out.stats
+    assert s.plain_rounds > 0 and s.rounds > s.plain_rounds
+    assert len(verified) == s.rounds - s.plain_rounds               # only drafted rounds verify a tree
+    assert s.target_forwards == s.rounds + 1                        # one forward a round, and the prefill
+    assert len(dec.policy.steps) == s.plain_rounds                  # the policy heard of each plain step
+
+
+def test_the_plain_loop_makes_no_tree(target, monkeypatch):
+    from mcsd.core.tree import DraftTree
+    dec = TreeDecoder(target, None, attention="sdpa")
+    made = count_calls(monkeypatch, DraftTree, "root_only")
+    verified = count_calls(monkeypatch, decoder_module.TreeDecoder, "_verify")
+    out = dec.generate_baseline(PROMPT, max_new_tokens=12)
+    assert len(out.tokens) == 12 and out.stats.plain_rounds == out.stats.rounds == 11
+    assert not made and not verified
+
+
+@pytest.mark.parametrize("method", ["gumbel", "rejection"])
+def test_plain_steps_keep_a_seeds_text(target, random_draft, method):
+    """Seeded sampling: a round's draw is the target's own noise at that position, so the text does not
+    depend on which rounds drafted (with the position noise); under rejection sampling, the
+    drafted and plain rounds alike follow the target's distribution."""
+    dec = decoder(target, random_draft, period=2)
+    if method == "gumbel":
+        a = dec.generate(PROMPT, max_new_tokens=30, temperature=0.9, seed=11)
+        b = dec.generate_baseline(PROMPT, max_new_tokens=30, temperature=0.9, seed=11)
+        assert a.tokens == b.tokens and a.stats.plain_rounds > 0
+    else:
+        sampling = SamplingConfig(0.9, top_k=6, method="rejection")
+        dec.generate = _with_method(dec.generate, "rejection")
+        assert_follows_target(dec, target, sampling, n=1200)
+
+
+def _with_method(generate, method):
+    def run(*args, **kwargs):
+        return generate(*args, sampling_method=method, **kwargs)
+    return run
+
+
+def test_return_logprobs_on_plain_steps_match_the_plain_loop(target, random_draft):
+    dec = decoder(target, random_draft)
+    a = dec.generate(PROMPT, max_new_tokens=16, return_logprobs=True)
+    b = dec.generate_baseline(PROMPT, max_new_tokens=16, return_logprobs=True)
+    assert a.tokens == b.tokens
+    assert torch.allclose(torch.as_tensor(a.logprobs), torch.as_tensor(b.logprobs), atol=1e-5)
