@@ -118,6 +118,11 @@ def fixed_costs(request, monkeypatch):
     path, wherever it runs). Tests of the measuring itself carry `@pytest.mark.measures`."""
     if request.node.get_closest_marker("measures") is None:
         monkeypatch.setattr("mcsd.costs.timing.measure", fixed_measure)
+        monkeypatch.setattr("mcsd.decoding.round_prices.measure", lambda decoder, costs: dict(FIXED_ROUND_PRICES))
+
+
+# Made-up figures of what a drafted round and a graft cost beyond the forwards (`round_prices.measure`).
+FIXED_ROUND_PRICES = {"round_ms": 0.4, "graft_ms": 0.05}
 
 
 def write_tiny_gguf(path, vocab: int = 64, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,

@@ -4,6 +4,8 @@ measured profile, optionally corrected online, and the check that flags a profil
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import statistics
 
 from ..forward.kernels import interpolate
@@ -30,6 +32,9 @@ class Costs:
     makes the costs, and so the trees a policy grows, depend on this run's
     timings; the learned policy leaves it off unless asked (`online_costs`).
 
+    `round_ms` and `graft_ms` are what a drafted round and a context graft cost in decoding beyond
+    the forwards the profile times (measured on the decoder's own rounds, fixed for a run).
+
     Whether or not it corrects, every observed verify round is checked against
     the profile: when the median of the last `STALE_ROUNDS` plain (1-row)
     steps is off by `STALE_RATIO` or more either way (or of the last
@@ -42,6 +47,9 @@ class Costs:
                  adapt: float = 0.15, online: bool = False):
         self.verify, self.draft, self.source, self.adapt = dict(verify), dict(draft), source, adapt
         self.online = online
+        # what decoding adds beyond the forwards (`mcsd.decoding.round_prices`), 0 until measured:
+        self.round_ms = 0.0                         # a drafted round's drafting beyond its levels
+        self.graft_ms = 0.0                         # a context graft's lookups and merge
         self.stale: str | None = None
         self.on_stale = None
         self.expected_ratio = 1.0                   # measured / profile that rounds are checked against
@@ -57,6 +65,20 @@ class Costs:
         self.expected_ratio, self.stale_ratio = other.expected_ratio, None
         self.stale, self._plain, self._any = None, [], []
         self.reset_corrections()
+
+    @contextlib.contextmanager
+    def held(self):
+        """Rounds observed meanwhile (a measurement's own) leave no trace: the corrections, the
+        staleness windows and verdict as they were, and `on_stale` not called."""
+        kept = {name: copy.deepcopy(getattr(self, name)) for name in
+                ("stale", "stale_ratio", "_plain", "_any", "_factor", "_overall", "round_ms", "graft_ms")}
+        hook, self.on_stale = self.on_stale, None
+        try:
+            yield self
+        finally:
+            for name, value in kept.items():
+                setattr(self, name, value)
+            self.on_stale = hook
 
     def reset_corrections(self) -> None:
         self._factor = {"verify": {}, "draft": {}}

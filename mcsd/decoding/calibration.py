@@ -45,6 +45,10 @@ class Calibration:
         self.source, self.seconds, self.note, self.kernels_note = None, 0.0, None, None
         self._fetched: tuple | None = None
 
+    def timed_draft(self):
+        """The draft the profile times (a causal LM or a feature drafter), else None."""
+        return _timed(self.draft)
+
     def profile(self):
         """This machine's profile for the pair, looked up (or measured) once; None where there is none."""
         if self._fetched is None:

@@ -37,7 +37,7 @@ from ..drafting.pearl import PearlMode
 from ..drafting.policies import TreePolicy, make_policy
 from ..forward import kernels
 from ..forward.lm import CachedLM
-from . import fixed_round, prompts
+from . import fixed_round, prompts, round_prices
 from .accept import judge
 from .calibration import Calibration
 from .propose import Proposer
@@ -151,6 +151,8 @@ class TreeDecoder:
         for pol in (self.policy, self._baseline_policy):
             pol.topology = pol.topology.to(self.target.device)
         self.context_window = getattr(target.config, "max_position_embeddings", None)
+        # what a drafted round and a graft cost in decoding beyond the forwards, fixed for the run
+        self.round_prices = round_prices.apply(self, calibrate)
 
     costs_source = property(lambda self: self.calibration.source)
     calibration_s = property(lambda self: self.calibration.seconds)

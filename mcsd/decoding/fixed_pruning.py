@@ -70,7 +70,8 @@ class DevicePruning:
         self.logp = [torch.zeros(1, device=dev)]
         # (1,) tensors, looked up with index_select: indexing with a 0-dim tensor may read it on the host
         self.size = torch.ones(1, dtype=torch.long, device=dev)
-        self.spent_ms = torch.full((1,), self.policy.costs.draft_ms(1), dtype=torch.float64, device=dev)
+        self.spent_ms = torch.full((1,), self.policy.costs.draft_ms(1) + self.policy.costs.round_ms,
+                                   dtype=torch.float64, device=dev)
         self.alive = torch.ones(1, dtype=torch.bool, device=dev)                 # drafting goes on
         self.widths: list[torch.Tensor] = []
 

@@ -200,7 +200,8 @@ class Proposer:
             return
         base, size = proposal.drafted.size, proposal.grown.tree.size
         accepted = int((acc.path >= base).sum())                    # grafted nodes on the accepted path
-        self.context_gate.observe(accepted * costs.verify_ms(1) - (costs.verify_ms(size) - costs.verify_ms(base)))
+        self.context_gate.observe(accepted * costs.verify_ms(1) - (costs.verify_ms(size) - costs.verify_ms(base))
+                                  - costs.graft_ms)
 
     def record(self, stats) -> None:
         """The proposers' totals into a `GenerationStats`."""
@@ -228,11 +229,13 @@ def shared_prefix(proposal: Proposal, acc: Acceptance) -> int:
 def round_ms(tree: DraftTree, costs) -> float:
     """A round's time before context nodes, in ms, from the costs alone (so that the graft, and the
     output, do not depend on how long this run's forwards happened to take): the draft forwards that
-    grew `tree` (one per level but the last, over that level's nodes) and its verify."""
+    grew `tree` (one per level but the last, over that level's nodes), the drafted round's own work
+    (`Costs.round_ms`) and its verify."""
     if costs is None:
         return 0.0
     widths = torch.bincount(tree.depth).tolist()[:-1]                 # nodes per level fed to the drafter
-    return sum(costs.draft_ms(w) for w in widths) + costs.verify_ms(tree.size)
+    own = costs.round_ms if tree.size > 1 else 0.0
+    return sum(costs.draft_ms(w) for w in widths) + own + costs.verify_ms(tree.size)
 
 
 def expected_tokens(policy: TreePolicy, drafted_accepts: list[int], drafted_size: int) -> float:

@@ -177,7 +177,7 @@ class LearnedPolicy(TreePolicy):
         self._path_pred, self._last = self._root, None                       # (replaced, never written)
         if not self.gate.opens():
             return 0                        # a plain step: nothing else of a drafted round is needed
-        self._draft_ms = self.costs.draft_ms(1)                               # the root's draft step
+        self._draft_ms = self.costs.draft_ms(1) + self.costs.round_ms         # the root's step, the round's own
         self._draft_base_ms = self.costs.base_draft_ms(1)                     # the same, uncorrected
         return self.topology.max_depth
 
@@ -250,9 +250,10 @@ class LearnedPolicy(TreePolicy):
                               - (draft_ms + self.costs.verify_ms(size) - step))
 
     def round_draft_ms(self, widths) -> float:
-        """The draft levels' cost as `continue_drafting` sums it: the root's step, then each level
-        the head ran over (its width; 0 for a level it did not run), in order."""
-        total = self.costs.draft_ms(1)
+        """The draft levels' cost as `continue_drafting` sums it: the root's step and the round's own
+        work (`Costs.round_ms`), then each level the head ran over (its width; 0 for a level it did
+        not run), in order."""
+        total = self.costs.draft_ms(1) + self.costs.round_ms
         for width in widths:
             if width:
                 total += self.costs.draft_ms(width)

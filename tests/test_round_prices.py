@@ -1,0 +1,82 @@
+"""What a drafted round costs in decoding beyond its levels: measured on the decoder's own rounds,
+cached beside the profile, read by the gates; decisions read the cached figures, never the clock."""
+
+import json
+
+import pytest
+import torch
+from conftest import FIXED_ROUND_PRICES
+from test_feature_draft import random_head
+
+from mcsd import TreeDecoder
+from mcsd.decoding import round_prices
+from mcsd.drafting.feature_draft import FeatureDrafter
+
+PROMPT = torch.tensor([3, 17, 42, 5, 9, 11])
+
+
+def head_and_context(target):
+    return [FeatureDrafter(random_head(target), target), "context"]
+
+
+def test_the_figures_reach_the_policys_and_the_context_gates_costs(target, fresh_cache):
+    dec = TreeDecoder(target, head_and_context(target), policy="learned", attention="sdpa")
+    for costs in (dec.policy.costs, dec.context_costs):
+        assert (costs.round_ms, costs.graft_ms) == (FIXED_ROUND_PRICES["round_ms"], FIXED_ROUND_PRICES["graft_ms"])
+    assert "measured in this run" in dec.round_prices
+    # priced into the round: the policy's draft time starts with the round's own work
+    dec.policy.begin_round()
+    assert dec.policy._draft_ms == pytest.approx(dec.policy.costs.draft_ms(1) + FIXED_ROUND_PRICES["round_ms"])
+    # cached beside the profile: the next decoder reads them, measuring nothing
+    again = TreeDecoder(target, head_and_context(target), policy="learned", attention="sdpa")
+    assert "cached" in again.round_prices
+
+
+def test_a_cached_figure_is_what_decides(target, fresh_cache, monkeypatch):
+    """Decisions read the cached figures: a dear round shuts the draft gate, so the rounds are plain
+    steps; the text is plain decoding's either way."""
+    dec = TreeDecoder(target, head_and_context(target), policy="learned", attention="sdpa")
+    reference = dec.generate_baseline(PROMPT, max_new_tokens=40).tokens
+    cheap = dec.generate(PROMPT, max_new_tokens=40)
+    path = round_prices.cache_path(dec)
+    entries = json.loads(path.read_text())
+    entries[round_prices.key(dec)] = {"round_ms": 1e6, "graft_ms": 1e6}
+    path.write_text(json.dumps(entries))
+    dear = TreeDecoder(target, head_and_context(target), policy="learned", attention="sdpa")
+    assert dear.policy.costs.round_ms == 1e6
+    out = dear.generate(PROMPT, max_new_tokens=40)
+    assert out.tokens == cheap.tokens == reference
+    assert out.stats.plain_rounds > cheap.stats.plain_rounds
+    assert out.stats.plain_rounds >= out.stats.rounds - 4          # probes only
+
+
+def test_nothing_is_measured_without_calibration(target, fresh_cache, monkeypatch):
+    called = []
+    monkeypatch.setattr(round_prices, "measure", lambda decoder, costs: called.append(1))
+    dec = TreeDecoder(target, head_and_context(target), policy="learned", attention="sdpa", calibrate=False)
+    assert not called and dec.policy.costs.round_ms == 0.0 and dec.round_prices.startswith("not measured")
+
+
+def test_a_corrupt_cache_file_is_measured_again(target, fresh_cache):
+    dec = TreeDecoder(target, head_and_context(target), policy="learned", attention="sdpa")
+    round_prices.cache_path(dec).write_text("{not json")
+    again = TreeDecoder(target, head_and_context(target), policy="learned", attention="sdpa")
+    assert "measured in this run" in again.round_prices
+
+
+@pytest.mark.measures
+def test_measuring_runs_drafted_rounds_and_prices_what_the_levels_leave_out(target, fresh_cache):
+    """On the decoder's own rounds (every one drafted): both figures are non-negative and finite, and
+    the measurement leaves the decoder's costs and context drafter as they were."""
+    dec = TreeDecoder(target, head_and_context(target), policy="learned", attention="sdpa")
+    costs = dec.policy.costs
+    stale_flags = []
+    costs.on_stale = stale_flags.append
+    costs.verify = {n: ms / 1000 for n, ms in costs.verify.items()}   # any round now looks 1000x slow
+    before = (costs.round_ms, costs.graft_ms, list(costs._plain), list(costs._any))
+    figures = round_prices.measure(dec, costs)
+    assert set(figures) == {"round_ms", "graft_ms"}
+    assert all(0 <= v < 1e4 for v in figures.values())
+    assert (costs.round_ms, costs.graft_ms, costs._plain, costs._any) == before   # its rounds left no trace
+    assert costs.stale is None and not stale_flags
+    assert "graft" not in vars(dec.context)                     # its own method again
