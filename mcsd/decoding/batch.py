@@ -346,6 +346,8 @@ class BatchDecoder:
         try:
             if lone:                       # the lone round's proposer: the decoder's policy and drafter
                 dec = self.decoder
+                if dec.fixed_round is not None:
+                    dec.fixed_round.release()      # the lone round runs as the loop (its target's blocks as before)
                 request.proposer = Proposer(dec.policy, dec.drafter, request.proposer.context, 0, dec.context_costs)
                 request.lone = True
                 request.stats.round_reason = "alone: the lone round"
