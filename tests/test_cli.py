@@ -36,6 +36,9 @@ def test_json_output_matches_baseline(model_dirs, capsys):
     # the learned policy's acceptance model: the generic one (this draft's folder ships none)
     assert tree["settings"]["acceptance_model"].endswith("decision-models/acceptance.json")
     assert base["settings"]["acceptance_model"] is None
+    # what a drafted round and a graft cost beyond the forwards, measured on the decoder's own rounds
+    assert tree["settings"]["round_prices"].startswith("a drafted round ")
+    assert base["settings"]["round_prices"] is None
 
 
 def test_stream_and_stats(model_dirs, capsys):
@@ -46,6 +49,7 @@ def test_stream_and_stats(model_dirs, capsys):
     assert "tokens/s" in captured.err and "acceptance by depth" in captured.err
     assert "attention: torch SDPA over the cache as it is, query heads grouped" in captured.err
     assert "round: loop (the fixed round is CUDA's default; on a CPU the loop is faster)" in captured.err
+    assert "round prices: a drafted round " in captured.err
 
 
 def test_prompt_from_file_and_stdin(model_dirs, tmp_path, capsys, monkeypatch):

@@ -228,6 +228,7 @@ def _settings(args, decoder, dtype_reason) -> dict:
             "dtype": args.dtype, "dtype_reason": dtype_reason, "weights": args.weights, "costs": decoder.costs_source,
             "matmul_kernels": decoder.kernels_note,
             "acceptance_model": getattr(decoder.policy, "model_source", None) if drafted else None,
+            "round_prices": getattr(decoder, "round_prices", None) if drafted else None,
             "device": args.device, "attention": decoder.attention, "baseline": args.baseline,
             "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
             "min_p": args.min_p, "typical_p": args.typical_p, **processing(args),
@@ -361,6 +362,8 @@ def run(args) -> int:
             stale = f"; stale, measured again at the next quiet start: {stale}" if stale else ""
             print(f"costs: {_COSTS_SOURCES[_costs_source(decoder, args)]}{online}{stale}{_borrowed_note()}",
                   file=sys.stderr)
+            if getattr(decoder, "round_prices", None) and not args.baseline:
+                print(f"round prices: {decoder.round_prices}", file=sys.stderr)
         if not args.baseline and getattr(decoder.policy, "model_source", None) is not None:
             print(f"acceptance model: {decoder.policy.model_source}", file=sys.stderr)
     if args.show_tree and rounds:
