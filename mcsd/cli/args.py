@@ -88,7 +88,7 @@ def add_model_arguments(parser: argparse.ArgumentParser):
                           "else static; static for a feature head on CUDA, whose fixed-shape round replays a "
                           "static tree as CUDA graphs)")
     dec.add_argument("--policy-option", action="append", default=[], metavar="NAME=VALUE",
-                     help="a policy setting, e.g. h=0.4 (svip, specdecpp), threshold=0.1 (disco), "
+                     help="a policy setting, e.g. h=0.4 (svip), threshold=0.1 (disco, specdecpp), "
                           "post_verify=false (pearl); repeatable")
     dec.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None,
                      help="--calibrate measures this machine's costs (and, in bfloat16 on a CPU with native bf16, "
