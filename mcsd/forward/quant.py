@@ -144,10 +144,8 @@ def compute_dtype() -> str:
     dtype of `dtypes()` by its calibrated costs, `mcsd.decoding.choice`): float32 with the native kernel,
     bfloat16 with torch's int4 kernel (the only one it takes). On every CPU measured, float32
     activations ran the native kernel's q4 products faster than bfloat16 ones, which are widened to
-    float32 inside the kernel while bfloat16 attention and norms cost more: on a 2-core Xeon with
-    AVX512-BF16 the plain loop ran 84.8 against 50.6 tokens/s, on a 2-core EPYC with AVX512-BF16 the
-    command line's default 176 against 103, and on an AVX2 EPYC one row's SDPA over 300 cached
-    positions took 92 us in float32 against 380 us in bfloat16."""
+    float32 inside the kernel while bfloat16 attention and norms cost more (`--stats` lists each
+    candidate's rate from this machine's calibrated costs)."""
     return "float32" if kernel_name() == "native" else "bfloat16"
 
 
