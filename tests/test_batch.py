@@ -724,3 +724,37 @@ def test_each_slot_is_given_its_own_drafting_time_not_the_rounds(eos_target, mon
         rounds = r.output.stats.rounds
         assert rounds > 1 and r.output.stats.draft_s == pytest.approx((i + 1.0) * rounds)
         assert heard[id(r.proposer)] == [pytest.approx((i + 1.0) * 1000)] * rounds
+
+
+def test_on_torchs_int4_kernel_in_bfloat16_a_long_prompt_runs_dense_beside_short_ones_and_no_answer_is_promised(
+        q4_gguf_file, tmp_path, monkeypatch):
+    """A batch over a bfloat16 q4 model on torch's int4 kernel: in the round where a long prompt's chunk
+    and short prompts feed together, the long one's rows read the dense weights (as its lone prefill
+    does, where oneDNN runs bfloat16) and only the short ones' go through the int4 product; every
+    answer says it is not guaranteed its lone run's."""
+    from mcsd.drafting.pair import load_model
+    from mcsd.forward import kernels
+    monkeypatch.setenv("MCSD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("MCSD_NATIVE", "0")
+    native.reset()
+    monkeypatch.setattr(native, "_state", {})
+    if quant.kernel_name() != "torch":
+        pytest.skip("this torch has no CPU int4 kernel")
+    model = load_model(str(q4_gguf_file), dtype="bfloat16", weights="q4")
+    dec = TreeDecoder(model, ContextDrafter(), attention="sdpa", calibrate=False, threads=None)
+    batch = BatchDecoder(dec, max_batch=3)
+    assert not batch.exact
+    long = [(7 * i + 3) % 61 for i in range(quant.PREFILL_ROWS + 8)]
+    requests = [batch.submit(p, max_new_tokens=6, ignore_eos=True) for p in ([3, 4, 5], long, [9, 10])]
+    real, rows = torch.ops.aten._weight_int4pack_mm_for_cpu, []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(quant.torch.ops.aten, "_weight_int4pack_mm_for_cpu",
+                   lambda *a: rows.append(a[0].shape[0]) or real(*a), raising=False)
+        batch.step()                                        # the three prompts in one round
+    assert batch.last_batch == 3
+    if kernels.switchable(torch.bfloat16, "cpu"):
+        assert set(rows) == {5}                             # the short prompts' rows alone on the codes
+    while not batch.idle:
+        batch.step()
+    assert [len(r.output.tokens) for r in requests] == [6] * 3
+    assert all(r.output.stats.batch_exact is False for r in requests)
