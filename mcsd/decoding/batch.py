@@ -431,7 +431,8 @@ class BatchDecoder:
         prefix = self.cache.lengths[request.slot] - proposal.grown.tree.size
         proposer = request.proposer
         verdict = judge(proposal.grown, request.sequence, logits, request.cfg, request.gen, proposer.policy,
-                        context=proposer.context, proc=request.proc, noise=request.noise)
+                        context=proposer.context if proposer.recycles(proposal) else None, proc=request.proc,
+                        noise=request.noise)
         self.cache.commit(request.slot, prefix, verdict.kept)
         proposer.observe(proposal, verdict.acc, None, verdict.last, draft_s * 1000, verify_s * 1000)
         self._emit(request, proposal, verdict.acc, verdict.emitted_lp, draft_s, verify_s)
@@ -470,10 +471,17 @@ class BatchDecoder:
         t0 = time.perf_counter()
         proposal = proposer.propose(request.sequence, cfg.max_new_tokens - len(request.emitted.tokens), cfg.sampling,
                                     request.gen, request.proc, request.noise)
+        if proposal is None:                     # nothing drafted or grafted: the plain loop's step
+            token, lp = dec._step(request.sequence, cfg, request.gen, proposer, request.proc, request.noise, t0)
+            request.stats.record_step(time.perf_counter() - t0)
+            request.sequence = torch.cat([request.sequence, token.reshape(1)])
+            request.new = request.emitted.add([int(token)], lp)
+            return
         t1 = time.perf_counter()
         acc, path_hidden, last, lp = dec._verify(proposal.grown, request.sequence, cfg, request.gen, proposer.policy,
-                                                 proposer.hidden, False, proposer.context, request.proc,
-                                                 request.noise)
+                                                 proposer.hidden, False,
+                                                 proposer.context if proposer.recycles(proposal) else None,
+                                                 request.proc, request.noise)
         t2 = time.perf_counter()
         proposer.observe(proposal, acc, path_hidden, last, (t1 - t0) * 1000, (t2 - t1) * 1000, dec.target.forward_ms)
         self._emit(request, proposal, acc, lp, t1 - t0, t2 - t1)
