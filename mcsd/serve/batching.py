@@ -54,7 +54,8 @@ class BatchEngine(Engine):
     Args:
         build: called once on the worker thread; returns the `TreeDecoder`.
         max_batch: generations decoded together (slots), or None: from the costs.
-        max_queue: jobs that may wait beyond the running ones; one more is refused.
+        max_queue: jobs that may wait beyond those in the batch and those it takes at its next round
+            (while fewer than `max_batch` jobs are in it); one more is refused.
         metrics: a `mcsd.serve.metrics.Metrics`, or None.
         batch: builds the `BatchDecoder` from the decoder and `max_batch` (default: `BatchDecoder` itself).
     """
