@@ -57,8 +57,9 @@ def test_the_tile_path_is_chosen_first_where_it_runs(amx):
 
 
 def test_tiles_give_the_vnni_paths_bits_on_every_block_count_and_odd_shapes(amx):
-    """K = 32 g for every block count g of 1..64, outputs and rows of odd sizes (a last group of 8
-    outputs cut short, a lone last group, the last 16-row tile short, fewer rows than the tiles take):
+    """K = 32 g for every block count g of 1..64 (odd ones: a lone last block where two blocks share a
+    tile product), outputs and rows of odd sizes (a last group of 8 outputs cut short, a lone last
+    group, the last 16 rows short, fewer rows than the tiles take):
     Q4_1 and Q8_0 on tiles equal AVX512-VNNI and AVX2 bit for bit."""
     gen = torch.Generator().manual_seed(74)
     outputs = (1, 7, 9, 13, 24, 33, 67)
@@ -75,8 +76,9 @@ def test_tiles_give_the_vnni_paths_bits_on_every_block_count_and_odd_shapes(amx)
 
 
 def test_a_rows_result_on_tiles_does_not_depend_on_the_rows_beside_it(amx):
-    """Rows 1-3 run on AVX512-VNNI, 4 and more on tiles, 16 a tile: each row's result is the same
-    alone and in every block (LM head shape: the Q8_0 product of many outputs)."""
+    """Rows 1-3 run on AVX512-VNNI, 4-8 on tiles two blocks a tile product, 9-16 one block, more 16
+    rows at a time (the last 1-8 paired again): each row's result is the same alone and in every
+    block (LM head shape: the Q8_0 product of many outputs)."""
     gen = torch.Generator().manual_seed(7)
     q, q8, d, m = _weights(203, 576, gen)
     native.int8_isa("amx")

@@ -495,12 +495,13 @@ BLOCK8(block8_q8_avx512vnni, 2, 1)
    AMX_MIN_ROWS rows run on AVX512-VNNI, which a tile does not beat there. Each thread loads its own
    tile configuration (tile state is per thread) and releases it when done.
 
-   Cost, on a 2-core Xeon with AMX (one thread, a 3,072 x 576 Q4_1 weight): a block of 16 outputs took
-   about 12 ns plus 1.4 ns a row (16 rows: 33 ns; AVX512-VNNI 72 ns, 4 rows 18 ns on either). The
-   epilogue that exactness requires (a conversion, a product and two FMAs a row for 16 outputs, at two
-   AVX-512 operations a cycle) is a third of it, the tile product and the store of its sums another,
-   and they did not overlap there: a phase of tile products for a whole row of blocks, then one of
-   scaling, ran no faster than the interleaved steps below. */
+   Cost, on a 2-core Xeon with AMX (one thread, a 3,072 x 576 Q4_1 weight, a block of 16 outputs):
+   4 / 8 / 9 / 16 rows 16 / 20 / 28 / 35 ns on tiles, 18 / 37 / 46 / 72 ns on AVX512-VNNI (2 and 3 rows
+   no faster on tiles). A tile product, its loads and the store of its sums cost about 10 ns whatever
+   the rows (hence two blocks a tile product up to 8 rows, amx_pair2); the epilogue that exactness
+   requires (a conversion, a product and two FMAs a row for 16 outputs, at two AVX-512 operations a
+   cycle) about 0.7 ns a row; and the two did not overlap there: a phase of tile products for a whole
+   row of blocks, then one of scaling, ran no faster than the interleaved steps below. */
 #if HAVE_AMX
 #ifndef AMX_MIN_ROWS
 #define AMX_MIN_ROWS 4
@@ -519,14 +520,17 @@ BLOCK8(block8_q8_avx512vnni, 2, 1)
 
 typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } amx_config;
 
+/* R rows: R <= 8 pairs blocks (amx_pair2: A and C 2R rows, A 64 bytes, B 16 rows), else one block a
+   tile product (amx_pair: A and C R rows, A 32 bytes, B 8 rows) */
 static void amx_configure(int R) {
     amx_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
+    const int paired = R <= 8;
     for (int t = 0; t < 2; t++) {
-        c.rows[t] = (uint8_t)R;     c.colsb[t] = 64;          /* C: R rows x 16 int32 */
-        c.rows[2 + t] = (uint8_t)R; c.colsb[2 + t] = 32;      /* A: R rows x one block of 32 codes */
-        c.rows[4 + t] = 8;          c.colsb[4 + t] = 64;      /* B: 8 x 4 codes of 16 outputs */
+        c.rows[t] = (uint8_t)(paired ? 2 * R : R);     c.colsb[t] = 64;         /* C: rows x 16 int32 */
+        c.rows[2 + t] = (uint8_t)(paired ? 2 * R : R); c.colsb[2 + t] = paired ? 64 : 32;  /* A: codes */
+        c.rows[4 + t] = paired ? 16 : 8;               c.colsb[4 + t] = 64;     /* B: 4 codes x 16 outputs */
     }
     __asm__ volatile("ldtilecfg %0" :: "m"(c));
 }
@@ -616,6 +620,61 @@ static inline __attribute__((always_inline)) AMX_FN void amx_pair(int q8, int R,
     _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(out + r * N + n0, keep, acc[r]);
 }
 
+/* R <= 8 rows: two blocks a tile product. A tile product costs about the same whatever its rows, so
+   few rows waste it; here rows 0..R-1 of A are the rows' block g (k 0..31, zero above) and rows
+   R..2R-1 their block g + 1 (k 32..63, zero below), from a copy of the quantised rows laid out so
+   (xa: per pair of blocks 2R x 64 bytes, made by mm8_amx), and B holds the two blocks' codes one
+   above the other (16 rows), so C's rows 0..R-1 are block g's sums and R..2R-1 block g + 1's, each
+   exact as before. Half the tile products, loads and stores of amx_pair for the same sums. */
+static inline __attribute__((always_inline)) AMX_FN void amx_pair2(int q8, int R, const int8_t *xa, const float *xs,
+                                                                   int64_t K, const uint8_t *c,
+                                                                   const float *d, const float *m, int64_t o, int two,
+                                                                   int64_t N, float *out) {
+    const int64_t G = K / 32, P = (G + 1) / 2, gbytes = q8 ? 256 : 128, o1 = two ? o + 1 : o;
+    _Alignas(64) uint8_t bbuf[2][1024];           /* B of blocks 2p, 2p + 1 in bbuf[p & 1] */
+    _Alignas(64) int32_t cbuf[2][256];            /* their sums */
+    __m512 acc[8];
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    if (G & 1) memset(bbuf[(P - 1) & 1] + 512, 0, 512);      /* a lone last block: its A rows are zero too */
+#define FILL2(p) do { for (int64_t f = 2 * (p); f < 2 * (p) + 2 && f < G; f++) { \
+        const uint8_t *c0 = c + (o * G + f) * gbytes, *c1 = c + (o1 * G + f) * gbytes; \
+        _mm_prefetch((const char *)(c0 + 4 * gbytes), _MM_HINT_T0); \
+        _mm_prefetch((const char *)(c1 + 4 * gbytes), _MM_HINT_T0); \
+        amx_fill(q8, c0, c1, bbuf[(p) & 1] + 512 * (f & 1)); } } while (0)
+#define SCALE2(p) do { const int64_t g = 2 * (p); \
+        amx_scale(q8, R, cbuf[(p) & 1], d, m, (o * G + g) * 8, (o1 * G + g) * 8, xs + 32 * g, acc); \
+        if (g + 1 < G) amx_scale(q8, R, cbuf[(p) & 1] + 16 * R, d, m, (o * G + g + 1) * 8, (o1 * G + g + 1) * 8, \
+                                 xs + 32 * (g + 1), acc); } while (0)
+    FILL2(0);
+    for (int64_t p = 0; p <= P; p++) {            /* pair p on tiles, pair p - 1 scaled */
+        if (p + 1 < P) FILL2(p + 1);
+        if (p < P) {
+            if (p & 1) {
+                TILE_LOAD(3, xa + p * 128 * R, 64);
+                TILE_LOAD(5, bbuf[1], 64);
+                TILE_ZERO(1);
+                TILE_DPBSSD(1, 3, 5);
+            } else {
+                TILE_LOAD(2, xa + p * 128 * R, 64);
+                TILE_LOAD(4, bbuf[0], 64);
+                TILE_ZERO(0);
+                TILE_DPBSSD(0, 2, 4);
+            }
+        }
+        if (p > 0) SCALE2(p - 1);
+        if (p < P) {
+            if (p & 1) TILE_STORE(1, cbuf[1], 64);
+            else TILE_STORE(0, cbuf[0], 64);
+        }
+    }
+#undef SCALE2
+#undef FILL2
+    const int64_t n0 = o * 8, width = two ? 16 : 8;
+    const int valid = (int)(N - n0 < width ? N - n0 : width);
+    const __mmask16 keep = (__mmask16)((1u << valid) - 1);
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(out + r * N + n0, keep, acc[r]);
+}
+
 /* one instance of amx_pair a (weight type, rows), each compiled on its own */
 typedef void (*amx_fn)(const int8_t *, const float *, int64_t, const uint8_t *, const float *, const float *, int64_t,
                        int, int64_t, float *);
@@ -623,7 +682,8 @@ typedef void (*amx_fn)(const int8_t *, const float *, int64_t, const uint8_t *, 
     static __attribute__((noinline)) AMX_FN void amx_pair_##Q8##_##R( \
             const int8_t *xq, const float *xs, int64_t K, const uint8_t *c, const float *d, const float *m, \
             int64_t o, int two, int64_t N, float *out) { \
-        amx_pair(Q8, R, xq, xs, K, c, d, m, o, two, N, out); }
+        if (R <= 8) amx_pair2(Q8, R, xq, xs, K, c, d, m, o, two, N, out); \
+        else amx_pair(Q8, R, xq, xs, K, c, d, m, o, two, N, out); }
 #define AMX_PAIRS(Q8) AMX_PAIR(Q8, 1) AMX_PAIR(Q8, 2) AMX_PAIR(Q8, 3) AMX_PAIR(Q8, 4) AMX_PAIR(Q8, 5) \
     AMX_PAIR(Q8, 6) AMX_PAIR(Q8, 7) AMX_PAIR(Q8, 8) AMX_PAIR(Q8, 9) AMX_PAIR(Q8, 10) AMX_PAIR(Q8, 11) \
     AMX_PAIR(Q8, 12) AMX_PAIR(Q8, 13) AMX_PAIR(Q8, 14) AMX_PAIR(Q8, 15) AMX_PAIR(Q8, 16)
@@ -638,20 +698,35 @@ static const amx_fn amx_fns[2][17] = {AMX_ROW(0), AMX_ROW(1)};
 #undef AMX_PAIRS
 #undef AMX_PAIR
 
-/* mm8's products on tiles for M >= AMX_MIN_ROWS quantised rows: 16 rows at a time (the last R rows),
-   each thread the same pairs of groups for every 16 rows, its tiles configured when R changes. The
-   rows' dx and sx are first laid out a block at a time (16 of each), so that a block's scaling reads
-   them at fixed offsets. Returns -1 where that copy could not be allocated. */
+/* mm8's products on tiles for M >= AMX_MIN_ROWS quantised rows: 16 rows at a time (the last R rows;
+   R <= 8 two blocks a tile product, from the rows laid out for it in xa), each thread the same pairs
+   of groups for every 16 rows, its tiles configured when R changes. The rows' dx and sx are first
+   laid out a block at a time (16 of each), so that a block's scaling reads them at fixed offsets.
+   Returns -1 where those copies could not be allocated. */
 static int mm8_amx(const int8_t *xq, const float *dx, const float *sx, int64_t M, int64_t K, const void *codes,
                    const float *d, const float *m, int64_t N, float *out, int threads, int q8) {
-    const int64_t G = K / 32, groups = (N + 7) / 8, pairs = (groups + 1) / 2, chunks = (M + 15) / 16;
+    const int64_t G = K / 32, P = (G + 1) / 2, groups = (N + 7) / 8, pairs = (groups + 1) / 2,
+                  chunks = (M + 15) / 16, last = M - 16 * (chunks - 1);
     float *xs = calloc((size_t)(chunks * G * 32), sizeof(float));
-    if (!xs) return -1;
+    int8_t *xa = last <= 8 ? aligned_alloc(64, (size_t)(P * 128 * last)) : NULL;   /* the last chunk paired */
+    if (!xs || (last <= 8 && !xa)) {
+        free(xs);
+        free(xa);
+        return -1;
+    }
     for (int64_t r = 0; r < M; r++)
         for (int64_t g = 0; g < G; g++) {
             xs[((r / 16) * G + g) * 32 + r % 16] = dx[r * G + g];
             xs[((r / 16) * G + g) * 32 + 16 + r % 16] = sx[r * G + g];
         }
+    if (xa) {                                     /* pair p: row r [block 2p | 0], row last + r [0 | 2p + 1] */
+        const int64_t r0 = 16 * (chunks - 1);
+        memset(xa, 0, (size_t)(P * 128 * last));
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t r = 0; r < last; r++)
+                memcpy(xa + (g / 2) * 128 * last + ((g & 1) * last + r) * 64 + (g & 1) * 32, xq + (r0 + r) * K + 32 * g,
+                       32);
+    }
     #pragma omp parallel num_threads(threads)
     {
         int configured = 0;
@@ -662,14 +737,16 @@ static int mm8_amx(const int8_t *xq, const float *dx, const float *sx, int64_t M
                 configured = R;
             }
             const amx_fn fn = amx_fns[q8][R];
+            const int8_t *rows = R <= 8 ? xa : xq + r0 * K;
             #pragma omp for schedule(static) nowait
             for (int64_t b = 0; b < pairs; b++)
-                fn(xq + r0 * K, xs + (r0 / 16) * G * 32, K, (const uint8_t *)codes, d, m, 2 * b, 2 * b + 1 < groups,
-                   N, out + r0 * N);
+                fn(rows, xs + (r0 / 16) * G * 32, K, (const uint8_t *)codes, d, m, 2 * b, 2 * b + 1 < groups, N,
+                   out + r0 * N);
         }
         amx_release();
     }
     free(xs);
+    free(xa);
     return 0;
 }
 #endif
