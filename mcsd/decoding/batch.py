@@ -466,25 +466,13 @@ class BatchDecoder:
         request.new = request.emitted.add(new, lp)
 
     def _lone_round(self, request: Request) -> None:
-        """Propose, verify (the decoder's target forward, its cache keeping the path), observe, emit."""
-        dec, proposer, cfg = self.decoder, request.proposer, request.cfg
-        t0 = time.perf_counter()
-        proposal = proposer.propose(request.sequence, cfg.max_new_tokens - len(request.emitted.tokens), cfg.sampling,
-                                    request.gen, request.proc, request.noise)
-        if proposal is None:                     # nothing drafted or grafted: the plain loop's step
-            token, lp = dec._step(request.sequence, cfg, request.gen, proposer, request.proc, request.noise, t0)
-            request.stats.record_step(time.perf_counter() - t0)
-            request.sequence = torch.cat([request.sequence, token.reshape(1)])
-            request.new = request.emitted.add([int(token)], lp)
-            return
-        t1 = time.perf_counter()
-        acc, path_hidden, last, lp = dec._verify(proposal.grown, request.sequence, cfg, request.gen, proposer.policy,
-                                                 proposer.hidden, False,
-                                                 proposer.context if proposer.recycles(proposal) else None,
-                                                 request.proc, request.noise)
-        t2 = time.perf_counter()
-        proposer.observe(proposal, acc, path_hidden, last, (t1 - t0) * 1000, (t2 - t1) * 1000, dec.target.forward_ms)
-        self._emit(request, proposal, acc, lp, t1 - t0, t2 - t1)
+        """The loop's own round (`TreeDecoder._round`) on the decoder's target cache."""
+        cfg = request.cfg
+        request.sequence, new, lp = self.decoder._round(request.sequence, cfg, request.gen, request.proposer,
+                                                        request.proc, request.noise,
+                                                        cfg.max_new_tokens - len(request.emitted.tokens),
+                                                        request.stats)
+        request.new = request.emitted.add(new, lp)
 
     def _hand_over(self, request: Request) -> None:
         """Another request joins: the lone request's cache moves into its slot and it goes on in the

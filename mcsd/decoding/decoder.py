@@ -301,43 +301,57 @@ class TreeDecoder:
             if rounds is not None:   # 1-6 in fixed shapes on the device, the emitted tokens read once
                 yield emitted.add(rounds.run(cfg.max_new_tokens - len(emitted.tokens), stats))
                 continue
-            # 1-2. propose: the drafter's tree under the root, context branches merged in
-            t0 = time.perf_counter()
-            proposal = proposer.propose(sequence, cfg.max_new_tokens - len(emitted.tokens), cfg.sampling, gen, proc,
-                                        noise)
-            if proposal is None:     # nothing drafted or grafted: the plain loop's step, no tree
-                token, new_lp = self._step(sequence, cfg, gen, proposer, proc, noise, t0)
-                stats.record_step(time.perf_counter() - t0)
-                if on_round is not None:                     # the step as a tree of the root alone
-                    on_round(DraftTree.root_only(policy.topology, sequence[-1]),
-                             Acceptance(torch.zeros(1, dtype=torch.long, device=token.device), token))
-                sequence = torch.cat([sequence, token.reshape(1)])
-                yield emitted.add([int(token)], new_lp)
-                continue
-            t1 = time.perf_counter()
-            # 3-4. verify every node in one target forward, then accept (the target's cache keeps the path)
-            acc, path_hidden, last, new_lp = self._verify(proposal.grown, sequence, cfg, gen, policy,
-                                                          proposer.hidden, proposer.lossy > 0,
-                                                          proposer.context if proposer.recycles(proposal) else None,
-                                                          proc, noise)
-            t2 = time.perf_counter()
-            # 5. commit the path to the drafter's cache; the proposers observe how the round went
-            proposer.observe(proposal, acc, path_hidden, last, (t1 - t0) * 1000, (t2 - t1) * 1000,
-                             self.target.forward_ms)
-            stats.draft_s += t1 - t0
-            stats.verify_s += t2 - t1
-            stats.target_forwards += 1
-            stats.record_round(proposal.grown.tree, acc.n_accepted)
-            if on_round is not None:
-                on_round(proposal.grown.tree, acc)
-            # 6. emit
-            new = proposal.emitted(acc, lossy=proposer.lossy > 0)
-            sequence = torch.cat([sequence, new])
-            yield emitted.add(new.tolist(), new_lp)
+            sequence, new, new_lp = self._round(sequence, cfg, gen, proposer, proc, noise,
+                                                cfg.max_new_tokens - len(emitted.tokens), stats, on_round)
+            yield emitted.add(new, new_lp)
 
         proposer.record(stats)
         stats.wall_s = time.perf_counter() - t_start
         return emitted.output(stats)
+
+    def _round(self, sequence: torch.Tensor, cfg: DecodeConfig, gen, proposer: Proposer, proc, noise,
+               remaining: int, stats: GenerationStats,
+               on_round=None) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
+        """One round of the loop on the decoder's target cache (also a batch's lone request's round,
+        `mcsd.decoding.batch`): steps 1-6 of the module's docstring.
+
+        Args:
+            sequence: (T,) the committed sequence ending with the root.
+            remaining: tokens the generation may still emit.
+            stats: the generation's counters, updated here.
+        Returns:
+            (the sequence with the round's tokens, those tokens (host ints), their log-probabilities
+            with `cfg.return_logprobs` else None).
+        """
+        # 1-2. propose: the drafter's tree under the root, context branches merged in
+        t0 = time.perf_counter()
+        proposal = proposer.propose(sequence, remaining, cfg.sampling, gen, proc, noise)
+        if proposal is None:         # nothing drafted or grafted: the plain loop's step, no tree
+            token, new_lp = self._step(sequence, cfg, gen, proposer, proc, noise, t0)
+            stats.record_step(time.perf_counter() - t0)
+            if on_round is not None:                         # the step as a tree of the root alone
+                on_round(DraftTree.root_only(proposer.policy.topology, sequence[-1]),
+                         Acceptance(torch.zeros(1, dtype=torch.long, device=token.device), token))
+            return torch.cat([sequence, token.reshape(1)]), [int(token)], new_lp
+        t1 = time.perf_counter()
+        # 3-4. verify every node in one target forward, then accept (the target's cache keeps the path)
+        acc, path_hidden, last, new_lp = self._verify(proposal.grown, sequence, cfg, gen, proposer.policy,
+                                                      proposer.hidden, proposer.lossy > 0,
+                                                      proposer.context if proposer.recycles(proposal) else None,
+                                                      proc, noise)
+        t2 = time.perf_counter()
+        # 5. commit the path to the drafter's cache; the proposers observe how the round went
+        proposer.observe(proposal, acc, path_hidden, last, (t1 - t0) * 1000, (t2 - t1) * 1000,
+                         self.target.forward_ms)
+        stats.draft_s += t1 - t0
+        stats.verify_s += t2 - t1
+        stats.target_forwards += 1
+        stats.record_round(proposal.grown.tree, acc.n_accepted)
+        if on_round is not None:
+            on_round(proposal.grown.tree, acc)
+        # 6. emit
+        new = proposal.emitted(acc, lossy=proposer.lossy > 0)
+        return torch.cat([sequence, new]), new.tolist(), new_lp
 
     def _prefill(self, prompt_ids: torch.Tensor, cfg: DecodeConfig, proposer: Proposer, gen, proc,
                  noise: PositionNoise | None = None):
