@@ -9,8 +9,8 @@ products pay here. Run it on a quiet machine (nothing else on the cores):
 First the products alone (each weight shape of the target's layers and its LM head, median of
 `--repeats` calls; the same bits on every instruction set, so only the time differs), then whole
 forwards over a `--cache-len` cache: on float32 activations through `mcsd.costs.forward_profile.breakdown`
-(the engine's forward), on 8-bit ones once per instruction set, the sets and sizes interleaved round by
-round (`--forward-repeats` rounds; the median and the least kept), so that a busy machine slows them
+(the engine's forward), on 8-bit ones once per instruction set, each size on every set in turn, round
+by round (`--forward-repeats` rounds; the median and the least kept), so that a busy machine slows them
 alike. Each with its cost relative to 1 row. Which path the command line runs is not decided here:
 the calibrated costs weigh "q4/float32" against "q4q8/float32" (`mcsd.decoding.choice`).
 """
@@ -72,8 +72,8 @@ def products(model, rows: tuple[int, ...], repeats: int, isas: tuple[str, ...]) 
 def interleaved_forwards(model, rows: tuple[int, ...], isas: tuple[str, ...], cache_len: int,
                          rounds: int) -> dict[str, dict[str, dict[int, float]]]:
     """ms of a forward of each block size over a `cache_len` cache on each of `isas` (the model on
-    8-bit activations), every round running each set's sizes in turn: {"median" | "min": {isa: {rows:
-    ms}}}."""
+    8-bit activations), every round running each size on each set in turn: {"median" | "min": {isa:
+    {rows: ms}}}."""
     import torch
 
     from mcsd.forward import native
@@ -95,9 +95,11 @@ def interleaved_forwards(model, rows: tuple[int, ...], isas: tuple[str, ...], ca
 
     times = {isa: {n: [] for n in rows} for isa in isas}
     for r in range(rounds + 1):                                   # round 0: warm-up
-        for isa in isas:
-            native.int8_isa(isa)
-            for n in rows:
+        for n in rows:
+            # each size on every set in turn, the sets' order reversed every other round: a forward runs
+            # slower after some others (after a 32-row one on AVX512-VNNI, a 1-row one took 5% longer)
+            for isa in isas if r % 2 else isas[::-1]:
+                native.int8_isa(isa)
                 ms = step(n)
                 if r:
                     times[isa][n].append(ms)
