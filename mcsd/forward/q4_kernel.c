@@ -635,7 +635,9 @@ static inline __attribute__((always_inline)) AMX_FN void amx_pair2(int q8, int R
     _Alignas(64) int32_t cbuf[2][256];            /* their sums */
     __m512 acc[8];
     _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    if (G & 1) memset(bbuf[(P - 1) & 1] + 512, 0, 512);      /* a lone last block: its A rows are zero too */
+    /* a lone last block leaves B's rows 8-15 as an earlier pair filled them (or never filled, zeroed
+       here): they meet only A's zero half, so they add nothing */
+    if (G & 1) memset(bbuf[(P - 1) & 1] + 512, 0, 512);
 #define FILL2(p) do { for (int64_t f = 2 * (p); f < 2 * (p) + 2 && f < G; f++) { \
         const uint8_t *c0 = c + (o * G + f) * gbytes, *c1 = c + (o1 * G + f) * gbytes; \
         _mm_prefetch((const char *)(c0 + 4 * gbytes), _MM_HINT_T0); \
