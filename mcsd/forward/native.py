@@ -264,8 +264,7 @@ def library():
     """The loaded native library, or None (then `reason()` says why). Built on first call."""
     with _lock:
         if "lib" not in _state:
-            lib, why = _load()
-            _state["lib"], _state["reason"] = lib, why
+            _state["lib"], _state["reason"] = _load()
         return _state["lib"]
 
 
