@@ -60,8 +60,9 @@ def add_model_arguments(parser: argparse.ArgumentParser):
                           "(the embedded preset's, or a .gguf target), as llama.cpp does; CPU only, in float32 or "
                           "bfloat16 as the kernel and CPU suit (--stats says), exact with respect to q4 decoding. "
                           "q4q8: q4 weights on 8-bit activations, llama.cpp's arithmetic: each row rounded to 8 "
-                          "bits a block of 32, integer dot products (VNNI or AVX2; native kernel, float32); a "
-                          "slightly different target, exact with respect to q4q8 decoding. "
+                          "bits a block of 32, integer dot products (AMX tiles, VNNI or AVX2, the same bits; "
+                          "native kernel, float32); a slightly different target, exact with respect to q4q8 "
+                          "decoding. "
                           "dense: the dequantised weights. Default auto: "
                           "with --dtype auto, whichever the calibrated costs say runs fastest here (dense "
                           "for a target that is no GGUF, or with another --dtype)")
