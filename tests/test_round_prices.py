@@ -27,6 +27,11 @@ def test_the_figures_reach_the_policys_and_the_context_gates_costs(target, fresh
     # priced into the round: the policy's draft time starts with the round's own work
     dec.policy.begin_round()
     assert dec.policy._draft_ms == pytest.approx(dec.policy.costs.draft_ms(1) + FIXED_ROUND_PRICES["round_ms"])
+    # a sampled generation reads the sampled figure, the next greedy one the greedy figure again
+    dec.generate(PROMPT, max_new_tokens=4, temperature=0.9, seed=1)
+    assert dec.policy.costs.round_ms == dec.context_costs.round_ms == FIXED_ROUND_PRICES["round_ms_sampled"]
+    dec.generate(PROMPT, max_new_tokens=4)
+    assert dec.policy.costs.round_ms == FIXED_ROUND_PRICES["round_ms"]
     # cached beside the profile: the next decoder reads them, measuring nothing
     again = TreeDecoder(target, head_and_context(target), policy="learned", attention="sdpa")
     assert "cached" in again.round_prices
@@ -40,7 +45,7 @@ def test_a_cached_figure_is_what_decides(target, fresh_cache, monkeypatch):
     cheap = dec.generate(PROMPT, max_new_tokens=40)
     path = round_prices.cache_path(dec)
     entries = json.loads(path.read_text())
-    entries[round_prices.key(dec)] = {"round_ms": 1e6, "graft_ms": 1e6}
+    entries[round_prices.key(dec)] = {"round_ms": 1e6, "round_ms_sampled": 1e6, "graft_ms": 1e6}
     path.write_text(json.dumps(entries))
     dear = TreeDecoder(target, head_and_context(target), policy="learned", attention="sdpa")
     assert dear.policy.costs.round_ms == 1e6
@@ -75,8 +80,8 @@ def test_measuring_runs_drafted_rounds_and_prices_what_the_levels_leave_out(targ
     costs.verify = {n: ms / 1000 for n, ms in costs.verify.items()}   # any round now looks 1000x slow
     before = (costs.round_ms, costs.graft_ms, list(costs._plain), list(costs._any))
     figures = round_prices.measure(dec, costs)
-    assert set(figures) == {"round_ms", "graft_ms"}
+    assert set(figures) == {"round_ms", "round_ms_sampled", "graft_ms"}
     assert all(0 <= v < 1e4 for v in figures.values())
     assert (costs.round_ms, costs.graft_ms, costs._plain, costs._any) == before   # its rounds left no trace
     assert costs.stale is None and not stale_flags
-    assert "graft" not in vars(dec.context)                     # its own method again
+    assert "graft" not in vars(dec.context) and "_round" not in vars(dec)   # their own methods again

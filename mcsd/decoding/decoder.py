@@ -152,7 +152,9 @@ class TreeDecoder:
             pol.topology = pol.topology.to(self.target.device)
         self.context_window = getattr(target.config, "max_position_embeddings", None)
         # what a drafted round and a graft cost in decoding beyond the forwards, fixed for the run
-        self.round_prices = round_prices.apply(self, calibrate)
+        self.round_figures = None
+        self.round_figures, self.round_prices = round_prices.apply(self, calibrate)
+        round_prices.use(self, greedy=True)
 
     costs_source = property(lambda self: self.calibration.source)
     calibration_s = property(lambda self: self.calibration.seconds)
@@ -241,6 +243,7 @@ class TreeDecoder:
             return (yield from self._decode(prompt_ids, cfg, Proposer(self._baseline_policy, None, None)))
         check_lossy_roots(self.lossy_roots, cfg.sampling, prompt_ids.numel(),
                           getattr(self.drafter, "uses_target_hidden", False))
+        round_prices.use(self, cfg.sampling.greedy)      # a drafted round's price under this decoding
         proposer = Proposer(self.policy, self.drafter, self.context, self.lossy_roots, self.context_costs)
         if proposer.lossy:
             _exact_loop_only(cfg, "lossy_target_roots")

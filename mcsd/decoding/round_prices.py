@@ -7,10 +7,12 @@ per level, the draws, the tree's bookkeeping, and the context graft's lookups. P
 alone, a drafted round looked 2-3x cheaper than it ran, so the gates drafted where drafting loses.
 
 `measure` runs the decoder itself on a fixed prompt for a few dozen drafted rounds (the policy's
-gate reopened after each round, so that every round drafts), twice at two lengths whose difference
-it keeps (what a generation pays once, the first catch-up over the prompt, drops out), and returns
+gate reopened after each round, so that every round drafts), greedy and sampled, times each round,
+and returns
 
-- `round_ms`: per drafted round, its drafting time less the levels' prices and the graft's time;
+- `round_ms` (greedy) and `round_ms_sampled`: what a drafted round takes beyond a plain step, its
+  levels' prices, its extra rows' verify price and its graft (under sampling the draws and the
+  acceptance over every node cost more than under greedy matching);
 - `graft_ms`: per graft, the context drafter's lookup and merge.
 
 They are measured once per (profile, policy, drafters) and cached beside the profile, so a
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -32,9 +35,8 @@ from ..costs import store
 
 PROMPT_TOKENS = 96                 # a fixed pseudo-random prompt: the prefix a measured round reads
 NEW_TOKENS = 64                    # tokens generated; every round drafts, so about 25-50 drafted rounds
-SHORT_TOKENS = 16                  # ... and a shorter run whose rounds are differenced out (see `measure`)
-PASSES = 2                         # measured this many times, the lowest kept
-VERSION = 1                        # of what is measured; a cached figure of another version is measured again
+VERSION = 2                        # of what is measured; a cached figure of another version is measured again
+FIGURES = ("round_ms", "round_ms_sampled", "graft_ms")
 
 
 def cache_path(decoder) -> Path:
@@ -51,13 +53,13 @@ def key(decoder) -> str:
 
 
 def cached(decoder) -> dict | None:
-    """The cached figures for the decoder ({"round_ms", "graft_ms"}), or None."""
+    """The cached figures for the decoder (`FIGURES`), or None."""
     try:
         entry = json.loads(cache_path(decoder).read_text()).get(key(decoder))
     except (OSError, ValueError, AttributeError):
         return None
-    if isinstance(entry, dict) and all(isinstance(entry.get(k), (int, float)) for k in ("round_ms", "graft_ms")):
-        return {"round_ms": float(entry["round_ms"]), "graft_ms": float(entry["graft_ms"])}
+    if isinstance(entry, dict) and all(isinstance(entry.get(k), (int, float)) for k in FIGURES):
+        return {k: float(entry[k]) for k in FIGURES}
     return None
 
 
@@ -75,84 +77,108 @@ def save(decoder, figures: dict) -> bool:
         return False
 
 
-def apply(decoder, calibrate: bool | None = None) -> str | None:
-    """Give the costs the decoder's policy and context drafting read (`Costs.round_ms`, `graft_ms`)
-    this machine's figures: cached, else measured now (not with `calibrate=False`, nor where the costs
-    are the generic defaults or nothing drafts), else left at 0. Returns a line for `--stats`, or None
-    where nothing prices trees."""
+def apply(decoder, calibrate: bool | None = None) -> tuple[dict | None, str | None]:
+    """This machine's figures for the decoder (`FIGURES`): cached, else measured now (not with
+    `calibrate=False`, nor where the costs are the generic defaults or nothing drafts), else None;
+    with a line for `--stats` (None where nothing prices trees). `use` gives them to the costs."""
     costs = [c for c in (getattr(decoder.policy, "costs", None), decoder.context_costs) if c is not None]
     if not costs or (decoder.drafter is None and decoder.context is None):
-        return None
+        return None, None
     if costs[0].source == "default":
-        return "not measured (generic costs)"
+        return None, "not measured (generic costs)"
     figures, how = cached(decoder), "cached"
     if figures is None and calibrate is not False:
         figures, how = measure(decoder, costs[0]), "measured in this run"
         if not save(decoder, figures):
             how += ", not cached (the cache cannot be written)"
     if figures is None:
-        return "not measured (calibrate=False and none cached)"
-    for c in costs:
-        c.round_ms, c.graft_ms = figures["round_ms"], figures["graft_ms"]
-    return (f"a drafted round {figures['round_ms']:.2f} ms beyond its levels, a context graft "
-            f"{figures['graft_ms']:.2f} ms ({how})")
+        return None, "not measured (calibrate=False and none cached)"
+    return figures, (f"a drafted round {figures['round_ms']:.2f} ms beyond a plain step and its levels' and "
+                     f"rows' prices greedy, {figures['round_ms_sampled']:.2f} ms sampled, a context graft "
+                     f"{figures['graft_ms']:.2f} ms ({how})")
+
+
+def use(decoder, greedy: bool) -> None:
+    """Give the decoder's costs its figures (`decoder.round_figures`, from `apply`) for a generation's
+    decoding, greedy or sampled; fixed for the generation."""
+    figures = decoder.round_figures
+    if not figures:
+        return
+    for c in (getattr(decoder.policy, "costs", None), decoder.context_costs):
+        if c is not None:
+            c.round_ms = figures["round_ms" if greedy else "round_ms_sampled"]
+            c.graft_ms = figures["graft_ms"]
 
 
 def measure(decoder, costs) -> dict:
-    """Run the decoder's own drafted rounds and return {"round_ms", "graft_ms"} (see the module).
+    """Run the decoder's own drafted rounds and return {"round_ms", "round_ms_sampled", "graft_ms"}
+    (see the module).
 
     Uses `decoder.policy` and the decoder's context drafter where it has one, `costs` (the ones
     they read) with `round_ms` and `graft_ms` at 0 meanwhile; its rounds leave the costs as they
-    were (`Costs.held`: no correction, no staleness verdict). Greedy, on a fixed prompt of the
-    target's vocabulary.
+    were (`Costs.held`: no correction, no staleness verdict). On a fixed prompt of the target's
+    vocabulary, greedy and sampled (temperature 1, a fixed seed): each round is timed, and a drafted
+    round's figure is its time less a plain step's (the median step of `generate_baseline` on the
+    same prompt and settings), its graft's, its levels' prices and its extra rows' verify price
+    (`verify_ms(size) - verify_ms(1)`), the median over the generation's drafted rounds but its
+    first (whose catch-up reads the prompt's states, once a generation); a graft's, the mean of
+    its grafts (most find little, a few build a deep trie).
     """
     policy = decoder.policy
     vocab = decoder.target.model.get_input_embeddings().weight.shape[0]
     prompt = torch.randint(0, vocab, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(0))
-    priced, grafts = [], []
     context = decoder.context
-    graft = context.graft if context is not None else None
+    graft, timed = (context.graft if context is not None else None), []      # timed: per round
+    lone_round = decoder._round
 
     def timed_graft(*args, **kwargs):
         t0 = time.perf_counter()
         try:
             return graft(*args, **kwargs)
         finally:
-            grafts.append((time.perf_counter() - t0) * 1000)
+            timed[-1]["graft_ms"] += (time.perf_counter() - t0) * 1000
+
+    def timed_round(*args, **kwargs):
+        timed.append({"graft_ms": 0.0})
+        t0 = time.perf_counter()
+        out = lone_round(*args, **kwargs)
+        timed[-1]["ms"] = (time.perf_counter() - t0) * 1000
+        return out
 
     def on_round(tree, acc) -> None:
-        if int(tree.depth.max()) > 0 and getattr(policy, "gate", None) is not None and policy.gate.ran:
-            priced.append(policy._draft_ms)           # the levels as the policy priced them, the root's included
+        drafted = int(tree.depth.max()) > 0 and getattr(policy, "gate", None) is not None and policy.gate.ran
+        timed[-1].update(size=tree.size, priced=policy._draft_ms if drafted else None)
         forget = getattr(policy, "forget", None)
         if forget is not None:
             forget()                                  # the next round drafts too
 
-    def run(tokens: int) -> tuple[float, float, float, int, int]:
-        """(draft ms, priced ms, graft ms, drafted rounds, grafts) of a generation of `tokens`."""
-        priced.clear(), grafts.clear()
-        out = decoder.generate(prompt, max_new_tokens=tokens, ignore_eos=True, on_round=on_round)
-        return out.stats.draft_s * 1000, sum(priced), sum(grafts), len(priced), len(grafts)
+    def figures(**sampling) -> tuple[float, list[float]]:
+        """(a drafted round's figure, the grafts' times) under `sampling`."""
+        timed.clear()
+        decoder.generate_baseline(prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True, **sampling)
+        step = statistics.median(r["ms"] for r in timed[1:])
+        timed.clear()
+        decoder.generate(prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True, on_round=on_round, **sampling)
+        drafted = [r for r in timed if r.get("priced") is not None][1:]
+        beyond = [r["ms"] - step - r["graft_ms"] - r["priced"] - (costs.verify_ms(r["size"]) - costs.verify_ms(1))
+                  for r in drafted]
+        return (statistics.median(beyond) if beyond else 0.0), [r["graft_ms"] for r in timed if r["graft_ms"]]
 
     shared = {id(c): c for c in (costs, getattr(policy, "costs", None), decoder.context_costs) if c is not None}
+    decoder._round = timed_round                      # this decoder's own round and context drafter, for now
     if context is not None:
-        context.graft = timed_graft                   # this decoder's own context drafter, for this run only
+        context.graft = timed_graft
     try:
         with contextlib.ExitStack() as stack:
             for held in shared.values():
                 stack.enter_context(held.held()).round_ms = 0.0
             decoder.generate(prompt, max_new_tokens=8, ignore_eos=True)          # first-call costs out of it
-            # Two lengths, differenced: the first drafted round's catch-up reads the whole prompt's states,
-            # a cost of the generation rather than of its rounds, and both runs pay it alike. Twice, the
-            # lower kept: a slow spell in one pass (another process) does not price rounds dear.
-            passes = [_figures(run(SHORT_TOKENS), run(NEW_TOKENS)) for _ in range(PASSES)]
+            greedy, grafts = figures()
+            sampled, more = figures(temperature=1.0, seed=0)
     finally:
+        del decoder._round
         if context is not None:
             del context.graft
-    return {name: min(p[name] for p in passes) for name in ("round_ms", "graft_ms")}
-
-def _figures(short: tuple, long: tuple) -> dict:
-    """{"round_ms", "graft_ms"} from two runs' (draft ms, priced ms, graft ms, drafted rounds, grafts)."""
-    draft_ms, priced_ms, graft_ms, rounds, n_grafts = (b - a for a, b in zip(short, long))
-    per_graft = graft_ms / n_grafts if n_grafts > 0 else (long[2] / long[4] if long[4] else 0.0)
-    beyond = (draft_ms - graft_ms - priced_ms) / rounds if rounds > 0 else 0.0
-    return {"round_ms": round(max(beyond, 0.0), 4), "graft_ms": round(max(per_graft, 0.0), 4)}
+    grafts += more
+    return {"round_ms": round(max(greedy, 0.0), 4), "round_ms_sampled": round(max(sampled, 0.0), 4),
+            "graft_ms": round(statistics.fmean(grafts), 4) if grafts else 0.0}
