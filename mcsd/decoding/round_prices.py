@@ -35,7 +35,7 @@ from ..costs import store
 
 PROMPT_TOKENS = 96                 # a fixed pseudo-random prompt: the prefix a measured round reads
 NEW_TOKENS = 64                    # tokens generated; every round drafts, so about 25-50 drafted rounds
-VERSION = 2                        # of what is measured; a cached figure of another version is measured again
+VERSION = 3                        # of what is measured; a cached figure of another version is measured again
 FIGURES = ("round_ms", "round_ms_sampled", "graft_ms")
 
 
@@ -117,7 +117,7 @@ def measure(decoder, costs) -> dict:
     Uses `decoder.policy` and the decoder's context drafter where it has one, `costs` (the ones
     they read) with `round_ms` and `graft_ms` at 0 meanwhile; its rounds leave the costs as they
     were (`Costs.held`: no correction, no staleness verdict). On a fixed prompt of the target's
-    vocabulary, greedy and sampled (temperature 1, a fixed seed): each round is timed, and a drafted
+    vocabulary, greedy and sampled (temperature 1, top-p 0.95, a fixed seed): each round is timed, and a drafted
     round's figure is its time less a plain step's (the median step of `generate_baseline` on the
     same prompt and settings), its graft's, its levels' prices and its extra rows' verify price
     (`verify_ms(size) - verify_ms(1)`), the median over the generation's drafted rounds but its
@@ -174,7 +174,9 @@ def measure(decoder, costs) -> dict:
                 stack.enter_context(held.held()).round_ms = 0.0
             decoder.generate(prompt, max_new_tokens=8, ignore_eos=True)          # first-call costs out of it
             greedy, grafts = figures()
-            sampled, more = figures(temperature=1.0, seed=0)
+            # sampled with a nucleus (what a chat client sends): each extra node's filtering and draw
+            # lands in the round's figure, a price on the safe side for plain temperature sampling
+            sampled, more = figures(temperature=1.0, top_p=0.95, seed=0)
     finally:
         del decoder._round
         if context is not None:
