@@ -141,6 +141,31 @@ def _mcsd(bench, ids, tree: str | None, policy: str = "static", baseline: bool =
                s.accepted_by_depth, s.offered_by_depth, s.context_nodes, s.context_accepted)
 
 
+class _ShutGates(POLICIES["learned"]):
+    """The learned policy with its gate shut for good: every round drafts nothing (a plain step through
+    the round's machinery, the drafter's states kept for a draft that never comes)."""
+
+    def begin_round(self) -> int:
+        super().begin_round()
+        return 0
+
+
+def _gates_shut(bench, ids) -> Run:
+    """The default drafter under a policy that never drafts, context drafting left out: what the
+    default's rounds cost when every gate is shut, against `baseline_mcsd`'s plain steps."""
+    dec = bench.decoders.get("gates_shut")
+    if dec is None:
+        from mcsd.core.tree import TreeTopology
+        dec = bench.decoders["gates_shut"] = TreeDecoder(
+            bench.target, bench.draft, tokenizer=bench.tokenizer,
+            policy=_ShutGates(TreeTopology.from_spec(POLICIES["learned"].default_tree)), threads=None)
+    sampling = {**bench.sampling, "seed": bench.seed_for(ids)} if bench.sampling else {}
+    out = dec.generate(ids, max_new_tokens=bench.max_new_tokens, **sampling)
+    s = out.stats
+    return Run(out.tokens, s.wall_s, s.target_forwards, s.draft_s, s.verify_s, s.policy_s, s.accepted_per_round,
+               s.accepted_by_depth, s.offered_by_depth, s.context_nodes, s.context_accepted)
+
+
 def llama_cpp_unavailable(bench) -> str | None:
     """Why llama.cpp cannot run the bench's target, or None: the `llama` extra (llama-cpp-python)
     must be installed and the target must be a preset, whose GGUF is what mcsd converted it from.
@@ -199,6 +224,8 @@ def all_methods() -> list[Method]:
         Method("hf_compiled", "baseline", lambda b, ids: _hf_static(b, ids, compiled=True)),
         # what TreeDecoder(target, draft, tokenizer=...) and mcsd-generate run when nothing is asked for
         Method("default", "policy", lambda b, ids: _mcsd(b, ids, None, "auto"), policy="auto"),
+        # ... with every gate shut: its rounds are plain steps, to be set beside baseline_mcsd's
+        Method("gates_shut", "baseline", _gates_shut),
         Method("hf_assisted", "hf_assisted", lambda b, ids: _hf(b, ids, assistant=True)),
         # another engine on the same weights' source (the preset's GGUF): where a CPU user compares
         Method("llama_cpp", "llama_cpp", _llama_cpp),

@@ -353,8 +353,11 @@ def test_a_worker_that_dies_fails_its_jobs_and_health_answers_503(caplog):
     engine, _ = _engine(max_batch=2)
     jobs, events = _jobs([1, 1])
 
+    take = engine._take
+
     def broken(block):
-        raise SystemError("the worker's own bug")
+        take(block)                     # the job arrives (the worker waits for it) ...
+        raise SystemError("the worker's own bug")    # ... and the worker dies with it in hand
 
     engine._take = broken
     engine.start()
