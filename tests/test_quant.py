@@ -3,7 +3,9 @@ every test on each kernel that runs here."""
 
 from __future__ import annotations
 
+import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +24,12 @@ LONG_PROMPT = (torch.arange(quant.PREFILL_ROWS + 8) * 7 + 3) % 61      # a promp
 
 @pytest.fixture(autouse=True, params=["native", "torch"])
 def kernel(request, tmp_path, monkeypatch):
-    """Each test on each q4 kernel (a private cache: the native library is built into it once per test)."""
+    """Each test on each q4 kernel (a private cache, whose native library is the session's: built once,
+    keyed by its source, flags and compiler)."""
+    shared = Path(os.environ["MCSD_CACHE"]) / "native"      # the session's: the library is keyed by its build
+    (tmp_path / "cache").mkdir()
+    shared.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "cache" / "native").symlink_to(shared.resolve())
     monkeypatch.setenv("MCSD_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("MCSD_NATIVE", "1" if request.param == "native" else "0")
     native.reset()

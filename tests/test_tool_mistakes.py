@@ -17,6 +17,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "eagle3"
 @pytest.fixture
 def offline(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)     # an earlier load in this process may have set it
     monkeypatch.setattr(sources.socket, "create_connection",
                         lambda *a, **k: (_ for _ in ()).throw(OSError("unreachable")))
 
