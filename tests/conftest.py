@@ -290,3 +290,21 @@ def assert_follows_target(decoder, target, sampling, n=1500, prompt=(1, 2, 3)):
     p = pooled_chi_square_p(counts, exact, n)
     assert p > 1e-3, f"chi-square p = {p:.2e}"
     return accepted
+
+
+def require_native(tmp_path_factory):
+    """For a module's autouse fixture (`yield from` it): one private cache for the module (the native
+    library is built there once) and the native kernel required, the module skipped where it does
+    not run; afterwards the environment and the library's state (its instruction set) as before."""
+    from mcsd.forward import native, quant
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MCSD_CACHE", str(tmp_path_factory.mktemp("cache")))
+    mp.setenv("MCSD_NATIVE", "1")
+    native.reset()
+    if quant.kernel_name() != "native":
+        mp.undo()
+        native.reset()
+        pytest.skip(f"the native q4 kernel does not run here ({native.reason()})")
+    yield
+    mp.undo()
+    native.reset()

@@ -6,25 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import require_native
 
 from mcsd.forward import native, quant
 
 
 @pytest.fixture(scope="module", autouse=True)
 def native_kernel(tmp_path_factory):
-    """One private cache for the module (the library is built once), the native kernel required."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("MCSD_CACHE", str(tmp_path_factory.mktemp("cache")))
-    mp.setenv("MCSD_NATIVE", "1")
-    native.reset()
-    if quant.kernel_name() != "native":
-        mp.undo()
-        native.reset()
-        pytest.skip(f"the native q4 kernel does not run here ({native.reason()})")
-    yield
-    native.int8_isa(native.int8_isas_here()[0])
-    mp.undo()
-    native.reset()
+    yield from require_native(tmp_path_factory)
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import copy
 import numpy as np
 import pytest
 import torch
-from conftest import perturbed
+from conftest import perturbed, require_native
 from test_lean_forward import FAMILIES, PROMPT, TREE, TREE_DEPTH, _family
 
 from mcsd import TreeDecoder
@@ -24,18 +24,7 @@ NAMES = {v: k for k, v in quant._LLAMA_NAMES.items()}          # transformers' m
 
 @pytest.fixture(scope="module", autouse=True)
 def native_kernel(tmp_path_factory):
-    """One private cache for the module (the library is built once), the native kernel required."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("MCSD_CACHE", str(tmp_path_factory.mktemp("cache")))
-    mp.setenv("MCSD_NATIVE", "1")
-    native.reset()
-    if quant.kernel_name() != "native":
-        mp.undo()
-        native.reset()
-        pytest.skip(f"the native q4 kernel does not run here ({native.reason()})")
-    yield
-    mp.undo()
-    native.reset()
+    yield from require_native(tmp_path_factory)
 
 
 def _llama_cpp_rows(n_rows: int, n_head: int) -> np.ndarray:
