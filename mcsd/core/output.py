@@ -86,9 +86,13 @@ class GenerationStats:
         self.verify_s += seconds
         self.accepted_per_round.append(0)
 
-    def record_round(self, tree: DraftTree | None, n_accepted: int, drafted_depth: int | None = None,
-                     nodes: int | None = None) -> None:
-        """One round: its tree (or, read nowhere on the host, its depth and node count) and its accepted count."""
+    def record_round(self, tree: DraftTree | None, n_accepted: int, draft_s: float = 0.0, verify_s: float = 0.0,
+                     drafted_depth: int | None = None, nodes: int | None = None) -> None:
+        """One verified round (its target forward counted): its tree (or, read nowhere on the host, its
+        depth and node count), its accepted count, and its drafting and verify seconds."""
+        self.target_forwards += 1
+        self.draft_s += draft_s
+        self.verify_s += verify_s
         drafted_depth = int(tree.depth.max()) if drafted_depth is None else drafted_depth
         self.rounds += 1
         self.tree_nodes += (tree.size if nodes is None else nodes) - 1

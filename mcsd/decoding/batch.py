@@ -493,11 +493,7 @@ class BatchDecoder:
     def _emit(self, request: Request, proposal: Proposal, acc: Acceptance, emitted_lp, draft_s: float,
               verify_s: float) -> None:
         """A round's accepted path and the target's next token, into the request's sequence and stats."""
-        stats = request.stats
-        stats.target_forwards += 1
-        stats.draft_s += draft_s
-        stats.verify_s += verify_s
-        stats.record_round(proposal.grown.tree, acc.n_accepted)
+        request.stats.record_round(proposal.grown.tree, acc.n_accepted, draft_s, verify_s)
         new = proposal.emitted(acc, lossy=False)
         request.sequence = torch.cat([request.sequence, new])
         request.new = request.emitted.add(new.tolist(), emitted_lp)

@@ -346,10 +346,7 @@ class TreeDecoder:
         # 5. commit the path to the drafter's cache; the proposers observe how the round went
         proposer.observe(proposal, acc, path_hidden, last, (t1 - t0) * 1000, (t2 - t1) * 1000,
                          self.target.forward_ms)
-        stats.draft_s += t1 - t0
-        stats.verify_s += t2 - t1
-        stats.target_forwards += 1
-        stats.record_round(proposal.grown.tree, acc.n_accepted)
+        stats.record_round(proposal.grown.tree, acc.n_accepted, t1 - t0, t2 - t1)
         if on_round is not None:
             on_round(proposal.grown.tree, acc)
         # 6. emit

@@ -357,10 +357,8 @@ class FixedRound:
             self.kept = list(range(tree.size))
             depth, nodes = tree.max_depth, tree.size
         t2 = time.perf_counter()
-        stats.draft_s += t1 - t0
-        stats.verify_s += t2 - t1
-        stats.target_forwards += 1
-        stats.record_round(None, accepted, drafted_depth=max(depth, context_depth), nodes=nodes + n_context)
+        stats.record_round(None, accepted, t1 - t0, t2 - t1, drafted_depth=max(depth, context_depth),
+                           nodes=nodes + n_context)
         return new
 
     def _catch_up(self) -> None:
