@@ -6,6 +6,7 @@ what the products feed."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import numpy as np
@@ -284,14 +285,76 @@ def test_attention_does_not_depend_on_where_in_the_block_a_rows_allowed_keys_lie
     assert torch.equal(in_block, alone)
 
 
+@contextlib.contextmanager
+def _threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture
+def lanes_attention():
+    """The native attention's sixteen-lane path (AVX-512), its threshold restored after the test."""
+    before = native.attention_lanes()
+    if not before:
+        pytest.skip("the sixteen-lane attention needs AVX-512, which this CPU (or build) lacks")
+    yield before
+    native.attention_lanes(before)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32), (8, 1, 16), (12, 2, 48), (6, 2, 128)])
+def test_attention_gives_the_same_bits_one_row_head_at_a_time_and_sixteen_in_the_lanes(lanes_attention, heads,
+                                                                                      kv_heads, dim):
+    """Every (row, head) is computed in one fixed order on either path (see mcsd_attention), so which one
+    runs a block (by its rows) changes no bit: blocks of 1-33 rows over 1-301 positions, masks with
+    keys hidden from some rows and not others (the mixed case the lanes path weighs key by key), some
+    rows seeing a single key, each on 1 and 2 threads."""
+    gen = torch.Generator().manual_seed(heads * dim)
+    for rows, length in [(1, 1), (1, 300), (2, 9), (3, 17), (5, 64), (6, 301), (16, 301), (17, 40), (33, 299)]:
+        cap = length + 4
+        q = torch.randn(rows, heads, dim, generator=gen)
+        keys = torch.randn(kv_heads, cap, dim, generator=gen) * 3
+        values = torch.randn(kv_heads, cap, dim, generator=gen)
+        mask = torch.where(torch.rand(rows, length + 2, generator=gen) < 0.3, float("-inf"), 0.0)
+        mask[:, 0] = 0.0
+        if rows > 1:
+            mask[1, 1:length] = float("-inf")                         # a row that sees one key
+        if rows % 2:
+            mask = mask[:, :length]                                   # a row stride past the length
+        outs = []
+        for threads in (1, 2):
+            with _threads(threads):
+                for lanes in (1, 10 ** 6):
+                    native.attention_lanes(lanes)
+                    outs.append(native.attention(q, keys, values, length, mask, 0.125))
+        assert outs[0].isfinite().all()
+        for other in outs[1:]:
+            assert torch.equal(outs[0].view(torch.int32), other.view(torch.int32)), (rows, length)
+
+
+def test_attention_lanes_threshold_is_checked():
+    with pytest.raises(ValueError, match="positive"):
+        native.attention_lanes(0)
+
+
 def test_attention_that_cannot_allocate_its_scratch_fails_as_the_products_do():
     """A length whose score row no allocation can hold (2^61 floats) leaves every thread without its
     scratch: the call reports it and the caller raises MemoryError, rather than returning rows it
     skipped (the scratch is asked for before any key is read)."""
     q, keys = torch.randn(3, 4, 16), torch.randn(2, 8, 16)
-    with pytest.raises(MemoryError, match="attention"):
-        native.attention(q, keys, keys.clone(), 2 ** 61, torch.zeros(3, 8), 0.25)
-    assert native.attention(q, keys, keys.clone(), 8, torch.zeros(3, 8), 0.25).isfinite().all()
+    before = native.attention_lanes()
+    try:
+        for lanes in ((1, 10 ** 6) if before else (None,)):      # both paths where the lanes one is here
+            native.attention_lanes(lanes)
+            with pytest.raises(MemoryError, match="attention"):
+                native.attention(q, keys, keys.clone(), 2 ** 61, torch.zeros(3, 8), 0.25)
+            assert native.attention(q, keys, keys.clone(), 8, torch.zeros(3, 8), 0.25).isfinite().all()
+    finally:
+        if before:
+            native.attention_lanes(before)
 
 
 def test_a_feature_heads_layer_on_its_q8_0_codes_runs_as_one_native_call_and_predicts_as_operation_by_operation(

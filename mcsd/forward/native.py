@@ -37,7 +37,7 @@ from ..config import ConfigError
 SOURCE = Path(__file__).with_name("q4_kernel.c")
 FLAGS = ["-O3", "-std=c11", "-ffp-contract=off", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
 LIBS = ["-lm"]
-VERSION = 19                           # mcsd_q4_abi() of q4_kernel.c; cost profiles are keyed by it too
+VERSION = 20                           # mcsd_q4_abi() of q4_kernel.c; cost profiles are keyed by it too
 _lock = threading.Lock()
 _state: dict = {}                       # "lib": the loaded library or None, "reason": why not
 
@@ -245,6 +245,8 @@ def _load():
     lib.mcsd_rms_norm.restype = None
     lib.mcsd_attention.argtypes = [p, p, p, i64, i64, p, i64, i64, i64, i64, i64, ctypes.c_float, p, ctypes.c_int]
     lib.mcsd_attention.restype = ctypes.c_int
+    lib.mcsd_attention_lanes.argtypes = [ctypes.c_int]
+    lib.mcsd_attention_lanes.restype = ctypes.c_int
     lib.mcsd_layer.argtypes = [ctypes.POINTER(LayerWeights), p, p, i64, p, p, p, p, i64, p, i64, p, i64,
                                ctypes.c_int]
     lib.mcsd_layer.restype = ctypes.c_int
@@ -404,6 +406,17 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length:
                              torch.get_num_threads()) != 0:
         raise MemoryError("the native attention could not allocate its scratch rows")
     return out
+
+
+def attention_lanes(from_vectors: int | None = None) -> int:
+    """From how many query vectors per key / value head (a block's rows times the heads sharing it) the
+    native attention puts sixteen of them in the lanes of one AVX-512 vector (`attention_lanes` in
+    q4_kernel.c) rather than computing one (row, head) at a time: the same bits either way, only the
+    time differs. `from_vectors` sets it (tests); returns the one in use, 0 where that path is not here
+    (no AVX-512, or a build without it)."""
+    if from_vectors is not None and from_vectors < 1:
+        raise ValueError(f"from_vectors must be positive, got {from_vectors}")
+    return _lib().mcsd_attention_lanes(from_vectors or 0)
 
 
 def layer_slots(weights: LayerWeights, h: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -34,7 +34,7 @@
 #define NB 4            /* output rows dequantised together */
 #define RB 3            /* input rows per tile */
 
-int mcsd_q4_abi(void) { return 19; }
+int mcsd_q4_abi(void) { return 20; }
 
 static inline float hsum(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -848,16 +848,27 @@ static inline __m256 exp8(__m256 x) {
 /* Attention of Q query rows over the first L cached positions, key / value heads grouped:
    out[r, h] = softmax_j(q[r, h] . k[h / g, j] * scale + mask[r, j]) v[h / g, j], g = H / Hkv.
    q and out (Q, H, D); keys and values (Hkv, cap, D) (a static cache's buffers); mask (Q, L) with row
-   stride mask_stride, additive (-inf where a key is not seen). D a multiple of 8. Each (row, head) is
-   computed on its own in a fixed order (scores, their maximum, exponentials and sum, the weighted sum
-   of values, one division), so a row's result does not depend on the rows beside it; a score is summed
-   in the same order whether its key falls in a group of four or not, and the exponentials in key order,
-   so neither does it depend on how many positions the block attends over or where among them its
-   allowed keys lie (a verify's row, siblings masked out, and the step that computes it alone).
+   stride mask_stride, additive (-inf where a key is not seen). D a multiple of 8.
+
+   Each (row, head) is computed on its own in one fixed order, so a row's result does not depend on the
+   rows beside it, on how many positions the block attends over, or on where among them its allowed keys
+   lie (a verify's row, siblings masked out, and the step that computes it alone):
+     score_j = dot(q, k_j) * scale + mask_j, the dot as eight partial sums (dimension i mod 8, each an
+       FMA chain over i in order) added as ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7));
+     their maximum; e_j = exp8(score_j - max), summed in key order from 0;
+     each output dimension an FMA chain of e_j v_j over the keys in order, keys with e_j = 0 left out
+     (a masked sibling adds nothing, not even a signed zero), then one division by the sum.
+   Two implementations compute exactly that, so either may run any block:
+   - attention_rows: one (row, head) at a time, its dimensions in the lanes (few rows);
+   - attention_lanes (AVX-512): the query vectors of a key / value head (its rows times the g heads that
+     share it), sixteen at a time, in the lanes, so that each key's and value's elements are read once
+     for sixteen of them; for a verify of many rows (its cost, on a 2-core Xeon with AMX, 300 cached
+     positions, SmolLM2-135M's 9 heads over 3: see attention_lanes).
+   mcsd_attention_lanes sets from how many query vectors a key / value head has the second runs.
    Returns 0, or -1 where a thread's scratch could not be allocated (out is then incomplete). */
-int mcsd_attention(const float *q, const float *keys, const float *values, int64_t cap, int64_t L,
-                    const float *mask, int64_t mask_stride, int64_t Q, int64_t H, int64_t Hkv, int64_t D,
-                    float scale, float *out, int threads) {
+static int attention_rows(const float *q, const float *keys, const float *values, int64_t cap, int64_t L,
+                          const float *mask, int64_t mask_stride, int64_t Q, int64_t H, int64_t Hkv,
+                          int64_t D, float scale, float *out, int threads) {
     const int64_t group = H / Hkv;
     int failed = 0;
     #pragma omp parallel num_threads(threads) reduction(|:failed)
@@ -932,6 +943,153 @@ int mcsd_attention(const float *q, const float *keys, const float *values, int64
         free(acc);
     }
     return failed ? -1 : 0;
+}
+
+
+#if HAVE_AVX512VNNI
+#define LANES_FN __attribute__((target("avx512f,avx512vl,avx512dq,avx2,fma")))
+static inline __attribute__((always_inline)) LANES_FN __m512 exp16(__m512 x) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(exp8(_mm512_castps512_ps256(x))),
+                              exp8(_mm512_extractf32x8_ps(x, 1)), 1);
+}
+
+/* mcsd_attention with sixteen query vectors in the lanes (see above); the same bits as attention_rows.
+   A task is one key / value head's vectors p0 .. p0 + 15 (vector p: row p / g, head kv g + p mod g;
+   lanes past the last repeat the first). Scores two keys at a time (sixteen partial sums in registers,
+   each query load serving both), each key's mask entries gathered from its lanes' rows; then the
+   exponentials and their sum, with a note per key of whether every lane, none or some weigh it; then
+   the values, sixteen dimensions at a time (D a multiple of 16). */
+static LANES_FN int attention_lanes(const float *q, const float *keys, const float *values, int64_t cap, int64_t L,
+                                    const float *mask, int64_t mask_stride, int64_t Q, int64_t H, int64_t Hkv,
+                                    int64_t D, float scale, float *out, int threads) {
+    const int64_t group = H / Hkv, pairs = Q * group, chunks = (pairs + 15) / 16, tasks = Hkv * chunks;
+    if (L > ((int64_t)1 << 48)) return -1;          /* sixteen floats a key: no allocation holds it */
+    int failed = 0;
+    #pragma omp parallel num_threads(threads) reduction(|:failed)
+    {
+        const size_t keys_n = (size_t)(L > 0 ? L : 1);
+        float *e = aligned_alloc(64, sizeof(float) * 16 * keys_n);    /* per key: its scores, then weights */
+        float *qt = aligned_alloc(64, sizeof(float) * 16 * (size_t)D); /* qt[i][lane]: dimension i of the lane's query */
+        uint8_t *weighs = malloc(keys_n);                                /* per key: 0 no lane, 1 every lane, 2 some */
+        failed = !e || !qt || !weighs;
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; t++) {
+            if (!e || !qt || !weighs) continue;
+            const int64_t kv = t / chunks, p0 = (t % chunks) * 16;
+            const int n = pairs - p0 < 16 ? (int)(pairs - p0) : 16;
+            const float *K = keys + kv * cap * D, *V = values + kv * cap * D;
+            const int64_t r0 = p0 / group;
+            int64_t at[16];                             /* lane l: its query's offset in q and out */
+            int32_t mrow[16];                           /* its mask row's offset from row r0's */
+            for (int l = 0; l < 16; l++) {
+                const int64_t p = p0 + (l < n ? l : 0);
+                at[l] = (p / group * H + kv * group + p % group) * D;
+                mrow[l] = (int32_t)((p / group - r0) * mask_stride);
+            }
+            for (int64_t i = 0; i < D; i++)
+                for (int l = 0; l < 16; l++) qt[i * 16 + l] = q[at[l] + i];
+            const float *mbase = mask + r0 * mask_stride;
+            const __m512i mi = _mm512_loadu_si512(mrow);
+            const __m512 sc = _mm512_set1_ps(scale);
+            __m512 mx = _mm512_set1_ps(-INFINITY);
+#define PARTIALS_SUM(p) _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3])), \
+                                      _mm512_add_ps(_mm512_add_ps(p[4], p[5]), _mm512_add_ps(p[6], p[7])))
+#define SCORE(dot, j) do { \
+                const __m512 v = _mm512_add_ps(_mm512_mul_ps(dot, sc), _mm512_i32gather_ps(mi, mbase + (j), 4)); \
+                _mm512_store_ps(e + 16 * (j), v); \
+                mx = _mm512_max_ps(mx, v); } while (0)
+            int64_t j = 0;
+            for (; j + 2 <= L; j += 2) {
+                const float *ka = K + j * D, *kb = ka + D;
+                for (int64_t c = 0; c < 2 * D; c += 16)     /* the keys eight ahead, read from the cache */
+                    _mm_prefetch((const char *)(ka + 8 * D + c), _MM_HINT_T0);
+                __m512 a[8], b[8];
+                for (int i = 0; i < 8; i++) a[i] = b[i] = _mm512_setzero_ps();
+                for (int64_t c = 0; c < D; c += 8)
+                    for (int i = 0; i < 8; i++) {
+                        const __m512 x = _mm512_load_ps(qt + (c + i) * 16);
+                        a[i] = _mm512_fmadd_ps(x, _mm512_set1_ps(ka[c + i]), a[i]);
+                        b[i] = _mm512_fmadd_ps(x, _mm512_set1_ps(kb[c + i]), b[i]);
+                    }
+                SCORE(PARTIALS_SUM(a), j);
+                SCORE(PARTIALS_SUM(b), j + 1);
+            }
+            for (; j < L; j++) {
+                const float *ka = K + j * D;
+                __m512 a[8];
+                for (int i = 0; i < 8; i++) a[i] = _mm512_setzero_ps();
+                for (int64_t c = 0; c < D; c += 8)
+                    for (int i = 0; i < 8; i++)
+                        a[i] = _mm512_fmadd_ps(_mm512_load_ps(qt + (c + i) * 16), _mm512_set1_ps(ka[c + i]), a[i]);
+                SCORE(PARTIALS_SUM(a), j);
+            }
+#undef SCORE
+#undef PARTIALS_SUM
+            const __m512 zero = _mm512_setzero_ps();
+            __m512 sum = zero;
+            for (int64_t j = 0; j < L; j++) {
+                const __m512 w = exp16(_mm512_sub_ps(_mm512_load_ps(e + 16 * j), mx));
+                _mm512_store_ps(e + 16 * j, w);
+                sum = _mm512_add_ps(sum, w);
+                const __mmask16 live = _mm512_cmp_ps_mask(w, zero, _CMP_NEQ_UQ);
+                weighs[j] = live == 0 ? 0 : live == 0xFFFF ? 1 : 2;
+            }
+            for (int64_t d0 = 0; d0 < D; d0 += 16) {
+                __m512 c[16];
+                for (int i = 0; i < 16; i++) c[i] = zero;
+                for (int64_t j = 0; j < L; j++) {
+                    const int how = weighs[j];
+                    if (!how) continue;
+                    const __m512 w = _mm512_load_ps(e + 16 * j);
+                    const float *vj = V + j * D + d0;
+                    _mm_prefetch((const char *)(vj + 8 * D), _MM_HINT_T0);
+                    if (how == 1) {
+                        for (int i = 0; i < 16; i++) c[i] = _mm512_fmadd_ps(w, _mm512_set1_ps(vj[i]), c[i]);
+                    } else {
+                        const __mmask16 live = _mm512_cmp_ps_mask(w, zero, _CMP_NEQ_UQ);
+                        for (int i = 0; i < 16; i++) c[i] = _mm512_mask3_fmadd_ps(w, _mm512_set1_ps(vj[i]), c[i], live);
+                    }
+                }
+                _Alignas(64) float o[16][16];
+                for (int i = 0; i < 16; i++) _mm512_store_ps(o[i], _mm512_div_ps(c[i], sum));
+                for (int l = 0; l < n; l++)
+                    for (int i = 0; i < 16; i++) out[at[l] + d0 + i] = o[i][l];
+            }
+        }
+        free(e);
+        free(qt);
+        free(weighs);
+    }
+    return failed ? -1 : 0;
+}
+#endif
+
+/* from how many query vectors per key / value head (rows x heads sharing it) attention_lanes runs, where
+   the CPU has AVX-512; `n` > 0 sets it (tests: 1 and a huge number compare the two), else it is kept;
+   returns the one in use (0: attention_lanes is not built or this CPU lacks AVX-512) */
+static int lanes_from = 12;
+int mcsd_attention_lanes(int n) {
+#if HAVE_AVX512VNNI
+    if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512dq") || !__builtin_cpu_supports("avx512vl"))
+        return 0;
+    if (n > 0) lanes_from = n;
+    return lanes_from;
+#else
+    (void)n;
+    return 0;
+#endif
+}
+
+int mcsd_attention(const float *q, const float *keys, const float *values, int64_t cap, int64_t L,
+                    const float *mask, int64_t mask_stride, int64_t Q, int64_t H, int64_t Hkv, int64_t D,
+                    float scale, float *out, int threads) {
+#if HAVE_AVX512VNNI
+    static int avx512 = -1;
+    if (avx512 < 0) avx512 = mcsd_attention_lanes(0) > 0;
+    if (avx512 && D % 16 == 0 && Q * (H / Hkv) >= lanes_from)
+        return attention_lanes(q, keys, values, cap, L, mask, mask_stride, Q, H, Hkv, D, scale, out, threads);
+#endif
+    return attention_rows(q, keys, values, cap, L, mask, mask_stride, Q, H, Hkv, D, scale, out, threads);
 }
 
 /* ---- one decoder layer of a Llama-family model on Q4_1 weights, in one call ---- */
