@@ -185,6 +185,7 @@ class LeanForward:
             and self.head_dim % 8 == 0
         self._plan_at = None                    # quant.changes() when `_plan` was made (None: not made)
         self._plan: list[tuple] | None = None
+        self._plan_array = None
 
     def native_layers(self) -> list[tuple] | None:
         """Per decoder layer, its weights as the native library's whole-layer call reads them
@@ -197,6 +198,7 @@ class LeanForward:
             return None
         if self._plan_at != quant.changes():
             self._plan, self._plan_at = self._make_plan(), quant.changes()
+            self._plan_array = None             # the plan's weights as one array, made on first use
         return self._plan
 
     def _make_plan(self) -> list[tuple] | None:
@@ -263,16 +265,20 @@ class LeanForward:
             self._sign = torch.cat([-torch.ones(half), torch.ones(self.head_dim - half)]).to(sin.device, sin.dtype)
         return cos[:, :, None], (sin * self._sign)[:, :, None]
 
-    def _in_one_call(self, plan, h, cos, sin, rows, cache, slots):
-        """Each decoder layer in one native call (see `native_layers`); yields h after each."""
+    def _in_one_call(self, plan, h, cos, sin, rows, cache, slots, wanted: set, kept: dict) -> torch.Tensor:
+        """Every decoder layer in one native call (see `native_layers`, `native.layers`); the states
+        after the layers in `wanted` (below the last) go into `kept`; returns h after the last."""
         cos_rows, sin_rows = cos[0, :, 0].contiguous(), sin[0, :, 0].contiguous()   # (Q, D)
         slots = slots.to(torch.long).contiguous()
-        for i, (weights, *_) in enumerate(plan):
-            out = torch.empty_like(h)
-            native.layer(weights, h, out, cos_rows, sin_rows, cache.layer_keys[i][0], cache.layer_values[i][0],
-                         slots, rows.shape[-1], rows)
-            h = out
-            yield h
+        keep = tuple(sorted(i for i in wanted if 0 < i < len(plan)))
+        if self._plan_array is None:
+            self._plan_array = native.layer_array([weights for weights, *_ in plan])
+        out = torch.empty_like(h)
+        states = native.layers(self._plan_array, h, out, cos_rows, sin_rows, cache.keys, cache.values, slots,
+                               rows.shape[-1], rows, keep)
+        for j, i in enumerate(keep):
+            kept[i] = states[j].view_as(h)
+        return out
 
     def _by_op(self, h, cos, sin, mask, rows, cache, slots):
         """Each decoder layer operation by operation on the model's own modules; yields h after each."""
@@ -359,11 +365,12 @@ class LeanForward:
         cos, sin = self._rotary(h, positions)                                  # (1, Q, 1, D)
         rows = None if not self.one_call else mask[0, 0] if mask.stride(-1) == 1 else mask[0, 0].contiguous()
         plan = self.native_layers() if not h.requires_grad else None
-        run = self._by_op(h, cos, sin, mask, rows, cache, slots) if plan is None else \
-            self._in_one_call(plan, h, cos, sin, rows, cache, slots)
-        for i, h in enumerate(run, 1):                                          # h after layer i
-            if i in wanted and i < n_layers:
-                kept[i] = h
+        if plan is not None:
+            h = self._in_one_call(plan, h, cos, sin, rows, cache, slots, wanted, kept)
+        else:
+            for i, h in enumerate(self._by_op(h, cos, sin, mask, rows, cache, slots), 1):   # h after layer i
+                if i in wanted and i < n_layers:
+                    kept[i] = h
         h = _rms_norm(h, self.norm, self.one_call)
         kept[n_layers] = h
         return h
