@@ -111,6 +111,15 @@ def supports(model) -> bool:
     return unsupported_reason(model) is None
 
 
+def _put(kept: dict, i: int, h: torch.Tensor) -> None:
+    """kept[i] = h, or h copied into the tensor kept[i] already is (a column block of a joined buffer)."""
+    target = kept.get(i)
+    if target is None:
+        kept[i] = h
+    elif target is not h:
+        target.copy_(h)
+
+
 def _rms_norm(x: torch.Tensor, norm: torch.nn.Module, one_call: bool = False) -> torch.Tensor:
     """transformers' Llama RMS norm, with the norm module's own weight and epsilon; `one_call`: in
     float32 through the native library's norm (`mcsd.forward.native`: one call, not seven operations)."""
@@ -270,14 +279,19 @@ class LeanForward:
         after the layers in `wanted` (below the last) go into `kept`; returns h after the last."""
         cos_rows, sin_rows = cos[0, :, 0].contiguous(), sin[0, :, 0].contiguous()   # (Q, D)
         slots = slots.to(torch.long).contiguous()
-        keep = tuple(sorted(i for i in wanted if 0 < i < len(plan)))
+        keep = tuple(sorted(i for i in wanted if 0 < i < len(plan))) if wanted else ()
         if self._plan_array is None:
             self._plan_array = native.layer_array([weights for weights, *_ in plan])
         out = torch.empty_like(h)
-        states = native.layers(self._plan_array, h, out, cos_rows, sin_rows, cache.keys, cache.values, slots,
-                               rows.shape[-1], rows, keep)
-        for j, i in enumerate(keep):
-            kept[i] = states[j].view_as(h)
+        if keep:
+            ready = [kept.get(i) for i in keep]            # column blocks of the caller's joined buffer
+            into = ready if all(t is not None for t in ready) else None
+            for i, state in zip(keep, native.layers(self._plan_array, h, out, cos_rows, sin_rows, cache.keys,
+                                                    cache.values, slots, rows.shape[-1], rows, keep, into)):
+                kept[i] = state
+        else:
+            native.layers(self._plan_array, h, out, cos_rows, sin_rows, cache.keys, cache.values, slots,
+                          rows.shape[-1], rows)
         return out
 
     def _by_op(self, h, cos, sin, mask, rows, cache, slots):
@@ -341,13 +355,23 @@ class LeanForward:
         n_layers = len(self.layers)
         if any(not -n_layers - 1 <= i <= n_layers for i in hidden):
             raise IndexError(f"hidden state indices {list(hidden)} outside -{n_layers + 1}..{n_layers}")
-        wanted = {i % (n_layers + 1) for i in hidden}
+        order = [i % (n_layers + 1) for i in hidden]
+        wanted = set(order)
         kept: dict[int, torch.Tensor] = {}
+        joined = None
+        if len(order) > 1 and len(wanted) == len(order):
+            # the states go straight into their column blocks of the one tensor returned
+            width = self.embed.weight.shape[1]
+            joined = torch.empty(*tokens.shape, len(order) * width, dtype=self.embed.weight.dtype,
+                                 device=tokens.device)
+            kept = {i: joined[..., j * width:(j + 1) * width] for j, i in enumerate(order)}
         h = self._final(self.embed(tokens), positions, mask, cache, slots, wanted, kept)
         logits = self.lm_head(h[:, -1:] if last_logits else h)
         if not hidden:
             return logits, None
-        states = [kept[i % (n_layers + 1)] for i in hidden]
+        if joined is not None:
+            return logits, joined
+        states = [kept[i] for i in order]
         return logits, torch.cat(states, dim=-1) if len(states) > 1 else states[0]
 
     def states(self, embeds: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: StaticCache,
@@ -358,10 +382,11 @@ class LeanForward:
 
     def _final(self, h, positions, mask, cache, slots, wanted: set, kept: dict) -> torch.Tensor:
         """The decoder layers and the final norm over (1, Q, C) embeddings h; the states after the
-        layers in `wanted` (0 = h itself) go into `kept`, the final normed one under len(layers)."""
+        layers in `wanted` (0 = h itself) go into `kept`, the final normed one under len(layers) (copied
+        into the tensor `kept` already holds for an index, where it holds one)."""
         n_layers = len(self.layers)
         if 0 in wanted:
-            kept[0] = h
+            _put(kept, 0, h)
         cos, sin = self._rotary(h, positions)                                  # (1, Q, 1, D)
         rows = None if not self.one_call else mask[0, 0] if mask.stride(-1) == 1 else mask[0, 0].contiguous()
         plan = self.native_layers() if not h.requires_grad else None
@@ -370,7 +395,7 @@ class LeanForward:
         else:
             for i, h in enumerate(self._by_op(h, cos, sin, mask, rows, cache, slots), 1):   # h after layer i
                 if i in wanted and i < n_layers:
-                    kept[i] = h
+                    _put(kept, i, h)
         h = _rms_norm(h, self.norm, self.one_call)
-        kept[n_layers] = h
+        _put(kept, n_layers, h)
         return h

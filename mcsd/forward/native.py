@@ -253,7 +253,8 @@ def _load():
     lib.mcsd_layer_slots.argtypes = [ctypes.POINTER(LayerWeights), p, p, i64, p, p, p, p, i64, i64, i64, p, p, p,
                                      p, p, i64, ctypes.c_int]
     lib.mcsd_layer_slots.restype = ctypes.c_int
-    lib.mcsd_layers.argtypes = [p, i64, p, p, i64, p, p, p, p, i64, i64, p, i64, p, i64, p, i64, p, ctypes.c_int]
+    lib.mcsd_layers.argtypes = [p, i64, p, p, i64, p, p, p, p, i64, i64, p, i64, p, i64, p, i64, p, i64,
+                                ctypes.c_int]
     lib.mcsd_layers.restype = ctypes.c_int
     lib.mcsd_top_p.argtypes = [p, i64, i64, ctypes.c_float, p, ctypes.c_int]
     lib.mcsd_top_p.restype = ctypes.c_int
@@ -484,20 +485,22 @@ def layer_array(weights: list[LayerWeights]):
 
 def layers(array, h: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
            values: torch.Tensor, slots: torch.Tensor, length: int, mask: torch.Tensor,
-           keep: tuple[int, ...] = ()) -> torch.Tensor | None:
+           keep: tuple[int, ...] = (), into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Every decoder layer in one call (`mcsd_layers`): `array` from `layer_array`, one entry a layer in
     order; float32 rows h (..., Q, C) in, `out` of its shape written (it may be h); the cache's whole
     key and value buffers (layers, 1, H_kv, capacity, D), layer i's part written at `slots` and attended
     over its first `length` entries under the additive mask (Q, length) (last dimension contiguous); cos
-    and sin as `layer` takes them. Returns the rows after each layer in `keep` (1-based, each below the
-    number of layers), stacked (len(keep), Q, C), or None where none is asked."""
-    rows, width = h.numel() // h.shape[-1], h.shape[-1]
-    kept = torch.empty(len(keep), rows, width) if keep else None
-    index = torch.tensor(keep, dtype=torch.int64) if keep else None
+    and sin as `layer` takes them. The rows after each layer in `keep` (1-based, each below the number
+    of layers) are written into `into`'s tensors (of h's shape, rows `into[0].stride(-2)` floats apart,
+    each row contiguous: column blocks of one joined buffer, say), or into new ones; returns those."""
+    rows = h.numel() // h.shape[-1]
+    if into is None:
+        into = list(torch.empty(len(keep), *h.shape).unbind(0)) if keep else []
+    index = (ctypes.c_int64 * len(keep))(*keep) if keep else None
+    targets = (ctypes.c_void_p * len(keep))(*[t.data_ptr() for t in into]) if keep else None
     if _lib().mcsd_layers(ctypes.addressof(array), len(array), h.data_ptr(), out.data_ptr(), rows, cos.data_ptr(),
                           sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.shape[3],
-                          slots.data_ptr(), length, mask.data_ptr(), mask.stride(0),
-                          None if index is None else index.data_ptr(), len(keep),
-                          None if kept is None else kept.data_ptr(), torch.get_num_threads()) != 0:
+                          slots.data_ptr(), length, mask.data_ptr(), mask.stride(0), index, len(keep), targets,
+                          into[0].stride(-2) if keep else 0, torch.get_num_threads()) != 0:
         raise MemoryError("the native layer could not allocate its buffers")
-    return kept
+    return into

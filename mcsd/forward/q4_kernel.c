@@ -1223,21 +1223,23 @@ int mcsd_layer(const mcsd_layer_t *L, const float *h_in, float *h_out, int64_t Q
    layers[0].qkv.k floats each), the result in h_out (which may be h_in), each layer as `mcsd_layer`
    computes it. Layer i's keys and values are the buffers keys + i * layer_stride and values + i *
    layer_stride ((Hkv, cap, D) each: a static cache's one buffer for every layer). The rows after layer
-   keep[j] (1-based: after the first layer is 1; each below n_layers) are copied to kept + j * Q * C, for
-   the n_keep layers asked. One call instead of one per layer saves a forward the interpreter's work
+   keep[j] (1-based: after the first layer is 1; each below n_layers) are copied to kept[j], row r at
+   kept[j] + r * kept_stride (a column block of a wider buffer, where the caller joins them), for the
+   n_keep layers asked. One call instead of one per layer saves a forward the interpreter's work
    between layers (about 50 us a layer on a 2-core Xeon). Returns 0, or -1 where memory could not be
    allocated (h_out is then incomplete). */
 int mcsd_layers(const mcsd_layer_t *layers, int64_t n_layers, const float *h_in, float *h_out, int64_t Q,
                 const float *cos, const float *sin, float *keys, float *values, int64_t layer_stride,
                 int64_t cap, const int64_t *slots, int64_t len, const float *mask, int64_t mask_stride,
-                const int64_t *keep, int64_t n_keep, float *kept, int threads) {
+                const int64_t *keep, int64_t n_keep, float *const *kept, int64_t kept_stride, int threads) {
     const int64_t C = n_layers > 0 ? layers[0].qkv.k : 0;
     for (int64_t i = 0; i < n_layers; i++) {
         if (mcsd_layer(&layers[i], i == 0 ? h_in : h_out, h_out, Q, cos, sin, keys + i * layer_stride,
                        values + i * layer_stride, cap, slots, len, mask, mask_stride, threads))
             return -1;
         for (int64_t j = 0; j < n_keep; j++)
-            if (keep[j] == i + 1) memcpy(kept + j * Q * C, h_out, sizeof(float) * (size_t)(Q * C));
+            if (keep[j] == i + 1)
+                for (int64_t r = 0; r < Q; r++) memcpy(kept[j] + r * kept_stride, h_out + r * C, sizeof(float) * (size_t)C);
     }
     if (n_layers == 0 && h_out != h_in) memcpy(h_out, h_in, sizeof(float) * (size_t)(Q * C));
     return 0;
