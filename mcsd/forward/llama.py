@@ -210,6 +210,14 @@ class LeanForward:
             self._plan_array = None             # the plan's weights as one array, made on first use
         return self._plan
 
+    def plan_array(self):
+        """`native_layers`' weights as one array (`native.layer_array`), for the whole-forward calls;
+        made once per plan. Call only where `native_layers()` is not None."""
+        plan = self.native_layers()
+        if self._plan_array is None:
+            self._plan_array = native.layer_array([weights for weights, *_ in plan])
+        return self._plan_array
+
     def _make_plan(self) -> list[tuple] | None:
         if self.embed.weight.dtype != torch.float32 or self.head_dim % 2:
             return None
@@ -280,17 +288,15 @@ class LeanForward:
         cos_rows, sin_rows = cos[0, :, 0].contiguous(), sin[0, :, 0].contiguous()   # (Q, D)
         slots = slots.to(torch.long).contiguous()
         keep = tuple(sorted(i for i in wanted if 0 < i < len(plan))) if wanted else ()
-        if self._plan_array is None:
-            self._plan_array = native.layer_array([weights for weights, *_ in plan])
         out = torch.empty_like(h)
         if keep:
             ready = [kept.get(i) for i in keep]            # column blocks of the caller's joined buffer
             into = ready if all(t is not None for t in ready) else None
-            for i, state in zip(keep, native.layers(self._plan_array, h, out, cos_rows, sin_rows, cache.keys,
+            for i, state in zip(keep, native.layers(self.plan_array(), h, out, cos_rows, sin_rows, cache.keys,
                                                     cache.values, slots, rows.shape[-1], rows, keep, into)):
                 kept[i] = state
         else:
-            native.layers(self._plan_array, h, out, cos_rows, sin_rows, cache.keys, cache.values, slots,
+            native.layers(self.plan_array(), h, out, cos_rows, sin_rows, cache.keys, cache.values, slots,
                           rows.shape[-1], rows)
         return out
 

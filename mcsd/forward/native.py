@@ -37,7 +37,7 @@ from ..config import ConfigError
 SOURCE = Path(__file__).with_name("q4_kernel.c")
 FLAGS = ["-O3", "-std=c11", "-ffp-contract=off", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
 LIBS = ["-lm"]
-VERSION = 21                           # mcsd_q4_abi() of q4_kernel.c; cost profiles are keyed by it too
+VERSION = 22                           # mcsd_q4_abi() of q4_kernel.c; cost profiles are keyed by it too
 _lock = threading.Lock()
 _state: dict = {}                       # "lib": the loaded library or None, "reason": why not
 
@@ -256,6 +256,9 @@ def _load():
     lib.mcsd_layers.argtypes = [p, i64, p, p, i64, p, p, p, p, i64, i64, p, i64, p, i64, p, i64, p, i64,
                                 ctypes.c_int]
     lib.mcsd_layers.restype = ctypes.c_int
+    lib.mcsd_layers_slots.argtypes = [p, i64, p, p, i64, p, p, p, p, i64, i64, i64, i64, p, p, p, p, p, i64,
+                                      ctypes.c_int]
+    lib.mcsd_layers_slots.restype = ctypes.c_int
     lib.mcsd_top_p.argtypes = [p, i64, i64, ctypes.c_float, p, ctypes.c_int]
     lib.mcsd_top_p.restype = ctypes.c_int
     lib.mcsd_draw.argtypes = [p, i64, i64, ctypes.c_float, p, p, ctypes.c_int]
@@ -504,3 +507,17 @@ def layers(array, h: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: to
                           into[0].stride(-2) if keep else 0, torch.get_num_threads()) != 0:
         raise MemoryError("the native layer could not allocate its buffers")
     return into
+
+
+def layers_slots(array, h: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 keys: torch.Tensor, values: torch.Tensor, first: torch.Tensor, cache: torch.Tensor,
+                 slots: torch.Tensor, lens: torch.Tensor, mask: torch.Tensor) -> None:
+    """Every decoder layer in one call over the rows of several sequences (`mcsd_layers_slots`):
+    `array` from `layer_array`; the cache's whole key and value buffers (layers, B, H_kv, capacity, D);
+    the rest as `layer_slots` takes it. A row's result is what `layers` gives it alone, bit for bit."""
+    if _lib().mcsd_layers_slots(ctypes.addressof(array), len(array), h.data_ptr(), out.data_ptr(),
+                                h.numel() // h.shape[-1], cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
+                                values.data_ptr(), keys.stride(0), keys.shape[3], keys.stride(1), lens.numel(),
+                                first.data_ptr(), cache.data_ptr(), slots.data_ptr(), lens.data_ptr(),
+                                mask.data_ptr(), mask.stride(0), torch.get_num_threads()) != 0:
+        raise MemoryError("the native layer could not allocate its buffers")

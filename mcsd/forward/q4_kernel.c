@@ -34,7 +34,7 @@
 #define NB 4            /* output rows dequantised together */
 #define RB 3            /* input rows per tile */
 
-int mcsd_q4_abi(void) { return 21; }
+int mcsd_q4_abi(void) { return 22; }
 
 static inline float hsum(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -1241,6 +1241,23 @@ int mcsd_layers(const mcsd_layer_t *layers, int64_t n_layers, const float *h_in,
             if (keep[j] == i + 1)
                 for (int64_t r = 0; r < Q; r++) memcpy(kept[j] + r * kept_stride, h_out + r * C, sizeof(float) * (size_t)C);
     }
+    if (n_layers == 0 && h_out != h_in) memcpy(h_out, h_in, sizeof(float) * (size_t)(Q * C));
+    return 0;
+}
+
+/* `mcsd_layers` over the rows of several sequences (`mcsd_layer_slots` a layer): layer i's caches
+   start at keys + i * layer_stride (values likewise), sequence j's at cache[j] * cache_stride beyond. */
+int mcsd_layers_slots(const mcsd_layer_t *layers, int64_t n_layers, const float *h_in, float *h_out, int64_t Q,
+                      const float *cos, const float *sin, float *keys, float *values, int64_t layer_stride,
+                      int64_t cap, int64_t cache_stride, int64_t n_seg, const int64_t *first, const int64_t *cache,
+                      const int64_t *slots, const int64_t *lens, const float *mask, int64_t mask_stride,
+                      int threads) {
+    const int64_t C = n_layers > 0 ? layers[0].qkv.k : 0;
+    for (int64_t i = 0; i < n_layers; i++)
+        if (mcsd_layer_slots(&layers[i], i == 0 ? h_in : h_out, h_out, Q, cos, sin, keys + i * layer_stride,
+                             values + i * layer_stride, cap, cache_stride, n_seg, first, cache, slots, lens, mask,
+                             mask_stride, threads))
+            return -1;
     if (n_layers == 0 && h_out != h_in) memcpy(h_out, h_in, sizeof(float) * (size_t)(Q * C));
     return 0;
 }

@@ -246,7 +246,7 @@ class SlotForward:
             cos, sin = lean._rotary(h, positions)                                      # (1, R, 1, D)
             plan = lean.native_layers()
             if plan is not None:
-                h = self._in_one_call(plan, h, cos, sin, cache, blocks, starts, bounds, masks, slots)
+                h = self._in_one_call(lean, h, cos, sin, cache, blocks, starts, bounds, masks, slots)
             else:
                 h = self._by_op(h, cos, sin, cache, blocks, bounds, masks, slots)
             h = _rms_norm(h, lean.norm, lean.one_call)
@@ -267,8 +267,8 @@ class SlotForward:
         return logits
 
     @staticmethod
-    def _in_one_call(plan, h, cos, sin, cache, blocks, starts, bounds, masks, slots):
-        """Each decoder layer in one native call over every block's rows (`native.layer_slots`)."""
+    def _in_one_call(lean, h, cos, sin, cache, blocks, starts, bounds, masks, slots):
+        """Every decoder layer in one native call over every block's rows (`native.layers_slots`)."""
         rows, width = h.shape[1], max(m.shape[-1] for m in masks)
         mask = h.new_full((rows, width), float("-inf"))                                 # (R, K) additive
         for m, r0, r1 in zip(masks, bounds, bounds[1:]):
@@ -278,12 +278,10 @@ class SlotForward:
         lens = torch.tensor([s + r1 - r0 for s, r0, r1 in zip(starts, bounds, bounds[1:])])
         cos_rows, sin_rows = cos[0, :, 0].contiguous(), sin[0, :, 0].contiguous()      # (R, D)
         slots = slots.to(torch.long).contiguous()
-        for i, (weights, *_) in enumerate(plan):
-            out = torch.empty_like(h)
-            native.layer_slots(weights, h, out, cos_rows, sin_rows, cache.layer_keys[i], cache.layer_values[i],
-                               first, which, slots, lens, mask)
-            h = out
-        return h
+        out = torch.empty_like(h)
+        native.layers_slots(lean.plan_array(), h, out, cos_rows, sin_rows, cache.keys, cache.values, first, which,
+                            slots, lens, mask)
+        return out
 
     def _by_op(self, h, cos, sin, cache, blocks, bounds, masks, slots):
         """Each decoder layer operation by operation on the model's own modules (as
