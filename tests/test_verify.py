@@ -181,3 +181,11 @@ def test_native_top_p_keeps_what_a_full_sort_keeps():
     assert torch.equal(native.top_p(torch.full((1, 9), float("-inf")), 0.9), torch.full((1, 9), float("-inf")))
     tied = torch.zeros(1, 8)                            # eight equal tokens: the first half, lowest index first
     assert native.top_p(tied, 0.5).isfinite().nonzero()[:, 1].tolist() == [0, 1, 2, 3]
+    signed = torch.zeros(1, 8)
+    signed[0, ::2] = -0.0                               # -0 ties with 0: the index alone orders them
+    assert native.top_p(signed, 0.5).isfinite().nonzero()[:, 1].tolist() == [0, 1, 2, 3]
+    many = torch.zeros(1, 4096)                         # a nucleus of thousands (the radix sort's case)
+    many[0, 1::3] = -0.0
+    many[0, 2::3] = -1e-3
+    kept = native.top_p(many, 0.5).isfinite().nonzero()[:, 1]
+    assert kept.tolist() == [i for i in range(4096) if i % 3 != 2][:kept.numel()] and kept.numel() > 1300

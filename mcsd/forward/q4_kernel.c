@@ -1283,13 +1283,46 @@ static int tp_order(const void *a, const void *b) {
     return (x->i > y->i) - (x->i < y->i);
 }
 
+/* cand[0 .. n) in tp_order's order (score down, then index up), tmp room for n more: an LSD radix sort
+   on the scores' bits, four stable passes of a byte, which keeps tp_order's order for equal scores
+   (their order as given: the candidates come in index order, or a sorted run then lower-scored ones
+   in index order), -0 counted as 0 as tp_order counts it. A nucleus of thousands of candidates (a
+   flat row at T 1) sorts in a few passes over them rather than in thousands of comparisons; few
+   candidates go to qsort. */
+static inline uint32_t tp_key(float s) {
+    uint32_t u;
+    if (s == 0.0f) s = 0.0f;                            /* -0 ranks as 0 */
+    memcpy(&u, &s, sizeof u);
+    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);     /* ascending as the floats */
+    return ~u;                                          /* descending */
+}
+
+static void tp_sort(tp_cand *cand, int64_t n, tp_cand *tmp) {
+    if (n < 256) {
+        qsort(cand, (size_t)n, sizeof(tp_cand), tp_order);
+        return;
+    }
+    tp_cand *from = cand, *to = tmp;
+    for (int shift = 0; shift < 32; shift += 8) {
+        int64_t count[257] = {0};
+        for (int64_t j = 0; j < n; j++) count[((tp_key(from[j].s) >> shift) & 0xFF) + 1]++;
+        for (int b = 0; b < 256; b++) count[b + 1] += count[b];
+        for (int64_t j = 0; j < n; j++) to[count[(tp_key(from[j].s) >> shift) & 0xFF]++] = from[j];
+        tp_cand *t = from;
+        from = to;
+        to = t;
+    }
+    /* four passes: the result is back in cand */
+}
+
 static inline int tp_bin(float mx, float s) {
     const float depth = (mx - s) * TP_SCALE;
     return depth < (float)(TP_BINS - 1) ? (int)depth : TP_BINS - 1;      /* -inf, nan: the last */
 }
 
 /* A row's kept set: every token whose bin is above `crossing` (tp_bin(mx, s[i]) < crossing), and the
-   first `kept` of `cand` once sorted. Fills e with the exponentials below the maximum. mx == -INFINITY:
+   first `kept` of `cand` (room for 2V: the sort's too) once sorted. Fills e with the exponentials
+   below the maximum. mx == -INFINITY:
    nothing to rank (every score is -inf). */
 typedef struct { float mx; int crossing; int64_t kept; } tp_sel;
 
@@ -1336,7 +1369,7 @@ static tp_sel tp_select(const float *s, int64_t V, double mass, float *e, tp_can
         if (b >= crossing && b <= last) { cand[n].s = s[i]; cand[n].i = (int32_t)i; n++; }
     }
     for (;;) {
-        qsort(cand, (size_t)n, sizeof(tp_cand), tp_order);
+        tp_sort(cand, n, cand + V);
         double before = above;
         kept = 0;
         while (kept < n && before < target) before += e[cand[kept++].i];
@@ -1366,7 +1399,7 @@ int mcsd_top_p(const float *s, int64_t R, int64_t V, float mass, float *out, int
 #pragma omp parallel num_threads(threads) reduction(|:failed) if(R > 1)
     {
         float *e = malloc((size_t)V * sizeof(float));                  /* scratch, once per thread */
-        tp_cand *cand = malloc((size_t)V * sizeof(tp_cand));
+        tp_cand *cand = malloc((size_t)(2 * V) * sizeof(tp_cand));     /* candidates, then the sort's room */
         failed = !e || !cand;
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < R; r++)
@@ -1473,7 +1506,7 @@ int mcsd_draw(const float *x, int64_t R, int64_t V, float mass, const uint64_t *
 #pragma omp parallel num_threads(threads) reduction(|:failed) if(R > 1)
     {
         float *e = malloc((size_t)V * sizeof(float));
-        tp_cand *cand = mass < 1.0f ? malloc((size_t)V * sizeof(tp_cand)) : NULL;
+        tp_cand *cand = mass < 1.0f ? malloc((size_t)(2 * V) * sizeof(tp_cand)) : NULL;
         failed = !e || (mass < 1.0f && !cand);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < R; r++)
