@@ -8,7 +8,7 @@ import torch
 from mcsd.config import SamplingConfig
 from mcsd.core.sampling import logits_to_probs, sample_without_replacement
 from mcsd.core.tree import TreeTopology, ancestor_mask
-from mcsd.core.verify import accept_greedy, accept_sampling
+from mcsd.core.verify import accept_drawn, accept_greedy, accept_sampling
 
 # Tree used below (node: token):      0:5
 #                                   /     \
@@ -189,3 +189,35 @@ def test_native_top_p_keeps_what_a_full_sort_keeps():
     many[0, 2::3] = -1e-3
     kept = native.top_p(many, 0.5).isfinite().nonzero()[:, 1]
     assert kept.tolist() == [i for i in range(4096) if i % 3 != 2][:kept.numel()] and kept.numel() > 1300
+
+
+def test_drawing_only_where_accepted_gives_what_drawing_every_node_gives():
+    """`accept_drawn` (the seeded sampler's judge: the target's draw after a node made only once the node
+    is accepted, a level at a time) returns `accept_greedy`'s path and next token over every node's draw,
+    on random trees with few token values (so paths match deep, and siblings share a token), and draws
+    no node that is not accepted."""
+    g = torch.Generator().manual_seed(5)
+    for trial in range(300):
+        n = int(torch.randint(1, 24, (1,), generator=g))
+        parents = torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)])
+        depth = torch.zeros(n, dtype=torch.long)
+        for i in range(1, n):
+            depth[i] = depth[parents[i]] + 1
+        tokens = torch.randint(0, 3, (n,), generator=g)
+        after = torch.randint(0, 3, (n,), generator=g)                # the target's token after each node
+        want = accept_greedy(tokens, parents, depth, ancestor_mask(parents, depth), after)
+        asked = []
+
+        def draw(nodes):
+            asked.extend(nodes.tolist())
+            return after[nodes]
+        got = accept_drawn(tokens, parents, draw)
+        assert torch.equal(got.path, want.path) and int(got.next_token) == int(want.next_token), trial
+        assert len(asked) == len(set(asked))
+        accepted = set(got.path.tolist())
+        for node in asked:                                  # every drawn node's path matched the draws
+            walk = node
+            while walk != 0:
+                assert int(tokens[walk]) == int(after[parents[walk]])
+                walk = int(parents[walk])
+        assert accepted <= set(asked)

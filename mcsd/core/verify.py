@@ -94,6 +94,37 @@ def accept_greedy(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tens
     return Acceptance(path=path, next_token=target_argmax[best])
 
 
+def accept_drawn(tokens: torch.Tensor, parents: torch.Tensor, draw) -> Acceptance:
+    """`accept_greedy`'s answer where the target's token after each node is a draw, made only for the
+    nodes accepted so far: `draw(nodes)` ((M,) long node indices -> (M,) long tokens, each row on its
+    own) is called a level at a time, from the root down while some node of the level is accepted. A
+    tree whose first level misses costs one row's draw, not one a node; the path and next token are
+    what drawing every node and matching would give (deepest accepted node, ties to the lowest index).
+
+    Args:
+        tokens: (N,) node tokens; parents: (N,) parent indices, parents before children (root -1).
+        draw: the target's token after each of the given nodes.
+    """
+    par, toks = parents.tolist(), tokens.tolist()
+    children: dict[int, list[int]] = {}
+    for child in range(1, len(toks)):
+        children.setdefault(par[child], []).append(child)
+    level, drawn = [0], {}
+    while True:
+        got = draw(torch.tensor(level, device=tokens.device)).tolist()
+        drawn.update(zip(level, got))
+        below = [c for node, t in zip(level, got) for c in children.get(node, ()) if toks[c] == t]
+        if not below:
+            break
+        level = below
+    best = min(level)                                    # the deepest level reached; its lowest index
+    path = [best]
+    while path[-1] != 0:
+        path.append(par[path[-1]])
+    return Acceptance(path=torch.tensor(path[::-1], device=tokens.device),
+                      next_token=torch.tensor(drawn[best], device=tokens.device))
+
+
 def accept_sampling(tokens: torch.Tensor, parents: torch.Tensor, p_target: torch.Tensor,
                     q_draft: torch.Tensor | None, generator: torch.Generator | None,
                     deterministic: torch.Tensor | None = None) -> Acceptance:

@@ -16,7 +16,7 @@ import torch
 from ..config import DecodeConfig
 from ..core import processors
 from ..core.sampling import PositionNoise, logits_to_probs, processed_scores
-from ..core.verify import Acceptance, accept_greedy, accept_sampling
+from ..core.verify import Acceptance, accept_drawn, accept_greedy, accept_sampling
 from ..drafting.context import ContextDrafter
 from ..drafting.draft import GrownTree
 from ..drafting.policies import TreePolicy
@@ -57,7 +57,6 @@ def judge(grown: GrownTree, sequence: torch.Tensor, logits: torch.Tensor, cfg: D
         proc: processes each node's logits with that node's own prefix.
     """
     tree, sampling = grown.tree, cfg.sampling
-    anc = tree.mask()                                                  # (N, N), sliced from the topology
     s = int(skip_root)
     if policy.wants_target_logits and not skip_root:
         policy.observe_target(tree, logits)
@@ -68,11 +67,13 @@ def judge(grown: GrownTree, sequence: torch.Tensor, logits: torch.Tensor, cfg: D
         argmax = logits.argmax(-1)
         if skip_root:   # the root's row is not computed; its children are accepted as given
             argmax = torch.cat([argmax.new_full((1,), -1), argmax])
-        acc = accept_greedy(tree.tokens, tree.parents, tree.depth, anc, argmax,
+        acc = accept_greedy(tree.tokens, tree.parents, tree.depth, tree.mask(), argmax,
                             given=(tree.depth == 1) if skip_root else None)
     elif noise is not None:                  # the target's own seeded draw after each node, matched
-        draws = noise.draw_logits(logits, sampling, tree.depth + sequence.numel())   # node at depth d draws T + d
-        acc = accept_greedy(tree.tokens, tree.parents, tree.depth, anc, draws)
+        # drawn only where a node is accepted so far, a level at a time (node at depth d draws T + d)
+        at = tree.depth + sequence.numel()
+        acc = accept_drawn(tree.tokens, tree.parents,
+                           lambda nodes: noise.draw_logits(logits[nodes], sampling, at[nodes]))
     else:
         p_target = logits_to_probs(logits, sampling)
         q_draft = grown.q_draft.to(p_target.device) if grown.q_draft is not None else None
