@@ -94,6 +94,14 @@ def accept_greedy(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tens
     return Acceptance(path=path, next_token=target_argmax[best])
 
 
+def _children(parents: list[int]) -> dict[int, list[int]]:
+    """Each node's children in index order, from the parents list (root first, -1)."""
+    children: dict[int, list[int]] = {}
+    for child, parent in enumerate(parents[1:], start=1):
+        children.setdefault(parent, []).append(child)
+    return children
+
+
 def accept_drawn(tokens: torch.Tensor, parents: torch.Tensor, draw) -> Acceptance:
     """`accept_greedy`'s answer where the target's token after each node is a draw, made only for the
     nodes accepted so far: `draw(nodes)` ((M,) long node indices -> (M,) long tokens, each row on its
@@ -106,9 +114,7 @@ def accept_drawn(tokens: torch.Tensor, parents: torch.Tensor, draw) -> Acceptanc
         draw: the target's token after each of the given nodes.
     """
     par, toks = parents.tolist(), tokens.tolist()
-    children: dict[int, list[int]] = {}
-    for child in range(1, len(toks)):
-        children.setdefault(par[child], []).append(child)
+    children = _children(par)
     level, drawn = [0], {}
     while True:
         got = draw(torch.tensor(level, device=tokens.device)).tolist()
@@ -143,9 +149,7 @@ def accept_sampling(tokens: torch.Tensor, parents: torch.Tensor, p_target: torch
     Returns:
         Acceptance with the accepted path and the emitted extra token.
     """
-    children: dict[int, list[int]] = {}
-    for child, parent in enumerate(parents.tolist()[1:], start=1):            # one host copy per round
-        children.setdefault(parent, []).append(child)
+    children = _children(parents.tolist())                                     # one host copy per round
     toks = tokens.tolist()
     det = [False] * len(toks) if deterministic is None else deterministic.tolist()
     if deterministic is not None:

@@ -27,7 +27,7 @@ What it keeps:
   tests), in reduced precision the normalised value is rounded to the model
   dtype before the weight multiplies it, as transformers does.
 - a float32 model whose layers all run on the native q4 kernel's codes runs
-  each decoder layer as one call into that library (`native.layer`, see
+  every decoder layer in one call into that library (`native.layers`, see
   `LeanForward.native_layers`), which computes the same operations from the
   same weights; any other model runs them one at a time as above.
 
@@ -288,16 +288,11 @@ class LeanForward:
         cos_rows, sin_rows = cos[0, :, 0].contiguous(), sin[0, :, 0].contiguous()   # (Q, D)
         slots = slots.to(torch.long).contiguous()
         keep = tuple(sorted(i for i in wanted if 0 < i < len(plan))) if wanted else ()
+        ready = [kept.get(i) for i in keep]                # column blocks of the caller's joined buffer
+        into = ready if ready and all(t is not None for t in ready) else None
         out = torch.empty_like(h)
-        if keep:
-            ready = [kept.get(i) for i in keep]            # column blocks of the caller's joined buffer
-            into = ready if all(t is not None for t in ready) else None
-            for i, state in zip(keep, native.layers(self.plan_array(), h, out, cos_rows, sin_rows, cache.keys,
-                                                    cache.values, slots, rows.shape[-1], rows, keep, into)):
-                kept[i] = state
-        else:
-            native.layers(self.plan_array(), h, out, cos_rows, sin_rows, cache.keys, cache.values, slots,
-                          rows.shape[-1], rows)
+        kept.update(zip(keep, native.layers(self.plan_array(), h, out, cos_rows, sin_rows, cache.keys, cache.values,
+                                            slots, rows.shape[-1], rows, keep, into)))
         return out
 
     def _by_op(self, h, cos, sin, mask, rows, cache, slots):

@@ -37,7 +37,7 @@ from ..config import ConfigError
 SOURCE = Path(__file__).with_name("q4_kernel.c")
 FLAGS = ["-O3", "-std=c11", "-ffp-contract=off", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
 LIBS = ["-lm"]
-VERSION = 22                           # mcsd_q4_abi() of q4_kernel.c; cost profiles are keyed by it too
+VERSION = 23                           # mcsd_q4_abi() of q4_kernel.c; cost profiles are keyed by it too
 _lock = threading.Lock()
 _state: dict = {}                       # "lib": the loaded library or None, "reason": why not
 
@@ -51,7 +51,7 @@ class _Weight(ctypes.Structure):
 
 
 class LayerWeights(ctypes.Structure):
-    """mcsd_layer_t: one decoder layer's weights as `layer` reads them (see `layer_weights`)."""
+    """mcsd_layer_t: one decoder layer's weights as `layers` reads them (see `layer_weights`)."""
     _fields_ = [("norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
                 ("k_norm", ctypes.c_void_p), ("eps", ctypes.c_float), ("post_eps", ctypes.c_float),
                 ("qk_eps", ctypes.c_float), ("scale", ctypes.c_float), ("qkv", _Weight), ("o", _Weight),
@@ -247,17 +247,11 @@ def _load():
     lib.mcsd_attention.restype = ctypes.c_int
     lib.mcsd_attention_lanes.argtypes = [ctypes.c_int]
     lib.mcsd_attention_lanes.restype = ctypes.c_int
-    lib.mcsd_layer.argtypes = [ctypes.POINTER(LayerWeights), p, p, i64, p, p, p, p, i64, p, i64, p, i64,
-                               ctypes.c_int]
-    lib.mcsd_layer.restype = ctypes.c_int
-    lib.mcsd_layer_slots.argtypes = [ctypes.POINTER(LayerWeights), p, p, i64, p, p, p, p, i64, i64, i64, p, p, p,
-                                     p, p, i64, ctypes.c_int]
-    lib.mcsd_layer_slots.restype = ctypes.c_int
     lib.mcsd_layers.argtypes = [p, i64, p, p, i64, p, p, p, p, i64, i64, p, i64, p, i64, p, i64, p, i64,
                                 ctypes.c_int]
     lib.mcsd_layers.restype = ctypes.c_int
-    lib.mcsd_layers_slots.argtypes = [p, i64, p, p, i64, p, p, p, p, i64, i64, i64, i64, p, p, p, p, p, i64,
-                                      ctypes.c_int]
+    lib.mcsd_layers_slots.argtypes = [p, i64, p, p, i64, p, p, p, p, i64, i64, i64, i64, p, p, p, p, p, i64, p, i64,
+                                      p, i64, ctypes.c_int]
     lib.mcsd_layers_slots.restype = ctypes.c_int
     lib.mcsd_top_p.argtypes = [p, i64, i64, ctypes.c_float, p, ctypes.c_int]
     lib.mcsd_top_p.restype = ctypes.c_int
@@ -425,22 +419,6 @@ def attention_lanes(from_vectors: int | None = None) -> int:
     return _lib().mcsd_attention_lanes(from_vectors or 0)
 
 
-def layer_slots(weights: LayerWeights, h: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                keys: torch.Tensor, values: torch.Tensor, first: torch.Tensor, cache: torch.Tensor,
-                slots: torch.Tensor, lens: torch.Tensor, mask: torch.Tensor) -> None:
-    """`layer` over the rows of several sequences at once (`mcsd_layer_slots`): float32 rows h (R, C),
-    sequence i's rows first[i] .. first[i+1]-1 (first (S+1,) int64); its cache the buffers' slice
-    `cache[i]` (keys and values (B, H_kv, capacity, D), `cache` (S,) int64), its rows written there at
-    `slots` (R,) int64 and attending over its first lens[i] entries (lens (S,) int64) under the rows of
-    the additive mask (R, >= max lens) (last dimension contiguous). The products run once over all R
-    rows; a row's result is what `layer` gives it in its own sequence's block, bit for bit."""
-    if _lib().mcsd_layer_slots(ctypes.byref(weights), h.data_ptr(), out.data_ptr(), h.numel() // h.shape[-1],
-                               cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[2],
-                               keys.stride(0), lens.numel(), first.data_ptr(), cache.data_ptr(), slots.data_ptr(),
-                               lens.data_ptr(), mask.data_ptr(), mask.stride(0), torch.get_num_threads()) != 0:
-        raise MemoryError("the native layer could not allocate its buffers")
-
-
 def _ptr(t: torch.Tensor | None) -> int | None:
     if t is None:
         return None
@@ -453,7 +431,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def layer_weights(norm, post_norm, q_norm, k_norm, eps: float, post_eps: float, qk_eps: float, scale: float,
                   products: dict, heads: int, kv_heads: int, head_dim: int, act8: bool = False) -> LayerWeights:
-    """A decoder layer's weights for `layer`: float32 norm weights (q_norm / k_norm None where the model
+    """A decoder layer's weights for `layers`: float32 norm weights (q_norm / k_norm None where the model
     has none) and four products, `products[name] = (codes, d, m, bias or None, rows, columns, w128)` for
     "qkv" (rows q, k, v), "o", "gate_up" (rows gate, up) and "down": Q4_1 codes, or Q8_0 ones where m
     is None (w128: their block sums on 8-bit activations, else None); `act8`: the products on 8-bit
@@ -467,19 +445,6 @@ def layer_weights(norm, post_norm, q_norm, k_norm, eps: float, post_eps: float, 
                         **weights, heads=heads, kv_heads=kv_heads, head_dim=head_dim, act8=int(act8))
 
 
-def layer(weights: LayerWeights, h: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-          keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, length: int, mask: torch.Tensor) -> None:
-    """One decoder layer in one call (`mcsd_layer` in q4_kernel.c): float32 rows h (..., Q, C) in, `out`
-    of its shape written (it may be h); the block's keys and values written into the cache buffers
-    (H_kv, capacity, D) at `slots` (Q,) int64; attention over their first `length` entries under the
-    additive mask (Q, length) (last dimension contiguous); cos and sin (Q, D), sin signed as
-    `mcsd.forward.llama` makes it. Every tensor contiguous on the CPU; the caller checks shapes."""
-    if _lib().mcsd_layer(ctypes.byref(weights), h.data_ptr(), out.data_ptr(), h.numel() // h.shape[-1],
-                         cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[1],
-                         slots.data_ptr(), length, mask.data_ptr(), mask.stride(0), torch.get_num_threads()) != 0:
-        raise MemoryError("the native layer could not allocate its buffers")
-
-
 def layer_array(weights: list[LayerWeights]):
     """The layers' weights as one array for `layers` (copies of the structures, which point into the
     same tensors: the caller keeps those alive as long as it)."""
@@ -489,13 +454,15 @@ def layer_array(weights: list[LayerWeights]):
 def layers(array, h: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
            values: torch.Tensor, slots: torch.Tensor, length: int, mask: torch.Tensor,
            keep: tuple[int, ...] = (), into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-    """Every decoder layer in one call (`mcsd_layers`): `array` from `layer_array`, one entry a layer in
-    order; float32 rows h (..., Q, C) in, `out` of its shape written (it may be h); the cache's whole
-    key and value buffers (layers, 1, H_kv, capacity, D), layer i's part written at `slots` and attended
-    over its first `length` entries under the additive mask (Q, length) (last dimension contiguous); cos
-    and sin as `layer` takes them. The rows after each layer in `keep` (1-based, each below the number
-    of layers) are written into `into`'s tensors (of h's shape, rows `into[0].stride(-2)` floats apart,
-    each row contiguous: column blocks of one joined buffer, say), or into new ones; returns those."""
+    """Every decoder layer in one call (`mcsd_layers` in q4_kernel.c): `array` from `layer_array`, one
+    entry a layer in order; float32 rows h (..., Q, C) in, `out` of its shape written (it may be h); the
+    cache's whole key and value buffers (layers, 1, H_kv, capacity, D), each layer's keys and values
+    written at `slots` (Q,) int64 and attended over their first `length` entries under the additive mask
+    (Q, length) (last dimension contiguous); cos and sin (Q, D), sin signed as `mcsd.forward.llama`
+    makes it. The rows after each layer in `keep` (1-based, each below the number of layers) are
+    written into `into`'s tensors (of h's shape, rows `into[0].stride(-2)` floats apart, each row
+    contiguous: column blocks of one joined buffer, say), or into new ones; returns those. Every
+    tensor contiguous on the CPU but where said; the caller checks shapes."""
     rows = h.numel() // h.shape[-1]
     if into is None:
         into = list(torch.empty(len(keep), *h.shape).unbind(0)) if keep else []
@@ -512,12 +479,16 @@ def layers(array, h: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: to
 def layers_slots(array, h: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  keys: torch.Tensor, values: torch.Tensor, first: torch.Tensor, cache: torch.Tensor,
                  slots: torch.Tensor, lens: torch.Tensor, mask: torch.Tensor) -> None:
-    """Every decoder layer in one call over the rows of several sequences (`mcsd_layers_slots`):
-    `array` from `layer_array`; the cache's whole key and value buffers (layers, B, H_kv, capacity, D);
-    the rest as `layer_slots` takes it. A row's result is what `layers` gives it alone, bit for bit."""
+    """`layers` over the rows of several sequences at once (`mcsd_layers_slots`): float32 rows h (R, C),
+    sequence i's rows first[i] .. first[i+1]-1 (first (S+1,) int64); the cache's whole key and value
+    buffers (layers, B, H_kv, capacity, D), sequence i's the slice `cache[i]` ((S,) int64), its rows
+    written there at `slots` (R,) int64 and attending over its first lens[i] entries (lens (S,) int64)
+    under the rows of the additive mask (R, >= max lens) (last dimension contiguous). The products run
+    once over all R rows; a row's result is what `layers` gives it in its own sequence's block, bit for
+    bit."""
     if _lib().mcsd_layers_slots(ctypes.addressof(array), len(array), h.data_ptr(), out.data_ptr(),
                                 h.numel() // h.shape[-1], cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
                                 values.data_ptr(), keys.stride(0), keys.shape[3], keys.stride(1), lens.numel(),
                                 first.data_ptr(), cache.data_ptr(), slots.data_ptr(), lens.data_ptr(),
-                                mask.data_ptr(), mask.stride(0), torch.get_num_threads()) != 0:
+                                mask.data_ptr(), mask.stride(0), None, 0, None, 0, torch.get_num_threads()) != 0:
         raise MemoryError("the native layer could not allocate its buffers")

@@ -34,7 +34,7 @@
 #define NB 4            /* output rows dequantised together */
 #define RB 3            /* input rows per tile */
 
-int mcsd_q4_abi(void) { return 22; }
+int mcsd_q4_abi(void) { return 23; }
 
 static inline float hsum(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -862,8 +862,8 @@ static inline __m256 exp8(__m256 x) {
    - attention_rows: one (row, head) at a time, its dimensions in the lanes (few rows);
    - attention_lanes (AVX-512): the query vectors of a key / value head (its rows times the g heads that
      share it), sixteen at a time, in the lanes, so that each key's and value's elements are read once
-     for sixteen of them; for a verify of many rows (its cost, on a 2-core Xeon with AMX, 300 cached
-     positions, SmolLM2-135M's 9 heads over 3: see attention_lanes).
+     for sixteen of them; for a verify of many rows (one layer of SmolLM2-135M, 9 heads over 3, 300
+     cached positions, 2 threads on a 2-core Xeon: 16 rows 170.7 us on the first, 101.8 on this).
    mcsd_attention_lanes sets from how many query vectors a key / value head has the second runs.
    Returns 0, or -1 where a thread's scratch could not be allocated (out is then incomplete). */
 static int attention_rows(const float *q, const float *keys, const float *values, int64_t cap, int64_t L,
@@ -1209,57 +1209,46 @@ int mcsd_layer_slots(const mcsd_layer_t *L, const float *h_in, float *h_out, int
     return failed ? -1 : 0;
 }
 
-/* One sequence's layer (`mcsd_layer_slots` with one sequence): keys and values (Hkv, cap, D), its Q
-   rows written at slots and attending over the first len entries under mask (Q, len). */
-int mcsd_layer(const mcsd_layer_t *L, const float *h_in, float *h_out, int64_t Q, const float *cos,
-               const float *sin, float *keys, float *values, int64_t cap, const int64_t *slots, int64_t len,
-               const float *mask, int64_t mask_stride, int threads) {
-    const int64_t first[2] = {0, Q}, cache[1] = {0}, lens[1] = {len};
-    return mcsd_layer_slots(L, h_in, h_out, Q, cos, sin, keys, values, cap, 0, 1, first, cache, slots, lens,
-                            mask, mask_stride, threads);
-}
-
-/* Every decoder layer of a model in one call: layers[0 .. n_layers) applied in turn to Q rows h_in (C =
-   layers[0].qkv.k floats each), the result in h_out (which may be h_in), each layer as `mcsd_layer`
-   computes it. Layer i's keys and values are the buffers keys + i * layer_stride and values + i *
-   layer_stride ((Hkv, cap, D) each: a static cache's one buffer for every layer). The rows after layer
-   keep[j] (1-based: after the first layer is 1; each below n_layers) are copied to kept[j], row r at
-   kept[j] + r * kept_stride (a column block of a wider buffer, where the caller joins them), for the
-   n_keep layers asked. One call instead of one per layer saves a forward the interpreter's work
-   between layers (about 50 us a layer on a 2-core Xeon). Returns 0, or -1 where memory could not be
-   allocated (h_out is then incomplete). */
-int mcsd_layers(const mcsd_layer_t *layers, int64_t n_layers, const float *h_in, float *h_out, int64_t Q,
-                const float *cos, const float *sin, float *keys, float *values, int64_t layer_stride,
-                int64_t cap, const int64_t *slots, int64_t len, const float *mask, int64_t mask_stride,
-                const int64_t *keep, int64_t n_keep, float *const *kept, int64_t kept_stride, int threads) {
+/* Every decoder layer of a model in one call, over the rows of n_seg sequences (as `mcsd_layer_slots`
+   takes them): layers[0 .. n_layers) applied in turn to Q rows h_in (C = layers[0].qkv.k floats each),
+   the result in h_out (which may be h_in), each layer as `mcsd_layer_slots` computes it. Layer i's
+   caches start at keys + i * layer_stride (values likewise: a cache's one buffer for every layer),
+   sequence j's at cache[j] * cache_stride beyond. The rows after layer keep[j] (1-based: after the first
+   layer is 1; each below n_layers) are copied to kept[j], row r at kept[j] + r * kept_stride (a column
+   block of a wider buffer, where the caller joins them), for the n_keep layers asked. One call instead
+   of one per layer saves a forward the interpreter's work between layers (about 50 us a layer on a
+   2-core Xeon). Returns 0, or -1 where memory could not be allocated (h_out is then incomplete). */
+int mcsd_layers_slots(const mcsd_layer_t *layers, int64_t n_layers, const float *h_in, float *h_out, int64_t Q,
+                      const float *cos, const float *sin, float *keys, float *values, int64_t layer_stride,
+                      int64_t cap, int64_t cache_stride, int64_t n_seg, const int64_t *first, const int64_t *cache,
+                      const int64_t *slots, const int64_t *lens, const float *mask, int64_t mask_stride,
+                      const int64_t *keep, int64_t n_keep, float *const *kept, int64_t kept_stride, int threads) {
     const int64_t C = n_layers > 0 ? layers[0].qkv.k : 0;
     for (int64_t i = 0; i < n_layers; i++) {
-        if (mcsd_layer(&layers[i], i == 0 ? h_in : h_out, h_out, Q, cos, sin, keys + i * layer_stride,
-                       values + i * layer_stride, cap, slots, len, mask, mask_stride, threads))
+        if (mcsd_layer_slots(&layers[i], i == 0 ? h_in : h_out, h_out, Q, cos, sin, keys + i * layer_stride,
+                             values + i * layer_stride, cap, cache_stride, n_seg, first, cache, slots, lens, mask,
+                             mask_stride, threads))
             return -1;
         for (int64_t j = 0; j < n_keep; j++)
             if (keep[j] == i + 1)
-                for (int64_t r = 0; r < Q; r++) memcpy(kept[j] + r * kept_stride, h_out + r * C, sizeof(float) * (size_t)C);
+                for (int64_t r = 0; r < Q; r++)
+                    memcpy(kept[j] + r * kept_stride, h_out + r * C, sizeof(float) * (size_t)C);
     }
     if (n_layers == 0 && h_out != h_in) memcpy(h_out, h_in, sizeof(float) * (size_t)(Q * C));
     return 0;
 }
 
-/* `mcsd_layers` over the rows of several sequences (`mcsd_layer_slots` a layer): layer i's caches
-   start at keys + i * layer_stride (values likewise), sequence j's at cache[j] * cache_stride beyond. */
-int mcsd_layers_slots(const mcsd_layer_t *layers, int64_t n_layers, const float *h_in, float *h_out, int64_t Q,
-                      const float *cos, const float *sin, float *keys, float *values, int64_t layer_stride,
-                      int64_t cap, int64_t cache_stride, int64_t n_seg, const int64_t *first, const int64_t *cache,
-                      const int64_t *slots, const int64_t *lens, const float *mask, int64_t mask_stride,
-                      int threads) {
-    const int64_t C = n_layers > 0 ? layers[0].qkv.k : 0;
-    for (int64_t i = 0; i < n_layers; i++)
-        if (mcsd_layer_slots(&layers[i], i == 0 ? h_in : h_out, h_out, Q, cos, sin, keys + i * layer_stride,
-                             values + i * layer_stride, cap, cache_stride, n_seg, first, cache, slots, lens, mask,
-                             mask_stride, threads))
-            return -1;
-    if (n_layers == 0 && h_out != h_in) memcpy(h_out, h_in, sizeof(float) * (size_t)(Q * C));
-    return 0;
+/* One sequence's layers (`mcsd_layers_slots` with one sequence): layer i's keys and values (Hkv, cap, D)
+   at keys + i * layer_stride, its Q rows written at slots and attending over the first len entries
+   under mask (Q, len). */
+int mcsd_layers(const mcsd_layer_t *layers, int64_t n_layers, const float *h_in, float *h_out, int64_t Q,
+                const float *cos, const float *sin, float *keys, float *values, int64_t layer_stride,
+                int64_t cap, const int64_t *slots, int64_t len, const float *mask, int64_t mask_stride,
+                const int64_t *keep, int64_t n_keep, float *const *kept, int64_t kept_stride, int threads) {
+    const int64_t first[2] = {0, Q}, cache[1] = {0}, lens[1] = {len};
+    return mcsd_layers_slots(layers, n_layers, h_in, h_out, Q, cos, sin, keys, values, layer_stride, cap, 0, 1,
+                             first, cache, slots, lens, mask, mask_stride, keep, n_keep, kept, kept_stride,
+                             threads);
 }
 
 /* Nucleus (top-p) filtering of R rows of V float32 scores (-inf allowed): out[r, i] = s[r, i] where

@@ -11,7 +11,7 @@ prefix plus whatever of the block it may see). Nothing in a row's computation re
 Why a row's answer is the one it gets alone:
 - a float32 model on the native q4 kernel (`mcsd.forward.native`) runs each layer as one call
   (`native.layer_slots`), whose products, norms and attention compute every row on its own in a fixed
-  order: a row's hidden state is, bit for bit, what the lone forward (`native.layer`) gives it; the LM
+  order: a row's hidden state is, bit for bit, what the lone forward (`native.layers`) gives it; the LM
   head runs once over every block's rows where its product is native too (`quant.row_invariant`), else
   (torch's product) on each block's own rows, as it would alone, so the logits are the lone run's bit
   for bit, whatever else is in the batch;
@@ -246,7 +246,7 @@ class SlotForward:
             cos, sin = lean._rotary(h, positions)                                      # (1, R, 1, D)
             plan = lean.native_layers()
             if plan is not None:
-                h = self._in_one_call(lean, h, cos, sin, cache, blocks, starts, bounds, masks, slots)
+                h = self._in_one_call(h, cos, sin, cache, blocks, starts, bounds, masks, slots)
             else:
                 h = self._by_op(h, cos, sin, cache, blocks, bounds, masks, slots)
             h = _rms_norm(h, lean.norm, lean.one_call)
@@ -266,8 +266,7 @@ class SlotForward:
             cache.lengths[b.slot] = s + q
         return logits
 
-    @staticmethod
-    def _in_one_call(lean, h, cos, sin, cache, blocks, starts, bounds, masks, slots):
+    def _in_one_call(self, h, cos, sin, cache, blocks, starts, bounds, masks, slots):
         """Every decoder layer in one native call over every block's rows (`native.layers_slots`)."""
         rows, width = h.shape[1], max(m.shape[-1] for m in masks)
         mask = h.new_full((rows, width), float("-inf"))                                 # (R, K) additive
@@ -279,7 +278,7 @@ class SlotForward:
         cos_rows, sin_rows = cos[0, :, 0].contiguous(), sin[0, :, 0].contiguous()      # (R, D)
         slots = slots.to(torch.long).contiguous()
         out = torch.empty_like(h)
-        native.layers_slots(lean.plan_array(), h, out, cos_rows, sin_rows, cache.keys, cache.values, first, which,
+        native.layers_slots(self.lean.plan_array(), h, out, cos_rows, sin_rows, cache.keys, cache.values, first, which,
                             slots, lens, mask)
         return out
 
