@@ -1,6 +1,7 @@
 """The learned policy: features, JSON models (logistic and boosted trees), pruning and stopping, exactness."""
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -86,8 +87,9 @@ def test_confident_model_grows_and_hopeless_model_stops(target):
     b = stop.generate(PROMPT, max_new_tokens=40).stats
     assert a.tree_nodes / a.rounds > 3 and a.mean_accepted > 2
     assert b.tree_nodes == 0 and b.mean_accepted == 1.0           # nothing is worth its verify cost
-    # drafting loses every time it is tried, so the draft runs only in probe rounds, ever rarer
-    assert b.draft_forwards == len(probe_rounds(b.rounds)) < b.rounds // 4
+    # drafting loses every time it is tried, so the draft runs only in probe rounds, ever rarer: the first
+    # round, then at most where doubling waits would probe (the probe budget only lengthens them)
+    assert 1 <= b.draft_forwards <= len(probe_rounds(b.rounds)) < b.rounds // 4
 
 
 def test_draft_gate_skips_rounds_and_stays_exact(target):
@@ -97,6 +99,7 @@ def test_draft_gate_skips_rounds_and_stays_exact(target):
     ref = TreeDecoder(target, None, attention="sdpa").generate_baseline(PROMPT, max_new_tokens=60).tokens
     costs = fixed(Costs(verify={1: 1.0, 64: 1.5}, draft={1: 0.5}))      # a draft step costs half a target step
     policy = LearnedPolicy(TreeTopology.from_spec("3,2,2,1,1"), model=q_threshold_model(0.02), costs=costs)
+    policy.probe_budget = None                  # waits that only double: probes enough to accept some drafts
     dec = TreeDecoder(target, perturbed(target, 1.0, seed=4), policy=policy, attention="sdpa")
     calls = []
     begin = dec.drafter.begin_round
@@ -106,14 +109,28 @@ def test_draft_gate_skips_rounds_and_stays_exact(target):
     assert out.tokens == ref
     skipped = out.stats.rounds - len(calls)
     assert skipped >= 5 and len(calls) >= 3 and sum(trees) > 0     # both kinds of round, some drafts accepted
-    policy.forget()
-    policy.draft_value = -1.0                   # as if drafting had been losing
     root_only = DraftTree.root_only(policy.topology, torch.tensor(3))
-    drafted = []
-    for _ in range(30):
-        drafted.append(policy.begin_round() > 0)
-        policy.observe(0, root_only)            # nothing accepted: every probe loses
-    assert [i for i, d in enumerate(drafted) if d] == [3, 10, 23]       # waits of 3, 6, 12 plain rounds
+
+    def probes(budget, rounds=30):
+        policy.probe_budget = budget
+        policy.forget()
+        policy.draft_value = -1.0               # as if drafting had been losing
+        drafted = []
+        for _ in range(rounds):
+            drafted.append(policy.begin_round() > 0)
+            policy.observe(0, root_only)        # nothing accepted: every probe loses
+        return [i for i, d in enumerate(drafted) if d]
+
+    assert probes(None) == [3, 10, 23]          # no budget: waits of 3, 6, 12 plain rounds
+    # with a budget, a probe that lost L ms waits at least L / (budget x step) rounds: here each loses
+    # the draft's step and the round's own price, and a step costs 1 ms
+    step = costs.verify_ms(1)
+    first = probes(0.05, 200)
+    lost = -policy.draft_value
+    assert first[0] == 3 and lost > 0.5
+    waits = [b - a - 1 for a, b in zip(first, first[1:])]
+    assert waits and all(w >= min(math.ceil(lost / (0.05 * step)), policy.max_probe_gap) for w in waits)
+    assert probes(0.05, 200) == first           # a function of the costs and the tokens alone
 
 
 def test_the_draft_gate_credits_only_what_drafting_alone_brought():
@@ -160,7 +177,7 @@ def test_draft_gate_starts_afresh_each_generation(target):
     first = dec.generate(PROMPT, max_new_tokens=40)
     second = dec.generate(PROMPT, max_new_tokens=40)
     assert first.tokens == second.tokens == ref
-    assert first.stats.draft_forwards == len(probe_rounds(first.stats.rounds)) >= 4
+    assert 2 <= first.stats.draft_forwards <= len(probe_rounds(first.stats.rounds))   # the first round, probes
     assert second.stats.draft_forwards == first.stats.draft_forwards
     assert second.stats.accepted_per_round == first.stats.accepted_per_round
 

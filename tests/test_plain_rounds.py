@@ -70,6 +70,34 @@ def test_rounds_that_draft_nothing_are_plain_steps_and_the_text_is_plain_decodin
     assert len(dec.policy.steps) == s.plain_rounds                  # the policy heard of each plain step
 
 
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "seed": 3}])
+def test_a_lookup_that_finds_nothing_is_a_plain_step(target, monkeypatch, sampling):
+    """Context drafting alone, every lookup coming back empty: each round is the plain loop's step (no
+    tree verified, one forward a round), the context gate hears each lookup's price, and the text is the
+    plain loop's (greedy; and seeded sampling's, drawn as the plain step draws)."""
+    from mcsd.drafting.context import ContextDrafter, Graft
+
+    def nothing(self, drafted, *args, **kwargs):
+        return Graft(drafted, torch.zeros(drafted.size, dtype=torch.bool), {})
+    monkeypatch.setattr(ContextDrafter, "graft", nothing)
+    lookups = count_calls(monkeypatch, ContextDrafter, "graft")
+    dec = TreeDecoder(target, "context", attention="sdpa", calibrate=False)     # nothing measured or cached
+    reference = dec.generate_baseline(PROMPT, max_new_tokens=30, **sampling).tokens
+    verified = count_calls(monkeypatch, decoder_module.TreeDecoder, "_verify")
+    values = []
+    from mcsd.drafting.policies.base import Gate
+    original = Gate.observe
+    monkeypatch.setattr(Gate, "observe", lambda self, value, step_ms=None: (values.append(value),
+                                                                            original(self, value, step_ms))[1])
+    out = dec.generate(PROMPT, max_new_tokens=30, **sampling)
+    assert out.tokens == reference
+    assert not verified and out.stats.plain_rounds == out.stats.rounds
+    assert out.stats.target_forwards == out.stats.rounds + 1
+    assert lookups and len(values) == len(lookups)                  # each empty lookup priced in the gate
+    if dec.context_costs is not None:
+        assert all(v == -dec.context_costs.graft_ms for v in values)
+
+
 def test_the_plain_loop_makes_no_tree(target, monkeypatch):
     from mcsd.core.tree import DraftTree
     dec = TreeDecoder(target, None, attention="sdpa")

@@ -124,8 +124,9 @@ class Proposer:
         `beside` (a batched round): (rows, expected tokens) of the other slots' blocks in the same
         forward, so that a grafted node is priced by what it adds to the whole round.
 
-        Returns None where the round drafts nothing and grafts nothing (`plain`): it is then the plain
-        loop's step (`TreeDecoder._step`), with no tree made."""
+        Returns None where the round drafts nothing and grafts nothing (`plain`), the context's lookup
+        included when it finds nothing: it is then the plain loop's step (`TreeDecoder._step`), with no
+        tree made."""
         policy, drafter = self.policy, self.drafter
         depth = min(policy.begin_round(), remaining - (0 if self.lossy else 1)) if drafter is not None else 0
         if self.lossy:
@@ -148,6 +149,11 @@ class Proposer:
             graft = self.context.graft(drafted, sequence, expected + others, spent_ms, costs,
                                        probs if probs is not None and probs.numel() == drafted.size else None,
                                        max_nodes=context_nodes)
+            if depth == 0 and beside is None and graft.tree.size == drafted.size:
+                # nothing drafted and nothing found: the lookup's price into the gate, and the round
+                # is the plain loop's step (a tree of the root alone would cost its verify machinery)
+                self._value_context_lookup()
+                return None
             grown = grown.with_graft(graft)
             expected += graft.gain
         return Proposal(grown, drafted, graft, depth, expected)
@@ -202,6 +208,11 @@ class Proposer:
         accepted = int((acc.path >= base).sum())                    # grafted nodes on the accepted path
         self.context_gate.observe(accepted * costs.verify_ms(1) - (costs.verify_ms(size) - costs.verify_ms(base))
                                   - costs.graft_ms)
+
+    def _value_context_lookup(self) -> None:
+        """A grafting round that found nothing to graft: worth its lookup's price, less (needs costs)."""
+        if self.context_costs is not None:
+            self.context_gate.observe(-self.context_costs.graft_ms)
 
     def record(self, stats) -> None:
         """The proposers' totals into a `GenerationStats`."""

@@ -26,6 +26,8 @@ Policies never touch models, caches or masks; the decoder does that.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -63,10 +65,18 @@ class Gate:
     `probe_every` rounds, each probe that loses doubling the wait up to `max_gap`, and one that wins
     resetting it. `memory` weighs the latest round in the mean; with `probe_alone` a probe is judged
     on its own round, so one that pays opens the gate at once.
+
+    With `budget` (a fraction) and the plain step's price passed to `observe`, a losing gate also waits
+    long enough that its probes cost at most `budget` of the plain rounds it sits out: after a value of
+    -L ms, at least L / (budget x step) rounds. Where drafting loses a lot a round (a costly drafter,
+    sampling at a high temperature) a few probes a generation are then all it pays; where it loses
+    little, the doubling alone decides, as without a budget.
     """
 
-    def __init__(self, probe_every: int, max_gap: int, memory: float = 0.5, probe_alone: bool = False):
+    def __init__(self, probe_every: int, max_gap: int, memory: float = 0.5, probe_alone: bool = False,
+                 budget: float | None = None):
         self.probe_every, self.max_gap, self.memory, self.probe_alone = probe_every, max_gap, memory, probe_alone
+        self.budget = budget
         self.reset()
 
     def reset(self) -> None:
@@ -91,15 +101,18 @@ class Gate:
         """The round `opens` was last asked about runs."""
         return self.skipped == 0
 
-    def observe(self, value: float) -> None:
-        """What a round that ran was worth, in ms."""
+    def observe(self, value: float, step_ms: float | None = None) -> None:
+        """What a round that ran was worth, in ms; `step_ms`: a plain step's price (for `budget`)."""
         was_losing = self.value < 0
         self.value = value if was_losing and self.probe_alone else \
             (1 - self.memory) * self.value + self.memory * value
         if self.value >= 0:
             self.gap = self.probe_every
-        elif was_losing:                                            # a probe that lost: wait longer next time
-            self.gap = min(2 * self.gap, self.max_gap)
+            return
+        gap = min(2 * self.gap, self.max_gap) if was_losing else self.gap   # a probe that lost: wait longer
+        if self.budget and step_ms:
+            gap = max(gap, min(math.ceil(-self.value / (self.budget * step_ms)), self.max_gap))
+        self.gap = gap
 
 
 class TreePolicy:

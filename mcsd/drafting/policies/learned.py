@@ -89,8 +89,11 @@ class LearnedPolicy(TreePolicy):
     time spent) decides whether the next round drafts at all. While it is
     negative the draft sits out and is tried again after `probe_every`
     plain rounds; each probe that loses doubles the wait (up to
-    `max_probe_gap`), so on a machine or text where drafting never pays the
-    probes cost a few percent at most, and one that wins resets it. A round
+    `max_probe_gap`), and the wait is at least long enough that the probes
+    cost at most `probe_budget` of the plain steps sat out (a probe that lost
+    8 ms where a step costs 6.4 waits 125 rounds at 1%), so on a machine or text
+    where drafting never pays the probes cost about that much, and one that
+    wins resets it. A round
     without drafting is a plain target step; the draft catches up on the
     skipped tokens in its next forward (`base.Gate`, which context drafting
     shares). The gate opens again at each generation's `reset`, so a request's
@@ -128,7 +131,8 @@ class LearnedPolicy(TreePolicy):
     default_tree = "4,3,2,2,1,1,1,1"
     uses_device_profile = True          # the decoder passes costs from the cached device profile
     probe_every = 3                     # plain rounds before drafting is tried again
-    max_probe_gap = 48                  # the longest wait after probes that kept losing
+    max_probe_gap = 256                 # the longest wait after probes that kept losing
+    probe_budget = 0.01                 # what losing probes may cost, a fraction of the plain steps sat out
 
     def __init__(self, topology: TreeTopology, model: AcceptanceModel | str | Path | None = None,
                  costs: Costs | None = None, online_costs: bool = False):
@@ -160,7 +164,7 @@ class LearnedPolicy(TreePolicy):
 
     def forget(self) -> None:
         """Forget what drafting has been worth (the next round drafts)."""
-        self.gate = Gate(self.probe_every, self.max_probe_gap)
+        self.gate = Gate(self.probe_every, self.max_probe_gap, budget=self.probe_budget)
 
     @property
     def draft_value(self) -> float:
@@ -247,7 +251,7 @@ class LearnedPolicy(TreePolicy):
             # worth what only drafting brought: tokens context drafting proposed too came without it
             step = self.costs.verify_ms(1)
             self.gate.observe((n_accepted - shared) * step
-                              - (draft_ms + self.costs.verify_ms(size) - step))
+                              - (draft_ms + self.costs.verify_ms(size) - step), step)
 
     def round_draft_ms(self, widths) -> float:
         """The draft levels' cost as `continue_drafting` sums it: the root's step and the round's own
