@@ -489,8 +489,6 @@ def test_build_context_store_tool(model_dirs, tmp_path, capsys):
 def test_context_drafting_sits_out_while_it_loses_and_is_tried_again():
     """The context gate: rounds whose grafted nodes are rejected make its value negative, then it
     skips rounds, probing at doubling gaps; a probe whose node is accepted opens it again."""
-    from types import SimpleNamespace
-
     from mcsd.decoding import propose
     from mcsd.drafting.policies import make_policy
     costs = Costs({1: 10.0, 8: 20.0}, {1: 1.0})
@@ -498,9 +496,7 @@ def test_context_drafting_sits_out_while_it_loses_and_is_tried_again():
 
     def round_with(grafted: int, accepted: int):
         """One grafting round's outcome: `grafted` context nodes beneath the root, `accepted` of them taken."""
-        proposal = SimpleNamespace(drafted=SimpleNamespace(size=1), grown=SimpleNamespace(
-            tree=SimpleNamespace(size=1 + grafted)))
-        proposer._value_context(proposal, SimpleNamespace(path=torch.arange(accepted + 1)))
+        proposer._value_context(accepted, 1, 1 + grafted)
 
     schedule = []
     for _ in range(40):

@@ -1,4 +1,4 @@
-"""A whole decoder layer in one native call (`mcsd_layer` in q4_kernel.c, run by `mcsd.forward.llama`):
+"""Every decoder layer in one native call (`mcsd_layers` in q4_kernel.c, run by `mcsd.forward.llama`):
 float32 models on native Q4_1 products, against transformers' forward and the engine's forward
 operation by operation, for every family the engine's forward runs (biases, per-head q / k norms,
 llama3 rope scaling), and on 8-bit activations (the weights "q4q8") for the families that differ in

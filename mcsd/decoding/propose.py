@@ -152,7 +152,7 @@ class Proposer:
             if depth == 0 and beside is None and graft.tree.size == drafted.size:
                 # nothing drafted and nothing found: the lookup's price into the gate, and the round
                 # is the plain loop's step (a tree of the root alone would cost its verify machinery)
-                self._value_context_lookup()
+                self._value_context(0, drafted.size, drafted.size)
                 return None
             grown = grown.with_graft(graft)
             expected += graft.gain
@@ -171,7 +171,9 @@ class Proposer:
             self.drafter.commit(acc.path)
         if proposal.graft is not None:
             self.context.observe(proposal.graft, acc.path)
-            self._value_context(proposal, acc)
+            base = proposal.drafted.size
+            accepted = int((acc.path >= base).sum())                   # grafted nodes on the accepted path
+            self._value_context(accepted, base, proposal.grown.tree.size)
         # the policy hears about its own tree: the accepted path's drafted part, and how much of it
         # context drafting proposed too
         self._drafted_accepts.append(int((acc.path < proposal.drafted.size).sum()) - 1)
@@ -199,20 +201,15 @@ class Proposer:
         rounds that do not graft skips the top-k."""
         return self.context is not None and (proposal.graft is not None or self.context_gate.will_open())
 
-    def _value_context(self, proposal: Proposal, acc: Acceptance) -> None:
-        """What this round's grafted nodes were worth, into the context gate (needs costs)."""
+    def _value_context(self, accepted: int, base: int, size: int) -> None:
+        """What a grafting round was worth, into the context gate (needs costs): its `accepted` grafted
+        nodes at a step each, less the verify of the nodes it grafted (the tree of `base` nodes grown to
+        `size`; none where the lookup found nothing) and the lookup."""
         costs = self.context_costs
         if costs is None:
             return
-        base, size = proposal.drafted.size, proposal.grown.tree.size
-        accepted = int((acc.path >= base).sum())                    # grafted nodes on the accepted path
         self.context_gate.observe(accepted * costs.verify_ms(1) - (costs.verify_ms(size) - costs.verify_ms(base))
                                   - costs.graft_ms)
-
-    def _value_context_lookup(self) -> None:
-        """A grafting round that found nothing to graft: worth its lookup's price, less (needs costs)."""
-        if self.context_costs is not None:
-            self.context_gate.observe(-self.context_costs.graft_ms)
 
     def record(self, stats) -> None:
         """The proposers' totals into a `GenerationStats`."""

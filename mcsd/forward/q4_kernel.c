@@ -1277,7 +1277,8 @@ static int tp_order(const void *a, const void *b) {
    (their order as given: the candidates come in index order, or a sorted run then lower-scored ones
    in index order), -0 counted as 0 as tp_order counts it. A nucleus of thousands of candidates (a
    flat row at T 1) sorts in a few passes over them rather than in thousands of comparisons; few
-   candidates go to qsort. */
+   candidates go to qsort. Each score is turned into its key once, in place, for the passes, and back
+   after them (a -0 comes back as 0: callers read a kept token's score from the row, by its index). */
 static inline uint32_t tp_key(float s) {
     uint32_t u;
     if (s == 0.0f) s = 0.0f;                            /* -0 ranks as 0 */
@@ -1286,22 +1287,44 @@ static inline uint32_t tp_key(float s) {
     return ~u;                                          /* descending */
 }
 
+static inline float tp_unkey(uint32_t k) {
+    uint32_t u = ~k;
+    u = (u & 0x80000000u) ? (u & 0x7FFFFFFFu) : ~u;
+    float s;
+    memcpy(&s, &u, sizeof s);
+    return s;
+}
+
 static void tp_sort(tp_cand *cand, int64_t n, tp_cand *tmp) {
     if (n < 256) {
         qsort(cand, (size_t)n, sizeof(tp_cand), tp_order);
         return;
     }
+    uint32_t k;
+    for (int64_t j = 0; j < n; j++) {
+        k = tp_key(cand[j].s);
+        memcpy(&cand[j].s, &k, sizeof k);
+    }
     tp_cand *from = cand, *to = tmp;
     for (int shift = 0; shift < 32; shift += 8) {
         int64_t count[257] = {0};
-        for (int64_t j = 0; j < n; j++) count[((tp_key(from[j].s) >> shift) & 0xFF) + 1]++;
+        for (int64_t j = 0; j < n; j++) {
+            memcpy(&k, &from[j].s, sizeof k);
+            count[((k >> shift) & 0xFF) + 1]++;
+        }
         for (int b = 0; b < 256; b++) count[b + 1] += count[b];
-        for (int64_t j = 0; j < n; j++) to[count[(tp_key(from[j].s) >> shift) & 0xFF]++] = from[j];
+        for (int64_t j = 0; j < n; j++) {
+            memcpy(&k, &from[j].s, sizeof k);
+            to[count[(k >> shift) & 0xFF]++] = from[j];
+        }
         tp_cand *t = from;
         from = to;
         to = t;
     }
-    /* four passes: the result is back in cand */
+    for (int64_t j = 0; j < n; j++) {                   /* four passes: the result is back in cand */
+        memcpy(&k, &cand[j].s, sizeof k);
+        cand[j].s = tp_unkey(k);
+    }
 }
 
 static inline int tp_bin(float mx, float s) {
@@ -1380,7 +1403,7 @@ static void top_p_row(const float *s, int64_t V, double mass, float *out, float 
         return;
     }
     for (int64_t i = 0; i < V; i++) out[i] = tp_bin(sel.mx, s[i]) < sel.crossing ? s[i] : -INFINITY;
-    for (int64_t j = 0; j < sel.kept; j++) out[cand[j].i] = cand[j].s;
+    for (int64_t j = 0; j < sel.kept; j++) out[cand[j].i] = s[cand[j].i];
 }
 
 int mcsd_top_p(const float *s, int64_t R, int64_t V, float mass, float *out, int threads) {

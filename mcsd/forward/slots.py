@@ -9,8 +9,8 @@ slot and its rows attend over their own slot only, under the block's own mask (i
 prefix plus whatever of the block it may see). Nothing in a row's computation reads another slot.
 
 Why a row's answer is the one it gets alone:
-- a float32 model on the native q4 kernel (`mcsd.forward.native`) runs each layer as one call
-  (`native.layer_slots`), whose products, norms and attention compute every row on its own in a fixed
+- a float32 model on the native q4 kernel (`mcsd.forward.native`) runs every layer in one call
+  (`native.layers_slots`), whose products, norms and attention compute every row on its own in a fixed
   order: a row's hidden state is, bit for bit, what the lone forward (`native.layers`) gives it; the LM
   head runs once over every block's rows where its product is native too (`quant.row_invariant`), else
   (torch's product) on each block's own rows, as it would alone, so the logits are the lone run's bit

@@ -27,7 +27,6 @@ Policies never touch models, caches or masks; the decoder does that.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 
 import torch
