@@ -191,6 +191,35 @@ def test_native_top_p_keeps_what_a_full_sort_keeps():
     assert kept.tolist() == [i for i in range(4096) if i % 3 != 2][:kept.numel()] and kept.numel() > 1300
 
 
+def test_native_argmax_is_torchs():
+    """Greedy's token from the native library is torch.argmax's: the first of equal maxima (-0 equal to
+    0), the first NaN where a row has one, index 0 for a row of -inf; on every row length around the
+    eight-float step, one row or many, and on a full vocabulary."""
+    from mcsd.core.sampling import greedy_tokens
+    from mcsd.forward import native
+    if native.library() is None:
+        pytest.skip(f"no native library: {native.reason()}")
+    g = torch.Generator().manual_seed(3)
+    for vocab in (*range(1, 34), 255, 49152):
+        for rows in (1, 2, 5):
+            x = torch.randn(rows, vocab, generator=g)
+            cases = [x, x.round(), torch.full_like(x, float("-inf")),
+                     torch.where(x > 1.0, torch.full_like(x, float("inf")), x),
+                     torch.where(x > 1.5, torch.full_like(x, float("nan")), x),
+                     torch.where(x > 0, torch.zeros_like(x), -torch.zeros_like(x))]
+            for case in cases:
+                assert torch.equal(native.argmax(case), case.argmax(-1)), case
+                assert torch.equal(greedy_tokens(case[0]), case[0].argmax(-1))
+    tail = torch.zeros(1, 19)
+    tail[0, 17] = 1.0                                   # the maximum in the tail past the last full step
+    assert native.argmax(tail).tolist() == [17]
+    late_nan = torch.zeros(1, 40)
+    late_nan[0, 3], late_nan[0, 37] = 5.0, float("nan")
+    assert native.argmax(late_nan).tolist() == [37]
+    with pytest.raises(ValueError):
+        native.argmax(torch.zeros(2, 0))
+
+
 def test_drawing_only_where_accepted_gives_what_drawing_every_node_gives():
     """`accept_drawn` (the seeded sampler's judge: the target's draw after a node made only once the node
     is accepted, a level at a time) returns `accept_greedy`'s path and next token over every node's draw,

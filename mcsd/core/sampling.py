@@ -156,6 +156,15 @@ def _typical(scores: torch.Tensor, mass: float) -> torch.Tensor:
     return scores.masked_fill(drop, float("-inf"))
 
 
+def greedy_tokens(scores: torch.Tensor) -> torch.Tensor:
+    """scores (..., V) -> (...) long, `scores.argmax(-1)` (the first of equal maxima): float32 scores on a
+    CPU with mcsd's native library in one native call (`native.argmax`: 5-10 us a 49,152-token row where
+    torch's took 80)."""
+    if scores.dtype == torch.float32 and scores.device.type == "cpu" and native.library() is not None:
+        return native.argmax(scores)
+    return scores.argmax(-1)
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One draw per row of `probs` (..., V) -> (...) long, without a host sync."""
     flat = probs.reshape(-1, probs.shape[-1])
@@ -169,7 +178,7 @@ def choose(scores: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator
     distribution, by `noise` at sequence `position` where given, else from `generator`; with
     `logprob` its (1,) float32 log-probability under that distribution, else None)."""
     if cfg.greedy:
-        token, dist = scores.argmax(-1), None
+        token, dist = greedy_tokens(scores), None
     else:
         # the Gumbel draw needs no softmax: the distribution is made only to sample from it or to report it
         dist = processed_scores(scores, cfg).softmax(-1) if noise is None or logprob else None
@@ -302,7 +311,7 @@ class PositionNoise:
         host read."""
         if _native_draw(logits, cfg):
             return native.draw(_scaled(logits, cfg), cfg.top_p, keys)
-        return self.keyed(processed_scores(logits, cfg), keys).argmax(-1)
+        return greedy_tokens(self.keyed(processed_scores(logits, cfg), keys))
 
     def gumbel(self, positions: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
         """(M,) long positions -> (M, V) float32 standard Gumbel noise on the noise's device, or (M, K)
@@ -337,7 +346,7 @@ class PositionNoise:
 
     def draw_scores(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(M, V) `processed_scores` at (M,) positions -> (M,) long tokens: argmax(scores + g)."""
-        return self.keys(scores, positions).argmax(-1)
+        return greedy_tokens(self.keys(scores, positions))
 
     def draw(self, probs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(M, V) probabilities at (M,) positions -> (M,) long tokens."""

@@ -15,7 +15,7 @@ import torch
 
 from ..config import DecodeConfig
 from ..core import processors
-from ..core.sampling import PositionNoise, logits_to_probs, processed_scores
+from ..core.sampling import PositionNoise, greedy_tokens, logits_to_probs, processed_scores
 from ..core.verify import Acceptance, accept_drawn, accept_greedy, accept_sampling
 from ..drafting.context import ContextDrafter
 from ..drafting.draft import GrownTree
@@ -64,7 +64,7 @@ def judge(grown: GrownTree, sequence: torch.Tensor, logits: torch.Tensor, cfg: D
         logits = proc.at_nodes(sequence[:-1], tree, torch.arange(tree.size, device=logits.device), logits)
     p_target = None
     if sampling.greedy:
-        argmax = logits.argmax(-1)
+        argmax = greedy_tokens(logits)
         if skip_root:   # the root's row is not computed; its children are accepted as given
             argmax = torch.cat([argmax.new_full((1,), -1), argmax])
         acc = accept_greedy(tree.tokens, tree.parents, tree.depth, tree.mask(), argmax,
