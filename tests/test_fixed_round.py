@@ -99,6 +99,8 @@ def test_device_keys_are_the_position_keys():
     noise = PositionNoise(123456789, 64, "cpu")
     positions = torch.tensor([0, 1, 7, 300, 10**6])
     assert torch.equal(noise.device_keys(positions), noise.position_keys(positions))
+    for p in positions.tolist():                        # one position's key from a host int, as the step draws
+        assert torch.equal(noise.key_at(p, "cpu"), noise.position_keys(torch.tensor([p])))
 
 
 def test_commit_rows_keeps_what_commit_keeps():

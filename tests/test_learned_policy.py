@@ -193,6 +193,42 @@ def test_learned_policy_sampling_is_exact():
     assert_follows_target(dec, target, SamplingConfig(1.0), n=1200)
 
 
+def shifted_model(p: float, temperatures, shifts) -> AcceptanceModel:
+    """`constant_model(p)` with a `sampled` table of logit shifts."""
+    spec = {"format": FORMAT, "version": FORMAT_VERSION, "kind": "logistic", "features": ["q_rank"],
+            "mean": [0.0], "scale": [1.0], "coef": [0.0], "intercept": float(np.log(p / (1 - p))),
+            "sampled": {"temperature": list(temperatures), "logit_shift": list(shifts)}}
+    return AcceptanceModel(spec)
+
+
+def test_the_sampled_table_shifts_the_logit_by_temperature():
+    """Piecewise linear between the table's temperatures, its end values beyond them; no table, no shift."""
+    m = shifted_model(0.5, [0.0, 0.5, 1.0], [0.0, -1.0, -3.0])
+    assert [m.logit_shift(t) for t in (0.0, 0.25, 0.5, 0.75, 1.0, 2.0)] == [0.0, -0.5, -1.0, -2.0, -3.0, -3.0]
+    assert shifted_model(0.5, [0.7], [-0.4]).logit_shift(0.0) == -0.4
+    assert constant_model(0.5).logit_shift(1.0) == 0.0
+    x = torch.zeros(4, len(FEATURE_NAMES))
+    assert torch.allclose(m.predict_proba(x, m.logit_shift(1.0)), torch.sigmoid(torch.tensor(-3.0)).expand(4))
+    assert torch.allclose(m.predict_proba(x), torch.full((4,), 0.5))
+
+
+def test_the_policy_prices_nodes_for_the_generations_temperature(target):
+    """A generation tells the policy its sampling settings: sampled at T 1, where the table says drafted
+    nodes are rarely the target's draw, it drafts nothing after its first probe's level; greedy, the
+    same model grows trees; the seeded text is the same whatever the table says."""
+    from mcsd.config import SamplingConfig
+    hopeless_sampled = shifted_model(0.95, [0.0, 0.5, 1.0], [0.0, -4.0, -12.0])
+    dec = TreeDecoder(target, target, policy=_policy(hopeless_sampled), attention="sdpa")
+    greedy = dec.generate(PROMPT, max_new_tokens=30).stats
+    assert dec.policy.shift == 0.0 and greedy.tree_nodes / greedy.rounds > 2
+    sampled = dec.generate(PROMPT, max_new_tokens=30, temperature=1.0, seed=5)
+    assert dec.policy.shift == -12.0 and sampled.stats.tree_nodes == 0
+    plain = TreeDecoder(target, target, policy=_policy(constant_model(0.95)), attention="sdpa")
+    assert plain.generate(PROMPT, max_new_tokens=30, temperature=1.0, seed=5).tokens == sampled.tokens
+    dec.policy.decoding(SamplingConfig(0.75))
+    assert dec.policy.shift == -8.0
+
+
 @pytest.mark.parametrize("kind", ["logistic", "gbt"])
 def test_exported_sklearn_models_predict_like_sklearn(kind, tmp_path):
     from sklearn.ensemble import GradientBoostingClassifier
@@ -218,6 +254,11 @@ def test_exported_sklearn_models_predict_like_sklearn(kind, tmp_path):
     (lambda s: s.update(features=["q_rank", "bogus"]), "unknown features"),
     (lambda s: s.update(coef=[1.0, 2.0]), "malformed acceptance model"),
     (lambda s: s.update(kind="neural"), "unknown model kind"),
+    (lambda s: s.update(sampled={"temperature": [0.0, 1.0], "logit_shift": [0.0]}), "one logit shift per"),
+    (lambda s: s.update(sampled={"temperature": [1.0, 0.5], "logit_shift": [0.0, 0.1]}), "must increase"),
+    (lambda s: s.update(sampled={"temperature": [-1.0], "logit_shift": [0.0]}), "must increase from 0"),
+    (lambda s: s.update(sampled={"temperature": [0.0], "logit_shift": [float("nan")]}), "shifts be finite"),
+    (lambda s: s.update(sampled={"temperature": "hot"}), "malformed 'sampled' table"),
 ])
 def test_tampered_models_are_refused(tmp_path, edit, fragment):
     spec = {"format": FORMAT, "version": FORMAT_VERSION, "kind": "logistic", "features": ["q_rank"],
@@ -285,3 +326,25 @@ def test_a_drafter_ships_its_own_acceptance_model(model_dirs, target, tmp_path):
         TreeDecoder(t, draft, policy=LearnedPolicy(TreeTopology.from_spec("3,2,2")), attention="sdpa")
     assert LearnedPolicy(TreeTopology.from_spec("3,2,2")).model_source.endswith(
         "decision-models/acceptance.json")                            # no drafter bound yet: the generic model
+
+
+def test_the_sampled_shift_fit_finds_the_shift_that_matches_acceptance():
+    """fit_sampled_acceptance's arithmetic: a round's conditional probabilities back to logits (its
+    path probabilities divided by its parents'), and the one shift whose expected accepted tokens are
+    the accepted ones."""
+    from mcsd.train.sampled_acceptance import expected, fit_shift, round_record
+    topo = TreeTopology.from_spec("2,1")
+    tree = DraftTree.root_only(topo, torch.tensor(0))
+    tree.append_level(torch.tensor([5, 6]), torch.tensor([0, 0]), torch.zeros(2), topo.child_table[0, :2])
+    tree.append_level(torch.tensor([7]), torch.tensor([1]), torch.zeros(1), topo.child_table[1, :1])
+    path = torch.tensor([1.0, 0.8, 0.1, 0.8 * 0.5])
+    parents, logits, accepted = round_record(tree, path, 0.0, 1)
+    assert parents == [-1, 0, 0, 1] and accepted == 1
+    assert logits[1:] == pytest.approx([math.log(4), math.log(1 / 9), 0.0], abs=1e-6)
+    assert expected([(parents, logits, 1)], 0.0) == pytest.approx(0.8 + 0.1 + 0.4)
+    # the same round recorded under a shift in force: the logits before it
+    assert round_record(tree, path, -1.0, 1)[1][1:] == pytest.approx([math.log(4) + 1, math.log(1 / 9) + 1, 1.0])
+    rounds = [(parents, logits, a) for a in (0, 1, 2, 1)]
+    b = fit_shift(rounds)
+    assert expected(rounds, b) == pytest.approx(4.0, abs=1e-3) and b < 0      # 4 accepted of 5.2 expected
+    assert fit_shift([(parents, logits, 2)] * 3) > 0

@@ -182,9 +182,8 @@ def choose(scores: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator
     else:
         # the Gumbel draw needs no softmax: the distribution is made only to sample from it or to report it
         dist = processed_scores(scores, cfg).softmax(-1) if noise is None or logprob else None
-        if noise is not None:            # the position's keys made where the scores are: no host read
-            at = torch.full((1,), position, dtype=torch.long, device=scores.device)
-            token = noise.draw_keyed(scores[None], cfg, noise.device_keys(at))[0]
+        if noise is not None:            # the position's key made where the scores are: no host read
+            token = noise.draw_keyed(scores[None], cfg, noise.key_at(position, scores.device))[0]
         else:
             token = sample(dist, generator)
     if not logprob:
@@ -291,6 +290,14 @@ class PositionNoise:
     def position_keys(self, positions: torch.Tensor) -> torch.Tensor:
         """(M,) positions -> (M,) int64 keys on the CPU (one host read of the positions)."""
         return torch.tensor([_mix(self.seed, p) for p in positions.tolist()], dtype=torch.long)
+
+    def key_at(self, position: int, device) -> torch.Tensor:
+        """(1,) int64 the key of one position given as a host int, on `device`: made on the host where
+        the draw is the native library's (a CPU: one small tensor, where `device_keys` takes nine tensor
+        operations), else by `device_keys` (no host transfer); the same bits either way."""
+        if torch.device(device).type == "cpu" and native.library() is not None:
+            return torch.tensor([_mix(self.seed, position)], dtype=torch.long)
+        return self.device_keys(torch.full((1,), position, dtype=torch.long, device=device))
 
     def device_keys(self, positions: torch.Tensor) -> torch.Tensor:
         """(M,) long positions -> (M,) int64 keys where the positions are, in torch operations: the

@@ -254,6 +254,7 @@ class FixedRound:
         self.sampling = cfg.sampling
         self.engage()
         if self.pruning is not None:
+            self.pruning.policy.decoding(cfg.sampling)
             self.pruning.refresh()
 
     def engage(self) -> None:

@@ -88,6 +88,7 @@ class Proposer:
                        if getattr(drafter, "uses_target_hidden", False) else False)
         self.roots: torch.Tensor | None = None          # lossy: (W,) this round's candidate roots
         self._drafted_accepts: list[int] = []           # per round, the drafted part's accepted count
+        self._sampling: SamplingConfig | None = None     # the settings the policy was last told
         # context is right in bursts (a repeated span) and wrong in between: a long memory while it
         # grafts, and a probe judged on its own round, so one that pays opens the gate again
         self.context_gate = Gate(CONTEXT_PROBE_EVERY, CONTEXT_MAX_GAP, memory=CONTEXT_MEMORY, probe_alone=True)
@@ -95,6 +96,7 @@ class Proposer:
     def reset(self) -> None:
         """Before the prefill: the policy and the drafter start a new sequence."""
         self.policy.reset()
+        self._sampling = None
         if self.drafter is not None:
             self.drafter.reset()
         self.context_gate.reset()
@@ -128,6 +130,9 @@ class Proposer:
         included when it finds nothing: it is then the plain loop's step (`TreeDecoder._step`), with no
         tree made."""
         policy, drafter = self.policy, self.drafter
+        if sampling is not self._sampling:                 # the policy prices nodes for these settings
+            self._sampling = sampling
+            policy.decoding(sampling)
         depth = min(policy.begin_round(), remaining - (0 if self.lossy else 1)) if drafter is not None else 0
         if self.lossy:
             depth = max(depth, 1)                           # the candidate roots are this round's level 1

@@ -342,9 +342,9 @@ class FeatureDrafter:
         """The target hidden states the decoder hands to `observe_target`, concatenated."""
         return self.head.cfg.read_layers
 
-    @torch.inference_mode()
     def observe_target(self, hidden: torch.Tensor) -> None:
-        """hidden: (n, L*H) the target's `feature_layers` states of newly committed positions."""
+        """hidden: (n, L*H) the target's `feature_layers` states of newly committed positions (kept as
+        given, fused when the head next drafts: a plain step's is an append, no inference-mode switch)."""
         self._pending.append(hidden)
 
     def features_from(self, start: int) -> torch.Tensor:

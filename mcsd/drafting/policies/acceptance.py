@@ -111,6 +111,24 @@ class AcceptanceModel:
                 raise ValueError(f"unknown model kind {self.kind!r}")
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{source}: malformed acceptance model ({exc})") from None
+        self.sampled = _sampled_shifts(spec.get("sampled"), source)
+
+    def logit_shift(self, temperature: float) -> float:
+        """What sampling at `temperature` (0: greedy) adds to the model's logit, from the model's
+        `sampled` table (piecewise linear between its temperatures, its end values beyond them): 0
+        where the file has none. The model learns from greedy labels (a node is accepted where it is
+        the target's argmax); sampled, a node is accepted where it is the target's seeded draw, which
+        the draft's tempered features misjudge (their own sharpness moves with the temperature)."""
+        if self.sampled is None:
+            return 0.0
+        temps, shifts = self.sampled
+        if temperature <= temps[0]:
+            return shifts[0]
+        for i in range(1, len(temps)):
+            if temperature <= temps[i]:
+                w = (temperature - temps[i - 1]) / (temps[i] - temps[i - 1])
+                return shifts[i - 1] + w * (shifts[i] - shifts[i - 1])
+        return shifts[-1]
 
     @classmethod
     def load(cls, path: str | Path) -> "AcceptanceModel":
@@ -132,14 +150,34 @@ class AcceptanceModel:
                 setattr(out.forest, name, getattr(self.forest, name).to(device))
         return out
 
-    def predict_proba(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (..., len(FEATURE_NAMES)) -> (...) probabilities."""
+    def predict_proba(self, x: torch.Tensor, shift: float = 0.0) -> torch.Tensor:
+        """x: (..., len(FEATURE_NAMES)) -> (...) probabilities, `shift` (`logit_shift`) added to the logit."""
         z = x.float()[..., self.columns.to(x.device)]
         if self.kind == "logistic":
             logit = ((z - self.mean.to(z.device)) / self.scale.to(z.device)) @ self.coef.to(z.device) + self.intercept
         else:
             logit = self.init + self.learning_rate * self.forest(z)
-        return torch.sigmoid(logit)
+        return torch.sigmoid(logit + shift if shift else logit)
+
+
+def _sampled_shifts(table, source: str) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+    """The optional `sampled` entry of a model file: {"temperature": [...], "logit_shift": [...]} with
+    increasing temperatures from 0 and finite shifts, one per temperature; None where absent."""
+    if table is None:
+        return None
+    try:
+        temps = tuple(float(t) for t in table["temperature"])
+        shifts = tuple(float(b) for b in table["logit_shift"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{source}: malformed 'sampled' table ({exc!r})") from None
+    if not temps or len(temps) != len(shifts):
+        raise ValueError(f"{source}: the 'sampled' table needs one logit shift per temperature "
+                         f"({len(temps)} temperatures, {len(shifts)} shifts)")
+    if temps[0] < 0 or any(b <= a for a, b in zip(temps, temps[1:])) \
+            or not all(abs(b) < 1e3 for b in shifts):
+        raise ValueError(f"{source}: the 'sampled' table's temperatures must increase from 0 or more and its "
+                         f"shifts be finite (temperatures {list(temps)}, shifts {list(shifts)})")
+    return temps, shifts
 
 
 class _Tree:

@@ -178,5 +178,9 @@ class TreePolicy:
         estimates it (None otherwise). Prices context proposals beneath drafted nodes."""
         return None
 
+    def decoding(self, sampling) -> None:
+        """The sampling settings (`mcsd.config.SamplingConfig`) of the rounds that follow: told before
+        a generation's first round and whenever they change."""
+
     def reset(self) -> None:
         """Called at the start of every generation."""

@@ -148,12 +148,18 @@ class LearnedPolicy(TreePolicy):
         self.costs.online = online_costs
         self.predict_s = 0.0          # feature building + prediction time, for the overhead report
         self._root: torch.Tensor | None = None           # (1,) ones: each round's root, made once
+        self.shift = self.model.logit_shift(0.0)         # the acceptance model's logit shift (`decoding`)
         self.reset()
 
     def bind_drafter(self, drafter) -> None:
         own = drafter_model_path(drafter)
         if own is not None and not self._model_given:
             self.model, self.model_source = AcceptanceModel.load(own), str(own)
+
+    def decoding(self, sampling) -> None:
+        """Sampled, a node's acceptance is the acceptance model's with the logit shift its file gives for
+        the temperature (`AcceptanceModel.logit_shift`); greedy, the shift at temperature 0."""
+        self.shift = self.model.logit_shift(0.0 if sampling.greedy else sampling.temperature)
 
     def reset(self) -> None:
         """A new generation: everything starts over, the draft gate included, so that a request's
@@ -190,7 +196,7 @@ class LearnedPolicy(TreePolicy):
         k = int(frontier.max_children.max())
         parent_pred = self._path_pred[frontier.nodes]                                  # (F,)
         x = candidate_features(frontier, k, parent_pred, self.recent)                 # (F, k, D)
-        path = self.model.predict_proba(x) * parent_pred[:, None]                    # (F, k)
+        path = self.model.predict_proba(x, self.shift) * parent_pred[:, None]                    # (F, k)
         allowed = torch.arange(k, device=path.device)[None] < frontier.max_children[:, None]
         path = torch.where(allowed, path, torch.zeros_like(path))
         counts = self._choose(path, frontier.tree.size)
