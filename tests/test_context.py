@@ -493,6 +493,8 @@ def test_context_drafting_sits_out_while_it_loses_and_is_tried_again():
     from mcsd.drafting.policies import make_policy
     costs = Costs({1: 10.0, 8: 20.0}, {1: 1.0})
     proposer = propose.Proposer(make_policy("static", "1"), None, ContextDrafter(), context_costs=costs)
+    assert proposer.context_gate.budget == propose.CONTEXT_BUDGET
+    proposer.context_gate.budget = None                                # the doubling alone (budget: below)
 
     def round_with(grafted: int, accepted: int):
         """One grafting round's outcome: `grafted` context nodes beneath the root, `accepted` of them taken."""
@@ -515,3 +517,21 @@ def test_context_drafting_sits_out_while_it_loses_and_is_tried_again():
     assert proposer.context_value > 0 and proposer.context_gate.opens()
     proposer.reset()
     assert proposer.context_value == 0 and proposer.context_gate.opens()
+
+
+def test_losing_lookups_cost_at_most_the_context_budget():
+    """With its budget, a context gate whose value fell to -L ms waits at least L / (budget x a plain step)
+    rounds (up to its longest wait), not the doubling's 3."""
+    from mcsd.decoding import propose
+    from mcsd.drafting.policies import make_policy
+    costs = Costs({1: 10.0, 8: 20.0}, {1: 1.0})
+    proposer = propose.Proposer(make_policy("static", "1"), None, ContextDrafter(), context_costs=costs)
+    assert proposer.context_gate.opens()
+    proposer._value_context(0, 1, 4)                                    # 3 nodes grafted, none taken
+    loss = -proposer.context_value
+    assert loss == pytest.approx(propose.CONTEXT_MEMORY * (costs.verify_ms(4) - costs.verify_ms(1)))
+    waited = 0
+    while not proposer.context_gate.opens():
+        waited += 1
+    assert waited == min(math.ceil(loss / (propose.CONTEXT_BUDGET * costs.verify_ms(1))), propose.CONTEXT_MAX_GAP)
+    assert waited > propose.CONTEXT_PROBE_EVERY

@@ -220,6 +220,35 @@ def test_native_argmax_is_torchs():
         native.argmax(torch.zeros(2, 0))
 
 
+def test_native_topk_is_a_stable_descending_sort():
+    """Recycling's top-k from the native library: each row's k largest, largest first, ties to the lower
+    index, NaN above every number (a stable descending sort's first k), on row lengths around the
+    eight-float step and a full vocabulary; the context drafter's recycled predictions are those."""
+    from mcsd.drafting.context import ContextDrafter
+    from mcsd.forward import native
+    if native.library() is None:
+        pytest.skip(f"no native library: {native.reason()}")
+    g = torch.Generator().manual_seed(4)
+    for vocab in (*range(1, 26), 257, 49152):
+        for rows in (1, 3):
+            x = torch.randn(rows, vocab, generator=g)
+            for case in (x, x.round(), torch.full_like(x, float("-inf")),
+                         torch.where(x > 1.0, torch.full_like(x, float("nan")), x),
+                         torch.where(x < 0, torch.full_like(x, float("-inf")), x)):
+                for k in {1, min(4, vocab), min(9, vocab)}:
+                    want = torch.sort(case, dim=-1, descending=True, stable=True).indices[:, :k]
+                    assert torch.equal(native.topk_indices(case, k), want), (case, k)
+    with pytest.raises(ValueError):
+        native.topk_indices(torch.zeros(2, 8), 65)
+    ctx = ContextDrafter()
+    ctx.bind(100, "cpu")
+    ctx.reset(torch.tensor([1, 2, 3]))
+    logits = torch.randn(2, 100, generator=g)
+    ctx.observe_logits(torch.tensor([7, 8]), logits)
+    assert ctx._next[7] == logits[0].topk(ctx.config.recycle_k).indices.tolist()
+    assert ctx._next[8] == logits[1].topk(ctx.config.recycle_k).indices.tolist()
+
+
 def test_drawing_only_where_accepted_gives_what_drawing_every_node_gives():
     """`accept_drawn` (the seeded sampler's judge: the target's draw after a node made only once the node
     is accepted, a level at a time) returns `accept_greedy`'s path and next token over every node's draw,

@@ -38,6 +38,7 @@ from .row_budget import BesideCosts
 CONTEXT_PROBE_EVERY = 3             # rounds without context drafting before it is tried again
 CONTEXT_MAX_GAP = 48                # the longest wait after probes that kept losing
 CONTEXT_MEMORY = 0.125              # weight of the latest grafting round in the gate's running value
+CONTEXT_BUDGET = 0.01               # lookups that lose cost at most this share of the plain steps they wait
 
 
 @dataclass
@@ -91,7 +92,8 @@ class Proposer:
         self._sampling: SamplingConfig | None = None     # the settings the policy was last told
         # context is right in bursts (a repeated span) and wrong in between: a long memory while it
         # grafts, and a probe judged on its own round, so one that pays opens the gate again
-        self.context_gate = Gate(CONTEXT_PROBE_EVERY, CONTEXT_MAX_GAP, memory=CONTEXT_MEMORY, probe_alone=True)
+        self.context_gate = Gate(CONTEXT_PROBE_EVERY, CONTEXT_MAX_GAP, memory=CONTEXT_MEMORY, probe_alone=True,
+                                 budget=CONTEXT_BUDGET)
 
     def reset(self) -> None:
         """Before the prefill: the policy and the drafter start a new sequence."""
@@ -216,8 +218,9 @@ class Proposer:
         if costs is None:
             return
         own = costs.context_round_ms if alone and size > base else 0.0
-        self.context_gate.observe(accepted * costs.verify_ms(1) - (costs.verify_ms(size) - costs.verify_ms(base))
-                                  - costs.graft_ms - own)
+        step = costs.verify_ms(1)
+        self.context_gate.observe(accepted * step - (costs.verify_ms(size) - costs.verify_ms(base))
+                                  - costs.graft_ms - own, step)
 
     def record(self, stats) -> None:
         """The proposers' totals into a `GenerationStats`."""

@@ -37,7 +37,7 @@ from ..config import ConfigError
 SOURCE = Path(__file__).with_name("q4_kernel.c")
 FLAGS = ["-O3", "-std=c11", "-ffp-contract=off", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
 LIBS = ["-lm"]
-VERSION = 24                           # mcsd_q4_abi() of q4_kernel.c; cost profiles are keyed by it too
+VERSION = 25                           # mcsd_q4_abi() of q4_kernel.c; cost profiles are keyed by it too
 _lock = threading.Lock()
 _state: dict = {}                       # "lib": the loaded library or None, "reason": why not
 
@@ -261,6 +261,8 @@ def _load():
     lib.mcsd_gumbel.restype = None
     lib.mcsd_argmax.argtypes = [p, i64, i64, p, ctypes.c_int]
     lib.mcsd_argmax.restype = None
+    lib.mcsd_topk.argtypes = [p, i64, i64, ctypes.c_int, p, ctypes.c_int]
+    lib.mcsd_topk.restype = None
     return lib, "built from mcsd/forward/q4_kernel.c with " + Path(cc).name + left
 
 
@@ -361,6 +363,18 @@ def argmax(scores: torch.Tensor) -> torch.Tensor:
         raise ValueError("argmax of an empty row")
     out = torch.empty(x.shape[:-1], dtype=torch.long)
     _lib().mcsd_argmax(x.data_ptr(), x.numel() // v, v, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """float32 `scores` (R, V) on the CPU -> (R, k) long, the indices of each row's k largest, largest
+    first (ties to the lower index, NaN above every number; -1 where a row has fewer than k entries;
+    k <= 64), in one call per block of rows (see `mcsd_topk`)."""
+    x = scores.contiguous()
+    if x.dim() != 2 or not 1 <= k <= 64:
+        raise ValueError(f"topk_indices takes (R, V) scores and 1 <= k <= 64, got {tuple(x.shape)} and k={k}")
+    out = torch.empty(x.shape[0], k, dtype=torch.long)
+    _lib().mcsd_topk(x.data_ptr(), x.shape[0], x.shape[1], k, out.data_ptr(), torch.get_num_threads())
     return out
 
 
