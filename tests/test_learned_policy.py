@@ -201,27 +201,6 @@ def shifted_model(p: float, temperatures, shifts) -> AcceptanceModel:
     return AcceptanceModel(spec)
 
 
-def test_the_gate_starts_from_what_an_average_drafted_round_is_worth(target):
-    """Where the model's table says what a drafted round accepts at the temperature, a generation's
-    first rounds draft only if such a round pays at the policy's costs; the text is the same."""
-    def model(accepted):
-        spec = {"format": FORMAT, "version": FORMAT_VERSION, "kind": "logistic", "features": ["q_rank"],
-                "mean": [0.0], "scale": [1.0], "coef": [0.0], "intercept": 3.0,
-                "sampled": {"temperature": [0.0, 1.0], "logit_shift": [0.0, 0.0], "accepted": accepted,
-                            "nodes": [2.0, 2.0]}}
-        return AcceptanceModel(spec)
-    assert model([0.5, 1.5]).drafted_round(0.5) == (1.0, 2.0)
-    assert constant_model(0.5).drafted_round(1.0) is None
-    losing = TreeDecoder(target, target, policy=_policy(model([0.0, 0.0])), attention="sdpa")
-    paying = TreeDecoder(target, target, policy=_policy(model([3.0, 3.0])), attention="sdpa")
-    assert losing.policy.prior_value(0.0) < 0 < paying.policy.prior_value(0.0)
-    shut = losing.generate(PROMPT, max_new_tokens=3)
-    drafted = paying.generate(PROMPT, max_new_tokens=3)
-    assert shut.stats.draft_forwards == 0 and drafted.stats.draft_forwards > 0
-    assert shut.tokens == drafted.tokens
-    assert losing.policy.gate.value < 0 and losing.policy.gate.gap >= LearnedPolicy.probe_every
-
-
 def test_the_sampled_table_shifts_the_logit_by_temperature():
     """Piecewise linear between the table's temperatures, its end values beyond them; no table, no shift."""
     m = shifted_model(0.5, [0.0, 0.5, 1.0], [0.0, -1.0, -3.0])
@@ -280,10 +259,6 @@ def test_exported_sklearn_models_predict_like_sklearn(kind, tmp_path):
     (lambda s: s.update(sampled={"temperature": [-1.0], "logit_shift": [0.0]}), "must increase from 0"),
     (lambda s: s.update(sampled={"temperature": [0.0], "logit_shift": [float("nan")]}), "shifts be finite"),
     (lambda s: s.update(sampled={"temperature": "hot"}), "malformed 'sampled' table"),
-    (lambda s: s.update(sampled={"temperature": [0.0], "logit_shift": [0.0], "accepted": [1.0]}),
-     "malformed 'sampled' table"),
-    (lambda s: s.update(sampled={"temperature": [0.0], "logit_shift": [0.0], "accepted": [1.0, 2.0],
-                                 "nodes": [2.0, 3.0]}), "accepted and nodes figure per temperature"),
 ])
 def test_tampered_models_are_refused(tmp_path, edit, fragment):
     spec = {"format": FORMAT, "version": FORMAT_VERSION, "kind": "logistic", "features": ["q_rank"],

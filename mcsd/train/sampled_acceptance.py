@@ -6,8 +6,7 @@ and the model's features are read from the draft's distribution at the sampling 
 sharpens or flattens them: at T 0.5 the model expects more than greedy and gets less, at T 1.3 the
 reverse. This fits, for each temperature of a grid, the one shift `b` of the model's logit for which
 the drafted rounds' expected accepted tokens (each node's path probability, the product of
-sigmoid(logit + b) along its path) add up to the tokens those rounds accepted, and records what an
-average drafted round accepted and drafted there (`accepted`, `nodes`: the draft gate's prior).
+sigmoid(logit + b) along its path) add up to the tokens those rounds accepted.
 
 Every round drafts (the gate forgets after each round), on the fit split's prompts (question_id % 5 !=
 0), with the decoder's own drafter and policy; a second pass runs with the first pass's shifts in place,
@@ -142,14 +141,7 @@ def main(argv=None) -> int:
     model.sampled = (tuple(temps), tuple(first[t] for t in temps))
     rounds = measure(dec, fit_prompts, temps, args.top_p, args.max_new_tokens, args.seed)   # pass 2
     shifts = {t: fit_shift(r) for t, r in rounds.items()}
-    def mean(values):
-        return round(sum(values) / max(len(values), 1), 4)
-
-    table = {"temperature": temps, "logit_shift": [shifts[t] for t in temps],
-             # an average drafted round (every round drafted): the draft gate's prior (`LearnedPolicy.decoding`)
-             "accepted": [mean([r[2] for r in rounds[t]]) for t in temps],
-             "nodes": [mean([len(r[0]) - 1 for r in rounds[t]]) for t in temps],
-             "top_p": args.top_p, "rounds": [len(rounds[t]) for t in temps], "prompts": len(fit_prompts),
+    table = {"temperature": temps, "logit_shift": [shifts[t] for t in temps], "top_p": args.top_p, "rounds": [len(rounds[t]) for t in temps], "prompts": len(fit_prompts),
              "split": "fit"}
     print("temperature  shift  rounds  expected/round at 0  accepted/round")
     for t in temps:

@@ -112,16 +112,6 @@ class AcceptanceModel:
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{source}: malformed acceptance model ({exc})") from None
         self.sampled = _sampled_shifts(spec.get("sampled"), source)
-        self.rounds = _sampled_rounds(spec.get("sampled"), source, len(self.sampled[0]) if self.sampled else 0)
-
-    def drafted_round(self, temperature: float) -> tuple[float, float] | None:
-        """(accepted tokens, drafted nodes) of an average drafted round at `temperature` (0: greedy), as
-        the fit measured them with every round drafted (the `sampled` table's `accepted` and `nodes`,
-        piecewise linear like the shifts); None where the file has none."""
-        if self.rounds is None:
-            return None
-        temps = self.sampled[0]
-        return tuple(_interpolate(temps, column, temperature) for column in self.rounds)
 
     def logit_shift(self, temperature: float) -> float:
         """What sampling at `temperature` (0: greedy) adds to the model's logit, from the model's
@@ -172,22 +162,6 @@ def _interpolate(xs: tuple[float, ...], ys: tuple[float, ...], x: float) -> floa
             w = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
             return ys[i - 1] + w * (ys[i] - ys[i - 1])
     return ys[-1]
-
-
-def _sampled_rounds(table, source: str, n: int) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
-    """The `sampled` table's optional `accepted` and `nodes` (a drafted round's, per temperature; both
-    or neither, one per temperature, non-negative); None where absent."""
-    if table is None or ("accepted" not in table and "nodes" not in table):
-        return None
-    try:
-        accepted = tuple(float(a) for a in table["accepted"])
-        nodes = tuple(float(m) for m in table["nodes"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"{source}: malformed 'sampled' table ({exc!r})") from None
-    if len(accepted) != n or len(nodes) != n or not all(0 <= v < 1e3 for v in accepted + nodes):
-        raise ValueError(f"{source}: the 'sampled' table needs a non-negative accepted and nodes figure per "
-                         f"temperature ({n} temperatures)")
-    return accepted, nodes
 
 
 def _sampled_shifts(table, source: str) -> tuple[tuple[float, ...], tuple[float, ...]] | None:

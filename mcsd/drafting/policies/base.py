@@ -100,18 +100,6 @@ class Gate:
         """The round `opens` was last asked about runs."""
         return self.skipped == 0
 
-    def start(self, value: float, step_ms: float | None = None) -> None:
-        """Before any round has run: what a round is expected to be worth (a prior, in ms). Where it is
-        negative the gate starts shut, waiting as after a probe that lost that much (`budget`); else it
-        stays open."""
-        if value >= 0:
-            return
-        self.value, self.skipped = value, 0
-        gap = self.probe_every
-        if self.budget and step_ms:
-            gap = max(gap, min(math.ceil(-value / (self.budget * step_ms)), self.max_gap))
-        self.gap = gap
-
     def observe(self, value: float, step_ms: float | None = None) -> None:
         """What a round that ran was worth, in ms; `step_ms`: a plain step's price (for `budget`)."""
         was_losing = self.value < 0

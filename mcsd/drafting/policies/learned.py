@@ -158,37 +158,14 @@ class LearnedPolicy(TreePolicy):
 
     def decoding(self, sampling) -> None:
         """Sampled, a node's acceptance is the acceptance model's with the logit shift its file gives for
-        the temperature (`AcceptanceModel.logit_shift`); greedy, the shift at temperature 0. Before a
-        generation's first round, where the file says what an average drafted round accepts at the
-        temperature (`AcceptanceModel.drafted_round`), the gate starts from what such a round is worth
-        at these costs: shut, where it loses, for as long as a probe that lost that much would wait."""
-        temperature = 0.0 if sampling.greedy else sampling.temperature
-        self.shift = self.model.logit_shift(temperature)
-        if self._fresh:
-            prior = self.prior_value(temperature)
-            if prior is not None:
-                self.gate.start(prior, self.costs.verify_ms(1))
-
-    def prior_value(self, temperature: float) -> float | None:
-        """What an average drafted round is worth at `temperature`, in ms, priced as `observe_round`
-        prices one (its accepted tokens at a step each, less its draft, its own work and its extra rows'
-        verify), from the acceptance model's fitted round; None where the model has none."""
-        rnd = self.model.drafted_round(temperature)
-        if rnd is None:
-            return None
-        accepted, nodes = rnd
-        whole = int(nodes)
-        verify = self.costs.verify_ms(1 + whole) + (nodes - whole) * (self.costs.verify_ms(2 + whole)
-                                                                     - self.costs.verify_ms(1 + whole))
-        step = self.costs.verify_ms(1)
-        return accepted * step - (self.costs.draft_ms(1) + self.costs.round_ms + verify - step)
+        the temperature (`AcceptanceModel.logit_shift`); greedy, the shift at temperature 0."""
+        self.shift = self.model.logit_shift(0.0 if sampling.greedy else sampling.temperature)
 
     def reset(self) -> None:
         """A new generation: everything starts over, the draft gate included, so that a request's
         trees (and so, in bfloat16, its rounding) never depend on the requests before it."""
         self.recent = 0.5
         self.predict_s = 0.0
-        self._fresh = True                              # no round yet: `decoding` may set the gate's prior
         self.forget()
 
     def forget(self) -> None:
@@ -208,7 +185,6 @@ class LearnedPolicy(TreePolicy):
         if self._root is None or self._root.device != self.topology.parents.device:
             self._root = torch.ones(1, device=self.topology.parents.device)   # the root is certain
         self._path_pred, self._last = self._root, None                       # (replaced, never written)
-        self._fresh = False
         if not self.gate.opens():
             return 0                        # a plain step: nothing else of a drafted round is needed
         self._draft_ms = self.costs.draft_ms(1) + self.costs.round_ms         # the root's step, the round's own
