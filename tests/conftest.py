@@ -122,8 +122,7 @@ def fixed_costs(request, monkeypatch):
 
 
 # Made-up figures of what a drafted round and a graft cost beyond the forwards (`round_prices.measure`).
-FIXED_ROUND_PRICES = {"round_ms": 0.4, "round_ms_sampled": 0.6, "graft_ms": 0.05, "context_round_ms": 0.3,
-                      "context_round_ms_sampled": 0.5}
+FIXED_ROUND_PRICES = {"round_ms": 0.4, "round_ms_sampled": 0.6, "graft_ms": 0.05}
 
 
 def write_tiny_gguf(path, vocab: int = 64, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,

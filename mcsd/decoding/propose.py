@@ -153,10 +153,9 @@ class Proposer:
                 costs, others = BesideCosts(costs, beside[0]), beside[1]
             spent_ms = round_ms(drafted, costs)             # from costs, not this run's clock
             probs = policy.node_probabilities()
-            fixed = costs.context_round_ms if depth == 0 and beside is None and costs is not None else 0.0
             graft = self.context.graft(drafted, sequence, expected + others, spent_ms, costs,
                                        probs if probs is not None and probs.numel() == drafted.size else None,
-                                       max_nodes=context_nodes, fixed_ms=fixed)
+                                       max_nodes=context_nodes)
             if depth == 0 and beside is None and graft.tree.size == drafted.size:
                 # nothing drafted and nothing found: the lookup's price into the gate, and the round
                 # is the plain loop's step (a tree of the root alone would cost its verify machinery)
@@ -181,7 +180,7 @@ class Proposer:
             self.context.observe(proposal.graft, acc.path)
             base = proposal.drafted.size
             accepted = int((acc.path >= base).sum())                   # grafted nodes on the accepted path
-            self._value_context(accepted, base, proposal.grown.tree.size, alone=proposal.depth == 0)
+            self._value_context(accepted, base, proposal.grown.tree.size)
         # the policy hears about its own tree: the accepted path's drafted part, and how much of it
         # context drafting proposed too
         self._drafted_accepts.append(int((acc.path < proposal.drafted.size).sum()) - 1)
@@ -209,18 +208,16 @@ class Proposer:
         rounds that do not graft skips the top-k."""
         return self.context is not None and (proposal.graft is not None or self.context_gate.will_open())
 
-    def _value_context(self, accepted: int, base: int, size: int, alone: bool = False) -> None:
+    def _value_context(self, accepted: int, base: int, size: int) -> None:
         """What a grafting round was worth, into the context gate (needs costs): its `accepted` grafted
         nodes at a step each, less the verify of the nodes it grafted (the tree of `base` nodes grown to
-        `size`; none where the lookup found nothing), the lookup and, `alone` (nothing drafted: the
-        round is a tree only because of the graft), the grafting round's own work (`context_round_ms`)."""
+        `size`; none where the lookup found nothing) and the lookup."""
         costs = self.context_costs
         if costs is None:
             return
-        own = costs.context_round_ms if alone and size > base else 0.0
         step = costs.verify_ms(1)
         self.context_gate.observe(accepted * step - (costs.verify_ms(size) - costs.verify_ms(base))
-                                  - costs.graft_ms - own, step)
+                                  - costs.graft_ms, step)
 
     def record(self, stats) -> None:
         """The proposers' totals into a `GenerationStats`."""

@@ -467,8 +467,7 @@ class ContextDrafter:
                     break
 
     def graft(self, tree: DraftTree, sequence: torch.Tensor, expected_tokens: float, round_ms: float,
-              costs=None, node_probs: torch.Tensor | None = None, max_nodes: int | None = None,
-              fixed_ms: float = 0.0) -> Graft:
+              costs=None, node_probs: torch.Tensor | None = None, max_nodes: int | None = None) -> Graft:
         """Merge this round's candidates into `tree` and append the ones that pay.
 
         Candidates are looked up beneath the root and beneath every drafted node
@@ -486,8 +485,6 @@ class ContextDrafter:
             node_probs: (N,) each drafted node's probability of being accepted, where the
                 policy estimates it; default: its draft path probability exp(logp).
             max_nodes: at most this many nodes this round (a batch's share), within `config.max_nodes`.
-            fixed_ms: what grafting anything at all adds to the round (a root-only tree made a tree round:
-                `Costs.context_round_ms`); the first node grafted pays it beside its verify time.
         Returns:
             Graft. Nodes are chosen best first by path probability (the product of
             their and their ancestors' acceptance estimates); a node joins while
@@ -498,7 +495,7 @@ class ContextDrafter:
         budget = self.config.max_nodes if max_nodes is None else min(self.config.max_nodes, max_nodes)
         tokens, parents, logp, proposed, gain = self._choose(tree.tokens.tolist(), tree.parents.tolist(), est,
                                                              tree.logp.tolist(), expected_tokens, round_ms, costs,
-                                                             budget, fixed_ms)
+                                                             budget)
         n_tree, n_now = tree.size, tree.size + len(tokens)
         det = torch.zeros(n_now, dtype=torch.bool, device=tree.tokens.device)
         det[n_tree:] = True
@@ -525,7 +522,7 @@ class ContextDrafter:
         return tokens, parents, proposed
 
     def _choose(self, toks: list[int], pars: list[int], est: list[float], base_logp: list[float],
-                expected_tokens: float, round_ms: float, costs, max_nodes: int, fixed_ms: float = 0.0):
+                expected_tokens: float, round_ms: float, costs, max_nodes: int):
         """`graft`'s choice over host lists (the tree's tokens, parents, acceptance estimates and draft
         log-probabilities): (tokens, parents, logp of the new nodes; proposed; their expected tokens)."""
         cfg = self.config
@@ -577,11 +574,10 @@ class ContextDrafter:
         while heap and len(tokens) < max_nodes:
             _, _, kid, parent, s = heapq.heappop(heap)
             if costs is not None:
-                dt = costs.marginal_verify_ms(n_now) + fixed_ms
+                dt = costs.marginal_verify_ms(n_now)
                 if s * ms_now <= tokens_now * dt:
                     break
                 ms_now += dt
-                fixed_ms = 0.0                    # paid by the first node
             tokens_now += s
             kid.tree_idx = n_now
             n_now += 1
