@@ -44,8 +44,8 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError
+from ..core.sampling import top_indices
 from ..core.tree import DraftTree
-from ..forward import native
 from ..loading.presets import parse_drafter_spec  # noqa: F401  (the --drafter grammar, re-exported)
 
 SOURCES = ("ngram", "recycle", "store")
@@ -377,12 +377,7 @@ class ContextDrafter:
         """Record the target's top-k after each of `tokens` (N,) from its logits (N, V) (recycling)."""
         if self._next is None or tokens.numel() == 0:
             return
-        k = min(self.config.recycle_k, logits.shape[-1])
-        if logits.dtype == torch.float32 and logits.device.type == "cpu" and k <= 64 \
-                and native.library() is not None:                  # one native pass a row
-            top = native.topk_indices(logits.reshape(-1, logits.shape[-1]), k)
-        else:
-            top = logits.topk(k, dim=-1).indices
+        top = top_indices(logits.reshape(-1, logits.shape[-1]), min(self.config.recycle_k, logits.shape[-1]))
         self.recycle(tokens.tolist(), top.tolist())
 
     def recycle(self, tokens: list[int], top: list[list[int]]) -> None:

@@ -37,7 +37,7 @@ from ..config import ConfigError
 SOURCE = Path(__file__).with_name("q4_kernel.c")
 FLAGS = ["-O3", "-std=c11", "-ffp-contract=off", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
 LIBS = ["-lm"]
-VERSION = 25                           # mcsd_q4_abi() of q4_kernel.c; cost profiles are keyed by it too
+VERSION = 26                           # mcsd_q4_abi() of q4_kernel.c; cost profiles are keyed by it too
 _lock = threading.Lock()
 _state: dict = {}                       # "lib": the loaded library or None, "reason": why not
 
@@ -259,8 +259,6 @@ def _load():
     lib.mcsd_draw.restype = ctypes.c_int
     lib.mcsd_gumbel.argtypes = [p, i64, p, i64, i64, p]
     lib.mcsd_gumbel.restype = None
-    lib.mcsd_argmax.argtypes = [p, i64, i64, p, ctypes.c_int]
-    lib.mcsd_argmax.restype = None
     lib.mcsd_topk.argtypes = [p, i64, i64, ctypes.c_int, p, ctypes.c_int]
     lib.mcsd_topk.restype = None
     return lib, "built from mcsd/forward/q4_kernel.c with " + Path(cc).name + left
@@ -356,14 +354,11 @@ def q8q8_mm(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, w128: torch.T
 
 def argmax(scores: torch.Tensor) -> torch.Tensor:
     """float32 `scores` (..., V) on the CPU -> (...) long, `scores.argmax(-1)`'s indices (the first of equal
-    maxima; the first NaN where a row has one) in one call per block of rows (see `mcsd_argmax`)."""
-    x = scores.contiguous()
-    v = x.shape[-1]
+    maxima; the first NaN where a row has one): `topk_indices` with k = 1."""
+    v = scores.shape[-1]
     if v == 0:
         raise ValueError("argmax of an empty row")
-    out = torch.empty(x.shape[:-1], dtype=torch.long)
-    _lib().mcsd_argmax(x.data_ptr(), x.numel() // v, v, out.data_ptr(), torch.get_num_threads())
-    return out
+    return topk_indices(scores.reshape(-1, v), 1).view(scores.shape[:-1])
 
 
 def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -56,9 +56,9 @@ def expected(rounds: list, shift: float) -> float:
 
 def fit_shift(rounds: list, lo: float = -8.0, hi: float = 8.0) -> float:
     """The shift whose expected tokens equal the accepted ones (bisection: expected grows with it)."""
-    accepted = sum(r[2] for r in rounds)
     if not rounds:
         return 0.0
+    accepted = sum(r[2] for r in rounds)
     for _ in range(60):
         mid = (lo + hi) / 2
         if expected(rounds, mid) < accepted:
@@ -93,8 +93,8 @@ def main(argv=None) -> int:
     from ..decoding.choice import apply_choice, choose_dtype
     from ..decoding.decoder import TreeDecoder
     from ..drafting.policies.learned import LearnedPolicy
-    from ..loading.data import chat_ids, load_prompts, stratified
     from ..drafting.pair import load_model_pair
+    from ..loading.data import chat_ids, load_prompts, stratified
     from ..loading.models import gguf_source
     from ..loading.presets import DEFAULT_PRESET
 

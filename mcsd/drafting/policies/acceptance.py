@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from ...errors import ModelLoadError
+from ...forward.kernels import interpolate
 from ...loading.cache import models_dir
 from .base import Frontier
 
@@ -121,7 +122,8 @@ class AcceptanceModel:
         the draft's tempered features misjudge (their own sharpness moves with the temperature)."""
         if self.sampled is None:
             return 0.0
-        return _interpolate(*self.sampled, temperature)
+        temps, shifts = self.sampled                 # flat beyond the last temperature
+        return interpolate(dict(zip(temps, shifts)), min(temperature, temps[-1]))
 
     @classmethod
     def load(cls, path: str | Path) -> "AcceptanceModel":
@@ -151,17 +153,6 @@ class AcceptanceModel:
         else:
             logit = self.init + self.learning_rate * self.forest(z)
         return torch.sigmoid(logit + shift if shift else logit)
-
-
-def _interpolate(xs: tuple[float, ...], ys: tuple[float, ...], x: float) -> float:
-    """ys at x, piecewise linear between the increasing xs, the end values beyond them."""
-    if x <= xs[0]:
-        return ys[0]
-    for i in range(1, len(xs)):
-        if x <= xs[i]:
-            w = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
-            return ys[i - 1] + w * (ys[i] - ys[i - 1])
-    return ys[-1]
 
 
 def _sampled_shifts(table, source: str) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
