@@ -120,6 +120,58 @@ def test_graft_extends_the_sliced_mask_exactly():
         tree.graft(torch.tensor([1]), torch.tensor([5]), torch.zeros(1))
 
 
+def test_a_small_grafted_trees_host_mask_is_the_general_one(monkeypatch):
+    """A grafted tree of a few dozen nodes builds its mask from ancestor bits on the host; it equals the
+    mask extended level by level from the topology's, on random trees and grafts."""
+    import mcsd.core.tree as tree_module
+    g = torch.Generator().manual_seed(3)
+    topo = TreeTopology.from_spec("3,2,2")
+    for trial in range(20):
+        tree = DraftTree.root_only(topo, torch.tensor(1))
+        if trial % 2:
+            tree.append_level(torch.tensor([3, 4, 5]), torch.tensor([0, 0, 0]), torch.zeros(3), topo.child_table[0, :3])
+        m = int(torch.randint(1, 40, (1,), generator=g))
+        parents = [int(torch.randint(0, tree.size + i, (1,), generator=g)) for i in range(m)]
+        tokens = torch.randint(0, 50, (m,), generator=g)
+        host = tree.graft(tokens, torch.tensor(parents), torch.zeros(m))
+        monkeypatch.setattr(tree_module, "_HOST_MASK_NODES", 0)
+        general = tree.graft(tokens, torch.tensor(parents), torch.zeros(m))
+        monkeypatch.undo()
+        assert host.size <= tree_module._HOST_MASK_NODES
+        assert torch.equal(host.mask(), general.mask())
+        assert torch.equal(host.mask(), ancestor_mask(host.parents, host.depth))
+
+
+def test_a_graft_makes_the_trie_nodes_its_choice_reaches_only(monkeypatch):
+    """A match's continuation becomes trie nodes only as the graft's best-first choice reaches its
+    parent: a graft that its costs stop after a few nodes makes about those, not every match's
+    `max_len` tokens."""
+    import mcsd.drafting.context as context_module
+    made = [0]
+    init = context_module._Node.__init__
+
+    def counted(self, token):
+        made[0] += 1
+        init(self, token)
+
+    monkeypatch.setattr(context_module._Node, "__init__", counted)
+    g = torch.Generator().manual_seed(8)
+    base = torch.randint(2, 60, (30,), generator=g)
+    seq = torch.cat([base, base, base, base[:10]])                 # every suffix matches, 16 tokens on
+    ctx = ContextDrafter(sources=("ngram",), min_score=0.0, max_len=16)
+    ctx.bind(64, "cpu")
+    ctx.reset(seq)
+
+    class Dear:                                                    # a node's verify: a fifth of the round
+        def marginal_verify_ms(self, n):
+            return 1.0
+
+    graft = ctx.graft(DraftTree.root_only(TreeTopology.from_spec(""), seq[-1]), seq, 1.0, 5.0, costs=Dear())
+    grafted = graft.tree.size - 1
+    assert 1 <= grafted < 8 and graft.tree.tokens[1:].tolist() == base[10:10 + grafted].tolist()
+    assert made[0] <= grafted + 3              # the root, the chosen, the next in line: not 16 a match
+
+
 def test_candidates_merge_into_existing_nodes_without_duplicate_siblings():
     ctx = ContextDrafter(sources=("ngram",), min_score=0.0)
     ctx.bind(16, "cpu")

@@ -168,6 +168,29 @@ def test_the_draft_gate_credits_only_what_drafting_alone_brought():
     assert shared_prefix(SimpleNamespace(graft=None, drafted=SimpleNamespace(size=4)), path) == 0
 
 
+@pytest.mark.parametrize("round_ms, drafts", [(0.0, True), (20.0, False)])
+def test_a_first_level_that_cannot_beat_a_plain_step_drafts_nothing(round_ms, drafts):
+    """The first level's nodes each pay for their own verify row (its choice alone would keep them), but
+    where the rest of the round (its own work, the rows, one more level) costs more than their
+    expected tokens, with the likeliest continued at the running acceptance, are worth in plain steps,
+    the round drafts nothing more: the decoder runs the plain step, and the gate hears of the one draft
+    forward it ran."""
+    topo = TreeTopology.from_spec("3,2,2")
+    costs = fixed(Costs(verify={1: 10.0, 8: 12.0}, draft={1: 1.0}))
+    costs.round_ms = round_ms
+    policy = LearnedPolicy(topo, model=constant_model(0.3), costs=costs)
+    assert policy.begin_round() > 0
+    tree = DraftTree.root_only(topo, torch.tensor(0))
+    probs = torch.tensor([[0.4, 0.3, 0.2, 0.1]])
+    counts = policy.expand(Frontier(0, torch.tensor([0]), torch.tensor([3]), probs, tree))
+    chosen = policy._choose(policy._last, 1)                  # what the nodes' own prices keep
+    assert int(chosen.sum()) >= 2
+    assert int(counts.sum()) == (int(chosen.sum()) if drafts else 0)
+    if not drafts:
+        policy.observe(0, tree)
+        assert policy.draft_value == pytest.approx(-costs.draft_ms(1) * policy.gate.memory)
+
+
 def test_draft_gate_starts_afresh_each_generation(target):
     """A generation's trees never depend on the ones before it: once drafting has lost in one
     generation, the next one starts with the same gate (and so drafts the same rounds)."""

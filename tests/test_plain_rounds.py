@@ -136,3 +136,90 @@ def test_return_logprobs_on_plain_steps_match_the_plain_loop(target, random_draf
     b = dec.generate_baseline(PROMPT, max_new_tokens=16, return_logprobs=True)
     assert a.tokens == b.tokens
     assert torch.allclose(torch.as_tensor(a.logprobs), torch.as_tensor(b.logprobs), atol=1e-5)
+
+
+class LongShut(EveryOther):
+    """`EveryOther` that says how long it will draft nothing: the proposer leaves a plain step's
+    target features out when the next drafted round is further than the resume window."""
+
+    def rounds_to_draft(self) -> int:
+        return (self.period - self.calls % self.period) % self.period
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "seed": 5}])
+def test_steps_far_from_a_drafted_round_take_no_features_and_the_head_starts_over(target, monkeypatch, sampling):
+    """With drafted rounds 24 rounds apart, the steps further than `RESUME_WINDOW` from the next one
+    ask the target for no hidden states; the head starts over from the steps' features before it
+    drafts (its window of them), and the text is plain decoding's (greedy, and a seed's)."""
+    from mcsd.decoding import propose as propose_module
+    head = FeatureDrafter(random_head(target), target)
+    dec = TreeDecoder(target, head, policy=LongShut(TreeTopology.from_spec("2,2"), 24), attention="sdpa")
+    asked = []
+    extend = type(dec.target).extend
+
+    def recorded(self, tokens, hidden=False, last_logits=False):
+        if tokens.numel() == 1:
+            asked.append(bool(hidden))
+        return extend(self, tokens, hidden=hidden, last_logits=last_logits)
+
+    monkeypatch.setattr(type(dec.target), "extend", recorded)
+    skipped = count_calls(monkeypatch, FeatureDrafter, "skip_target")
+    reference = dec.generate_baseline(PROMPT, max_new_tokens=60, **sampling).tokens
+    asked.clear()
+    out = dec.generate(PROMPT, max_new_tokens=60, **sampling)
+    assert out.tokens == reference
+    window = propose_module.RESUME_WINDOW
+    assert len(skipped) == asked.count(False) > 0 and asked.count(True) >= window
+    assert out.stats.rounds > out.stats.plain_rounds >= 2 * window                # it drafted after skipping
+
+
+def test_a_head_with_no_features_since_it_skipped_says_so(target):
+    head = FeatureDrafter(random_head(target), target)
+    head.reset()
+    hidden = torch.randn(PROMPT.numel(), len(head.feature_layers) * target.config.hidden_size)
+    head.observe_target(hidden)
+    head.skip_target(1)
+    with pytest.raises(RuntimeError, match="no target features"):
+        head.begin_round(torch.cat([PROMPT, torch.tensor([7])]))
+
+
+class LeavesLevelOne(StaticPolicy):
+    """Every round asks for the static tree; every other one drafts nothing beneath the root after its
+    first draft forward (as the learned policy does where the first level cannot pay)."""
+
+    def __init__(self, topology):
+        super().__init__(topology)
+        self.calls, self.observed = 0, []
+
+    def reset(self) -> None:
+        self.calls = 0
+
+    def begin_round(self) -> int:
+        self.calls += 1
+        return self.topology.max_depth
+
+    def expand(self, frontier):
+        if frontier.depth == 0 and self.calls % 2:
+            return torch.zeros_like(frontier.max_children)
+        return None
+
+    def observe(self, n_accepted, tree, shared=0) -> None:
+        self.observed.append((n_accepted, tree.size))
+
+
+@pytest.mark.parametrize("drafter", ["model", "head"])
+def test_a_round_left_after_its_first_draft_forward_is_a_plain_step(target, random_draft, monkeypatch, drafter):
+    """A round whose policy drafts nothing beneath the root after the drafter's first forward verifies no
+    tree: it is the plain loop's step, the policy hears of the round (nothing accepted, the root alone),
+    the drafter keeps up, and the text is plain decoding's."""
+    draft = random_draft if drafter == "model" else FeatureDrafter(random_head(target), target)
+    dec = TreeDecoder(target, draft, policy=LeavesLevelOne(TreeTopology.from_spec("2,2")), attention="sdpa")
+    reference = dec.generate_baseline(PROMPT, max_new_tokens=30).tokens
+    verified = count_calls(monkeypatch, decoder_module.TreeDecoder, "_verify")
+    out = dec.generate(PROMPT, max_new_tokens=30)
+    s = out.stats
+    assert out.tokens == reference
+    assert s.plain_rounds > 0 and len(verified) == s.rounds - s.plain_rounds > 0
+    assert s.target_forwards == s.rounds + 1
+    left = dec.policy.observed.count((0, 1))            # all but a last round with one token to go
+    assert 0 < left and s.plain_rounds - 1 <= left <= s.plain_rounds

@@ -27,6 +27,8 @@ import torch
 
 from ..config import MAX_TREE_DEPTH, MAX_TREE_NODES, ConfigError
 
+_HOST_MASK_NODES = 62           # a grafted tree this small builds its mask from ancestor bits in one int64 each
+
 Paths = tuple[tuple[int, ...], ...]
 
 
@@ -302,14 +304,22 @@ class DraftTree:
         for p in new_parents:
             depths.append(depths[p] + 1)
         depth = torch.tensor(depths, dtype=self.depth.dtype, device=dev)
-        mask = torch.zeros(n + m, n + m, dtype=torch.bool, device=dev)
-        mask[:n, :n] = self.mask()
-        new = torch.arange(n, n + m, device=dev)
-        mask[new, new] = True
-        new_depth = depth[n:]
-        for d in range(min(depths[n:]), max(depths[n:]) + 1):
-            rows = new[new_depth == d]                                   # their parents' rows are complete
-            mask[rows] |= mask[all_parents[rows]]
+        if n + m <= _HOST_MASK_NODES and self.grafted_mask is None:
+            # a small tree: each node's ancestors (itself included) as the bits of one host integer
+            seen = []
+            for i, p in enumerate(self.parents.tolist() + new_parents):
+                seen.append((seen[p] if p >= 0 else 0) | (1 << i))
+            bits = torch.tensor(seen, device=dev)[:, None] >> torch.arange(n + m, device=dev)
+            mask = (bits & 1).bool()
+        else:
+            mask = torch.zeros(n + m, n + m, dtype=torch.bool, device=dev)
+            mask[:n, :n] = self.mask()
+            new = torch.arange(n, n + m, device=dev)
+            mask[new, new] = True
+            new_depth = depth[n:]
+            for d in range(min(depths[n:]), max(depths[n:]) + 1):
+                rows = new[new_depth == d]                               # their parents' rows are complete
+                mask[rows] |= mask[all_parents[rows]]
         return DraftTree(self.topology, torch.cat([self.tokens, tokens]), all_parents, depth,
                          torch.cat([self.logp, logp.to(self.logp.dtype)]),
                          torch.cat([self.topo_ids, torch.full((m,), -1, dtype=torch.long, device=dev)]), mask)

@@ -386,8 +386,9 @@ class TreeDecoder:
         Returns:
             (the next token (), with `cfg.return_logprobs` its (1,) float32 log-probability else None).
         """
-        out = self.target.extend(sequence[-1:], hidden=proposer.hidden)
-        logits, states = out if proposer.hidden else (out, None)                 # (1, V), (1, H)
+        hidden = proposer.step_hidden()
+        out = self.target.extend(sequence[-1:], hidden=hidden)
+        logits, states = out if hidden else (out, None)                          # (1, V), (1, H)
         scores = logits[-1] if proc is None else proc.at_prefix(sequence, logits[-1])
         token, new_lp = choose(scores, cfg.sampling, gen, cfg.return_logprobs, noise, sequence.numel())
         proposer.observe_step(sequence[-1:], logits, states, (time.perf_counter() - t0) * 1000,

@@ -39,6 +39,9 @@ CONTEXT_PROBE_EVERY = 3             # rounds without context drafting before it 
 CONTEXT_MAX_GAP = 48                # the longest wait after probes that kept losing
 CONTEXT_MEMORY = 0.125              # weight of the latest grafting round in the gate's running value
 CONTEXT_BUDGET = 0.01               # lookups that lose cost at most this share of the plain steps they wait
+# plain steps before a drafted round whose target features a feature drafter reads; a step further from
+# the next round the policy may draft leaves them out (the head starts over from the last of these)
+RESUME_WINDOW = 16
 
 
 @dataclass
@@ -145,6 +148,12 @@ class Proposer:
                            noise=noise)
                  if depth > 0 else GrownTree(DraftTree.root_only(policy.topology, sequence[-1]), None))
         drafted, graft, expected = grown.tree, None, None
+        if depth > 0 and drafted.size == 1 and not grafting and beside is None and not self.lossy:
+            # the policy left the round after its first draft forward: the drafter keeps the root's
+            # entry, the policy hears of the round, and the round is the plain loop's step
+            drafter.commit(torch.zeros(1, dtype=torch.long, device=drafted.tokens.device))
+            policy.observe(0, drafted)
+            return None
         if grafting or beside is not None:
             expected = expected_tokens(policy, self._drafted_accepts, drafted.size)
         if grafting:                                        # free branches from the context, merged in
@@ -189,14 +198,26 @@ class Proposer:
         if self.lossy:
             self.roots = last_logits.topk(self.lossy).indices
 
+    def step_hidden(self) -> bool | tuple[int, ...]:
+        """The target layers a plain step returns for the drafter (as `hidden`), or False: none where
+        it reads none, and none where the policy will draft nothing for more than `RESUME_WINDOW`
+        rounds after this one (the head then starts over from the steps' features that follow:
+        `FeatureDrafter.skip_target`). Ask after `propose` gave None."""
+        if self.hidden and self.policy.rounds_to_draft() >= RESUME_WINDOW:
+            return False
+        return self.hidden
+
     def observe_step(self, root: torch.Tensor, logits: torch.Tensor, states: torch.Tensor | None,
                      ms: float, forward_ms: float | None = None) -> None:
         """After a plain step (`propose` gave None): the drafter's features of the root (the target's
-        hidden states `states` (1, H), fused when it next drafts), the target's top-k after the root
-        (`logits` (1, V)) recycled only where the next round grafts, and the policy hears the step's
-        time (`ms`, `forward_ms` its target forward)."""
+        hidden states `states` (1, H), fused when it next drafts; None where `step_hidden` left them
+        out), the target's top-k after the root (`logits` (1, V)) recycled only where the next round
+        grafts, and the policy hears the step's time (`ms`, `forward_ms` its target forward)."""
         if self.hidden:
-            self.drafter.observe_target(states)
+            if states is None:
+                self.drafter.skip_target(1)
+            else:
+                self.drafter.observe_target(states)
         if self.context is not None and self.context_gate.will_open():
             self.context.observe_logits(root, logits)
         self._drafted_accepts.append(0)

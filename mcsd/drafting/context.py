@@ -258,7 +258,7 @@ class ContextStore:
 class _Node:
     """A candidate trie node: its token, children by token, and who proposed it with what evidence."""
 
-    __slots__ = ("token", "kids", "cond", "keys", "tree_idx")
+    __slots__ = ("token", "kids", "cond", "keys", "tree_idx", "pending")
 
     def __init__(self, token: int):
         self.token = token
@@ -266,6 +266,9 @@ class _Node:
         self.cond = 0.0                          # P(accepted | parent accepted), sources combined
         self.keys: list[tuple] = []             # (source, bucket...) statistics keys that proposed it
         self.tree_idx = -1                       # index in the round's tree once it is there
+        # matches through this node whose children are not made yet: (source, [(continuation, match
+        # length)], depth of this node beneath the lookup's anchor), one entry a lookup
+        self.pending: list[tuple[str, list, int]] | None = None
 
     def child(self, token: int) -> "_Node":
         node = self.kids.get(token)
@@ -425,28 +428,8 @@ class ContextDrafter:
             lookups.append(("store", idx.continuations(suffix, cfg.max_matches, min(cfg.max_len, reach),
                                                        limit=len(idx), doc_ends=ends)))
         for src, matches in lookups:
-            if not matches:
-                continue
-            # count trie: per node, the longest match and the number of matches through it
-            counts: dict[int, list] = {}
-            for cont, n in matches:
-                node = anchor
-                for depth, t in enumerate(cont, start=1):
-                    child = node.child(t)
-                    c = counts.setdefault(id(child), [child, node, 0, 0, depth])
-                    c[2] += 1
-                    c[3] = max(c[3], n)
-                    node = child
-            # siblings ranked by their longest match, then by count: a long match's continuation
-            # is not diluted by short matches that disagree with it
-            siblings: dict[int, list] = {}
-            for order, (child, parent, cnt, n, depth) in enumerate(counts.values()):   # most recent first
-                siblings.setdefault(id(parent), []).append((-n, -cnt, order, child, depth, n))
-            for group in siblings.values():
-                group.sort(key=lambda g: g[:3])
-                for rank, (_, _, _, child, depth, n) in enumerate(group):
-                    key = (src, _ngram_bucket(n), _depth_bucket(depth), min(rank, 2))
-                    add(child, self._rate(key), key)
+            if matches:                  # their trie nodes are made as the graft's choice reaches them
+                _defer(anchor, (src, matches, 0))
         if self._next is not None:
             frontier = [anchor]
             for depth, width in enumerate(recycle_widths[:reach], start=1):
@@ -516,6 +499,34 @@ class ContextDrafter:
         self.proposed_nodes += len(tokens)
         return tokens, parents, proposed
 
+    def _expand(self, node: _Node, evidence: dict[int, list[float]]) -> None:
+        """Make `node`'s children from the matches deferred through it (`_propose_under`), one
+        lookup's at a time: siblings ranked by their longest match, then by how many matches pass
+        through them, then by the first match's recency (a long match's continuation is not diluted
+        by short matches that disagree with it), each a statistics key and its rate as evidence; the
+        matches that go on are deferred to the child they pass through."""
+        groups, node.pending = node.pending, None
+        for src, matches, depth in groups:
+            kids: dict[int, list] = {}                  # token -> [longest match, count, matches on]
+            for cont, n in matches:                     # most recent first: first seen, first in order
+                entry = kids.get(cont[depth])
+                if entry is None:
+                    entry = kids[cont[depth]] = [n, 0, []]
+                elif n > entry[0]:
+                    entry[0] = n
+                entry[1] += 1
+                if len(cont) > depth + 1:
+                    entry[2].append((cont, n))
+            ranked = sorted(kids.items(), key=lambda kv: (-kv[1][0], -kv[1][1]))     # stable: recency last
+            for rank, (token, (n, _, going)) in enumerate(ranked):
+                child = node.child(token)
+                key = (src, _ngram_bucket(n), _depth_bucket(depth + 1), min(rank, 2))
+                if key not in child.keys:
+                    child.keys.append(key)
+                evidence.setdefault(id(child), []).append(self._rate(key))
+                if going:
+                    _defer(child, (src, going, depth + 1))
+
     def _choose(self, toks: list[int], pars: list[int], est: list[float], base_logp: list[float],
                 expected_tokens: float, round_ms: float, costs, max_nodes: int):
         """`graft`'s choice over host lists (the tree's tokens, parents, acceptance estimates and draft
@@ -552,6 +563,8 @@ class ContextDrafter:
 
         def push_kids(node: _Node, path: float) -> None:
             nonlocal tie
+            if node.pending is not None:
+                self._expand(node, evidence)
             for kid in node.kids.values():
                 kid.cond = cond(kid)
                 s = path * kid.cond
@@ -611,6 +624,13 @@ class ContextDrafter:
             for key in keys:
                 r = self._rate(key)
                 self.rates[key] = r + lr * (float(hit) - r)
+
+
+def _defer(node: _Node, group: tuple[str, list, int]) -> None:
+    if node.pending is None:
+        node.pending = [group]
+    else:
+        node.pending.append(group)
 
 
 def graft_reach(max_nodes: int, drafted_depth: int) -> int:

@@ -334,6 +334,7 @@ class FeatureDrafter:
         self._pending: list[torch.Tensor] = []          # (n, L*H) states observed since, not fused yet
         self._base = 0
         self._offset = 0                                # leading positions the head never read (window)
+        self._restart = False                           # features were skipped: the head's cache starts over
         self._slots = torch.zeros(0, dtype=torch.long, device=self.device)
         self._pred: torch.Tensor | None = None          # (N, H) predicted feature per processed tree node
 
@@ -346,6 +347,17 @@ class FeatureDrafter:
         """hidden: (n, L*H) the target's `feature_layers` states of newly committed positions (kept as
         given, fused when the head next drafts: a plain step's is an append, no inference-mode switch)."""
         self._pending.append(hidden)
+
+    def skip_target(self, n: int = 1) -> None:
+        """The target's features of the next `n` committed positions were not taken (plain steps far
+        from the next drafted round): what the head read and was given is dropped, and its next round
+        starts over from the features observed after them, as a generation's first round does (at
+        most `window` of them)."""
+        self._first += self._features.shape[0] + sum(h.shape[0] for h in self._pending) + n
+        if self._features.shape[0]:
+            self._features = self._features[:0]
+        self._pending = []
+        self._restart = True
 
     def features_from(self, start: int) -> torch.Tensor:
         """Fused features of positions start.. (fusing what was observed since the last call)."""
@@ -415,13 +427,18 @@ class FeatureDrafter:
     @torch.inference_mode()
     def begin_round(self, sequence: torch.Tensor) -> torch.Tensor:
         t_end = sequence.numel() - 1                    # entries 0 .. t_end-1; the last pairs f with the root
+        if self._restart:                               # features skipped since its last round
+            self.cache, self._restart = self._empty_cache(), False
         cached = kv_cache.cache_length(self.cache)
-        if cached == 0 and self.window is not None:     # the first read of a long prompt: its last `window` only
-            self._offset = max(0, t_end - self.window)
+        if cached == 0:                                 # a first read: at most the last `window` positions,
+            self._offset = max(self._first, 0 if self.window is None else t_end - self.window)   # observed ones
         start = cached + self._offset                   # position of the first entry not read yet
         if self._first + self._features.shape[0] + sum(h.shape[0] for h in self._pending) < t_end:
             raise RuntimeError("feature drafter is missing target features; observe_target was not called")
         n = t_end - start
+        if n < 1:
+            raise RuntimeError("feature drafter has no target features before the root (skipped since its "
+                               "last round and none observed after)")
         pred = self._run(self.features_from(start)[:n], sequence[start + 1:t_end + 1],
                          torch.arange(start + 1, t_end + 1, device=self.device), causal_allowed(n, self.device))
         self._base = t_end - 1 - self._offset           # cache index of the root's entry

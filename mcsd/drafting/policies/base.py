@@ -95,6 +95,11 @@ class Gate:
         between the two)."""
         return not (self.value < 0 and self.skipped < self.gap)
 
+    def rounds_shut(self) -> int:
+        """Rounds that will sit out before the next one `opens` runs (0: the next runs), asked without
+        counting a round; exact, since only a round that ran changes the value."""
+        return 0 if self.will_open() else self.gap - self.skipped
+
     @property
     def ran(self) -> bool:
         """The round `opens` was last asked about runs."""
@@ -126,6 +131,12 @@ class TreePolicy:
     def begin_round(self) -> int:
         """Depth limit for this round's tree."""
         return self.topology.max_depth
+
+    def rounds_to_draft(self) -> int:
+        """After `begin_round`: how many rounds will surely draft nothing before the next one that may
+        (0: the next may). A drafter that reads the target's features skips them for the plain steps
+        further than its resume window from a drafted round (`mcsd.decoding.propose`)."""
+        return 0
 
     def expand(self, frontier: Frontier) -> torch.Tensor | None:
         """(F,) long children per frontier node (clamped to max_children), or None for the maximum."""

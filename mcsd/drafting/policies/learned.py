@@ -191,6 +191,9 @@ class LearnedPolicy(TreePolicy):
         self._draft_base_ms = self.costs.base_draft_ms(1)                     # the same, uncorrected
         return self.topology.max_depth
 
+    def rounds_to_draft(self) -> int:
+        return self.gate.rounds_shut()
+
     def expand(self, frontier: Frontier) -> torch.Tensor:
         t0 = time.perf_counter()
         k = int(frontier.max_children.max())
@@ -200,9 +203,29 @@ class LearnedPolicy(TreePolicy):
         allowed = torch.arange(k, device=path.device)[None] < frontier.max_children[:, None]
         path = torch.where(allowed, path, torch.zeros_like(path))
         counts = self._choose(path, frontier.tree.size)
+        if frontier.depth == 0 and not self._first_level_pays(path, counts):
+            counts = torch.zeros_like(counts)       # the round is a plain step: its head forward is all it spent
+            self._draft_ms, self._draft_base_ms = self.costs.draft_ms(1), self.costs.base_draft_ms(1)
         self._last = path
         self.predict_s += time.perf_counter() - t0
         return counts
+
+    def _first_level_pays(self, path: torch.Tensor, counts: torch.Tensor) -> bool:
+        """Whether the round the first level's chosen nodes begin can gain on a plain step: their
+        path probabilities, with the likeliest continued at the running acceptance rate to the
+        topology's depth (an optimistic deeper part), each worth a step, against what drafting on
+        costs beyond a step (the round's own work, the verify of the chosen nodes, one more draft
+        level where the topology has one). A round that cannot is left after its first head forward,
+        and the decoder runs the plain step instead of verifying a tree of the root alone."""
+        k = path.shape[1]
+        chosen = path[torch.arange(k, device=path.device)[None] < counts[:, None]]
+        if chosen.numel() == 0:
+            return False
+        depth = self.topology.max_depth
+        deeper = float(chosen.max()) * sum(self.recent ** d for d in range(1, depth))
+        step, n = self.costs.verify_ms(1), chosen.numel()
+        rest = self.costs.round_ms + self.costs.verify_ms(1 + n) - step + (self.costs.draft_ms(n) if depth > 1 else 0.0)
+        return (float(chosen.sum()) + deeper) * step > rest
 
     def _choose(self, path: torch.Tensor, n_now: int) -> torch.Tensor:
         """Best first, while expected tokens per ms increase; ranks stay contiguous per node."""
