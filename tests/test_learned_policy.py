@@ -173,8 +173,9 @@ def test_a_first_level_that_cannot_beat_a_plain_step_drafts_nothing(round_ms, dr
     """The first level's nodes each pay for their own verify row (its choice alone would keep them), but
     where the rest of the round (its own work, the rows, one more level) costs more than their
     expected tokens, with the likeliest continued at the running acceptance, are worth in plain steps,
-    the round drafts nothing more: the decoder runs the plain step, and the gate hears of the one draft
-    forward it ran."""
+    the round drafts nothing more: the decoder runs the plain step, and the gate hears of a round that
+    spent its first draft forward and its own work for nothing (its catch-up, the features read before
+    it, the first level's decisions)."""
     topo = TreeTopology.from_spec("3,2,2")
     costs = fixed(Costs(verify={1: 10.0, 8: 12.0}, draft={1: 1.0}))
     costs.round_ms = round_ms
@@ -188,7 +189,7 @@ def test_a_first_level_that_cannot_beat_a_plain_step_drafts_nothing(round_ms, dr
     assert int(counts.sum()) == (int(chosen.sum()) if drafts else 0)
     if not drafts:
         policy.observe(0, tree)
-        assert policy.draft_value == pytest.approx(-costs.draft_ms(1) * policy.gate.memory)
+        assert policy.draft_value == pytest.approx(-(costs.draft_ms(1) + round_ms) * policy.gate.memory)
 
 
 def test_draft_gate_starts_afresh_each_generation(target):

@@ -41,7 +41,7 @@ CONTEXT_MEMORY = 0.125              # weight of the latest grafting round in the
 CONTEXT_BUDGET = 0.01               # lookups that lose cost at most this share of the plain steps they wait
 # plain steps before a drafted round whose target features a feature drafter reads; a step further from
 # the next round the policy may draft leaves them out (the head starts over from the last of these)
-RESUME_WINDOW = 16
+RESUME_WINDOW = 8
 
 
 @dataclass

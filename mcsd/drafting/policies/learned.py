@@ -204,8 +204,7 @@ class LearnedPolicy(TreePolicy):
         path = torch.where(allowed, path, torch.zeros_like(path))
         counts = self._choose(path, frontier.tree.size)
         if frontier.depth == 0 and not self._first_level_pays(path, counts):
-            counts = torch.zeros_like(counts)       # the round is a plain step: its head forward is all it spent
-            self._draft_ms, self._draft_base_ms = self.costs.draft_ms(1), self.costs.base_draft_ms(1)
+            counts = torch.zeros_like(counts)       # the round is a plain step, priced as a drafted round's start
         self._last = path
         self.predict_s += time.perf_counter() - t0
         return counts
