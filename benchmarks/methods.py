@@ -143,11 +143,15 @@ def _mcsd(bench, ids, tree: str | None, policy: str = "static", baseline: bool =
 
 class _ShutGates(POLICIES["learned"]):
     """The learned policy with its gate shut for good: every round drafts nothing (a plain step through
-    the round's machinery, the drafter's states kept for a draft that never comes)."""
+    the round's machinery), and says so (`rounds_to_draft`), so the steps take no target features for a
+    draft that never comes, as a shut gate's steps far from its next probe take none."""
 
     def begin_round(self) -> int:
         super().begin_round()
         return 0
+
+    def rounds_to_draft(self) -> int:
+        return 2 ** 31
 
 
 def _gates_shut(bench, ids) -> Run:

@@ -104,10 +104,11 @@ def _children(parents: list[int]) -> dict[int, list[int]]:
 
 def accept_drawn(tokens: torch.Tensor, parents: torch.Tensor, draw) -> Acceptance:
     """`accept_greedy`'s answer where the target's token after each node is a draw, made only for the
-    nodes accepted so far: `draw(nodes)` ((M,) long node indices -> (M,) long tokens, each row on its
-    own) is called a level at a time, from the root down while some node of the level is accepted. A
-    tree whose first level misses costs one row's draw, not one a node; the path and next token are
-    what drawing every node and matching would give (deepest accepted node, ties to the lowest index).
+    nodes accepted so far: `draw(nodes)` (a host list of node indices -> the host list of their tokens,
+    each row on its own) is called a level at a time, from the root down while some node of the level
+    is accepted. A tree whose first level misses costs one row's draw, not one a node; the path and
+    next token are what drawing every node and matching would give (deepest accepted node, ties to the
+    lowest index). The walk is on the host: greedy matching passes every node's argmax, looked up.
 
     Args:
         tokens: (N,) node tokens; parents: (N,) parent indices, parents before children (root -1).
@@ -117,7 +118,7 @@ def accept_drawn(tokens: torch.Tensor, parents: torch.Tensor, draw) -> Acceptanc
     children = _children(par)
     level, drawn = [0], {}
     while True:
-        got = draw(torch.tensor(level, device=tokens.device)).tolist()
+        got = draw(level)
         drawn.update(zip(level, got))
         below = [c for node, t in zip(level, got) for c in children.get(node, ()) if toks[c] == t]
         if not below:

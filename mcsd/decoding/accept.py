@@ -63,24 +63,24 @@ def judge(grown: GrownTree, sequence: torch.Tensor, logits: torch.Tensor, cfg: D
     if proc is not None:                     # the processed distribution at each node, with its own prefix
         logits = proc.at_nodes(sequence[:-1], tree, torch.arange(tree.size, device=logits.device), logits)
     p_target = None
-    if sampling.greedy:
-        argmax = greedy_tokens(logits)
-        if skip_root:   # the root's row is not computed; its children are accepted as given
-            argmax = torch.cat([argmax.new_full((1,), -1), argmax])
-        acc = accept_greedy(tree.tokens, tree.parents, tree.depth, tree.mask(), argmax,
-                            given=(tree.depth == 1) if skip_root else None)
+    if sampling.greedy and not skip_root:    # the target's token after each node (one native pass), matched
+        after = greedy_tokens(logits).tolist()
+        acc = accept_drawn(tree.tokens, tree.parents, lambda nodes: [after[i] for i in nodes])
+    elif sampling.greedy:                    # the root's row is not computed; its children are accepted as given
+        argmax = torch.cat([logits.new_full((1,), -1, dtype=torch.long), greedy_tokens(logits)])
+        acc = accept_greedy(tree.tokens, tree.parents, tree.depth, tree.mask(), argmax, given=tree.depth == 1)
     elif noise is not None:                  # the target's own seeded draw after each node, matched
         # drawn only where a node is accepted so far, a level at a time (node at depth d draws T + d)
         at = tree.depth + sequence.numel()
         acc = accept_drawn(tree.tokens, tree.parents,
-                           lambda nodes: noise.draw_logits(logits[nodes], sampling, at[nodes]))
+                           lambda nodes: noise.draw_logits(logits[nodes], sampling, at[nodes]).tolist())
     else:
         p_target = logits_to_probs(logits, sampling)
         q_draft = grown.q_draft.to(p_target.device) if grown.q_draft is not None else None
         acc = accept_sampling(tree.tokens, tree.parents, p_target, q_draft, gen, deterministic=grown.deterministic)
     kept = acc.path[s:] - s                                            # rows of the fed block
     if context is not None:                  # the target's predictions along the accepted path, recycled
-        context.observe_logits(tree.tokens[acc.path], logits[kept])
+        context.observe_rows(tree.tokens[acc.path].tolist(), logits, kept.tolist())
     emitted_lp = None
     if cfg.return_logprobs:                  # row path[j] is the distribution the j-th emitted token came from
         emitted = torch.cat([tree.tokens[acc.path[1:]], acc.next_token.reshape(1)])

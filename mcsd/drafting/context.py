@@ -383,6 +383,14 @@ class ContextDrafter:
         top = top_indices(logits.reshape(-1, logits.shape[-1]), min(self.config.recycle_k, logits.shape[-1]))
         self.recycle(tokens.tolist(), top.tolist())
 
+    def observe_rows(self, tokens: list[int], logits: torch.Tensor, rows: list[int]) -> None:
+        """`observe_logits` for `tokens` (host ints) from the rows `rows` of `logits` (N, V), each read
+        where it lies (a verify's accepted path, no gathered copy of its rows)."""
+        if self._next is None or not rows:
+            return
+        k = min(self.config.recycle_k, logits.shape[-1])
+        self.recycle(tokens, [top_indices(logits[r:r + 1], k)[0].tolist() for r in rows])
+
     def recycle(self, tokens: list[int], top: list[list[int]]) -> None:
         """`observe_logits` with what the host already holds: each token's target top-k (host lists)."""
         if self._next is not None:
@@ -414,12 +422,6 @@ class ContextDrafter:
         """Add every source's candidates beneath `anchor`, the trie node whose path spells the end
         of `suffix` (the committed text, then the drafted path to the anchor), at most `reach` deep."""
         cfg = self.config
-
-        def add(node: _Node, cond: float, key: tuple) -> None:
-            if key not in node.keys:
-                node.keys.append(key)
-            evidence.setdefault(id(node), []).append(cond)
-
         lookups = []
         if "ngram" in cfg.sources:
             lookups.append(("ngram", self.history.continuations(suffix, cfg.max_matches, min(cfg.max_len, reach))))
@@ -438,7 +440,7 @@ class ContextDrafter:
                     for rank, t in enumerate(self._next.get(node.token, ())[:width]):
                         key = ("recycle", min(rank, 3), _depth_bucket(depth))
                         child = node.child(t)
-                        add(child, self._rate(key), key)
+                        _proposes(child, key, self._rate(key), evidence)
                         nxt.append(child)
                 frontier = nxt
                 if not frontier:
@@ -521,9 +523,7 @@ class ContextDrafter:
             for rank, (token, (n, _, going)) in enumerate(ranked):
                 child = node.child(token)
                 key = (src, _ngram_bucket(n), _depth_bucket(depth + 1), min(rank, 2))
-                if key not in child.keys:
-                    child.keys.append(key)
-                evidence.setdefault(id(child), []).append(self._rate(key))
+                _proposes(child, key, self._rate(key), evidence)
                 if going:
                     _defer(child, (src, going, depth + 1))
 
@@ -626,7 +626,15 @@ class ContextDrafter:
                 self.rates[key] = r + lr * (float(hit) - r)
 
 
+def _proposes(node: _Node, key: tuple, rate: float, evidence: dict[int, list[float]]) -> None:
+    """The source statistics `key` proposes `node`, with its acceptance `rate` as evidence."""
+    if key not in node.keys:
+        node.keys.append(key)
+    evidence.setdefault(id(node), []).append(rate)
+
+
 def _defer(node: _Node, group: tuple[str, list, int]) -> None:
+    """Matches through `node` whose children are made when the graft's choice reaches it (`_expand`)."""
     if node.pending is None:
         node.pending = [group]
     else:
