@@ -16,6 +16,7 @@ from mcsd.costs.profile import DeviceProfile
 from mcsd.costs.store import load_cached, load_or_measure, profile_path
 from mcsd.costs.timing import measure, robust_timings
 from mcsd.forward.attention import set_backend
+from test_learned_policy import constant_model
 
 PROMPT = torch.tensor([3, 17, 42, 5, 9, 11])
 QUICK = dict(sizes=(1, 2, 4, 8), prefix_len=16, repeats=4, draft_sizes=(1, 2))
@@ -277,7 +278,9 @@ def test_trees_do_not_depend_on_this_runs_clock(target, random_draft, fresh_cach
     def run(clock, **options):
         use_clock(monkeypatch, clock)
         sizes = []
-        dec = TreeDecoder(target, draft, attention="sdpa", policy="learned", policy_options=options or None)
+        # an acceptance model sure enough of the draft that rounds draft (not left after their first level)
+        options["model"] = constant_model(0.8)
+        dec = TreeDecoder(target, draft, attention="sdpa", policy="learned", policy_options=options)
         out = dec.generate(PROMPT, max_new_tokens=40, ignore_eos=True,
                            on_round=lambda tree, acc: sizes.append(tree.size))
         return out.tokens, sizes

@@ -207,12 +207,18 @@ class LeavesLevelOne(StaticPolicy):
         self.observed.append((n_accepted, tree.size))
 
 
-@pytest.mark.parametrize("drafter", ["model", "head"])
+@pytest.mark.parametrize("drafter", ["model", "head", "head+empty context"])
 def test_a_round_left_after_its_first_draft_forward_is_a_plain_step(target, random_draft, monkeypatch, drafter):
     """A round whose policy drafts nothing beneath the root after the drafter's first forward verifies no
-    tree: it is the plain loop's step, the policy hears of the round (nothing accepted, the root alone),
-    the drafter keeps up, and the text is plain decoding's."""
+    tree (nor where context drafting looked and found nothing): it is the plain loop's step, the policy
+    hears of the round (nothing accepted, the root alone), the drafter keeps up, and the text is plain
+    decoding's."""
     draft = random_draft if drafter == "model" else FeatureDrafter(random_head(target), target)
+    if drafter == "head+empty context":
+        from mcsd.drafting.context import ContextDrafter, Graft
+        monkeypatch.setattr(ContextDrafter, "graft", lambda self, drafted, *args, **kwargs:
+                            Graft(drafted, torch.zeros(drafted.size, dtype=torch.bool), {}))
+        draft = [draft, "context"]
     dec = TreeDecoder(target, draft, policy=LeavesLevelOne(TreeTopology.from_spec("2,2")), attention="sdpa")
     reference = dec.generate_baseline(PROMPT, max_new_tokens=30).tokens
     verified = count_calls(monkeypatch, decoder_module.TreeDecoder, "_verify")

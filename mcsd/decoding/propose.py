@@ -148,11 +148,9 @@ class Proposer:
                            noise=noise)
                  if depth > 0 else GrownTree(DraftTree.root_only(policy.topology, sequence[-1]), None))
         drafted, graft, expected = grown.tree, None, None
-        if depth > 0 and drafted.size == 1 and not grafting and beside is None and not self.lossy:
-            # the policy left the round after its first draft forward: the drafter keeps the root's
-            # entry, the policy hears of the round, and the round is the plain loop's step
-            drafter.commit(torch.zeros(1, dtype=torch.long, device=drafted.tokens.device))
-            policy.observe(0, drafted)
+        left = depth > 0 and drafted.size == 1 and beside is None and not self.lossy   # after its first level
+        if left and not grafting:
+            self._left(drafted)
             return None
         if grafting or beside is not None:
             expected = expected_tokens(policy, self._drafted_accepts, drafted.size)
@@ -165,14 +163,22 @@ class Proposer:
             graft = self.context.graft(drafted, sequence, expected + others, spent_ms, costs,
                                        probs if probs is not None and probs.numel() == drafted.size else None,
                                        max_nodes=context_nodes)
-            if depth == 0 and beside is None and graft.tree.size == drafted.size:
+            if (depth == 0 and beside is None or left) and graft.tree.size == drafted.size:
                 # nothing drafted and nothing found: the lookup's price into the gate, and the round
                 # is the plain loop's step (a tree of the root alone would cost its verify machinery)
                 self._value_context(0, drafted.size, drafted.size)
+                if left:
+                    self._left(drafted)
                 return None
             grown = grown.with_graft(graft)
             expected += graft.gain
         return Proposal(grown, drafted, graft, depth, expected)
+
+    def _left(self, drafted: DraftTree) -> None:
+        """A round the policy left after its first draft forward (`drafted`: the root alone) that runs
+        as the plain loop's step: the drafter keeps the root's entry, and the policy hears of it."""
+        self.drafter.commit(torch.zeros(1, dtype=torch.long, device=drafted.tokens.device))
+        self.policy.observe(0, drafted)
 
     def observe(self, proposal: Proposal, acc: Acceptance, path_hidden: torch.Tensor | None,
                 last_logits: torch.Tensor, draft_ms: float, verify_ms: float,
