@@ -288,7 +288,9 @@ def test_learned_decisions_are_the_loops(target, hf_greedy, fixed_rounds, model,
     plain rounds included), on the test profile's fixed costs; the output is the loop's, and greedy
     `generate`'s."""
     trees = []
-    loop = learned_decoder(target, random_head(target, sub_vocab), "loop", spec, model).generate(
+    loop = learned_decoder(target, random_head(target, sub_vocab), "loop", spec, model)
+    loop.policy.leave_unpaying = False          # the loop's own test after the first level (a host decision)
+    loop = loop.generate(
         PROMPT, max_new_tokens=60, on_round=lambda tree, acc: trees.append(sorted(tree.topo_ids.tolist())),
         **options)
     stream = learned_decoder(target, random_head(target, sub_vocab), "fixed", spec, model).stream(

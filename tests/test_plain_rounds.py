@@ -229,3 +229,27 @@ def test_a_round_left_after_its_first_draft_forward_is_a_plain_step(target, rand
     assert s.target_forwards == s.rounds + 1
     left = dec.policy.observed.count((0, 1))            # all but a last round with one token to go
     assert 0 < left and s.plain_rounds - 1 <= left <= s.plain_rounds
+
+
+class Unannounced(EveryOther):
+    """Drafts every round from the `period`-th on while having said it would not draft for long (as a
+    gate reset from outside, `forget`, makes a learned policy do): the steps before skip the features."""
+
+    def begin_round(self) -> int:
+        self.calls += 1
+        return self.topology.max_depth if self.calls >= self.period else 0
+
+    def rounds_to_draft(self) -> int:
+        return 1000 if self.calls < self.period else 0
+
+
+def test_a_round_drafted_sooner_than_announced_takes_the_features_first(target):
+    """A policy that drafts after steps that skipped the target's features does not reach the drafter
+    without them: that round is a plain step that takes them, the next one drafts, and the text is
+    plain decoding's."""
+    head = FeatureDrafter(random_head(target), target)
+    dec = TreeDecoder(target, head, policy=Unannounced(TreeTopology.from_spec("2,2"), 12), attention="sdpa")
+    reference = dec.generate_baseline(PROMPT, max_new_tokens=40).tokens
+    out = dec.generate(PROMPT, max_new_tokens=40)
+    assert out.tokens == reference
+    assert out.stats.rounds > out.stats.plain_rounds > 0                # some rounds drafted all the same

@@ -168,6 +168,9 @@ def measure(decoder, costs) -> dict:
     decoder._round = timed_round                      # this decoder's own round and context drafter, for now
     if context is not None:
         context.graft = timed_graft
+    leaves = getattr(policy, "leave_unpaying", None)
+    if leaves is not None:
+        policy.leave_unpaying = False                 # every round drafts its levels, to be timed
     try:
         with contextlib.ExitStack() as stack:
             for held in shared.values():
@@ -181,6 +184,8 @@ def measure(decoder, costs) -> dict:
         del decoder._round
         if context is not None:
             del context.graft
+        if leaves is not None:
+            policy.leave_unpaying = leaves
     grafts += more
     return {"round_ms": round(max(greedy, 0.0), 4), "round_ms_sampled": round(max(sampled, 0.0), 4),
             "graft_ms": round(statistics.fmean(grafts), 4) if grafts else 0.0}

@@ -138,6 +138,7 @@ class LearnedPolicy(TreePolicy):
     probe_every = 3                     # plain rounds before drafting is tried again
     max_probe_gap = 256                 # the longest wait after probes that kept losing
     probe_budget = 0.01                 # what losing probes may cost, a fraction of the plain steps sat out
+    leave_unpaying = True               # a round whose first level cannot beat a plain step drafts no more
 
     def __init__(self, topology: TreeTopology, model: AcceptanceModel | str | Path | None = None,
                  costs: Costs | None = None, online_costs: bool = False):
@@ -208,7 +209,7 @@ class LearnedPolicy(TreePolicy):
         allowed = torch.arange(k, device=path.device)[None] < frontier.max_children[:, None]
         path = torch.where(allowed, path, torch.zeros_like(path))
         counts = self._choose(path, frontier.tree.size)
-        if frontier.depth == 0 and not self._first_level_pays(path, counts):
+        if frontier.depth == 0 and self.leave_unpaying and not self._first_level_pays(path, counts):
             counts = torch.zeros_like(counts)       # the round is a plain step, priced as a drafted round's start
         self._last = path
         self.predict_s += time.perf_counter() - t0
