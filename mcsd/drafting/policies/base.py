@@ -97,7 +97,8 @@ class Gate:
 
     def rounds_shut(self) -> int:
         """Rounds that will sit out before the next one `opens` runs (0: the next runs), asked without
-        counting a round; exact, since only a round that ran changes the value."""
+        counting a round; exact unless the gate is reset from outside (only a round that ran changes
+        its value)."""
         return 0 if self.will_open() else self.gap - self.skipped
 
     @property

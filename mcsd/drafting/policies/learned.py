@@ -93,16 +93,17 @@ class LearnedPolicy(TreePolicy):
     cost at most `probe_budget` of the plain steps sat out (a probe that lost
     8 ms where a step costs 6.4 waits 125 rounds at 1%), so on a machine or text
     where drafting never pays the probes cost about that much, and one that
-    wins resets it. A round whose first level cannot gain on a plain step
-    (its chosen nodes' expected tokens, the likeliest continued at the
-    running acceptance, against the rest of the round's price) drafts
-    nothing after that first draft forward (the loop's rounds; the
-    fixed-shape round drafts its levels on the device). A round
-    without drafting is a plain target step; the draft catches up on the
-    skipped tokens in its next forward, a feature head from the steps just
-    before it (`rounds_to_draft`, `mcsd.decoding.propose.RESUME_WINDOW`)
-    (`base.Gate`, which context drafting shares). The gate opens again at each generation's `reset`, so a request's
-    trees never depend on the requests before it.
+    wins resets it (`base.Gate`, which context drafting shares). A round
+    whose first level cannot gain on a plain step (its chosen nodes'
+    expected tokens, the likeliest continued at the running acceptance,
+    against the rest of the round's price) drafts nothing after that first
+    draft forward (`leave_unpaying`; the loop's rounds: the fixed-shape
+    round drafts its levels on the device). A round without drafting is a
+    plain target step; the draft catches up on the skipped tokens in its
+    next forward, a feature head from the steps just before it
+    (`rounds_to_draft`, `mcsd.decoding.propose.RESUME_WINDOW`). The gate
+    opens again at each generation's `reset`, so a request's trees never
+    depend on the requests before it.
 
     Costs come from this machine's calibrated profile, fixed for the run,
     so that the trees grown (and in bfloat16, where a tree's size changes
