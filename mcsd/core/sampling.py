@@ -87,7 +87,7 @@ def _top_p(scores: torch.Tensor, mass: float) -> torch.Tensor:
     anything else `_top_p_torch`. The two add the mass in another order (double against float32),
     so where a token's mass above lands within rounding of `mass` they may keep a token more or
     less; each is exact for its own arithmetic, and a process runs one of them throughout."""
-    if scores.dtype == torch.float32 and scores.device.type == "cpu" and native.library() is not None:
+    if _native_rows(scores):
         return native.top_p(scores, mass)
     return _top_p_torch(scores, mass)
 
@@ -156,11 +156,17 @@ def _typical(scores: torch.Tensor, mass: float) -> torch.Tensor:
     return scores.masked_fill(drop, float("-inf"))
 
 
+def _native_rows(scores: torch.Tensor) -> bool:
+    """The native library's row passes (top-p, top-k, argmax) read these scores: float32 on a CPU, the
+    library built."""
+    return scores.dtype == torch.float32 and scores.device.type == "cpu" and native.library() is not None
+
+
 def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     """scores (R, V) -> (R, k) long, each row's k largest, largest first: float32 scores on a CPU with
     mcsd's native library in one native pass a row (`native.topk_indices`: 12-19 us a 49,152-token row
     where torch's argmax took 74 and its topk 100-250; ties to the lower index), else torch's topk."""
-    if scores.dtype == torch.float32 and scores.device.type == "cpu" and k <= 64 and native.library() is not None:
+    if k <= 64 and _native_rows(scores):
         return native.topk_indices(scores, k)
     return scores.topk(k, dim=-1).indices
 
@@ -168,7 +174,7 @@ def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
 def greedy_tokens(scores: torch.Tensor) -> torch.Tensor:
     """scores (..., V) -> (...) long, `scores.argmax(-1)` (the first of equal maxima; `top_indices` with
     k = 1 where it is native)."""
-    if scores.dtype == torch.float32 and scores.device.type == "cpu" and native.library() is not None:
+    if _native_rows(scores):
         return native.argmax(scores)
     return scores.argmax(-1)
 

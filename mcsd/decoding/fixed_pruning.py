@@ -92,7 +92,8 @@ class DevicePruning:
         x = level_features(probs, logp_parent, depth - 1, k, pred_parent, self.recent)          # (F, k, D)
         allowed = torch.arange(k, device=dev)[None] < self.max_children[depth - 1][:, None]    # (F, k)
         allowed &= kept_parent[:, None]
-        path = torch.where(allowed, self.model.predict_proba(x, self.policy.shift) * pred_parent[:, None], 0.0)   # (F, k)
+        accept = self.model.predict_proba(x, self.policy.shift)                                # (F, k)
+        path = torch.where(allowed, accept * pred_parent[:, None], 0.0)                          # (F, k)
         counts = choose_best_first(path, self.tokens, self.spent_ms + self._verify(0), self.size,
                                    self.verify_ms)                                              # (F,)
         go = self.alive if depth <= self.depth_limit else torch.zeros_like(self.alive)

@@ -93,7 +93,6 @@ class Proposer:
         self.roots: torch.Tensor | None = None          # lossy: (W,) this round's candidate roots
         self._drafted_accepts: list[int] = []           # per round, the drafted part's accepted count
         self._sampling: SamplingConfig | None = None     # the settings the policy was last told
-        self._unfed = False                              # the drafter's features skipped, none observed since
         # context is right in bursts (a repeated span) and wrong in between: a long memory while it
         # grafts, and a probe judged on its own round, so one that pays opens the gate again
         self.context_gate = Gate(CONTEXT_PROBE_EVERY, CONTEXT_MAX_GAP, memory=CONTEXT_MEMORY, probe_alone=True,
@@ -103,7 +102,6 @@ class Proposer:
         """Before the prefill: the policy and the drafter start a new sequence."""
         self.policy.reset()
         self._sampling = None
-        self._unfed = False
         if self.drafter is not None:
             self.drafter.reset()
         self.context_gate.reset()
@@ -143,7 +141,7 @@ class Proposer:
         depth = min(policy.begin_round(), remaining - (0 if self.lossy else 1)) if drafter is not None else 0
         if self.lossy:
             depth = max(depth, 1)                           # the candidate roots are this round's level 1
-        elif self._unfed:
+        elif self.hidden and self.drafter.unfed:
             # the policy drafts sooner than `rounds_to_draft` said (its gate reset from outside, say): the
             # drafter has no features since it skipped them, so this round is a plain step that takes them
             depth = 0
@@ -195,7 +193,6 @@ class Proposer:
         `verify_ms` is the whole verification, `forward_ms` the target forward's part of it, if known."""
         if self.hidden:
             self.drafter.observe_target(path_hidden)                 # features of root .. deepest accepted
-            self._unfed = False
         if self.drafter is not None and proposal.depth > 0:
             self.drafter.commit(acc.path)
         if proposal.graft is not None:
@@ -231,7 +228,6 @@ class Proposer:
                 self.drafter.skip_target(1)
             else:
                 self.drafter.observe_target(states)
-            self._unfed = states is None
         if self.context is not None and self.context_gate.will_open():
             self.context.observe_logits(root, logits)
         self._drafted_accepts.append(0)

@@ -6,9 +6,8 @@ after the target's forward (its weights read back from memory), the policy's fea
 per level, the draws, the tree's bookkeeping, and the context graft's lookups. Priced at its levels
 alone, a drafted round looked 2-3x cheaper than it ran, so the gates drafted where drafting loses.
 
-`measure` runs the decoder itself on a fixed prompt for a few dozen drafted rounds (the policy's
-gate reopened after each round, so that every round drafts), greedy and sampled, times each round,
-and returns
+`measure` runs the decoder itself on a fixed prompt for a few dozen drafted rounds (every round
+drafting its levels: `LearnedPolicy.every_round`), greedy and sampled, times each round, and returns
 
 - `round_ms` (greedy) and `round_ms_sampled`: what a drafted round takes beyond a plain step, its
   levels' prices, its extra rows' verify price and its graft (under sampling the draws and the
@@ -148,9 +147,6 @@ def measure(decoder, costs) -> dict:
     def on_round(tree, acc) -> None:
         drafted = int(tree.depth.max()) > 0 and getattr(policy, "gate", None) is not None and policy.gate.ran
         timed[-1].update(size=tree.size, priced=policy._draft_ms if drafted else None)
-        forget = getattr(policy, "forget", None)
-        if forget is not None:
-            forget()                                  # the next round drafts too
 
     def figures(**sampling) -> tuple[float, list[float]]:
         """(a drafted round's figure, the grafts' times) under `sampling`."""
@@ -168,11 +164,11 @@ def measure(decoder, costs) -> dict:
     decoder._round = timed_round                      # this decoder's own round and context drafter, for now
     if context is not None:
         context.graft = timed_graft
-    leaves = getattr(policy, "leave_unpaying", None)
-    if leaves is not None:
-        policy.leave_unpaying = False                 # every round drafts its levels, to be timed
+    every_round = getattr(policy, "every_round", None)           # every round drafts its levels, to be timed
     try:
         with contextlib.ExitStack() as stack:
+            if every_round is not None:
+                stack.enter_context(every_round())
             for held in shared.values():
                 stack.enter_context(held.held()).round_ms = 0.0
             decoder.generate(prompt, max_new_tokens=8, ignore_eos=True)          # first-call costs out of it
@@ -184,8 +180,6 @@ def measure(decoder, costs) -> dict:
         del decoder._round
         if context is not None:
             del context.graft
-        if leaves is not None:
-            policy.leave_unpaying = leaves
     grafts += more
     return {"round_ms": round(max(greedy, 0.0), 4), "round_ms_sampled": round(max(sampled, 0.0), 4),
             "graft_ms": round(statistics.fmean(grafts), 4) if grafts else 0.0}

@@ -378,10 +378,7 @@ class ContextDrafter:
 
     def observe_logits(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
         """Record the target's top-k after each of `tokens` (N,) from its logits (N, V) (recycling)."""
-        if self._next is None or tokens.numel() == 0:
-            return
-        top = top_indices(logits.reshape(-1, logits.shape[-1]), min(self.config.recycle_k, logits.shape[-1]))
-        self.recycle(tokens.tolist(), top.tolist())
+        self.observe_rows(tokens.tolist(), logits.reshape(-1, logits.shape[-1]), list(range(tokens.numel())))
 
     def observe_rows(self, tokens: list[int], logits: torch.Tensor, rows: list[int]) -> None:
         """`observe_logits` for `tokens` (host ints) from the rows `rows` of `logits` (N, V), each read

@@ -348,12 +348,22 @@ class FeatureDrafter:
         given, fused when the head next drafts: a plain step's is an append, no inference-mode switch)."""
         self._pending.append(hidden)
 
+    @property
+    def _observed_to(self) -> int:
+        """The first position whose features have not been observed (nor skipped)."""
+        return self._first + self._features.shape[0] + sum(h.shape[0] for h in self._pending)
+
+    @property
+    def unfed(self) -> bool:
+        """Features were skipped and none observed since: the head cannot draft until some are."""
+        return self._restart and not self._pending and not self._features.shape[0]
+
     def skip_target(self, n: int = 1) -> None:
         """The target's features of the next `n` committed positions were not taken (plain steps far
         from the next drafted round): what the head read and was given is dropped, and its next round
         starts over from the features observed after them, as a generation's first round does (at
         most `window` of them)."""
-        self._first += self._features.shape[0] + sum(h.shape[0] for h in self._pending) + n
+        self._first = self._observed_to + n
         if self._features.shape[0]:
             self._features = self._features[:0]
         self._pending = []
@@ -433,7 +443,7 @@ class FeatureDrafter:
         if cached == 0:                                 # a first read: at most the last `window` positions,
             self._offset = max(self._first, 0 if self.window is None else t_end - self.window)   # observed ones
         start = cached + self._offset                   # position of the first entry not read yet
-        if self._first + self._features.shape[0] + sum(h.shape[0] for h in self._pending) < t_end:
+        if self._observed_to < t_end:
             raise RuntimeError("feature drafter is missing target features; observe_target was not called")
         n = t_end - start
         if n < 1:

@@ -8,7 +8,7 @@ reverse. This fits, for each temperature of a grid, the one shift `b` of the mod
 the drafted rounds' expected accepted tokens (each node's path probability, the product of
 sigmoid(logit + b) along its path) add up to the tokens those rounds accepted.
 
-Every round drafts (the gate forgets after each round), on the fit split's prompts (question_id % 5 !=
+Every round drafts (`LearnedPolicy.every_round`), on the fit split's prompts (question_id % 5 !=
 0), with the decoder's own drafter and policy; a second pass runs with the first pass's shifts in place,
 so the trees are the ones the fitted policy grows, and is the one fitted. `--check` repeats the
 measurement on the held-out split with the fitted table: expected against accepted per temperature.
@@ -79,12 +79,11 @@ def measure(dec, prompts, temperatures, top_p: float, max_new_tokens: int, seed:
             rec = round_record(tree, policy.node_probabilities(), policy.shift, int(acc.path.numel()) - 1)
             if rec is not None:
                 rounds.append(rec)
-            policy.forget()                              # the next round drafts too
 
         for i, ids in enumerate(prompts):
             sampling = {} if t == 0 else {"temperature": t, "top_p": top_p, "seed": seed + i}
-            policy.forget()
-            dec.generate(ids, max_new_tokens=max_new_tokens, on_round=on_round, **sampling)
+            with policy.every_round():
+                dec.generate(ids, max_new_tokens=max_new_tokens, on_round=on_round, **sampling)
         out[t] = rounds
     return out
 
@@ -141,8 +140,8 @@ def main(argv=None) -> int:
     model.sampled = (tuple(temps), tuple(first[t] for t in temps))
     rounds = measure(dec, fit_prompts, temps, args.top_p, args.max_new_tokens, args.seed)   # pass 2
     shifts = {t: fit_shift(r) for t, r in rounds.items()}
-    table = {"temperature": temps, "logit_shift": [shifts[t] for t in temps], "top_p": args.top_p, "rounds": [len(rounds[t]) for t in temps], "prompts": len(fit_prompts),
-             "split": "fit"}
+    table = {"temperature": temps, "logit_shift": [shifts[t] for t in temps], "top_p": args.top_p,
+             "rounds": [len(rounds[t]) for t in temps], "prompts": len(fit_prompts), "split": "fit"}
     print("temperature  shift  rounds  expected/round at 0  accepted/round")
     for t in temps:
         r = rounds[t]

@@ -22,6 +22,7 @@ greedy and sampled output stay exactly the target's.
 from __future__ import annotations
 
 import time
+import contextlib
 from pathlib import Path
 
 import torch
@@ -155,6 +156,7 @@ class LearnedPolicy(TreePolicy):
         self.costs.online = online_costs
         self.predict_s = 0.0          # feature building + prediction time, for the overhead report
         self._root: torch.Tensor | None = None           # (1,) ones: each round's root, made once
+        self._every = False                              # inside `every_round`
         self.shift = self.model.logit_shift(0.0)         # the acceptance model's logit shift (`decoding`)
         self.reset()
 
@@ -179,6 +181,17 @@ class LearnedPolicy(TreePolicy):
         """Forget what drafting has been worth (the next round drafts)."""
         self.gate = Gate(self.probe_every, self.max_probe_gap, budget=self.probe_budget)
 
+    @contextlib.contextmanager
+    def every_round(self):
+        """Within: every round drafts its levels (the gate opened afresh each round, no first-level
+        test), and says so (`rounds_to_draft` 0): for measuring drafted rounds (`round_prices`, the
+        sampled table's fit)."""
+        before, self._every = self._every, True
+        try:
+            yield self
+        finally:
+            self._every = before
+
     @property
     def draft_value(self) -> float:
         """Running ms gained per drafted round; < 0: drafting loses (the gate's value)."""
@@ -192,6 +205,8 @@ class LearnedPolicy(TreePolicy):
         if self._root is None or self._root.device != self.topology.parents.device:
             self._root = torch.ones(1, device=self.topology.parents.device)   # the root is certain
         self._path_pred, self._last = self._root, None                       # (replaced, never written)
+        if self._every:
+            self.gate.reset()
         if not self.gate.opens():
             return 0                        # a plain step: nothing else of a drafted round is needed
         self._draft_ms = self.costs.draft_ms(1) + self.costs.round_ms         # the root's step, the round's own
@@ -199,18 +214,19 @@ class LearnedPolicy(TreePolicy):
         return self.topology.max_depth
 
     def rounds_to_draft(self) -> int:
-        return self.gate.rounds_shut()
+        return 0 if self._every else self.gate.rounds_shut()
 
     def expand(self, frontier: Frontier) -> torch.Tensor:
         t0 = time.perf_counter()
         k = int(frontier.max_children.max())
         parent_pred = self._path_pred[frontier.nodes]                                  # (F,)
         x = candidate_features(frontier, k, parent_pred, self.recent)                 # (F, k, D)
-        path = self.model.predict_proba(x, self.shift) * parent_pred[:, None]                    # (F, k)
+        path = self.model.predict_proba(x, self.shift) * parent_pred[:, None]          # (F, k)
         allowed = torch.arange(k, device=path.device)[None] < frontier.max_children[:, None]
         path = torch.where(allowed, path, torch.zeros_like(path))
         counts = self._choose(path, frontier.tree.size)
-        if frontier.depth == 0 and self.leave_unpaying and not self._first_level_pays(path, counts):
+        if frontier.depth == 0 and self.leave_unpaying and not self._every \
+                and not self._first_level_pays(path, counts):
             counts = torch.zeros_like(counts)       # the round is a plain step, priced as a drafted round's start
         self._last = path
         self.predict_s += time.perf_counter() - t0
@@ -224,14 +240,13 @@ class LearnedPolicy(TreePolicy):
         level where the topology has one). A round that cannot is left after its first head forward,
         and the decoder runs the plain step instead of verifying a tree of the root alone."""
         k = path.shape[1]
-        chosen = path[torch.arange(k, device=path.device)[None] < counts[:, None]]
-        if chosen.numel() == 0:
+        chosen = path[torch.arange(k, device=path.device)[None] < counts[:, None]].tolist()
+        if not chosen:
             return False
-        depth = self.topology.max_depth
-        deeper = float(chosen.max()) * sum(self.recent ** d for d in range(1, depth))
-        step, n = self.costs.verify_ms(1), chosen.numel()
+        depth, n, step = self.topology.max_depth, len(chosen), self.costs.verify_ms(1)
+        deeper = max(chosen) * sum(self.recent ** d for d in range(1, depth))
         rest = self.costs.round_ms + self.costs.verify_ms(1 + n) - step + (self.costs.draft_ms(n) if depth > 1 else 0.0)
-        return (float(chosen.sum()) + deeper) * step > rest
+        return (sum(chosen) + deeper) * step > rest
 
     def _choose(self, path: torch.Tensor, n_now: int) -> torch.Tensor:
         """Best first, while expected tokens per ms increase; ranks stay contiguous per node."""
