@@ -38,7 +38,7 @@ from .row_budget import BesideCosts
 CONTEXT_PROBE_EVERY = 3             # rounds without context drafting before it is tried again
 CONTEXT_MAX_GAP = 48                # the longest wait after probes that kept losing
 CONTEXT_MEMORY = 0.125              # weight of the latest grafting round in the gate's running value
-CONTEXT_BUDGET = 0.01               # lookups that lose cost at most this share of the plain steps they wait
+CONTEXT_BUDGET = 0.0025             # lookups that lose cost at most this share of the plain steps they wait
 # plain steps before a drafted round whose target features a feature drafter reads; a step further from
 # the next round the policy may draft leaves them out (the head starts over from the last of these)
 RESUME_WINDOW = 8

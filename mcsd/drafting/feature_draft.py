@@ -375,9 +375,16 @@ class FeatureDrafter:
             raise RuntimeError(f"feature drafter dropped the features of position {start} already")
         kept = self._features[start - self._first:]
         if self._pending:
-            unread = start - self._first - self._features.shape[0]          # pending rows before start
-            new = self.head.fused(torch.cat(self._pending)[max(unread, 0):].to(self.dtype))
-            kept = torch.cat([kept, new]) if kept.shape[0] else new
+            # the pending rows from `start` on, the ones before it dropped without a copy (a first read
+            # keeps the last `window` of a prompt's states)
+            skip, rows = max(start - self._first - self._features.shape[0], 0), []
+            for h in self._pending:
+                if skip < h.shape[0]:
+                    rows.append(h[skip:])
+                skip = max(skip - h.shape[0], 0)
+            if rows:
+                new = self.head.fused((rows[0] if len(rows) == 1 else torch.cat(rows)).to(self.dtype))
+                kept = torch.cat([kept, new]) if kept.shape[0] else new
             self._pending = []
         self._features, self._first = kept, start
         return kept

@@ -92,7 +92,7 @@ class LearnedPolicy(TreePolicy):
     plain rounds; each probe that loses doubles the wait (up to
     `max_probe_gap`), and the wait is at least long enough that the probes
     cost at most `probe_budget` of the plain steps sat out (a probe that lost
-    8 ms where a step costs 6.4 waits 125 rounds at 1%), so on a machine or text
+    2 ms where a step costs 6.4 waits 125 rounds at 0.25%), so on a machine or text
     where drafting never pays the probes cost about that much, and one that
     wins resets it (`base.Gate`, which context drafting shares). A round
     whose first level cannot gain on a plain step (its chosen nodes'
@@ -139,7 +139,7 @@ class LearnedPolicy(TreePolicy):
     uses_device_profile = True          # the decoder passes costs from the cached device profile
     probe_every = 3                     # plain rounds before drafting is tried again
     max_probe_gap = 256                 # the longest wait after probes that kept losing
-    probe_budget = 0.01                 # what losing probes may cost, a fraction of the plain steps sat out
+    probe_budget = 0.0025               # what losing probes may cost, a fraction of the plain steps sat out
     leave_unpaying = True               # a round whose first level cannot beat a plain step drafts no more
 
     def __init__(self, topology: TreeTopology, model: AcceptanceModel | str | Path | None = None,
