@@ -280,7 +280,7 @@ def test_window_bounds_are_checked(target):
     from mcsd.config import ConfigError
     with pytest.raises(ConfigError, match="window"):
         FeatureDrafter(random_head(target), target, window=0)
-    assert FeatureDrafter(random_head(target), target).window == 128
+    assert FeatureDrafter(random_head(target), target).window == 64
 
 
 def test_a_head_on_another_device_than_the_target_is_one_clear_error(target):

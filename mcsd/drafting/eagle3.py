@@ -288,7 +288,7 @@ class Eagle3Drafter(FeatureDrafter):
     head holding its own embedding embeds with it (else with the target's); its blocks run on the
     head's own layer code (`Eagle3Head.step`) over a static cache."""
 
-    def __init__(self, head: Eagle3Head, target: nn.Module, name: str = "eagle3", window: int | None = 128,
+    def __init__(self, head: Eagle3Head, target: nn.Module, name: str = "eagle3", window: int | None = 64,
                  directory: str | Path | None = None):
         n_layers = getattr(target.config, "num_hidden_layers", None)
         if not head.cfg.aux_layers and n_layers:

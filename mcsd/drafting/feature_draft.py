@@ -239,15 +239,17 @@ class FeatureDrafter:
     of the sequence's last positions (the prompt, and any tokens generated
     before the first drafted round); None reads all. Its cost grows with the
     prompt's length (and quadratically in attention), so the window bounds
-    it for long prompts. Default 128: on held-out prompts of up to 862
+    it for long prompts. Default 64: on held-out prompts of up to 862
     tokens, windows of 64 to 512 drafted with the same acceptance as the
-    whole prompt. Drafts may change; verification, so the output, does not.
+    whole prompt, and the smallest reads least (a generation's first round
+    costs about a step more where it reads 128; docs/results.md). Drafts may
+    change; verification, so the output, does not.
     """
 
     uses_target_hidden = True
 
     def __init__(self, head: FeatureHead, target: nn.Module, name: str = "feature-head",
-                 window: int | None = 128, directory: str | Path | None = None):
+                 window: int | None = 64, directory: str | Path | None = None):
         n_layers = getattr(target.config, "num_hidden_layers", None)
         bad = [i for i in head.cfg.feature_layers if n_layers is not None and not -1 <= i <= n_layers]
         if bad:
