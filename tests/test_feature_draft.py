@@ -276,6 +276,20 @@ def test_window_reads_the_prompt_tail_and_stays_aligned(target, reference):
         assert torch.allclose(feats, drafter.head.fused(h[start:start + len(feats)]), atol=1e-4)
 
 
+def test_features_from_a_position_inside_a_later_observed_block(target):
+    """The rows before `start` are dropped across the blocks observed since the last read (a prompt's
+    states, then single steps' and a verify's path): what is fused is exactly the rows from `start`."""
+    drafter = FeatureDrafter(random_head(target), target)
+    width = drafter.head.cfg.target_hidden * len(drafter.feature_layers)
+    blocks = [torch.randn(n, width) for n in (4, 1, 3, 2)]
+    for block in blocks:
+        drafter.observe_target(block)
+    with torch.inference_mode():
+        got = drafter.features_from(6)
+        assert torch.allclose(got, drafter.head.fused(torch.cat(blocks)[6:]), atol=1e-6) and len(got) == 4
+        assert torch.equal(drafter.features_from(8), got[2:])           # read before: kept, not fused again
+
+
 def test_window_bounds_are_checked(target):
     from mcsd.config import ConfigError
     with pytest.raises(ConfigError, match="window"):

@@ -986,8 +986,9 @@ static int attention_rows(const float *q, const float *keys, const float *values
         const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num(), per = (total + nt - 1) / nt;
         const int64_t t1 = (tid + 1) * per < total ? (tid + 1) * per : total;
         for (int64_t t = tid * per; s && t < t1;) {
-            const int64_t r = t / H, h = t % H, kv = h / group, end = (kv + 1) * group - h;
-            const int n = (int)(t1 - t < end ? (t1 - t < 3 ? t1 - t : 3) : (end < 3 ? end : 3));
+            const int64_t r = t / H, h = t % H, kv = h / group, sharing = (kv + 1) * group - h;
+            int64_t n = t1 - t < sharing ? t1 - t : sharing;         /* this thread's, of this head's group */
+            if (n > 3) n = 3;
             const float *qv = q + (r * H + h) * D, *K = keys + kv * cap * D, *V = values + kv * cap * D;
             const float *mr = mask + r * mask_stride;
             float *o = out + (r * H + h) * D;
