@@ -15,6 +15,7 @@ from mcsd.costs.cost_model import Costs
 from mcsd.costs.profile import DeviceProfile
 from mcsd.costs.store import load_cached, load_or_measure, profile_path
 from mcsd.costs.timing import measure, robust_timings
+from mcsd.drafting.policies.learned import LearnedPolicy
 from mcsd.forward.attention import set_backend
 from test_learned_policy import constant_model
 
@@ -273,6 +274,8 @@ def test_trees_do_not_depend_on_this_runs_clock(target, random_draft, fresh_cach
     # these clocks contradict the profile, which is flagged; kept here (as on a busy machine) so both
     # runs start from the same profile
     monkeypatch.setattr(timing, "quiet_now", lambda threads_used=None: False)
+    # waits that only double after a losing round, so that 40 tokens hold several drafted rounds to compare
+    monkeypatch.setattr(LearnedPolicy, "probe_budget", None)
     draft = random_draft if draft_kind == "model" else [random_draft, "context"]
 
     def run(clock, **options):
