@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..forward.static_cache import StaticCache
-from .feature_draft import FeatureDrafter, default_feature_layers
+from .feature_draft import FIRST_READ_WINDOW, FeatureDrafter, default_feature_layers
 
 LAYER_TYPES = ("llama", "qwen3")          # draft layer families read
 
@@ -288,7 +288,7 @@ class Eagle3Drafter(FeatureDrafter):
     head holding its own embedding embeds with it (else with the target's); its blocks run on the
     head's own layer code (`Eagle3Head.step`) over a static cache."""
 
-    def __init__(self, head: Eagle3Head, target: nn.Module, name: str = "eagle3", window: int | None = 64,
+    def __init__(self, head: Eagle3Head, target: nn.Module, name: str = "eagle3", window: int | None = FIRST_READ_WINDOW,
                  directory: str | Path | None = None):
         n_layers = getattr(target.config, "num_hidden_layers", None)
         if not head.cfg.aux_layers and n_layers:

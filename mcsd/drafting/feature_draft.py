@@ -227,6 +227,9 @@ def is_feature_head(directory: str | Path) -> bool:
     return (Path(directory) / "feature_head.json").is_file()
 
 
+FIRST_READ_WINDOW = 64          # positions a feature drafter's first read of a generation takes at most
+
+
 class FeatureDrafter:
     """Drafter over a `FeatureHead`, fed the target's features by the decoder.
 
@@ -239,7 +242,7 @@ class FeatureDrafter:
     of the sequence's last positions (the prompt, and any tokens generated
     before the first drafted round); None reads all. Its cost grows with the
     prompt's length (and quadratically in attention), so the window bounds
-    it for long prompts. Default 64: on held-out prompts of up to 862
+    it for long prompts. Default `FIRST_READ_WINDOW` (64): on held-out prompts of up to 862
     tokens, windows of 64 to 512 drafted with the same acceptance as the
     whole prompt, and the smallest reads least (a generation's first round
     costs about a step more where it reads 128; docs/results.md). Drafts may
@@ -249,7 +252,7 @@ class FeatureDrafter:
     uses_target_hidden = True
 
     def __init__(self, head: FeatureHead, target: nn.Module, name: str = "feature-head",
-                 window: int | None = 64, directory: str | Path | None = None):
+                 window: int | None = FIRST_READ_WINDOW, directory: str | Path | None = None):
         n_layers = getattr(target.config, "num_hidden_layers", None)
         bad = [i for i in head.cfg.feature_layers if n_layers is not None and not -1 <= i <= n_layers]
         if bad:
