@@ -38,12 +38,13 @@ def _decoder(target, context=True):
 
 
 def _lone_outputs(model, prompt, steps):
-    """Logits of a prompt and then of single steps, one sequence on its own."""
+    """Logits of a prompt and then of its steps (each a token, or a list of tokens read as one causal
+    block), one sequence on its own."""
     lm = CachedLM(model, lean=True)
     lm.reset()
     outs = [lm.extend(prompt)]
     for t in steps:
-        outs.append(lm.extend(torch.tensor([t])))
+        outs.append(lm.extend(torch.tensor(t).reshape(-1)))
     return outs
 
 
@@ -58,8 +59,9 @@ def _batched_outputs(model, prompts, steps, fixed=False):
         for i, out in enumerate(forward(cache, blocks)):
             got[i].append(out)
         for k in range(len(steps[0])):
-            blocks = [Block(i + 1, torch.tensor([s[k]]), torch.tensor([cache.lengths[i + 1]]), causal_allowed(1))
-                      for i, s in enumerate(steps)]
+            rows = [torch.tensor(s[k]).reshape(-1) for s in steps]
+            blocks = [Block(i + 1, r, torch.arange(cache.lengths[i + 1], cache.lengths[i + 1] + r.numel()),
+                            causal_allowed(r.numel())) for i, r in enumerate(rows)]
             for i, out in enumerate(forward(cache, blocks)):
                 got[i].append(out)
     return got
@@ -67,6 +69,7 @@ def _batched_outputs(model, prompts, steps, fixed=False):
 
 FORWARD_PROMPTS = [torch.tensor([3, 4, 5, 6, 7]), torch.tensor([9, 10, 11]), torch.tensor(list(range(20, 28)))]
 FORWARD_STEPS = [[8, 9, 10], [12, 13, 14], [30, 31, 32]]
+FORWARD_BLOCKS = [[[8, 9], [10], [11, 12, 13]], [[14, 15, 16], [17, 18], [19]], [[30], [31, 32, 33], [34, 35]]]
 
 
 @pytest.mark.parametrize("fixed", [False, True])
@@ -98,10 +101,12 @@ def _on_native_q4(tmp_path, monkeypatch, act8: bool):
         native.reset()
 
 
-@pytest.mark.parametrize("act8, native_head", [(False, False), (False, True), (True, True)])
+@pytest.mark.parametrize("act8, native_head, steps", [(False, False, FORWARD_STEPS), (False, True, FORWARD_STEPS),
+                                                     (True, True, FORWARD_STEPS), (True, True, FORWARD_BLOCKS)])
 def test_on_the_native_layers_a_slots_logits_are_its_lone_logits_bit_for_bit(tmp_path, monkeypatch, act8,
-                                                                              native_head):
-    """With a native LM head too, whose one call then covers every block's rows."""
+                                                                              native_head, steps):
+    """With a native LM head too, whose one call then covers every block's rows; steps of a row a slot,
+    and blocks of one to three rows a slot (a batch's trees: the slots' attention in one parallel region)."""
     with _on_native_q4(tmp_path, monkeypatch, act8) as model:
         if native_head:
             assert quant.attach_q8(model.lm_head) == 1
@@ -111,13 +116,13 @@ def test_on_the_native_layers_a_slots_logits_are_its_lone_logits_bit_for_bit(tmp
         calls = []
         monkeypatch.setattr(quant.Q8Linear, "__call__",
                             lambda self, x, call=quant.Q8Linear.__call__: calls.append(x.shape) or call(self, x))
-        want = [_lone_outputs(model, p, s) for p, s in zip(FORWARD_PROMPTS, FORWARD_STEPS)]
-        got = _batched_outputs(model, FORWARD_PROMPTS, FORWARD_STEPS)
+        want = [_lone_outputs(model, p, s) for p, s in zip(FORWARD_PROMPTS, steps)]
+        got = _batched_outputs(model, FORWARD_PROMPTS, steps)
         for w, g in zip(want, got):
             for a, b in zip(w, g):
                 assert torch.equal(a, b)
-        if native_head:          # the steps' rounds: the three slots' rows in one call of the head
-            assert calls[-1][-2] == len(FORWARD_PROMPTS)
+        if native_head:          # the last round: the three slots' rows in one call of the head
+            assert calls[-1][-2] == sum(torch.tensor(s[-1]).numel() for s in steps)
 
 
 def test_a_slot_commits_its_own_path_and_leaves_the_others(target):
