@@ -335,6 +335,30 @@ def test_attention_gives_the_same_bits_one_row_head_at_a_time_and_sixteen_in_the
             assert torch.equal(outs[0].view(torch.int32), other.view(torch.int32)), (rows, length)
 
 
+@pytest.mark.parametrize("rows,prefix,hidden", [(40, 0, float("-inf")), (33, 7, torch.finfo(torch.float32).min),
+                                               (64, 200, torch.finfo(torch.float32).min)])
+def test_a_prompts_causal_rows_give_the_same_bits_on_both_paths(lanes_attention, rows, prefix, hidden):
+    """A prompt's block: row r sees the cached keys and its own block's up to itself, so the keys after a
+    task's last row are masked for every row it holds (the lanes path stops there), on 1 and 2 threads;
+    masked by -inf or by float32's most negative value (`additive_mask`'s)."""
+    gen = torch.Generator().manual_seed(rows + prefix)
+    heads, kv_heads, dim, length = 9, 3, 64, prefix + rows
+    q = torch.randn(rows, heads, dim, generator=gen)
+    keys = torch.randn(kv_heads, length + 3, dim, generator=gen) * 3
+    values = torch.randn(kv_heads, length + 3, dim, generator=gen)
+    seen = torch.arange(length)[None, :] <= prefix + torch.arange(rows)[:, None]
+    mask = torch.where(seen, 0.0, hidden)
+    outs = []
+    for threads in (1, 2):
+        with _threads(threads):
+            for lanes in (1, 10 ** 6):
+                native.attention_lanes(lanes)
+                outs.append(native.attention(q, keys, values, length, mask, 0.125))
+    assert outs[0].isfinite().all()
+    for other in outs[1:]:
+        assert torch.equal(outs[0].view(torch.int32), other.view(torch.int32))
+
+
 def test_attention_lanes_threshold_is_checked():
     with pytest.raises(ValueError, match="positive"):
         native.attention_lanes(0)

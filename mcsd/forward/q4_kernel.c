@@ -35,7 +35,7 @@
 #define NB 4            /* output rows dequantised together */
 #define RB 3            /* input rows per tile */
 
-int mcsd_q4_abi(void) { return 28; }
+int mcsd_q4_abi(void) { return 29; }
 
 static inline float hsum(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -972,7 +972,8 @@ static inline __attribute__((always_inline)) void attend_heads(const int n, cons
    - attention_lanes (AVX-512): the query vectors of a key / value head (its rows times the g heads that
      share it), sixteen at a time, in the lanes, so that each key's and value's elements are read once
      for sixteen of them; for a verify of many rows (one layer of SmolLM2-135M, 9 heads over 3, 300
-     cached positions, 2 threads on a 2-core Xeon: 16 rows 170.7 us on the first, 101.8 on this).
+     cached positions, 2 threads on a 2-core Xeon: 16 rows 170.7 us on the first, 101.8 on this); a
+     group of rows reads the keys up to its last row's last unmasked one (a prompt's causal block).
    mcsd_attention_lanes sets from how many query vectors a key / value head has the second runs.
    Returns 0, or -1 where a thread's scratch could not be allocated (out is then incomplete). */
 static int attention_rows(const float *q, const float *keys, const float *values, int64_t cap,
@@ -1027,11 +1028,35 @@ static inline __attribute__((always_inline)) LANES_FN __m512 exp16(__m512 x) {
    each query load serving both), each key's mask entries gathered from its lanes' rows; then the
    exponentials and their sum, with a note per key of whether every lane, none or some weigh it; then
    the values, sixteen dimensions at a time (D a multiple of 16). */
+#define MASKED (-3.0e38f)          /* a mask at or below this hides its key (-inf, float32's most negative) */
 static LANES_FN int attention_lanes(const float *q, const float *keys, const float *values, int64_t cap, int64_t L,
                                     const float *mask, int64_t mask_stride, int64_t Q, int64_t H, int64_t Hkv,
                                     int64_t D, float scale, float *out, int threads) {
     const int64_t group = H / Hkv, pairs = Q * group, chunks = (pairs + 15) / 16, tasks = Hkv * chunks;
     if (L > ((int64_t)1 << 48)) return -1;          /* sixteen floats a key: no allocation holds it */
+    /* live[r]: row r's keys from live[r] on are all masked out (a mask of -inf or of float32's most
+       negative value, as the engine's masks hold): a prompt's row sees the keys up to its own, so a task
+       of rows stops at its last row's. Their scores would lie some 3e38 below the row's own key's, their
+       weights exp8's exact 0, adding +0 to the sum and nothing to the outputs: the same bits (for scores
+       short of overflow). With the tasks dealt to the threads in turn, the prefills of the four longest
+       held-out prompts (449-862 tokens, 2 threads on a 2-core Xeon) took 406 / 382 -> 333 / 332 ms. */
+    int64_t *live = malloc(sizeof(int64_t) * (size_t)(Q > 0 ? Q : 1));
+    if (!live) return -1;
+    const __m512 masked = _mm512_set1_ps(MASKED);
+    for (int64_t r = 0; r < Q; r++) {
+        const float *mr = mask + r * mask_stride;
+        int64_t j = L;
+        for (; j >= 16; j -= 16) {
+            const __mmask16 alive = _mm512_cmp_ps_mask(_mm512_loadu_ps(mr + j - 16), masked, _CMP_NLE_UQ);
+            if (alive) {
+                j -= __builtin_clz((unsigned)alive) - 16;            /* past the last live key of the 16 */
+                break;
+            }
+        }
+        if (j < 16)
+            while (j > 0 && mr[j - 1] <= MASKED) j--;
+        live[r] = j;
+    }
     int failed = 0;
     #pragma omp parallel num_threads(threads) reduction(|:failed)
     {
@@ -1040,13 +1065,17 @@ static LANES_FN int attention_lanes(const float *q, const float *keys, const flo
         float *qt = aligned_alloc(64, sizeof(float) * 16 * (size_t)D); /* qt[i][lane]: dimension i of the lane's query */
         uint8_t *weighs = malloc(keys_n);                                /* per key: 0 no lane, 1 every lane, 2 some */
         failed = !e || !qt || !weighs;
-        #pragma omp for schedule(static)
+        /* a task's keys end at its last row's: tasks one by one to the threads in turn, so that early and
+           late rows (a prompt's cheap and dear ones) are shared out */
+        #pragma omp for schedule(static, 1)
         for (int64_t t = 0; t < tasks; t++) {
             if (!e || !qt || !weighs) continue;
             const int64_t kv = t / chunks, p0 = (t % chunks) * 16;
             const int n = pairs - p0 < 16 ? (int)(pairs - p0) : 16;
             const float *K = keys + kv * cap * D, *V = values + kv * cap * D;
             const int64_t r0 = p0 / group;
+            int64_t Lt = 0;                             /* the keys any of its rows sees: 0 .. Lt - 1 */
+            for (int64_t r = r0; r <= (p0 + n - 1) / group; r++) Lt = live[r] > Lt ? live[r] : Lt;
             int64_t at[16];                             /* lane l: its query's offset in q and out */
             int32_t mrow[16];                           /* its mask row's offset from row r0's */
             for (int l = 0; l < 16; l++) {
@@ -1067,7 +1096,7 @@ static LANES_FN int attention_lanes(const float *q, const float *keys, const flo
                 _mm512_store_ps(e + 16 * (j), v); \
                 mx = _mm512_max_ps(mx, v); } while (0)
             int64_t j = 0;
-            for (; j + 2 <= L; j += 2) {
+            for (; j + 2 <= Lt; j += 2) {
                 const float *ka = K + j * D, *kb = ka + D;
                 for (int64_t c = 0; c < 2 * D; c += 16)     /* the keys eight ahead, read from the cache */
                     _mm_prefetch((const char *)(ka + 8 * D + c), _MM_HINT_T0);
@@ -1082,7 +1111,7 @@ static LANES_FN int attention_lanes(const float *q, const float *keys, const flo
                 SCORE(PARTIALS_SUM(a), j);
                 SCORE(PARTIALS_SUM(b), j + 1);
             }
-            for (; j < L; j++) {
+            for (; j < Lt; j++) {
                 const float *ka = K + j * D;
                 __m512 a[8];
                 for (int i = 0; i < 8; i++) a[i] = _mm512_setzero_ps();
@@ -1095,7 +1124,7 @@ static LANES_FN int attention_lanes(const float *q, const float *keys, const flo
 #undef PARTIALS_SUM
             const __m512 zero = _mm512_setzero_ps();
             __m512 sum = zero;
-            for (int64_t j = 0; j < L; j++) {
+            for (int64_t j = 0; j < Lt; j++) {
                 const __m512 w = exp16(_mm512_sub_ps(_mm512_load_ps(e + 16 * j), mx));
                 _mm512_store_ps(e + 16 * j, w);
                 sum = _mm512_add_ps(sum, w);
@@ -1105,7 +1134,7 @@ static LANES_FN int attention_lanes(const float *q, const float *keys, const flo
             for (int64_t d0 = 0; d0 < D; d0 += 16) {
                 __m512 c[16];
                 for (int i = 0; i < 16; i++) c[i] = zero;
-                for (int64_t j = 0; j < L; j++) {
+                for (int64_t j = 0; j < Lt; j++) {
                     const int how = weighs[j];
                     if (!how) continue;
                     const __m512 w = _mm512_load_ps(e + 16 * j);
@@ -1128,6 +1157,7 @@ static LANES_FN int attention_lanes(const float *q, const float *keys, const flo
         free(qt);
         free(weighs);
     }
+    free(live);
     return failed ? -1 : 0;
 }
 #endif
