@@ -324,15 +324,21 @@ def test_attention_gives_the_same_bits_one_row_head_at_a_time_and_sixteen_in_the
             mask[1, 1:length] = float("-inf")                         # a row that sees one key
         if rows % 2:
             mask = mask[:, :length]                                   # a row stride past the length
-        outs = []
-        for threads in (1, 2):
-            with _threads(threads):
-                for lanes in (1, 10 ** 6):
-                    native.attention_lanes(lanes)
-                    outs.append(native.attention(q, keys, values, length, mask, 0.125))
-        assert outs[0].isfinite().all()
-        for other in outs[1:]:
-            assert torch.equal(outs[0].view(torch.int32), other.view(torch.int32)), (rows, length)
+        _same_bits_on_both_paths(q, keys, values, length, mask, (rows, length))
+
+
+def _same_bits_on_both_paths(q, keys, values, length, mask, case=None) -> None:
+    """The native attention on the rows path and on the lanes path, on 1 and 2 threads: finite, and the
+    same bits every way."""
+    outs = []
+    for threads in (1, 2):
+        with _threads(threads):
+            for lanes in (1, 10 ** 6):
+                native.attention_lanes(lanes)
+                outs.append(native.attention(q, keys, values, length, mask, 0.125))
+    assert outs[0].isfinite().all()
+    for other in outs[1:]:
+        assert torch.equal(outs[0].view(torch.int32), other.view(torch.int32)), case
 
 
 @pytest.mark.parametrize("rows,prefix,hidden", [(40, 0, float("-inf")), (33, 7, torch.finfo(torch.float32).min),
@@ -347,16 +353,7 @@ def test_a_prompts_causal_rows_give_the_same_bits_on_both_paths(lanes_attention,
     keys = torch.randn(kv_heads, length + 3, dim, generator=gen) * 3
     values = torch.randn(kv_heads, length + 3, dim, generator=gen)
     seen = torch.arange(length)[None, :] <= prefix + torch.arange(rows)[:, None]
-    mask = torch.where(seen, 0.0, hidden)
-    outs = []
-    for threads in (1, 2):
-        with _threads(threads):
-            for lanes in (1, 10 ** 6):
-                native.attention_lanes(lanes)
-                outs.append(native.attention(q, keys, values, length, mask, 0.125))
-    assert outs[0].isfinite().all()
-    for other in outs[1:]:
-        assert torch.equal(outs[0].view(torch.int32), other.view(torch.int32))
+    _same_bits_on_both_paths(q, keys, values, length, torch.where(seen, 0.0, hidden))
 
 
 def test_attention_lanes_threshold_is_checked():
