@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -14,6 +15,17 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 VOCAB = 64
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's thread count (the native kernel's too) at `n` within, the suite's one after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def tiny_llama(seed: int, vocab: int = VOCAB, layers: int = 2, sharpness: float = 1.0, eos: int | None = None,

@@ -6,13 +6,12 @@ what the products feed."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import numpy as np
 import pytest
 import torch
-from conftest import perturbed, require_native
+from conftest import perturbed, require_native, torch_threads
 from test_lean_forward import FAMILIES, PROMPT, TREE, TREE_DEPTH, _family
 
 from mcsd import TreeDecoder
@@ -285,16 +284,6 @@ def test_attention_does_not_depend_on_where_in_the_block_a_rows_allowed_keys_lie
     assert torch.equal(in_block, alone)
 
 
-@contextlib.contextmanager
-def _threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 @pytest.fixture
 def lanes_attention():
     """The native attention's sixteen-lane path (AVX-512), its threshold restored after the test."""
@@ -332,7 +321,7 @@ def _same_bits_on_both_paths(q, keys, values, length, mask, case=None) -> None:
     same bits every way."""
     outs = []
     for threads in (1, 2):
-        with _threads(threads):
+        with torch_threads(threads):
             for lanes in (1, 10 ** 6):
                 native.attention_lanes(lanes)
                 outs.append(native.attention(q, keys, values, length, mask, 0.125))

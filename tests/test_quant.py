@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_llama, write_tiny_gguf
+from conftest import tiny_llama, torch_threads, write_tiny_gguf
 
 from mcsd.config import ConfigError
 from mcsd.costs.profile import _model_key
@@ -336,13 +336,9 @@ def test_a_rows_result_does_not_depend_on_the_block_size():
             # scaled rows: each row's blocks quantise to codes of their own scale
             x = (torch.randn(80, 96) * torch.logspace(-2, 2, 80)[:, None]).to(dtype)
             alone = torch.cat([layer(x[i:i + 1]) for i in range(80)])
-            threads = torch.get_num_threads()
-            torch.set_num_threads(2)                                   # a prompt's rows quantised on threads
-            try:
+            with torch_threads(2):                                     # a prompt's rows quantised on threads
                 for rows in [*range(2, 17), 63, 64, 80]:              # every path of the native kernel
                     assert torch.equal(layer(x[:rows]), alone[:rows])
-            finally:
-                torch.set_num_threads(threads)
             assert torch.equal(layer(x[3:12]), alone[3:12])              # the rows beside it do not matter
             assert torch.equal(layer(x.flip(0)), alone.flip(0))
     if layers[0][0].native:

@@ -108,4 +108,3 @@ def max_batch(costs, slowdown: float = BATCH_SLOWDOWN, limit: int = MAX_SLOTS) -
         slots += 1
     return slots, (f"a forward of {slots} rows costs {costs.base_verify_ms(slots):.1f} ms, within "
                    f"{slowdown:g}x one row's {one:.1f} ms")
-
