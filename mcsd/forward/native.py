@@ -37,7 +37,7 @@ from ..config import ConfigError
 SOURCE = Path(__file__).with_name("q4_kernel.c")
 FLAGS = ["-O3", "-std=c11", "-ffp-contract=off", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
 LIBS = ["-lm"]
-VERSION = 30                           # mcsd_q4_abi() of q4_kernel.c; cost profiles are keyed by it too
+VERSION = 31                           # mcsd_q4_abi() of q4_kernel.c; cost profiles are keyed by it too
 _lock = threading.Lock()
 _state: dict = {}                       # "lib": the loaded library or None, "reason": why not
 
@@ -132,10 +132,14 @@ __m256i f(__m256i a, __m256i u, __m256i s) { __asm__("%{vex%} vpdpbusd %2, %1, %
 """,
     "AVX512VNNI": """#include <immintrin.h>
 #include <stdint.h>
-__m256i f(__m256i a, __m256i u, const int32_t *p) {
-    __asm__("vpdpbusd %2, %1, %0" : "+x"(a) : "x"(u), "x"(u));
-    __asm__("vpdpbusd %2%{1to8%}, %1, %0" : "+x"(a) : "x"(u), "m"(*p));
-    return a;
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
+void f(const uint8_t *c, const int32_t *p, float *o) {
+    __m512i a = _mm512_setzero_si512();
+    const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)c)),
+                                         _mm256_loadu_si256((const __m256i *)(c + 32)), 1);
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(a) : "v"(u), "v"(u));
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(a) : "v"(u), "m"(*p));
+    _mm512_mask_storeu_ps(o, (__mmask16)255, _mm512_cvtepi32_ps(a));
 }
 """,
     "AMX": """#define _DEFAULT_SOURCE

@@ -35,7 +35,7 @@
 #define NB 4            /* output rows dequantised together */
 #define RB 3            /* input rows per tile */
 
-int mcsd_q4_abi(void) { return 30; }
+int mcsd_q4_abi(void) { return 31; }
 
 static inline float hsum(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -224,7 +224,7 @@ int mcsd_q8_mm(const float *x, int64_t M, int64_t K, const int8_t *codes, const 
 
    where S[g] = sum_k c[n, k] q[r, k] over the block, an exact integer (under 2^16 in magnitude),
    converted to float exactly. So the result is the same whatever instruction computes S: vpdpbusd
-   (AVX512-VNNI on ymm registers, or AVX-VNNI), AVX2's maddubs then madd by ones, or an AMX tile
+   (AVX-VNNI on ymm registers, AVX512-VNNI on zmm ones), AVX2's maddubs then madd by ones, or an AMX tile
    product (further down); the one used is chosen by mcsd_int8_isa from the CPU's flags
    (mcsd/forward/native.py). A row is quantised on its own
    and each output summed in this fixed order whatever the rows beside it, the tile it falls in or the
@@ -279,7 +279,7 @@ int mcsd_amx_grant(void) {
     return granted;
 }
 
-static int int8_isa = 0;        /* 0 AVX2, 1 AVX-VNNI, 2 AVX512-VNNI (ymm, AVX512VL), 3 AMX tiles (below) */
+static int int8_isa = 0;        /* 0 AVX2, 1 AVX-VNNI, 2 AVX512-VNNI (zmm), 3 AMX tiles (below) */
 
 /* Sets the instruction set of the 8-bit products where isa >= 0 (the caller has checked the CPU has it;
    AMX only once the tile state is granted); returns the one in use. */
@@ -293,12 +293,6 @@ int mcsd_int8_isa(int isa) {
    Through inline assembly, so that the file builds with -mavx2 alone and no VNNI instruction is
    emitted where the CPU has none. */
 static inline __attribute__((always_inline)) __m256i dot32(int isa, __m256i acc, __m256i u, __m256i s) {
-#if HAVE_AVX512VNNI
-    if (isa == 2) {
-        __asm__("vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));
-        return acc;
-    }
-#endif
 #if HAVE_AVXVNNI
     if (isa == 1) {
         __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));
@@ -310,15 +304,8 @@ static inline __attribute__((always_inline)) __m256i dot32(int isa, __m256i acc,
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
 
-/* acc + the 8 lanes of u times the 4 signed bytes at p, broadcast: with AVX512-VNNI the broadcast is
-   the instruction's memory operand ({1to8}), one instruction fewer a dot than loading it first */
+/* acc + the 8 lanes of u times the 4 signed bytes at p, broadcast */
 static inline __attribute__((always_inline)) __m256i dot32_at(int isa, __m256i acc, __m256i u, const int8_t *p) {
-#if HAVE_AVX512VNNI
-    if (isa == 2) {
-        __asm__("vpdpbusd %2%{1to8%}, %1, %0" : "+x"(acc) : "x"(u), "m"(*(const int32_t *)p));
-        return acc;
-    }
-#endif
     int32_t v;
     __builtin_memcpy(&v, p, 4);
     return dot32(isa, acc, u, _mm256_set1_epi32(v));
@@ -485,11 +472,129 @@ static inline __attribute__((always_inline)) void block8(int isa, int q8, const 
         block8(ISA, Q8, xq, xu, dx, sx, M, K, c, d, m, w128, o0, ng, N, out); }
 BLOCK8(block8_q4_avx2, 0, 0)
 BLOCK8(block8_q4_avxvnni, 1, 0)
-BLOCK8(block8_q4_avx512vnni, 2, 0)
 BLOCK8(block8_q8_avx2, 0, 1)
 BLOCK8(block8_q8_avxvnni, 1, 1)
-BLOCK8(block8_q8_avx512vnni, 2, 1)
 #undef BLOCK8
+
+/* ---- AVX512-VNNI on zmm registers (int8_isa 2) ----
+
+   The layout's two groups of a block side by side in one 64-byte vector (the second group's 32 bytes in
+   the upper half, as the tile path's B), so that each vpdpbusd sums 16 outputs' lanes: half the dot
+   products, loads and scaling steps of the ymm form above for the same sums, and up to 8 rows a pass
+   (AVX-512's 32 registers hold their 8 accumulators and 16 partial sums). Each lane's S is the same
+   exact integer and each output is scaled by the same operations in the same order: the same bits.
+   A lone last group reads its codes twice and writes its own 8 outputs. */
+#if HAVE_AVX512VNNI
+#define Z_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
+#define ZMM_ROWS 8
+
+/* acc + the 16 lanes of u (64 unsigned bytes) times the 4 signed bytes at p, broadcast ({1to16}) */
+static inline __attribute__((always_inline)) Z_FN __m512i dot64_at(__m512i acc, __m512i u, const int8_t *p) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(const int32_t *)p));
+    return acc;
+}
+
+/* acc + the 16 lanes of u (unsigned bytes) times s (signed bytes) */
+static inline __attribute__((always_inline)) Z_FN __m512i dot64(__m512i acc, __m512i u, __m512i s) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
+    return acc;
+}
+
+/* 32 bytes at a and 32 at b as one vector */
+static inline __attribute__((always_inline)) Z_FN __m512i join32(const uint8_t *a, const uint8_t *b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
+                              _mm256_loadu_si256((const __m256i *)b), 1);
+}
+
+static inline __attribute__((always_inline)) Z_FN __m512 join8f(const float *a, const float *b) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
+}
+
+/* R (1..ZMM_ROWS) quantised rows times groups o and o + 1 (o alone where `two` is 0); the outputs below N
+   written. `q8` and `R` are constants at each call. The next pair of groups' codes (the ones this thread
+   reads next) are prefetched a line at a time, as tile8 does. */
+static inline __attribute__((always_inline)) Z_FN void tile16(int q8, int R, const int8_t *xq, const uint8_t *xu,
+                                                              const float *dx, const float *sx, int64_t K,
+                                                              const uint8_t *c, const float *d, const float *m,
+                                                              const int32_t *w128, int64_t o, int two, int64_t N,
+                                                              float *out) {
+    const int64_t G = K / 32, gbytes = q8 ? 256 : 128, o1 = two ? o + 1 : o;
+    __m512 acc[ZMM_ROWS];
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *c0 = c + (o * G + g) * gbytes, *c1 = c + (o1 * G + g) * gbytes;
+        __m512i s0[ZMM_ROWS], s1[ZMM_ROWS];
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) s0[r] = s1[r] = _mm512_setzero_si512();
+        if (!q8) {
+            _Pragma("GCC unroll 4") for (int p = 0; p < 4; p++) {
+                if (!(p & 1)) {
+                    _mm_prefetch((const char *)(c0 + 2 * G * gbytes + 32 * p), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(c1 + 2 * G * gbytes + 32 * p), _MM_HINT_T0);
+                }
+                const __m512i raw = join32(c0 + 32 * p, c1 + 32 * p);
+                const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {
+                    const int8_t *xr = xq + r * K + 32 * g;
+                    s0[r] = dot64_at(s0[r], lo, xr + 4 * p);
+                    s1[r] = dot64_at(s1[r], hi, xr + 4 * (p + 4));
+                }
+            }
+        } else {
+            _Pragma("GCC unroll 8") for (int p = 0; p < 8; p++) {
+                if (!(p & 1)) {
+                    _mm_prefetch((const char *)(c0 + 2 * G * gbytes + 32 * p), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(c1 + 2 * G * gbytes + 32 * p), _MM_HINT_T0);
+                }
+                const __m512i w = join32(c0 + 32 * p, c1 + 32 * p);
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {
+                    int32_t v;
+                    __builtin_memcpy(&v, xu + r * K + 32 * g + 4 * p, 4);
+                    __m512i *s = p & 1 ? &s1[r] : &s0[r];
+                    *s = dot64(*s, _mm512_set1_epi32(v), w);
+                }
+            }
+        }
+        const int64_t at0 = (o * G + g) * 8, at1 = (o1 * G + g) * 8;
+        const __m512 dw = join8f(d + at0, d + at1);
+        const __m512 mw = q8 ? dw : join8f(m + at0, m + at1);
+        const __m512i fix = q8 ? join32((const uint8_t *)(w128 + at0), (const uint8_t *)(w128 + at1))
+                               : _mm512_setzero_si512();
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {
+            const __m512i S = _mm512_sub_epi32(_mm512_add_epi32(s0[r], s1[r]), fix);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S), _mm512_mul_ps(dw, _mm512_set1_ps(dx[r * G + g])), acc[r]);
+            if (!q8) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[r * G + g]), acc[r]);
+        }
+    }
+    const int64_t n0 = o * 8, width = two ? 16 : 8;
+    const int valid = (int)(N - n0 < width ? N - n0 : width);
+    const __mmask16 keep = (__mmask16)((1u << valid) - 1);
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(out + r * N + n0, keep, acc[r]);
+}
+
+/* block8's work on zmm registers: the groups o0 .. o0 + ng - 1 (ng <= 2) for all M rows, ZMM_ROWS at a time */
+#define TILE16_ROWS(Q8, R) case R: tile16(Q8, R, xq + r * K, xu + r * K, dx + r * G, sx + r * G, K, c, d, m, w128, \
+                                          o0, ng == 2, N, out + r * N); break;
+#define BLOCK16(NAME, Q8) \
+    static __attribute__((noinline)) Z_FN void NAME(const int8_t *xq, const uint8_t *xu, const float *dx, \
+                                                    const float *sx, int64_t M, int64_t K, const uint8_t *c, \
+                                                    const float *d, const float *m, const int32_t *w128, int64_t o0, \
+                                                    int ng, int64_t N, float *out) { \
+        const int64_t G = K / 32; \
+        for (int64_t r = 0; r < M; r += ZMM_ROWS) \
+            switch (M - r < ZMM_ROWS ? (int)(M - r) : ZMM_ROWS) { \
+                TILE16_ROWS(Q8, 1) TILE16_ROWS(Q8, 2) TILE16_ROWS(Q8, 3) TILE16_ROWS(Q8, 4) \
+                TILE16_ROWS(Q8, 5) TILE16_ROWS(Q8, 6) TILE16_ROWS(Q8, 7) TILE16_ROWS(Q8, 8) } }
+BLOCK16(block16_q4_avx512vnni, 0)
+BLOCK16(block16_q8_avx512vnni, 1)
+#undef BLOCK16
+#undef TILE16_ROWS
+#define BLOCK_Q4_AVX512VNNI block16_q4_avx512vnni
+#define BLOCK_Q8_AVX512VNNI block16_q8_avx512vnni
+#else                                   /* never chosen: mcsd_int8_isas_built leaves set 2 out */
+#define BLOCK_Q4_AVX512VNNI block8_q4_avx2
+#define BLOCK_Q8_AVX512VNNI block8_q8_avx2
+#endif
 
 /* ---- the same products on AMX tiles (int8_isa 3) ----
 
@@ -505,15 +610,17 @@ BLOCK8(block8_q8_avx512vnni, 2, 1)
    tile configuration (tile state is per thread) and releases it when done.
 
    Cost, on a 2-core Xeon with AMX (one thread, a 3,072 x 576 Q4_1 weight, a block of 16 outputs):
-   4 / 8 / 9 / 16 rows 16 / 20 / 28 / 35 ns on tiles, 18 / 37 / 46 / 72 ns on AVX512-VNNI (2 and 3 rows
-   no faster on tiles). A tile product, its loads and the store of its sums cost about 10 ns whatever
+   4 / 8 / 9 / 16 rows 16 / 20 / 28 / 35 ns on tiles, 18 / 37 / 46 / 72 ns on AVX512-VNNI's ymm form (2
+   and 3 rows no faster on tiles). Its zmm form (above) then beat tiles in whole forwards up to 5 rows
+   (SmolLM2-135M, 2 threads, 300 cached positions, medians of 25: 4 / 5 / 6 / 7 / 8 rows 5.24 / 5.66 /
+   6.46 / 6.73 / 7.29 ms on zmm, 5.48 / 5.79 / 6.44 / 6.65 / 7.16 on tiles), hence AMX_MIN_ROWS. A tile product, its loads and the store of its sums cost about 10 ns whatever
    the rows (hence two blocks a tile product up to 8 rows, amx_pair2); the epilogue that exactness
    requires (a conversion, a product and two FMAs a row for 16 outputs, at two AVX-512 operations a
    cycle) about 0.7 ns a row; and the two did not overlap there: a phase of tile products for a whole
    row of blocks, then one of scaling, ran no faster than the interleaved steps below. */
 #if HAVE_AMX
 #ifndef AMX_MIN_ROWS
-#define AMX_MIN_ROWS 4
+#define AMX_MIN_ROWS 6
 #endif
 #define AMX_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
 /* the tile instructions as assembly, so that no compiler support beyond an assembler that knows them is
@@ -797,8 +904,8 @@ static int mm8(const float *x, int64_t M, int64_t K, const void *codes, const fl
     typedef void (*block_fn)(const int8_t *, const uint8_t *, const float *, const float *, int64_t, int64_t,
                              const uint8_t *, const float *, const float *, const int32_t *, int64_t, int, int64_t,
                              float *);
-    static const block_fn fns[2][3] = {{block8_q4_avx2, block8_q4_avxvnni, block8_q4_avx512vnni},
-                                       {block8_q8_avx2, block8_q8_avxvnni, block8_q8_avx512vnni}};
+    static const block_fn fns[2][3] = {{block8_q4_avx2, block8_q4_avxvnni, BLOCK_Q4_AVX512VNNI},
+                                       {block8_q8_avx2, block8_q8_avxvnni, BLOCK_Q8_AVX512VNNI}};
 #if HAVE_AMX
     if (int8_isa == 3 && M >= AMX_MIN_ROWS) {
         const int failed = mm8_amx(xq, dx, sx, M, K, codes, d, m, N, out, threads, q8);
