@@ -289,18 +289,20 @@ def test_the_root_alone_is_expected_to_emit_one_token():
 
 
 def test_expected_tokens_of_a_drafted_tree_leave_out_context_acceptances(pair, monkeypatch):
-    """In a combined run, the fallback estimate reads the drafted part's acceptances only."""
+    """In a combined run, the fallback estimate reads the drafted part's acceptances only, one per round
+    before it."""
     from mcsd.decoding import propose
     target, draft = pair
-    seen = []
+    seen, rounds = [], []
     real = propose.expected_tokens
     dec = TreeDecoder(target, [draft, "context"], tree="1,1", policy="static", attention="sdpa", calibrate=False)
-    monkeypatch.setattr(propose, "expected_tokens",
-                        lambda policy, accepts, size: seen.append(list(accepts)) or real(policy, accepts, size))
-    out = dec.generate(REPEATING, max_new_tokens=40, ignore_eos=True)
+    monkeypatch.setattr(propose, "expected_tokens", lambda policy, accepts, size:
+                        seen.append((list(accepts), len(rounds))) or real(policy, accepts, size))
+    out = dec.generate(REPEATING, max_new_tokens=40, ignore_eos=True,
+                       on_round=lambda tree, acc: rounds.append(int(acc.n_accepted)))
     assert max(out.stats.accepted_per_round) > 2           # context branches got more accepted than the chain can
-    assert seen and all(0 <= a <= 2 for a in seen[-1])     # a 1,1 chain accepts at most its 2 drafted nodes
-    assert len(seen[-1]) == len(out.stats.accepted_per_round) - 1
+    assert seen and all(0 <= a <= 2 for a in seen[-1][0])  # a 1,1 chain accepts at most its 2 drafted nodes
+    assert all(len(accepts) == before for accepts, before in seen)
 
 
 # ---------------------------------------------------------------------------- exactness, the rule itself

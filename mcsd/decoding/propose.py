@@ -148,6 +148,8 @@ class Proposer:
         grafting = self.context is not None and self.context_gate.opens()
         if depth == 0 and not grafting and beside is None:
             return None
+        if depth == 0 and beside is None:                   # context alone: chosen on the host, tree after
+            return self._context_round(sequence, context_nodes)
         grown = (grow_tree(drafter, policy, sequence, depth, sampling, gen, root_children=self.roots, scores=scores,
                            noise=noise)
                  if depth > 0 else GrownTree(DraftTree.root_only(policy.topology, sequence[-1]), None))
@@ -177,6 +179,20 @@ class Proposer:
             grown = grown.with_graft(graft)
             expected += graft.gain
         return Proposal(grown, drafted, graft, depth, expected)
+
+    def _context_round(self, sequence: torch.Tensor, context_nodes: int | None) -> Proposal | None:
+        """A round that drafts nothing but grafts (the context gate open): the graft's choice beneath the
+        root, priced as `propose` prices a tree of the root alone, is made on the host first; a lookup that
+        finds nothing that pays goes into the gate at its price and the round is the plain loop's step
+        (None), with no tree made; else the root's tree with the chosen nodes."""
+        costs = self.context_costs
+        choice = self.context.choose_under_root(sequence, round_ms(None, costs), costs, max_nodes=context_nodes)
+        if choice is None:
+            self._value_context(0, 1, 1)
+            return None
+        drafted = DraftTree.root_only(self.policy.topology, sequence[-1])
+        graft = self.context.grafted(drafted, choice)
+        return Proposal(GrownTree(drafted, None).with_graft(graft), drafted, graft, 0, 1.0 + graft.gain)
 
     def _left(self, drafted: DraftTree) -> None:
         """A round the policy left after its first draft forward (`drafted`: the root alone) that runs
@@ -273,13 +289,15 @@ def shared_prefix(proposal: Proposal, acc: Acceptance) -> int:
     return shared
 
 
-def round_ms(tree: DraftTree, costs) -> float:
+def round_ms(tree: DraftTree | None, costs) -> float:
     """A round's time before context nodes, in ms, from the costs alone (so that the graft, and the
     output, do not depend on how long this run's forwards happened to take): the draft forwards that
     grew `tree` (one per level but the last, over that level's nodes), the drafted round's own work
-    (`Costs.round_ms`) and its verify."""
+    (`Costs.round_ms`) and its verify; `tree` None: the root alone (a plain step's verify)."""
     if costs is None:
         return 0.0
+    if tree is None:
+        return costs.verify_ms(1)
     widths = torch.bincount(tree.depth).tolist()[:-1]                 # nodes per level fed to the drafter
     own = costs.round_ms if tree.size > 1 else 0.0
     return sum(costs.draft_ms(w) for w in widths) + own + costs.verify_ms(tree.size)

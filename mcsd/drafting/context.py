@@ -469,10 +469,23 @@ class ContextDrafter:
         """
         self._sync(sequence)
         est = (node_probs if node_probs is not None else tree.logp.float().exp()).tolist()
-        budget = self.config.max_nodes if max_nodes is None else min(self.config.max_nodes, max_nodes)
-        tokens, parents, logp, proposed, gain = self._choose(tree.tokens.tolist(), tree.parents.tolist(), est,
-                                                             tree.logp.tolist(), expected_tokens, round_ms, costs,
-                                                             budget)
+        return self.grafted(tree, self._choose(tree.tokens.tolist(), tree.parents.tolist(), est, tree.logp.tolist(),
+                                               expected_tokens, round_ms, costs, self._budget(max_nodes)))
+
+    def choose_under_root(self, sequence: torch.Tensor, round_ms: float, costs=None,
+                          max_nodes: int | None = None) -> tuple | None:
+        """`graft`'s choice for a round that drafts nothing (a tree of the root `sequence[-1]` alone, expected
+        to emit its one token in `round_ms`), made on the host before any tree or tensor exists: None where
+        no candidate pays, so that a lookup that finds nothing costs the lookup alone; else the choice, which
+        `grafted` puts on the root's tree."""
+        self._sync(sequence)
+        choice = self._choose([self.history.tokens[-1]], [-1], [1.0], [0.0], 1.0, round_ms, costs,
+                              self._budget(max_nodes))
+        return choice if choice[0] else None
+
+    def grafted(self, tree: DraftTree, choice: tuple) -> Graft:
+        """The Graft of `choice` (`_choose`'s: tokens, parents, logp, proposed, gain) on `tree`."""
+        tokens, parents, logp, proposed, gain = choice
         n_tree, n_now = tree.size, tree.size + len(tokens)
         det = torch.zeros(n_now, dtype=torch.bool, device=tree.tokens.device)
         det[n_tree:] = True
@@ -482,6 +495,9 @@ class ContextDrafter:
                               torch.tensor(logp, device=dev))
             self.proposed_nodes += len(tokens)
         return Graft(tree, det, proposed, gain)
+
+    def _budget(self, max_nodes: int | None) -> int:
+        return self.config.max_nodes if max_nodes is None else min(self.config.max_nodes, max_nodes)
 
     def graft_under_root(self, root: int, budget: int) -> tuple[list[int], list[int], dict[int, list[tuple]]]:
         """The fixed-shape round's graft, on the host alone: up to `budget` nodes beneath the root token
