@@ -90,8 +90,8 @@ def _isas(lib) -> dict[str, str | None]:
 
 def int8_isas_here() -> tuple[str, ...]:
     """The instruction sets the products on 8-bit activations can run on here, the one used first:
-    AMX tiles (a tile product a block of 16 rows x 16 outputs; fewer than 4 rows run on AVX512-VNNI),
-    AVX512-VNNI (on 256-bit registers, so with AVX512VL), AVX-VNNI, AVX2's maddubs; only those the
+    AMX tiles (a tile product a block of 16 rows x 16 outputs; fewer than 6 rows run on AVX512-VNNI),
+    AVX512-VNNI (on 512-bit registers), AVX-VNNI, AVX2's maddubs; only those the
     CPU has, the library was built with and (AMX) Linux grants. All compute the same bits (see
     q4_kernel.c). Empty where the native library is not used."""
     if library() is None:
