@@ -613,8 +613,9 @@ BLOCK16(block16_q8_avx512vnni, 1)
    4 / 8 / 9 / 16 rows 16 / 20 / 28 / 35 ns on tiles, 18 / 37 / 46 / 72 ns on AVX512-VNNI's ymm form (2
    and 3 rows no faster on tiles). Its zmm form (above) then beat tiles in whole forwards up to 5 rows
    (SmolLM2-135M, 2 threads, 300 cached positions, medians of 25: 4 / 5 / 6 / 7 / 8 rows 5.24 / 5.66 /
-   6.46 / 6.73 / 7.29 ms on zmm, 5.48 / 5.79 / 6.44 / 6.65 / 7.16 on tiles), hence AMX_MIN_ROWS. A tile product, its loads and the store of its sums cost about 10 ns whatever
-   the rows (hence two blocks a tile product up to 8 rows, amx_pair2); the epilogue that exactness
+   6.46 / 6.73 / 7.29 ms on zmm, 5.48 / 5.79 / 6.44 / 6.65 / 7.16 on tiles), hence AMX_MIN_ROWS. A tile
+   product, its loads and the store of its sums cost about 10 ns whatever the rows (hence two blocks a
+   tile product up to 8 rows, amx_pair2); the epilogue that exactness
    requires (a conversion, a product and two FMAs a row for 16 outputs, at two AVX-512 operations a
    cycle) about 0.7 ns a row; and the two did not overlap there: a phase of tile products for a whole
    row of blocks, then one of scaling, ran no faster than the interleaved steps below. */
