@@ -75,12 +75,12 @@ def test_a_lookup_that_finds_nothing_is_a_plain_step(target, monkeypatch, sampli
     """Context drafting alone, every lookup coming back empty: each round is the plain loop's step (no
     tree verified, one forward a round), the context gate hears each lookup's price, and the text is the
     plain loop's (greedy; and seeded sampling's, drawn as the plain step draws)."""
-    from mcsd.drafting.context import ContextDrafter, Graft
+    from mcsd.core.tree import DraftTree
+    from mcsd.drafting.context import ContextDrafter
 
-    def nothing(self, drafted, *args, **kwargs):
-        return Graft(drafted, torch.zeros(drafted.size, dtype=torch.bool), {})
-    monkeypatch.setattr(ContextDrafter, "graft", nothing)
-    lookups = count_calls(monkeypatch, ContextDrafter, "graft")
+    monkeypatch.setattr(ContextDrafter, "choose_under_root", lambda self, *args, **kwargs: None)
+    lookups = count_calls(monkeypatch, ContextDrafter, "choose_under_root")
+    made = count_calls(monkeypatch, DraftTree, "root_only")
     dec = TreeDecoder(target, "context", attention="sdpa", calibrate=False)     # nothing measured or cached
     reference = dec.generate_baseline(PROMPT, max_new_tokens=30, **sampling).tokens
     verified = count_calls(monkeypatch, decoder_module.TreeDecoder, "_verify")
@@ -92,6 +92,7 @@ def test_a_lookup_that_finds_nothing_is_a_plain_step(target, monkeypatch, sampli
     out = dec.generate(PROMPT, max_new_tokens=30, **sampling)
     assert out.tokens == reference
     assert not verified and out.stats.plain_rounds == out.stats.rounds
+    assert not made                                                 # the lookup chose on the host: no tree
     assert out.stats.target_forwards == out.stats.rounds + 1
     assert lookups and len(values) == len(lookups)                  # each empty lookup priced in the gate
     if dec.context_costs is not None:
