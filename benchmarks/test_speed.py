@@ -7,8 +7,8 @@ other time split, whether the output equals the baseline's token for token,
 and the same figures per category group. Nothing is asserted about speed.
 
 By default one method runs on every prompt, then the next. With
-`--bench-interleave` the selected methods run prompt by prompt in rotation
-(one interleaved run, as comparisons on a noisy machine want); the first test
+`--bench-interleave` the selected methods run prompt by prompt in rotation,
+every other prompt backwards (one interleaved run, as comparisons on a noisy machine want); the first test
 then carries the whole run in pytest-benchmark's own timing and the others
 none, so read the figures from `extra_info` (tools/bench_report.py does).
 """
@@ -61,16 +61,26 @@ def skip_reason(bench, method) -> str | None:
     return None
 
 
+def run_order(methods: list, i: int) -> list:
+    """The order of `methods` on the i-th prompt of an interleaved run: rotated by one place from one
+    prompt to the next (each method takes every place in turn), and run backwards on every other
+    prompt, so that a method does not always follow the same one: the same plain loop through two
+    decoders in one process read 0.991x / 0.998x each other in a fixed rotation at T 1.0 and 1.003x /
+    1.002x in this one (docs/results.md, 2026-12-06 (night))."""
+    shift = i % max(len(methods), 1)
+    turn = methods[shift:] + methods[:shift]
+    return turn if i % 2 == 0 else turn[::-1]
+
+
 def interleaved_runs(bench, selected) -> dict[str, dict]:
-    """Every runnable selected method on every prompt, prompt by prompt, the method order rotated
-    from one prompt to the next, so a slow spell of the machine is shared out rather than landing
-    on whichever methods happened to run then. Computed once per session."""
+    """Every runnable selected method on every prompt, prompt by prompt, in `run_order`, so a slow
+    spell of the machine is shared out rather than landing on whichever methods happened to run then.
+    Computed once per session."""
     if bench.interleaved is None:
         methods = [m for m in METHODS if m.name in selected and skip_reason(bench, m) is None]
         results: dict[str, dict] = {m.name: {} for m in methods}
         for i, (prompt, ids) in enumerate(bench.prompts):
-            shift = i % max(len(methods), 1)
-            for m in methods[shift:] + methods[:shift]:
+            for m in run_order(methods, i):
                 results[m.name][prompt.question_id] = m.run(bench, ids)
         bench.interleaved = results
     return bench.interleaved

@@ -23,6 +23,25 @@ def test_an_interleaved_run_covers_only_the_selected_methods(tmp_path):
     assert line.split()[1].split(",") == ["baseline", "baseline_mcsd", "chain_k2"]
 
 
+def test_an_interleaved_run_moves_each_method_through_every_place_and_neighbour():
+    """`run_order`: over as many prompts as methods, twice, each method runs once in every place of
+    each direction, and follows more than one other method (a fixed rotation keeps one predecessor)."""
+    import ast
+    source = (ROOT / "benchmarks" / "test_speed.py").read_text()
+    fn = next(node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef) and node.name == "run_order")
+    scope: dict = {}
+    exec(compile(ast.Module([fn], []), "test_speed.py", "exec"), scope)
+    run_order = scope["run_order"]
+    methods = ["a", "b", "c", "d", "e"]
+    orders = [run_order(methods, i) for i in range(2 * len(methods))]
+    assert all(sorted(order) == methods for order in orders)
+    for m in methods:
+        assert sorted(order.index(m) for order in orders) == sorted(2 * list(range(len(methods))))
+        before = {order[order.index(m) - 1] for order in orders if order.index(m) > 0}
+        assert len(before) > 1
+    assert run_order(["only"], 3) == ["only"] and run_order([], 1) == []
+
+
 def _report():
     import runpy
     return runpy.run_path(str(ROOT / "tools" / "bench_report.py"))   # as `python tools/bench_report.py` runs it
