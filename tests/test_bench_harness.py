@@ -23,15 +23,12 @@ def test_an_interleaved_run_covers_only_the_selected_methods(tmp_path):
     assert line.split()[1].split(",") == ["baseline", "baseline_mcsd", "chain_k2"]
 
 
-def test_an_interleaved_run_moves_each_method_through_every_place_and_neighbour():
+def test_an_interleaved_run_moves_each_method_through_every_place_and_neighbour(monkeypatch):
     """`run_order`: over as many prompts as methods, twice, each method runs once in every place of
     each direction, and follows more than one other method (a fixed rotation keeps one predecessor)."""
-    import ast
-    source = (ROOT / "benchmarks" / "test_speed.py").read_text()
-    fn = next(node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef) and node.name == "run_order")
-    scope: dict = {}
-    exec(compile(ast.Module([fn], []), "test_speed.py", "exec"), scope)
-    run_order = scope["run_order"]
+    import runpy
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    run_order = runpy.run_path(str(ROOT / "benchmarks" / "test_speed.py"))["run_order"]
     methods = ["a", "b", "c", "d", "e"]
     orders = [run_order(methods, i) for i in range(2 * len(methods))]
     assert all(sorted(order) == methods for order in orders)

@@ -169,12 +169,11 @@ class Proposer:
             graft = self.context.graft(drafted, sequence, expected + others, spent_ms, costs,
                                        probs if probs is not None and probs.numel() == drafted.size else None,
                                        max_nodes=context_nodes)
-            if (depth == 0 and beside is None or left) and graft.tree.size == drafted.size:
-                # nothing drafted and nothing found: the lookup's price into the gate, and the round
-                # is the plain loop's step (a tree of the root alone would cost its verify machinery)
+            if left and graft.tree.size == drafted.size:
+                # left after its first level and nothing found: the lookup's price into the gate, and the
+                # round is the plain loop's step (a tree of the root alone would cost its verify machinery)
                 self._value_context(0, drafted.size, drafted.size)
-                if left:
-                    self._left(drafted)
+                self._left(drafted)
                 return None
             grown = grown.with_graft(graft)
             expected += graft.gain

@@ -479,8 +479,7 @@ class ContextDrafter:
         no candidate pays, so that a lookup that finds nothing costs the lookup alone; else the choice, which
         `grafted` puts on the root's tree."""
         self._sync(sequence)
-        choice = self._choose([self.history.tokens[-1]], [-1], [1.0], [0.0], 1.0, round_ms, costs,
-                              self._budget(max_nodes))
+        choice = self._choose_under(self.history.tokens[-1], round_ms, costs, self._budget(max_nodes))
         return choice if choice[0] else None
 
     def grafted(self, tree: DraftTree, choice: tuple) -> Graft:
@@ -499,6 +498,10 @@ class ContextDrafter:
     def _budget(self, max_nodes: int | None) -> int:
         return self.config.max_nodes if max_nodes is None else min(self.config.max_nodes, max_nodes)
 
+    def _choose_under(self, root: int, round_ms: float, costs, budget: int) -> tuple:
+        """`_choose` beneath the root token alone (a tree of one node, certain, emitting one token)."""
+        return self._choose([root], [-1], [1.0], [0.0], 1.0, round_ms, costs, budget)
+
     def graft_under_root(self, root: int, budget: int) -> tuple[list[int], list[int], dict[int, list[tuple]]]:
         """The fixed-shape round's graft, on the host alone: up to `budget` nodes beneath the root token
         `root` (the committed text, `extend_history`'s, ending with it), best first while more likely
@@ -509,8 +512,7 @@ class ContextDrafter:
             proposed: node index (1 + its place) -> the statistics keys that proposed it, for
             `observe_path`).
         """
-        tokens, parents, _, proposed, _ = self._choose([root], [-1], [1.0], [0.0], 1.0, 0.0, None,
-                                                       min(budget, self.config.max_nodes))
+        tokens, parents, _, proposed, _ = self._choose_under(root, 0.0, None, self._budget(budget))
         self.proposed_nodes += len(tokens)
         return tokens, parents, proposed
 

@@ -484,40 +484,53 @@ BLOCK8(block8_q8_avxvnni, 1, 1)
    (AVX-512's 32 registers hold their 8 accumulators and 16 partial sums). Each lane's S is the same
    exact integer and each output is scaled by the same operations in the same order: the same bits.
    A lone last group reads its codes twice and writes its own 8 outputs. */
+#if HAVE_AVX512VNNI || HAVE_AMX
+/* what the 512-bit paths (this one and the tiles') share: built for AVX-512 where the file is not */
+#define AVX512_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
+
+/* 32 bytes at a and 32 at b as one vector (two groups' codes of a block side by side) */
+static inline __attribute__((always_inline)) AVX512_FN __m512i join32(const uint8_t *a, const uint8_t *b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
+                              _mm256_loadu_si256((const __m256i *)b), 1);
+}
+
+/* 8 floats at a and 8 at b as one vector (two groups' scales of a block) */
+static inline __attribute__((always_inline)) AVX512_FN __m512 join8f(const float *a, const float *b) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
+}
+
+/* acc + one row's block of 16 outputs from its exact sums S, scaled as every path scales them (tile8's
+   order): fma(S, dw * dx, acc), then (Q4_1) fma(m, sx, acc) */
+static inline __attribute__((always_inline)) AVX512_FN __m512 scale16(int q8, __m512 acc, __m512i S, __m512 dw,
+                                                                      __m512 mw, float dx, float sx) {
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S), _mm512_mul_ps(dw, _mm512_set1_ps(dx)), acc);
+    return q8 ? acc : _mm512_fmadd_ps(mw, _mm512_set1_ps(sx), acc);
+}
+#endif
+
 #if HAVE_AVX512VNNI
-#define Z_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
 #define ZMM_ROWS 8
 
 /* acc + the 16 lanes of u (64 unsigned bytes) times the 4 signed bytes at p, broadcast ({1to16}) */
-static inline __attribute__((always_inline)) Z_FN __m512i dot64_at(__m512i acc, __m512i u, const int8_t *p) {
+static inline __attribute__((always_inline)) AVX512_FN __m512i dot64_at(__m512i acc, __m512i u, const int8_t *p) {
     __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(const int32_t *)p));
     return acc;
 }
 
 /* acc + the 16 lanes of u (unsigned bytes) times s (signed bytes) */
-static inline __attribute__((always_inline)) Z_FN __m512i dot64(__m512i acc, __m512i u, __m512i s) {
+static inline __attribute__((always_inline)) AVX512_FN __m512i dot64(__m512i acc, __m512i u, __m512i s) {
     __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
     return acc;
-}
-
-/* 32 bytes at a and 32 at b as one vector */
-static inline __attribute__((always_inline)) Z_FN __m512i join32(const uint8_t *a, const uint8_t *b) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
-                              _mm256_loadu_si256((const __m256i *)b), 1);
-}
-
-static inline __attribute__((always_inline)) Z_FN __m512 join8f(const float *a, const float *b) {
-    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
 }
 
 /* R (1..ZMM_ROWS) quantised rows times groups o and o + 1 (o alone where `two` is 0); the outputs below N
    written. `q8` and `R` are constants at each call. The next pair of groups' codes (the ones this thread
    reads next) are prefetched a line at a time, as tile8 does. */
-static inline __attribute__((always_inline)) Z_FN void tile16(int q8, int R, const int8_t *xq, const uint8_t *xu,
-                                                              const float *dx, const float *sx, int64_t K,
-                                                              const uint8_t *c, const float *d, const float *m,
-                                                              const int32_t *w128, int64_t o, int two, int64_t N,
-                                                              float *out) {
+static inline __attribute__((always_inline)) AVX512_FN void tile16(int q8, int R, const int8_t *xq, const uint8_t *xu,
+                                                                   const float *dx, const float *sx, int64_t K,
+                                                                   const uint8_t *c, const float *d, const float *m,
+                                                                   const int32_t *w128, int64_t o, int two, int64_t N,
+                                                                   float *out) {
     const int64_t G = K / 32, gbytes = q8 ? 256 : 128, o1 = two ? o + 1 : o;
     __m512 acc[ZMM_ROWS];
     _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
@@ -561,9 +574,8 @@ static inline __attribute__((always_inline)) Z_FN void tile16(int q8, int R, con
         const __m512i fix = q8 ? join32((const uint8_t *)(w128 + at0), (const uint8_t *)(w128 + at1))
                                : _mm512_setzero_si512();
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {
-            const __m512i S = _mm512_sub_epi32(_mm512_add_epi32(s0[r], s1[r]), fix);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S), _mm512_mul_ps(dw, _mm512_set1_ps(dx[r * G + g])), acc[r]);
-            if (!q8) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[r * G + g]), acc[r]);
+            acc[r] = scale16(q8, acc[r], _mm512_sub_epi32(_mm512_add_epi32(s0[r], s1[r]), fix), dw, mw,
+                             dx[r * G + g], sx[r * G + g]);
         }
     }
     const int64_t n0 = o * 8, width = two ? 16 : 8;
@@ -576,10 +588,10 @@ static inline __attribute__((always_inline)) Z_FN void tile16(int q8, int R, con
 #define TILE16_ROWS(Q8, R) case R: tile16(Q8, R, xq + r * K, xu + r * K, dx + r * G, sx + r * G, K, c, d, m, w128, \
                                           o0, ng == 2, N, out + r * N); break;
 #define BLOCK16(NAME, Q8) \
-    static __attribute__((noinline)) Z_FN void NAME(const int8_t *xq, const uint8_t *xu, const float *dx, \
-                                                    const float *sx, int64_t M, int64_t K, const uint8_t *c, \
-                                                    const float *d, const float *m, const int32_t *w128, int64_t o0, \
-                                                    int ng, int64_t N, float *out) { \
+    static __attribute__((noinline)) AVX512_FN void NAME(const int8_t *xq, const uint8_t *xu, const float *dx, \
+                                                         const float *sx, int64_t M, int64_t K, const uint8_t *c, \
+                                                         const float *d, const float *m, const int32_t *w128, \
+                                                         int64_t o0, int ng, int64_t N, float *out) { \
         const int64_t G = K / 32; \
         for (int64_t r = 0; r < M; r += ZMM_ROWS) \
             switch (M - r < ZMM_ROWS ? (int)(M - r) : ZMM_ROWS) { \
@@ -623,7 +635,6 @@ BLOCK16(block16_q8_avx512vnni, 1)
 #ifndef AMX_MIN_ROWS
 #define AMX_MIN_ROWS 6
 #endif
-#define AMX_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
 /* the tile instructions as assembly, so that no compiler support beyond an assembler that knows them is
    needed; the memory a load reads and a store writes is named as an operand (the whole of what the
    pointer points into), not as a clobber of all memory, which would keep the accumulators out of
@@ -655,17 +666,14 @@ static void amx_configure(int R) {
 static void amx_release(void) { __asm__ volatile("tilerelease" ::: "memory"); }
 
 /* B for one block: the groups' code vectors at c0 and c1 (the same group twice for a last odd one) */
-static inline __attribute__((always_inline)) AMX_FN void amx_fill(int q8, const uint8_t *c0, const uint8_t *c1,
-                                                                  uint8_t *b) {
+static inline __attribute__((always_inline)) AVX512_FN void amx_fill(int q8, const uint8_t *c0, const uint8_t *c1,
+                                                                     uint8_t *b) {
     if (q8) {
-        for (int p = 0; p < 8; p++)
-            _mm512_store_si512(b + 64 * p, _mm512_inserti64x4(_mm512_castsi256_si512(
-                _mm256_loadu_si256((const __m256i *)(c0 + 32 * p))), _mm256_loadu_si256((const __m256i *)(c1 + 32 * p)), 1));
+        for (int p = 0; p < 8; p++) _mm512_store_si512(b + 64 * p, join32(c0 + 32 * p, c1 + 32 * p));
     } else {
         const __m512i low = _mm512_set1_epi8(0x0F);
         for (int p = 0; p < 4; p++) {
-            const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(
-                _mm256_loadu_si256((const __m256i *)(c0 + 32 * p))), _mm256_loadu_si256((const __m256i *)(c1 + 32 * p)), 1);
+            const __m512i v = join32(c0 + 32 * p, c1 + 32 * p);
             _mm512_store_si512(b + 64 * p, _mm512_and_si512(v, low));
             _mm512_store_si512(b + 64 * (p + 4), _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
         }
@@ -681,17 +689,12 @@ static inline __attribute__((always_inline)) AMX_FN void amx_fill(int q8, const 
 
 /* acc[r] for a block from its sums in cb (R rows of 16 int32) and its rows' dx (xs[r]) and sx (xs[16 + r]):
    the scaling of tile8, 16 outputs a row */
-static inline __attribute__((always_inline)) AMX_FN void amx_scale(int q8, int R, const int32_t *cb, const float *d,
-                                                                   const float *m, int64_t at0, int64_t at1,
-                                                                   const float *xs, __m512 *acc) {
-    const __m512 dw = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(d + at0)), _mm256_loadu_ps(d + at1), 1);
-    const __m512 mw = q8 ? dw : _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(m + at0)),
-                                                   _mm256_loadu_ps(m + at1), 1);
-    _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
-        const __m512 S = _mm512_cvtepi32_ps(_mm512_load_si512(cb + 16 * r));
-        acc[r] = _mm512_fmadd_ps(S, _mm512_mul_ps(dw, _mm512_set1_ps(xs[r])), acc[r]);
-        if (!q8) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[16 + r]), acc[r]);
-    }
+static inline __attribute__((always_inline)) AVX512_FN void amx_scale(int q8, int R, const int32_t *cb, const float *d,
+                                                                      const float *m, int64_t at0, int64_t at1,
+                                                                      const float *xs, __m512 *acc) {
+    const __m512 dw = join8f(d + at0, d + at1), mw = q8 ? dw : join8f(m + at0, m + at1);
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)
+        acc[r] = scale16(q8, acc[r], _mm512_load_si512(cb + 16 * r), dw, mw, xs[r], xs[16 + r]);
 }
 
 /* R (1..16) quantised rows times groups o and o + 1 (o alone where `two` is 0); the outputs below N
@@ -699,10 +702,10 @@ static inline __attribute__((always_inline)) AMX_FN void amx_scale(int q8, int R
    Two blocks a step: both blocks' tile products issued back to back (C, A, B tiles 0, 2, 4 and 1, 3, 5),
    the step before's two blocks scaled, and only then the new sums stored, so that no load waits on a
    store just made (B, filled a step ahead, included): 5-10% faster than a block at a time. */
-static inline __attribute__((always_inline)) AMX_FN void amx_pair(int q8, int R, const int8_t *xq, const float *xs,
-                                                                  int64_t K, const uint8_t *c,
-                                                                  const float *d, const float *m, int64_t o, int two,
-                                                                  int64_t N, float *out) {
+static inline __attribute__((always_inline)) AVX512_FN void amx_pair(int q8, int R, const int8_t *xq, const float *xs,
+                                                                     int64_t K, const uint8_t *c,
+                                                                     const float *d, const float *m, int64_t o, int two,
+                                                                     int64_t N, float *out) {
     const int64_t G = K / 32, gbytes = q8 ? 256 : 128, o1 = two ? o + 1 : o;
     _Alignas(64) uint8_t bbuf[4][512];            /* B of block g in bbuf[g & 3] */
     _Alignas(64) int32_t cbuf[4][256];            /* the sums of block g in cbuf[g & 3] */
@@ -749,10 +752,10 @@ static inline __attribute__((always_inline)) AMX_FN void amx_pair(int q8, int R,
    (xa: per pair of blocks 2R x 64 bytes, made by mm8_amx), and B holds the two blocks' codes one
    above the other (16 rows), so C's rows 0..R-1 are block g's sums and R..2R-1 block g + 1's, each
    exact as before. Half the tile products, loads and stores of amx_pair for the same sums. */
-static inline __attribute__((always_inline)) AMX_FN void amx_pair2(int q8, int R, const int8_t *xa, const float *xs,
-                                                                   int64_t K, const uint8_t *c,
-                                                                   const float *d, const float *m, int64_t o, int two,
-                                                                   int64_t N, float *out) {
+static inline __attribute__((always_inline)) AVX512_FN void amx_pair2(int q8, int R, const int8_t *xa,
+                                                                      const float *xs, int64_t K, const uint8_t *c,
+                                                                      const float *d, const float *m, int64_t o,
+                                                                      int two, int64_t N, float *out) {
     const int64_t G = K / 32, P = (G + 1) / 2, gbytes = q8 ? 256 : 128, o1 = two ? o + 1 : o;
     _Alignas(64) uint8_t bbuf[2][1024];           /* B of blocks 2p, 2p + 1 in bbuf[p & 1] */
     _Alignas(64) int32_t cbuf[2][256];            /* their sums */
@@ -805,7 +808,7 @@ static inline __attribute__((always_inline)) AMX_FN void amx_pair2(int q8, int R
 typedef void (*amx_fn)(const int8_t *, const float *, int64_t, const uint8_t *, const float *, const float *, int64_t,
                        int, int64_t, float *);
 #define AMX_PAIR(Q8, R) \
-    static __attribute__((noinline)) AMX_FN void amx_pair_##Q8##_##R( \
+    static __attribute__((noinline)) AVX512_FN void amx_pair_##Q8##_##R( \
             const int8_t *xq, const float *xs, int64_t K, const uint8_t *c, const float *d, const float *m, \
             int64_t o, int two, int64_t N, float *out) { \
         if (R <= 8) amx_pair2(Q8, R, xq, xs, K, c, d, m, o, two, N, out); \
