@@ -204,6 +204,25 @@ def test_costs_bound_the_graft():
     assert ctx.graft(tree, seq, 1.0, 10.0, costs=dear).tree.size == 1
 
 
+def test_a_root_alones_graft_pays_for_the_tree_it_makes():
+    """Beneath a root alone, grafting anything turns a plain step into a tree round: with that round's
+    own work (`Costs.context_round_ms`) charged, a graft whose nodes each pay their rows but not the
+    tree is not chosen, and one that pays for both is chosen whole, as without it."""
+    ctx = ContextDrafter(sources=("ngram",), min_score=0.0)
+    ctx.bind(16, "cpu")
+    seq = torch.tensor([1, 2, 3, 4, 5, 6, 7, 1, 2, 3])
+    ctx.reset(seq)
+    costs = Costs({1: 10.0, 2: 10.5, 64: 41.5}, {1: 1.0})        # a row 0.5 ms on a 10 ms step
+    free = ctx.choose_under_root(seq, 10.0, costs)
+    assert free is not None and len(free[0]) >= 1
+    costs.context_round_ms = 10.0 * free[4]                        # the tree's work: what its tokens bring
+    assert ctx.choose_under_root(seq, 10.0, costs) is None
+    costs.context_round_ms = 0.1
+    kept = ctx.choose_under_root(seq, 10.0, costs)
+    assert kept is not None and kept[0][:1] == free[0][:1]
+    assert ctx.choose_under_root(seq, 10.0, None) is not None      # no costs: nothing priced
+
+
 def test_a_node_is_priced_at_the_measured_slope_not_at_corrected_whole_rounds():
     """Online corrections that inflate whole rounds (per-round overheads) do not inflate what one
     more context node costs: its marginal verify time is the profile's slope."""

@@ -23,6 +23,8 @@ def test_the_figures_reach_the_policys_and_the_context_gates_costs(target, fresh
     dec = TreeDecoder(target, head_and_context(target), policy="learned", attention="sdpa")
     for costs in (dec.policy.costs, dec.context_costs):
         assert (costs.round_ms, costs.graft_ms) == (FIXED_ROUND_PRICES["round_ms"], FIXED_ROUND_PRICES["graft_ms"])
+        assert (costs.lookup_ms, costs.context_round_ms) == (FIXED_ROUND_PRICES["lookup_ms"],
+                                                             FIXED_ROUND_PRICES["context_round_ms"])
     assert "measured in this run" in dec.round_prices
     # priced into the round: the policy's draft time starts with the round's own work
     dec.policy.begin_round()
@@ -30,6 +32,7 @@ def test_the_figures_reach_the_policys_and_the_context_gates_costs(target, fresh
     # a sampled generation reads the sampled figure, the next greedy one the greedy figure again
     dec.generate(PROMPT, max_new_tokens=4, temperature=0.9, seed=1)
     assert dec.policy.costs.round_ms == dec.context_costs.round_ms == FIXED_ROUND_PRICES["round_ms_sampled"]
+    assert dec.context_costs.context_round_ms == FIXED_ROUND_PRICES["context_round_ms_sampled"]
     dec.generate(PROMPT, max_new_tokens=4)
     assert dec.policy.costs.round_ms == FIXED_ROUND_PRICES["round_ms"]
     # cached beside the profile: the next decoder reads them, measuring nothing
@@ -45,7 +48,7 @@ def test_a_cached_figure_is_what_decides(target, fresh_cache, monkeypatch):
     cheap = dec.generate(PROMPT, max_new_tokens=40)
     path = round_prices.cache_path(dec)
     entries = json.loads(path.read_text())
-    entries[round_prices.key(dec)] = {"round_ms": 1e6, "round_ms_sampled": 1e6, "graft_ms": 1e6}
+    entries[round_prices.key(dec)] = dict.fromkeys(round_prices.FIGURES, 1e6)
     path.write_text(json.dumps(entries))
     dear = TreeDecoder(target, head_and_context(target), policy="learned", attention="sdpa")
     assert dear.policy.costs.round_ms == 1e6
@@ -71,17 +74,33 @@ def test_a_corrupt_cache_file_is_measured_again(target, fresh_cache):
 
 @pytest.mark.measures
 def test_measuring_runs_drafted_rounds_and_prices_what_the_levels_leave_out(target, fresh_cache):
-    """On the decoder's own rounds (every one drafted): both figures are non-negative and finite, and
-    the measurement leaves the decoder's costs and context drafter as they were."""
+    """On the decoder's own rounds (every one drafted, then none with context drafting alone): every
+    figure is non-negative and finite, and the measurement leaves the decoder's costs, policy and
+    context drafter as they were."""
     dec = TreeDecoder(target, head_and_context(target), policy="learned", attention="sdpa")
     costs = dec.policy.costs
     stale_flags = []
     costs.on_stale = stale_flags.append
     costs.verify = {n: ms / 1000 for n, ms in costs.verify.items()}   # any round now looks 1000x slow
+    context_costs = dec.context_costs
+    context_costs.lookup_ms, context_costs.context_round_ms = 7.0, 9.0
     before = (costs.round_ms, costs.graft_ms, list(costs._plain), list(costs._any))
-    figures = round_prices.measure(dec, costs)
-    assert set(figures) == {"round_ms", "round_ms_sampled", "graft_ms"}
+    from mcsd.drafting.context import ContextDrafter
+    looked = []
+    lookup = ContextDrafter.choose_under_root
+
+    def counted(self, *args, **kwargs):
+        choice = lookup(self, *args, **kwargs)
+        looked.append(choice)
+        return choice
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ContextDrafter, "choose_under_root", counted)
+        figures = round_prices.measure(dec, costs)
+    assert set(figures) == set(round_prices.FIGURES)
     assert all(0 <= v < 1e4 for v in figures.values())
     assert (costs.round_ms, costs.graft_ms, costs._plain, costs._any) == before   # its rounds left no trace
+    assert (context_costs.lookup_ms, context_costs.context_round_ms) == (7.0, 9.0)
     assert costs.stale is None and not stale_flags
-    assert "graft" not in vars(dec.context) and "_round" not in vars(dec)   # their own methods again
+    assert looked                               # rounds that drafted nothing looked up on the repeated prompt
+    assert not {"graft", "choose_under_root", "grafted"} & set(vars(dec.context)) and "_round" not in vars(dec)
+    assert not {"begin_round", "rounds_to_draft"} & set(vars(dec.policy))   # the policy's own methods again

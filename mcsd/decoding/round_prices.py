@@ -12,12 +12,18 @@ drafting its levels: `LearnedPolicy.every_round`), greedy and sampled, times eac
 - `round_ms` (greedy) and `round_ms_sampled`: what a drafted round takes beyond a plain step, its
   levels' prices, its extra rows' verify price and its graft (under sampling the draws and the
   acceptance over every node cost more than under greedy matching);
-- `graft_ms`: per graft, the context drafter's lookup and merge.
+- `graft_ms`: per graft, the context drafter's lookup and merge;
+- `lookup_ms`: a round that drafts nothing whose lookup finds nothing, beyond a plain step (the
+  lookup, and the target's forward after it, which runs slower than one straight after the last);
+- `context_round_ms` (greedy) and `context_round_ms_sampled`: a round that drafts nothing but
+  grafts, beyond a plain step, its lookup and merge, and its extra rows' verify price (the tree of
+  the root and its graft made, verified and accepted where a plain step makes none).
 
 They are measured once per (profile, policy, drafters) and cached beside the profile, so a
 command's trees, and its text in bfloat16, repeat from run to run on the same machine: decisions
-read these fixed figures, never this run's clock. `Costs.round_ms` and `Costs.graft_ms` carry them
-to the learned policy's gate and tree growth and to the context gate.
+read these fixed figures, never this run's clock. `Costs.round_ms`, `graft_ms`, `lookup_ms` and
+`context_round_ms` carry them to the learned policy's gate and tree growth, to the context gate and
+to the context drafter's choice beneath a root alone.
 """
 
 from __future__ import annotations
@@ -34,8 +40,8 @@ from ..costs import store
 
 PROMPT_TOKENS = 96                 # a fixed pseudo-random prompt: the prefix a measured round reads
 NEW_TOKENS = 64                    # tokens generated; every round drafts, so about 25-50 drafted rounds
-VERSION = 3                        # of what is measured; a cached figure of another version is measured again
-FIGURES = ("round_ms", "round_ms_sampled", "graft_ms")
+VERSION = 4                        # of what is measured; a cached figure of another version is measured again
+FIGURES = ("round_ms", "round_ms_sampled", "graft_ms", "lookup_ms", "context_round_ms", "context_round_ms_sampled")
 
 
 def cache_path(decoder) -> Path:
@@ -94,7 +100,9 @@ def apply(decoder, calibrate: bool | None = None) -> tuple[dict | None, str | No
         return None, "not measured (calibrate=False and none cached)"
     return figures, (f"a drafted round {figures['round_ms']:.2f} ms beyond a plain step and its levels' and "
                      f"rows' prices greedy, {figures['round_ms_sampled']:.2f} ms sampled, a context graft "
-                     f"{figures['graft_ms']:.2f} ms ({how})")
+                     f"{figures['graft_ms']:.2f} ms, a lookup that finds nothing {figures['lookup_ms']:.2f} ms, "
+                     f"a round of the root and its graft {figures['context_round_ms']:.2f} / "
+                     f"{figures['context_round_ms_sampled']:.2f} ms ({how})")
 
 
 def use(decoder, greedy: bool) -> None:
@@ -106,41 +114,55 @@ def use(decoder, greedy: bool) -> None:
     for c in (getattr(decoder.policy, "costs", None), decoder.context_costs):
         if c is not None:
             c.round_ms = figures["round_ms" if greedy else "round_ms_sampled"]
-            c.graft_ms = figures["graft_ms"]
+            c.graft_ms, c.lookup_ms = figures["graft_ms"], figures["lookup_ms"]
+            c.context_round_ms = figures["context_round_ms" if greedy else "context_round_ms_sampled"]
 
 
 def measure(decoder, costs) -> dict:
-    """Run the decoder's own drafted rounds and return {"round_ms", "round_ms_sampled", "graft_ms"}
-    (see the module).
+    """Run the decoder's own rounds and return its `FIGURES` (see the module).
 
     Uses `decoder.policy` and the decoder's context drafter where it has one, `costs` (the ones
-    they read) with `round_ms` and `graft_ms` at 0 meanwhile; its rounds leave the costs as they
-    were (`Costs.held`: no correction, no staleness verdict). On a fixed prompt of the target's
-    vocabulary, greedy and sampled (temperature 1, top-p 0.95, a fixed seed): each round is timed, and a drafted
-    round's figure is its time less a plain step's (the median step of `generate_baseline` on the
-    same prompt and settings), its graft's, its levels' prices and its extra rows' verify price
-    (`verify_ms(size) - verify_ms(1)`), the median over the generation's drafted rounds but its
-    first (whose catch-up reads the prompt's states, once a generation); a graft's, the mean of
-    its grafts (most find little, a few build a deep trie).
+    they read) with every figure at 0 meanwhile; its rounds leave the costs as they were
+    (`Costs.held`: no correction, no staleness verdict). On a fixed prompt of the target's
+    vocabulary, greedy and sampled (temperature 1, top-p 0.95, a fixed seed), each round timed
+    against a plain step (the median step of `generate_baseline` on the same prompt and settings):
+    - a drafted round's figure (every round drafting its levels): its time less a plain step, its
+      graft's, its levels' prices and its extra rows' verify price (`verify_ms(size) - verify_ms(1)`),
+      the median over the generation's drafted rounds but its first (whose catch-up reads the prompt's
+      states, once a generation); a graft's, the mean of its grafts (most find little, a few build a
+      deep trie);
+    - with context drafting, rounds that draft nothing (the policy kept from drafting), every one
+      looking up, on the prompt's first third repeated, so that the lookups find continuations as well
+      as nothing: a lookup that
+      finds nothing, the median of those rounds' time less a plain step; a round that grafts, the
+      median of its time less a plain step, its lookup and merge, and its extra rows' verify price.
     """
     policy = decoder.policy
     vocab = decoder.target.model.get_input_embeddings().weight.shape[0]
     prompt = torch.randint(0, vocab, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(0))
+    repeated = prompt[:PROMPT_TOKENS // 3].repeat(3)               # the same length: a plain step's price holds
     context = decoder.context
-    graft, timed = (context.graft if context is not None else None), []      # timed: per round
+    timed = []                                                      # per round
+    looking = []                                                    # [True] while rounds draft nothing
     lone_round = decoder._round
 
-    def timed_graft(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return graft(*args, **kwargs)
-        finally:
-            timed[-1]["graft_ms"] += (time.perf_counter() - t0) * 1000
+    def timing(method):
+        """`method` of the context drafter, its time added to the round's lookups and merges."""
+        def timed_call(*args, **kwargs):
+            timed[-1]["looked"] = True
+            t0 = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                timed[-1]["graft_ms"] += (time.perf_counter() - t0) * 1000
+        return timed_call
 
-    def timed_round(*args, **kwargs):
-        timed.append({"graft_ms": 0.0})
+    def timed_round(sequence, cfg, gen, proposer, *args, **kwargs):
+        if looking:
+            proposer.context_gate.reset()                           # every round looks up
+        timed.append({"graft_ms": 0.0, "looked": False})
         t0 = time.perf_counter()
-        out = lone_round(*args, **kwargs)
+        out = lone_round(sequence, cfg, gen, proposer, *args, **kwargs)
         timed[-1]["ms"] = (time.perf_counter() - t0) * 1000
         return out
 
@@ -148,38 +170,76 @@ def measure(decoder, costs) -> dict:
         drafted = int(tree.depth.max()) > 0 and getattr(policy, "gate", None) is not None and policy.gate.ran
         timed[-1].update(size=tree.size, priced=policy._draft_ms if drafted else None)
 
-    def figures(**sampling) -> tuple[float, list[float]]:
-        """(a drafted round's figure, the grafts' times) under `sampling`."""
+    def extra_rows(r) -> float:
+        return costs.verify_ms(r["size"]) - costs.verify_ms(1)
+
+    def figures(**sampling) -> tuple[float, list[float], list[float], list[float]]:
+        """Under `sampling`: (a drafted round's figure, the grafts' times, the rounds whose lookup found
+        nothing less a plain step, the grafting rounds' own work)."""
         timed.clear()
         decoder.generate_baseline(prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True, **sampling)
         step = statistics.median(r["ms"] for r in timed[1:])
         timed.clear()
         decoder.generate(prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True, on_round=on_round, **sampling)
         drafted = [r for r in timed if r.get("priced") is not None][1:]
-        beyond = [r["ms"] - step - r["graft_ms"] - r["priced"] - (costs.verify_ms(r["size"]) - costs.verify_ms(1))
-                  for r in drafted]
-        return (statistics.median(beyond) if beyond else 0.0), [r["graft_ms"] for r in timed if r["graft_ms"]]
+        beyond = [r["ms"] - step - r["graft_ms"] - r["priced"] - extra_rows(r) for r in drafted]
+        grafts = [r["graft_ms"] for r in timed if r["graft_ms"]]
+        lookups, rounds = [], []
+        if context is not None:
+            timed.clear()
+            looking.append(True)
+            try:
+                with _drafting_nothing(policy):
+                    decoder.generate(repeated, max_new_tokens=NEW_TOKENS, ignore_eos=True, on_round=on_round,
+                                     **sampling)
+            finally:
+                looking.clear()
+            looked = [r for r in timed[1:] if r["looked"]]
+            lookups = [r["ms"] - step for r in looked if r["size"] == 1]
+            rounds = [r["ms"] - step - r["graft_ms"] - extra_rows(r) for r in looked if r["size"] > 1]
+        return (statistics.median(beyond) if beyond else 0.0), grafts, lookups, rounds
 
     shared = {id(c): c for c in (costs, getattr(policy, "costs", None), decoder.context_costs) if c is not None}
     decoder._round = timed_round                      # this decoder's own round and context drafter, for now
     if context is not None:
-        context.graft = timed_graft
+        context.graft = timing(context.graft)
+        context.choose_under_root, context.grafted = timing(context.choose_under_root), timing(context.grafted)
     every_round = getattr(policy, "every_round", None)           # every round drafts its levels, to be timed
     try:
         with contextlib.ExitStack() as stack:
             if every_round is not None:
                 stack.enter_context(every_round())
             for held in shared.values():
-                stack.enter_context(held.held()).round_ms = 0.0
+                stack.enter_context(held.held())
+                for name in FIGURES:
+                    if hasattr(held, name):
+                        setattr(held, name, 0.0)
             decoder.generate(prompt, max_new_tokens=8, ignore_eos=True)          # first-call costs out of it
-            greedy, grafts = figures()
+            greedy, grafts, lookups, rounds = figures()
             # sampled with a nucleus (what a chat client sends): each extra node's filtering and draw
             # lands in the round's figure, a price on the safe side for plain temperature sampling
-            sampled, more = figures(temperature=1.0, top_p=0.95, seed=0)
+            sampled, more, sampled_lookups, sampled_rounds = figures(temperature=1.0, top_p=0.95, seed=0)
     finally:
         del decoder._round
         if context is not None:
-            del context.graft
+            del context.graft, context.choose_under_root, context.grafted
     grafts += more
-    return {"round_ms": round(max(greedy, 0.0), 4), "round_ms_sampled": round(max(sampled, 0.0), 4),
-            "graft_ms": round(statistics.fmean(grafts), 4) if grafts else 0.0}
+    lookups += sampled_lookups
+
+    def figure(values: list[float], average=statistics.median) -> float:
+        return round(max(average(values), 0.0), 4) if values else 0.0
+
+    return {"round_ms": figure([greedy]), "round_ms_sampled": figure([sampled]),
+            "graft_ms": figure(grafts, statistics.fmean), "lookup_ms": figure(lookups),
+            "context_round_ms": figure(rounds), "context_round_ms_sampled": figure(sampled_rounds)}
+
+
+@contextlib.contextmanager
+def _drafting_nothing(policy):
+    """Within: `policy` drafts nothing, and says so (`rounds_to_draft`), so every round is context
+    drafting's alone (a lookup, and a graft where it finds one) or a plain step."""
+    policy.begin_round, policy.rounds_to_draft = (lambda: 0), (lambda: 2 ** 31)
+    try:
+        yield policy
+    finally:
+        del policy.begin_round, policy.rounds_to_draft

@@ -479,7 +479,8 @@ class ContextDrafter:
         no candidate pays, so that a lookup that finds nothing costs the lookup alone; else the choice, which
         `grafted` puts on the root's tree."""
         self._sync(sequence)
-        choice = self._choose_under(self.history.tokens[-1], round_ms, costs, self._budget(max_nodes))
+        choice = self._choose_under(self.history.tokens[-1], round_ms, costs, self._budget(max_nodes),
+                                    costs.context_round_ms if costs is not None else 0.0)
         return choice if choice[0] else None
 
     def grafted(self, tree: DraftTree, choice: tuple) -> Graft:
@@ -498,9 +499,9 @@ class ContextDrafter:
     def _budget(self, max_nodes: int | None) -> int:
         return self.config.max_nodes if max_nodes is None else min(self.config.max_nodes, max_nodes)
 
-    def _choose_under(self, root: int, round_ms: float, costs, budget: int) -> tuple:
+    def _choose_under(self, root: int, round_ms: float, costs, budget: int, fixed_ms: float = 0.0) -> tuple:
         """`_choose` beneath the root token alone (a tree of one node, certain, emitting one token)."""
-        return self._choose([root], [-1], [1.0], [0.0], 1.0, round_ms, costs, budget)
+        return self._choose([root], [-1], [1.0], [0.0], 1.0, round_ms, costs, budget, fixed_ms)
 
     def graft_under_root(self, root: int, budget: int) -> tuple[list[int], list[int], dict[int, list[tuple]]]:
         """The fixed-shape round's graft, on the host alone: up to `budget` nodes beneath the root token
@@ -543,9 +544,12 @@ class ContextDrafter:
                     _defer(child, (src, going, depth + 1))
 
     def _choose(self, toks: list[int], pars: list[int], est: list[float], base_logp: list[float],
-                expected_tokens: float, round_ms: float, costs, max_nodes: int):
+                expected_tokens: float, round_ms: float, costs, max_nodes: int, fixed_ms: float = 0.0):
         """`graft`'s choice over host lists (the tree's tokens, parents, acceptance estimates and draft
-        log-probabilities): (tokens, parents, logp of the new nodes; proposed; their expected tokens)."""
+        log-probabilities): (tokens, parents, logp of the new nodes; proposed; their expected tokens).
+        `fixed_ms`: what grafting anything costs the round besides its rows (a tree where there would be
+        a plain step): charged from the first node on, and the graft kept only where, with it, the round
+        still emits more a millisecond than without."""
         cfg = self.config
         n_tree = len(toks)
         est = list(est)
@@ -594,6 +598,8 @@ class ContextDrafter:
         push_kids(nodes[0], 1.0)
         tokens, parents, logp = [], [], []
         tokens_now, ms_now, n_now = max(expected_tokens, 1.0), max(round_ms, 1e-3), n_tree
+        if costs is not None:
+            ms_now += fixed_ms
         while heap and len(tokens) < max_nodes:
             _, _, kid, parent, s = heapq.heappop(heap)
             if costs is not None:
@@ -610,7 +616,10 @@ class ContextDrafter:
                         + math.log(max(kid.cond, 1e-6)))
             proposed[kid.tree_idx] = kid.keys
             push_kids(kid, s)
-        return tokens, parents, logp, proposed, tokens_now - max(expected_tokens, 1.0)
+        base_tokens = max(expected_tokens, 1.0)
+        if tokens and costs is not None and fixed_ms > 0 and tokens_now * max(round_ms, 1e-3) <= base_tokens * ms_now:
+            return [], [], [], {i: keys for i, keys in proposed.items() if i < n_tree}, 0.0
+        return tokens, parents, logp, proposed, tokens_now - base_tokens
 
     # ---------------------------------------------------------------- learning
 

@@ -175,6 +175,7 @@ class LearnedPolicy(TreePolicy):
         trees (and so, in bfloat16, its rounding) never depend on the requests before it."""
         self.recent = 0.5
         self.predict_s = 0.0
+        self._draft_ms = self._draft_base_ms = 0.0      # a drafted round's so far (set as it begins)
         self.forget()
 
     def forget(self) -> None:
