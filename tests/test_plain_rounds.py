@@ -96,7 +96,7 @@ def test_a_lookup_that_finds_nothing_is_a_plain_step(target, monkeypatch, sampli
     assert out.stats.target_forwards == out.stats.rounds + 1
     assert lookups and len(values) == len(lookups)                  # each empty lookup priced in the gate
     if dec.context_costs is not None:
-        assert all(v == -dec.context_costs.lookup_ms for v in values)
+        assert all(v == -dec.context_costs.graft_ms for v in values)
 
 
 def test_the_plain_loop_makes_no_tree(target, monkeypatch):

@@ -23,8 +23,7 @@ def test_the_figures_reach_the_policys_and_the_context_gates_costs(target, fresh
     dec = TreeDecoder(target, head_and_context(target), policy="learned", attention="sdpa")
     for costs in (dec.policy.costs, dec.context_costs):
         assert (costs.round_ms, costs.graft_ms) == (FIXED_ROUND_PRICES["round_ms"], FIXED_ROUND_PRICES["graft_ms"])
-        assert (costs.lookup_ms, costs.context_round_ms) == (FIXED_ROUND_PRICES["lookup_ms"],
-                                                             FIXED_ROUND_PRICES["context_round_ms"])
+        assert costs.context_round_ms == FIXED_ROUND_PRICES["context_round_ms"]
     assert "measured in this run" in dec.round_prices
     # priced into the round: the policy's draft time starts with the round's own work
     dec.policy.begin_round()
@@ -83,7 +82,7 @@ def test_measuring_runs_drafted_rounds_and_prices_what_the_levels_leave_out(targ
     costs.on_stale = stale_flags.append
     costs.verify = {n: ms / 1000 for n, ms in costs.verify.items()}   # any round now looks 1000x slow
     context_costs = dec.context_costs
-    context_costs.lookup_ms, context_costs.context_round_ms = 7.0, 9.0
+    context_costs.context_round_ms = 9.0
     before = (costs.round_ms, costs.graft_ms, list(costs._plain), list(costs._any))
     from mcsd.drafting.context import ContextDrafter
     looked = []
@@ -99,8 +98,28 @@ def test_measuring_runs_drafted_rounds_and_prices_what_the_levels_leave_out(targ
     assert set(figures) == set(round_prices.FIGURES)
     assert all(0 <= v < 1e4 for v in figures.values())
     assert (costs.round_ms, costs.graft_ms, costs._plain, costs._any) == before   # its rounds left no trace
-    assert (context_costs.lookup_ms, context_costs.context_round_ms) == (7.0, 9.0)
+    assert context_costs.context_round_ms == 9.0
     assert costs.stale is None and not stale_flags
     assert looked                               # rounds that drafted nothing looked up on the repeated prompt
     assert not {"graft", "choose_under_root", "grafted"} & set(vars(dec.context)) and "_round" not in vars(dec)
     assert not {"begin_round", "rounds_to_draft"} & set(vars(dec.policy))   # the policy's own methods again
+
+
+def test_the_context_gate_hears_a_graft_at_its_rounds_price():
+    """A graft beneath a root alone is worth its accepted nodes less its rows, its lookup and the round
+    of the root and its graft (`context_round_ms`); beneath a drafted tree, whose round is made anyway,
+    and where the lookup found nothing, no such round is charged."""
+    from mcsd.costs.cost_model import Costs
+    from mcsd.decoding.propose import Proposer
+    from mcsd.drafting.context import ContextDrafter
+    from mcsd.drafting.policies.static import StaticPolicy
+    from mcsd.core.tree import TreeTopology
+    costs = Costs({1: 10.0, 2: 10.5, 64: 41.5}, {1: 1.0})
+    costs.graft_ms, costs.context_round_ms = 0.2, 1.5
+    proposer = Proposer(StaticPolicy(TreeTopology.from_spec("")), None, ContextDrafter(), 0, costs)
+    heard = []
+    proposer.context_gate.observe = lambda value, step_ms=None: heard.append(value)
+    proposer._value_context(1, 1, 3)                    # the root alone and two grafted nodes, one accepted
+    proposer._value_context(1, 3, 5)                    # the same beneath a drafted tree of three
+    proposer._value_context(0, 1, 1)                    # nothing found
+    assert heard == pytest.approx([10.0 - 1.0 - 0.2 - 1.5, 10.0 - 1.0 - 0.2, -0.2])

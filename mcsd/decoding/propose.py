@@ -172,7 +172,7 @@ class Proposer:
             if left and graft.tree.size == drafted.size:
                 # left after its first level and nothing found: the lookup's price into the gate, and the
                 # round is the plain loop's step (a tree of the root alone would cost its verify machinery)
-                self._value_context(0, drafted.size, drafted.size, plain=True)
+                self._value_context(0, drafted.size, drafted.size)
                 self._left(drafted)
                 return None
             grown = grown.with_graft(graft)
@@ -187,7 +187,7 @@ class Proposer:
         costs = self.context_costs
         choice = self.context.choose_under_root(sequence, round_ms(None, costs), costs, max_nodes=context_nodes)
         if choice is None:
-            self._value_context(0, 1, 1, plain=True)
+            self._value_context(0, 1, 1)
             return None
         drafted = DraftTree.root_only(self.policy.topology, sequence[-1])
         graft = self.context.grafted(drafted, choice)
@@ -254,19 +254,18 @@ class Proposer:
         rounds that do not graft skips the top-k."""
         return self.context is not None and (proposal.graft is not None or self.context_gate.will_open())
 
-    def _value_context(self, accepted: int, base: int, size: int, plain: bool = False) -> None:
+    def _value_context(self, accepted: int, base: int, size: int) -> None:
         """What a grafting round was worth, into the context gate (needs costs): its `accepted` grafted
         nodes at a step each, less the verify of the nodes it grafted (the tree of `base` nodes grown to
-        `size`), the lookup and merge, and for a tree of the root alone and its graft that round's own
-        work; with `plain` (the lookup found nothing and the round is the plain loop's step) what such a
-        lookup costs a round."""
+        `size`; none where the lookup found nothing) and the lookup, and for a tree of the root alone
+        and its graft that round's own work."""
         costs = self.context_costs
         if costs is None:
             return
         step = costs.verify_ms(1)
-        spent = costs.lookup_ms if plain else (costs.verify_ms(size) - costs.verify_ms(base) + costs.graft_ms
-                                               + (costs.context_round_ms if base == 1 else 0.0))
-        self.context_gate.observe(accepted * step - spent, step)
+        own = costs.context_round_ms if base == 1 < size else 0.0
+        self.context_gate.observe(accepted * step - (costs.verify_ms(size) - costs.verify_ms(base))
+                                  - costs.graft_ms - own, step)
 
     def record(self, stats) -> None:
         """The proposers' totals into a `GenerationStats`."""

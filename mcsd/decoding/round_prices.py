@@ -13,16 +13,14 @@ drafting its levels: `LearnedPolicy.every_round`), greedy and sampled, times eac
   levels' prices, its extra rows' verify price and its graft (under sampling the draws and the
   acceptance over every node cost more than under greedy matching);
 - `graft_ms`: per graft, the context drafter's lookup and merge;
-- `lookup_ms`: a round that drafts nothing whose lookup finds nothing, beyond a plain step (the
-  lookup, and the target's forward after it, which runs slower than one straight after the last);
 - `context_round_ms` (greedy) and `context_round_ms_sampled`: a round that drafts nothing but
   grafts, beyond a plain step, its lookup and merge, and its extra rows' verify price (the tree of
   the root and its graft made, verified and accepted where a plain step makes none).
 
 They are measured once per (profile, policy, drafters) and cached beside the profile, so a
 command's trees, and its text in bfloat16, repeat from run to run on the same machine: decisions
-read these fixed figures, never this run's clock. `Costs.round_ms`, `graft_ms`, `lookup_ms` and
-`context_round_ms` carry them to the learned policy's gate and tree growth, to the context gate and
+read these fixed figures, never this run's clock. `Costs.round_ms`, `graft_ms` and `context_round_ms`
+carry them to the learned policy's gate and tree growth, to the context gate and
 to the context drafter's choice beneath a root alone.
 """
 
@@ -40,8 +38,9 @@ from ..costs import store
 
 PROMPT_TOKENS = 96                 # a fixed pseudo-random prompt: the prefix a measured round reads
 NEW_TOKENS = 64                    # tokens generated; every round drafts, so about 25-50 drafted rounds
+CONTEXT_TOKENS = 128               # ... where every other round looks up: about 60 lookups, some grafting
 VERSION = 4                        # of what is measured; a cached figure of another version is measured again
-FIGURES = ("round_ms", "round_ms_sampled", "graft_ms", "lookup_ms", "context_round_ms", "context_round_ms_sampled")
+FIGURES = ("round_ms", "round_ms_sampled", "graft_ms", "context_round_ms", "context_round_ms_sampled")
 
 
 def cache_path(decoder) -> Path:
@@ -100,7 +99,7 @@ def apply(decoder, calibrate: bool | None = None) -> tuple[dict | None, str | No
         return None, "not measured (calibrate=False and none cached)"
     return figures, (f"a drafted round {figures['round_ms']:.2f} ms beyond a plain step and its levels' and "
                      f"rows' prices greedy, {figures['round_ms_sampled']:.2f} ms sampled, a context graft "
-                     f"{figures['graft_ms']:.2f} ms, a lookup that finds nothing {figures['lookup_ms']:.2f} ms, "
+                     f"{figures['graft_ms']:.2f} ms, "
                      f"a round of the root and its graft {figures['context_round_ms']:.2f} / "
                      f"{figures['context_round_ms_sampled']:.2f} ms ({how})")
 
@@ -114,7 +113,7 @@ def use(decoder, greedy: bool) -> None:
     for c in (getattr(decoder.policy, "costs", None), decoder.context_costs):
         if c is not None:
             c.round_ms = figures["round_ms" if greedy else "round_ms_sampled"]
-            c.graft_ms, c.lookup_ms = figures["graft_ms"], figures["lookup_ms"]
+            c.graft_ms = figures["graft_ms"]
             c.context_round_ms = figures["context_round_ms" if greedy else "context_round_ms_sampled"]
 
 
@@ -131,11 +130,11 @@ def measure(decoder, costs) -> dict:
       the median over the generation's drafted rounds but its first (whose catch-up reads the prompt's
       states, once a generation); a graft's, the mean of its grafts (most find little, a few build a
       deep trie);
-    - with context drafting, rounds that draft nothing (the policy kept from drafting), every one
-      looking up, on the prompt's first third repeated, so that the lookups find continuations as well
-      as nothing: a lookup that
-      finds nothing, the median of those rounds' time less a plain step; a round that grafts, the
-      median of its time less a plain step, its lookup and merge, and its extra rows' verify price.
+    - with context drafting, rounds that draft nothing (the policy kept from drafting), every other
+      one looking up, on the prompt's first third repeated, so that the lookups find continuations:
+      a round that grafts, timed against the mean of the plain steps on either side of it (the
+      machine's speed drifts over a generation by more than such a round's own work), less its
+      lookup and merge and its extra rows' verify price; the median of those.
     """
     policy = decoder.policy
     vocab = decoder.target.model.get_input_embeddings().weight.shape[0]
@@ -159,7 +158,7 @@ def measure(decoder, costs) -> dict:
 
     def timed_round(sequence, cfg, gen, proposer, *args, **kwargs):
         if looking:
-            proposer.context_gate.reset()                           # every round looks up
+            proposer.context_gate = looking[0]                      # every other round looks up
         timed.append({"graft_ms": 0.0, "looked": False})
         t0 = time.perf_counter()
         out = lone_round(sequence, cfg, gen, proposer, *args, **kwargs)
@@ -174,8 +173,7 @@ def measure(decoder, costs) -> dict:
         return costs.verify_ms(r["size"]) - costs.verify_ms(1)
 
     def figures(**sampling) -> tuple[float, list[float], list[float], list[float]]:
-        """Under `sampling`: (a drafted round's figure, the grafts' times, the rounds whose lookup found
-        nothing less a plain step, the grafting rounds' own work)."""
+        """Under `sampling`: (a drafted round's figure, the grafts' times, the grafting rounds' own work)."""
         timed.clear()
         decoder.generate_baseline(prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True, **sampling)
         step = statistics.median(r["ms"] for r in timed[1:])
@@ -184,20 +182,21 @@ def measure(decoder, costs) -> dict:
         drafted = [r for r in timed if r.get("priced") is not None][1:]
         beyond = [r["ms"] - step - r["graft_ms"] - r["priced"] - extra_rows(r) for r in drafted]
         grafts = [r["graft_ms"] for r in timed if r["graft_ms"]]
-        lookups, rounds = [], []
+        rounds = []
         if context is not None:
             timed.clear()
-            looking.append(True)
+            looking.append(_EveryOther())
             try:
                 with _drafting_nothing(policy):
-                    decoder.generate(repeated, max_new_tokens=NEW_TOKENS, ignore_eos=True, on_round=on_round,
+                    decoder.generate(repeated, max_new_tokens=CONTEXT_TOKENS, ignore_eos=True, on_round=on_round,
                                      **sampling)
             finally:
                 looking.clear()
-            looked = [r for r in timed[1:] if r["looked"]]
-            lookups = [r["ms"] - step for r in looked if r["size"] == 1]
-            rounds = [r["ms"] - step - r["graft_ms"] - extra_rows(r) for r in looked if r["size"] > 1]
-        return (statistics.median(beyond) if beyond else 0.0), grafts, lookups, rounds
+            for before, r, after in zip(timed[1:], timed[2:], timed[3:]):
+                if r["size"] > 1 and before["size"] == after["size"] == 1 and not (before["looked"] or after["looked"]):
+                    steps = (before["ms"] + after["ms"]) / 2                    # the plain steps beside it
+                    rounds.append(r["ms"] - steps - r["graft_ms"] - extra_rows(r))
+        return (statistics.median(beyond) if beyond else 0.0), grafts, rounds
 
     shared = {id(c): c for c in (costs, getattr(policy, "costs", None), decoder.context_costs) if c is not None}
     decoder._round = timed_round                      # this decoder's own round and context drafter, for now
@@ -215,23 +214,45 @@ def measure(decoder, costs) -> dict:
                     if hasattr(held, name):
                         setattr(held, name, 0.0)
             decoder.generate(prompt, max_new_tokens=8, ignore_eos=True)          # first-call costs out of it
-            greedy, grafts, lookups, rounds = figures()
+            greedy, grafts, rounds = figures()
             # sampled with a nucleus (what a chat client sends): each extra node's filtering and draw
             # lands in the round's figure, a price on the safe side for plain temperature sampling
-            sampled, more, sampled_lookups, sampled_rounds = figures(temperature=1.0, top_p=0.95, seed=0)
+            sampled, more, sampled_rounds = figures(temperature=1.0, top_p=0.95, seed=0)
     finally:
         del decoder._round
         if context is not None:
             del context.graft, context.choose_under_root, context.grafted
     grafts += more
-    lookups += sampled_lookups
 
     def figure(values: list[float], average=statistics.median) -> float:
         return round(max(average(values), 0.0), 4) if values else 0.0
 
     return {"round_ms": figure([greedy]), "round_ms_sampled": figure([sampled]),
-            "graft_ms": figure(grafts, statistics.fmean), "lookup_ms": figure(lookups),
+            "graft_ms": figure(grafts, statistics.fmean),
             "context_round_ms": figure(rounds), "context_round_ms_sampled": figure(sampled_rounds)}
+
+
+class _EveryOther:
+    """The context gate while context rounds are measured: open on every other round, so that each
+    round that looks up sits between two plain steps it is timed against."""
+
+    value = 0.0
+
+    def __init__(self):
+        self.rounds = 0
+
+    def opens(self) -> bool:
+        self.rounds += 1
+        return self.rounds % 2 == 0
+
+    def will_open(self) -> bool:
+        return (self.rounds + 1) % 2 == 0
+
+    def observe(self, value: float, step_ms: float | None = None) -> None:
+        """What a round was worth: not needed to decide anything here."""
+
+    def reset(self) -> None:
+        self.rounds = 0
 
 
 @contextlib.contextmanager
