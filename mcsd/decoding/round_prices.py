@@ -132,9 +132,10 @@ def measure(decoder, costs) -> dict:
       deep trie);
     - with context drafting, rounds that draft nothing (the policy kept from drafting), every other
       one looking up, on the prompt's first third repeated, so that the lookups find continuations:
-      a round that grafts, timed against the mean of the plain steps on either side of it (the
-      machine's speed drifts over a generation by more than such a round's own work), less its
-      lookup and merge and its extra rows' verify price; the median of those.
+      a round that grafts, timed against the plain step before it (the machine's speed drifts over a
+      generation by more than such a round's own work), with what it adds to the step after it (that
+      step runs slower), less its lookup and merge and its extra rows' verify price; the median of
+      those.
     """
     policy = decoder.policy
     vocab = decoder.target.model.get_input_embeddings().weight.shape[0]
@@ -142,7 +143,7 @@ def measure(decoder, costs) -> dict:
     repeated = prompt[:PROMPT_TOKENS // 3].repeat(3)               # the same length: a plain step's price holds
     context = decoder.context
     timed = []                                                      # per round
-    looking = []                                                    # [True] while rounds draft nothing
+    looking = []                                                    # [its gate] while rounds draft nothing
     lone_round = decoder._round
 
     def timing(method):
@@ -172,7 +173,7 @@ def measure(decoder, costs) -> dict:
     def extra_rows(r) -> float:
         return costs.verify_ms(r["size"]) - costs.verify_ms(1)
 
-    def figures(**sampling) -> tuple[float, list[float], list[float], list[float]]:
+    def figures(**sampling) -> tuple[float, list[float], list[float]]:
         """Under `sampling`: (a drafted round's figure, the grafts' times, the grafting rounds' own work)."""
         timed.clear()
         decoder.generate_baseline(prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True, **sampling)
@@ -194,8 +195,9 @@ def measure(decoder, costs) -> dict:
                 looking.clear()
             for before, r, after in zip(timed[1:], timed[2:], timed[3:]):
                 if r["size"] > 1 and before["size"] == after["size"] == 1 and not (before["looked"] or after["looked"]):
-                    steps = (before["ms"] + after["ms"]) / 2                    # the plain steps beside it
-                    rounds.append(r["ms"] - steps - r["graft_ms"] - extra_rows(r))
+                    # beyond the plain step before it, with what it adds to the step after it
+                    beyond_steps = (r["ms"] - before["ms"]) + (after["ms"] - before["ms"])
+                    rounds.append(beyond_steps - r["graft_ms"] - extra_rows(r))
         return (statistics.median(beyond) if beyond else 0.0), grafts, rounds
 
     shared = {id(c): c for c in (costs, getattr(policy, "costs", None), decoder.context_costs) if c is not None}
@@ -234,7 +236,7 @@ def measure(decoder, costs) -> dict:
 
 class _EveryOther:
     """The context gate while context rounds are measured: open on every other round, so that each
-    round that looks up sits between two plain steps it is timed against."""
+    round that looks up sits between two plain steps."""
 
     value = 0.0
 
