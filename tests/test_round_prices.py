@@ -9,8 +9,13 @@ from conftest import FIXED_ROUND_PRICES
 from test_feature_draft import random_head
 
 from mcsd import TreeDecoder
+from mcsd.core.tree import TreeTopology
+from mcsd.costs.cost_model import Costs
 from mcsd.decoding import round_prices
+from mcsd.decoding.propose import Proposer
+from mcsd.drafting.context import ContextDrafter
 from mcsd.drafting.feature_draft import FeatureDrafter
+from mcsd.drafting.policies.static import StaticPolicy
 
 PROMPT = torch.tensor([3, 17, 42, 5, 9, 11])
 
@@ -84,7 +89,6 @@ def test_measuring_runs_drafted_rounds_and_prices_what_the_levels_leave_out(targ
     context_costs = dec.context_costs
     context_costs.context_round_ms = 9.0
     before = (costs.round_ms, costs.graft_ms, list(costs._plain), list(costs._any))
-    from mcsd.drafting.context import ContextDrafter
     looked = []
     lookup = ContextDrafter.choose_under_root
 
@@ -109,11 +113,6 @@ def test_the_context_gate_hears_a_graft_at_its_rounds_price():
     """A graft beneath a root alone is worth its accepted nodes less its rows, its lookup and the round
     of the root and its graft (`context_round_ms`); beneath a drafted tree, whose round is made anyway,
     and where the lookup found nothing, no such round is charged."""
-    from mcsd.costs.cost_model import Costs
-    from mcsd.decoding.propose import Proposer
-    from mcsd.drafting.context import ContextDrafter
-    from mcsd.drafting.policies.static import StaticPolicy
-    from mcsd.core.tree import TreeTopology
     costs = Costs({1: 10.0, 2: 10.5, 64: 41.5}, {1: 1.0})
     costs.graft_ms, costs.context_round_ms = 0.2, 1.5
     proposer = Proposer(StaticPolicy(TreeTopology.from_spec("")), None, ContextDrafter(), 0, costs)

@@ -33,7 +33,8 @@ class Costs:
     timings; the learned policy leaves it off unless asked (`online_costs`).
 
     `round_ms`, `graft_ms` and `context_round_ms` are what a drafted round, a context graft and a
-    round of the root and its graft cost in decoding beyond the forwards the profile times (measured on the decoder's own rounds, fixed for a run).
+    round of the root and its graft cost in decoding beyond the forwards the profile times
+    (measured on the decoder's own rounds, fixed for a run).
 
     Whether or not it corrects, every observed verify round is checked against
     the profile: when the median of the last `STALE_ROUNDS` plain (1-row)

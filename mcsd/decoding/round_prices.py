@@ -7,7 +7,8 @@ per level, the draws, the tree's bookkeeping, and the context graft's lookups. P
 alone, a drafted round looked 2-3x cheaper than it ran, so the gates drafted where drafting loses.
 
 `measure` runs the decoder itself on a fixed prompt for a few dozen drafted rounds (every round
-drafting its levels: `LearnedPolicy.every_round`), greedy and sampled, times each round, and returns
+drafting its levels: `LearnedPolicy.every_round`) and, with context drafting, for rounds that draft
+nothing but look up (every other one), greedy and sampled, times each round, and returns
 
 - `round_ms` (greedy) and `round_ms_sampled`: what a drafted round takes beyond a plain step, its
   levels' prices, its extra rows' verify price and its graft (under sampling the draws and the
