@@ -150,7 +150,6 @@ def measure(decoder, costs) -> dict:
     def timing(method):
         """`method` of the context drafter, its time added to the round's lookups and merges."""
         def timed_call(*args, **kwargs):
-            timed[-1]["looked"] = True
             t0 = time.perf_counter()
             try:
                 return method(*args, **kwargs)
@@ -161,7 +160,7 @@ def measure(decoder, costs) -> dict:
     def timed_round(sequence, cfg, gen, proposer, *args, **kwargs):
         if looking:
             proposer.context_gate = looking[0]                      # every other round looks up
-        timed.append({"graft_ms": 0.0, "looked": False})
+        timed.append({"graft_ms": 0.0})
         t0 = time.perf_counter()
         out = lone_round(sequence, cfg, gen, proposer, *args, **kwargs)
         timed[-1]["ms"] = (time.perf_counter() - t0) * 1000
@@ -194,11 +193,10 @@ def measure(decoder, costs) -> dict:
                                      **sampling)
             finally:
                 looking.clear()
-            for before, r, after in zip(timed[1:], timed[2:], timed[3:]):
-                if r["size"] > 1 and before["size"] == after["size"] == 1 and not (before["looked"] or after["looked"]):
-                    # beyond the plain step before it, with what it adds to the step after it
-                    beyond_steps = (r["ms"] - before["ms"]) + (after["ms"] - before["ms"])
-                    rounds.append(beyond_steps - r["graft_ms"] - extra_rows(r))
+            # a round that grafted sits between two plain steps (the gate opens every other round): beyond
+            # the step before it, with what it adds to the step after it
+            rounds = [(r["ms"] - before["ms"]) + (after["ms"] - before["ms"]) - r["graft_ms"] - extra_rows(r)
+                      for before, r, after in zip(timed[1:], timed[2:], timed[3:]) if r["size"] > 1]
         return (statistics.median(beyond) if beyond else 0.0), grafts, rounds
 
     shared = {id(c): c for c in (costs, getattr(policy, "costs", None), decoder.context_costs) if c is not None}
@@ -213,9 +211,7 @@ def measure(decoder, costs) -> dict:
                 stack.enter_context(every_round())
             for held in shared.values():
                 stack.enter_context(held.held())
-                for name in FIGURES:
-                    if hasattr(held, name):
-                        setattr(held, name, 0.0)
+                held.round_ms = held.graft_ms = held.context_round_ms = 0.0
             decoder.generate(prompt, max_new_tokens=8, ignore_eos=True)          # first-call costs out of it
             greedy, grafts, rounds = figures()
             # sampled with a nucleus (what a chat client sends): each extra node's filtering and draw

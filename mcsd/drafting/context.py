@@ -597,9 +597,8 @@ class ContextDrafter:
 
         push_kids(nodes[0], 1.0)
         tokens, parents, logp = [], [], []
-        tokens_now, ms_now, n_now = max(expected_tokens, 1.0), max(round_ms, 1e-3), n_tree
-        if costs is not None:
-            ms_now += fixed_ms
+        tokens_base, ms_base = max(expected_tokens, 1.0), max(round_ms, 1e-3)
+        tokens_now, ms_now, n_now = tokens_base, ms_base + (fixed_ms if costs is not None else 0.0), n_tree
         while heap and len(tokens) < max_nodes:
             _, _, kid, parent, s = heapq.heappop(heap)
             if costs is not None:
@@ -616,10 +615,9 @@ class ContextDrafter:
                         + math.log(max(kid.cond, 1e-6)))
             proposed[kid.tree_idx] = kid.keys
             push_kids(kid, s)
-        base_tokens = max(expected_tokens, 1.0)
-        if tokens and costs is not None and fixed_ms > 0 and tokens_now * max(round_ms, 1e-3) <= base_tokens * ms_now:
+        if tokens and costs is not None and tokens_now * ms_base <= tokens_base * ms_now:   # not with fixed_ms
             return [], [], [], {i: keys for i, keys in proposed.items() if i < n_tree}, 0.0
-        return tokens, parents, logp, proposed, tokens_now - base_tokens
+        return tokens, parents, logp, proposed, tokens_now - tokens_base
 
     # ---------------------------------------------------------------- learning
 
