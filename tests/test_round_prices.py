@@ -109,6 +109,30 @@ def test_measuring_runs_drafted_rounds_and_prices_what_the_levels_leave_out(targ
     assert not {"begin_round", "rounds_to_draft"} & set(vars(dec.policy))   # the policy's own methods again
 
 
+def _round(ms, size=1, graft_ms=0.0, priced=None):
+    return {"ms": ms, "size": size, "graft_ms": graft_ms, "priced": priced}
+
+
+def test_a_round_is_priced_against_the_steps_beside_it_in_the_profiles_ms():
+    """On a machine whose plain steps run 1.5x the profile's (15 ms against 10), a drafted round that
+    took its priced levels, its extra rows and 0.8 profile ms more (all 1.5x), plus its graft's own
+    0.3 ms, and made the step after it 0.6 ms slower, is worth 0.8 + 0.6 / 1.5 beyond (the next, timed
+    against that slower step, 0.8 - 1.2 / 1.5); the first
+    round (the prompt's catch-up), rounds not between two plain steps and, priced as drafted,
+    rounds that only grafted are left out."""
+    costs = Costs({1: 10.0, 3: 11.0}, {1: 1.0})
+    drafted = 15.0 + 1.5 * (2.0 + 1.0 + 0.8) + 0.3              # priced 2.0, extra rows 11 - 10
+    timed = [_round(99.0, 3, priced=2.0), _round(15.0), _round(drafted, 3, 0.3, 2.0), _round(15.6),
+             _round(drafted, 3, 0.3, 2.0), _round(15.0), _round(40.0, 3, 0.3, 2.0), _round(40.0, 3, 0.3, 2.0),
+             _round(15.0), _round(15.0 + 1.5 * (1.0 + 0.4) + 0.2, 3, 0.2), _round(15.0), _round(15.0, 1, 0.1)]
+    assert round_prices.beyond(timed, costs, True) == pytest.approx([0.8 + 0.6 / 1.5, 0.8 - 1.2 / 1.5])
+    # a generation that drafts nothing: each grafting round beyond its rows, priced or not
+    grafting = [_round(99.0, 3, 0.2), _round(15.0), _round(15.0 + 1.5 * (1.0 + 0.4) + 0.2, 3, 0.2), _round(15.0),
+                _round(15.0, 1, 0.1), _round(15.0)]
+    assert round_prices.beyond(grafting, costs, False) == pytest.approx([0.4])
+    assert round_prices.beyond([_round(15.0, 3)] * 4, costs, False) == []     # no plain step to price against
+
+
 def test_the_context_gate_hears_a_graft_at_its_rounds_price():
     """A graft beneath a root alone is worth its accepted nodes less its rows, its lookup and the round
     of the root and its graft (`context_round_ms`); beneath a drafted tree, whose round is made anyway,

@@ -6,9 +6,10 @@ after the target's forward (its weights read back from memory), the policy's fea
 per level, the draws, the tree's bookkeeping, and the context graft's lookups. Priced at its levels
 alone, a drafted round looked 2-3x cheaper than it ran, so the gates drafted where drafting loses.
 
-`measure` runs the decoder itself on a fixed prompt for a few dozen drafted rounds (every round
-drafting its levels: `LearnedPolicy.every_round`) and, with context drafting, for rounds that draft
-nothing but look up (every other one), greedy and sampled, times each round, and returns
+`measure` runs the decoder itself on a fixed prompt, drafting its levels on every other round
+(`LearnedPolicy.every_round`), and, with context drafting, drafting nothing but looking up on every
+other round, greedy and sampled; it times each round against the plain steps beside it, in the
+profile's ms (`beyond`), and returns
 
 - `round_ms` (greedy) and `round_ms_sampled`: what a drafted round takes beyond a plain step, its
   levels' prices, its extra rows' verify price and its graft (under sampling the draws and the
@@ -28,6 +29,7 @@ to the context drafter's choice beneath a root alone.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import statistics
 import time
@@ -38,9 +40,9 @@ import torch
 from ..costs import store
 
 PROMPT_TOKENS = 96                 # a fixed pseudo-random prompt: the prefix a measured round reads
-NEW_TOKENS = 64                    # tokens generated; every round drafts, so about 25-50 drafted rounds
+NEW_TOKENS = 128                   # tokens generated; every other round drafts: about 15-45 drafted rounds
 CONTEXT_TOKENS = 128               # ... where every other round looks up: about 60 lookups, some grafting
-VERSION = 4                        # of what is measured; a cached figure of another version is measured again
+VERSION = 5                        # of what is measured; a cached figure of another version is measured again
 FIGURES = ("round_ms", "round_ms_sampled", "graft_ms", "context_round_ms", "context_round_ms_sampled")
 
 
@@ -124,19 +126,16 @@ def measure(decoder, costs) -> dict:
     Uses `decoder.policy` and the decoder's context drafter where it has one, `costs` (the ones
     they read) with every figure at 0 meanwhile; its rounds leave the costs as they were
     (`Costs.held`: no correction, no staleness verdict). On a fixed prompt of the target's
-    vocabulary, greedy and sampled (temperature 1, top-p 0.95, a fixed seed), each round timed
-    against a plain step (the median step of `generate_baseline` on the same prompt and settings):
-    - a drafted round's figure (every round drafting its levels): its time less a plain step, its
-      graft's, its levels' prices and its extra rows' verify price (`verify_ms(size) - verify_ms(1)`),
-      the median over the generation's drafted rounds but its first (whose catch-up reads the prompt's
-      states, once a generation); a graft's, the mean of its grafts (most find little, a few build a
-      deep trie);
+    vocabulary, greedy and sampled (temperature 1, top-p 0.95, a fixed seed), rounds that draft or
+    graft alternating with plain steps, each priced against the steps beside it (`beyond`):
+    - a drafted round's figure (every other round drafting its levels, as a shut gate's probe follows
+      a plain step): beyond its levels' prices, its graft's and its extra rows' verify price, the
+      median over the generation's drafted rounds; a graft's, the mean of its grafts (most find
+      little, a few build a deep trie);
     - with context drafting, rounds that draft nothing (the policy kept from drafting), every other
       one looking up, on the prompt's first third repeated, so that the lookups find continuations:
-      a round that grafts, timed against the plain step before it (the machine's speed drifts over a
-      generation by more than such a round's own work), with what it adds to the step after it (that
-      step runs slower), less its lookup and merge and its extra rows' verify price; the median of
-      those.
+      a round that grafts, beyond its lookup and merge and its extra rows' verify price; the median
+      of those.
     """
     policy = decoder.policy
     vocab = decoder.target.model.get_input_embeddings().weight.shape[0]
@@ -170,45 +169,35 @@ def measure(decoder, costs) -> dict:
         drafted = int(tree.depth.max()) > 0 and getattr(policy, "gate", None) is not None and policy.gate.ran
         timed[-1].update(size=tree.size, priced=policy._draft_ms if drafted else None)
 
-    def extra_rows(r) -> float:
-        return costs.verify_ms(r["size"]) - costs.verify_ms(1)
+    def generation(tokens, new_tokens, drafting, sampling) -> None:
+        """One generation, its rounds timed, every other round looking up (with context drafting) and,
+        under `drafting`, drafting, the rounds between being plain steps."""
+        timed.clear()
+        looking.append(_EveryOther())
+        try:
+            with drafting(policy):
+                decoder.generate(tokens, max_new_tokens=new_tokens, ignore_eos=True, on_round=on_round, **sampling)
+        finally:
+            looking.clear()
 
     def figures(**sampling) -> tuple[float, list[float], list[float]]:
         """Under `sampling`: (a drafted round's figure, the grafts' times, the grafting rounds' own work)."""
-        timed.clear()
-        decoder.generate_baseline(prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True, **sampling)
-        step = statistics.median(r["ms"] for r in timed[1:])
-        timed.clear()
-        decoder.generate(prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True, on_round=on_round, **sampling)
-        drafted = [r for r in timed if r.get("priced") is not None][1:]
-        beyond = [r["ms"] - step - r["graft_ms"] - r["priced"] - extra_rows(r) for r in drafted]
+        generation(prompt, NEW_TOKENS, _drafting_every_other, sampling)
+        drafted = beyond(timed, costs, True)
         grafts = [r["graft_ms"] for r in timed if r["graft_ms"]]
         rounds = []
         if context is not None:
-            timed.clear()
-            looking.append(_EveryOther())
-            try:
-                with _drafting_nothing(policy):
-                    decoder.generate(repeated, max_new_tokens=CONTEXT_TOKENS, ignore_eos=True, on_round=on_round,
-                                     **sampling)
-            finally:
-                looking.clear()
-            # a round that grafted sits between two plain steps (the gate opens every other round): beyond
-            # the step before it, with what it adds to the step after it
-            rounds = [(r["ms"] - before["ms"]) + (after["ms"] - before["ms"]) - r["graft_ms"] - extra_rows(r)
-                      for before, r, after in zip(timed[1:], timed[2:], timed[3:]) if r["size"] > 1]
-        return (statistics.median(beyond) if beyond else 0.0), grafts, rounds
+            generation(repeated, CONTEXT_TOKENS, _drafting_nothing, sampling)
+            rounds = beyond(timed, costs, False)
+        return (statistics.median(drafted) if drafted else 0.0), grafts, rounds
 
     shared = {id(c): c for c in (costs, getattr(policy, "costs", None), decoder.context_costs) if c is not None}
     decoder._round = timed_round                      # this decoder's own round and context drafter, for now
     if context is not None:
         context.graft = timing(context.graft)
         context.choose_under_root, context.grafted = timing(context.choose_under_root), timing(context.grafted)
-    every_round = getattr(policy, "every_round", None)           # every round drafts its levels, to be timed
     try:
         with contextlib.ExitStack() as stack:
-            if every_round is not None:
-                stack.enter_context(every_round())
             for held in shared.values():
                 stack.enter_context(held.held())
                 held.round_ms = held.graft_ms = held.context_round_ms = 0.0
@@ -229,6 +218,28 @@ def measure(decoder, costs) -> dict:
     return {"round_ms": figure([greedy]), "round_ms_sampled": figure([sampled]),
             "graft_ms": figure(grafts, statistics.fmean),
             "context_round_ms": figure(rounds), "context_round_ms_sampled": figure(sampled_rounds)}
+
+
+def beyond(timed: list[dict], costs, drafted: bool) -> list[float]:
+    """Of a generation's timed rounds (each {"ms", "size", "graft_ms", "priced": its levels' price
+    where it drafted, else None}), each that drafted (`drafted`) or, in a generation that drafts
+    nothing, grafted, and sits between two plain steps: what it took beyond the step before it, with
+    what it added to the step after it (that step runs slower), less its lookups and merges, in the
+    profile's ms (the generation's median plain step against the profile's `verify_ms(1)`: decoding runs
+    slower than the profile's forwards where the host's own work or the memory traffic between forwards
+    is larger, and the decisions weigh these figures against the profile's prices), less its priced
+    levels and its extra rows' verify price. The first round is no step before anything: a
+    generation's first rounds read the prompt's states."""
+    plain = {id(r): r["ms"] for r in timed[1:] if r["size"] == 1 and not r["graft_ms"]}
+    if not plain:
+        return []
+    scale = statistics.median(plain.values()) / costs.verify_ms(1)
+    out = []
+    for before, r, after in zip(timed[1:], timed[2:], timed[3:]):
+        if id(before) in plain and id(after) in plain and r["size"] > 1 and (r["priced"] is not None or not drafted):
+            out.append(((r["ms"] - before["ms"]) + (after["ms"] - before["ms"]) - r["graft_ms"]) / scale
+                       - (r["priced"] if drafted else 0.0) - (costs.verify_ms(r["size"]) - costs.verify_ms(1)))
+    return out
 
 
 class _EveryOther:
@@ -252,6 +263,22 @@ class _EveryOther:
 
     def reset(self) -> None:
         self.rounds = 0
+
+
+@contextlib.contextmanager
+def _drafting_every_other(policy):
+    """Within (one generation): `policy` drafts its levels on every other round (`every_round` where it
+    has it: no gate, no first-level test) and says the next round may draft (`rounds_to_draft`), so the
+    plain steps between take the target's features: each drafted round follows a plain step, as a
+    probe of a shut gate does, and is timed against it."""
+    own, rounds = policy.begin_round, itertools.count(1)
+    policy.begin_round = lambda: own() if next(rounds) % 2 == 0 else 0
+    policy.rounds_to_draft = lambda: 0
+    try:
+        with getattr(policy, "every_round", contextlib.nullcontext)():
+            yield policy
+    finally:
+        del policy.begin_round, policy.rounds_to_draft
 
 
 @contextlib.contextmanager
