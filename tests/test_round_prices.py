@@ -78,7 +78,7 @@ def test_a_corrupt_cache_file_is_measured_again(target, fresh_cache):
 
 @pytest.mark.measures
 def test_measuring_runs_drafted_rounds_and_prices_what_the_levels_leave_out(target, fresh_cache):
-    """On the decoder's own rounds (every one drafted, then none with context drafting alone): every
+    """On the decoder's own rounds (every other one drafted, then none with context drafting alone): every
     figure is non-negative and finite, and the measurement leaves the decoder's costs, policy and
     context drafter as they were."""
     dec = TreeDecoder(target, head_and_context(target), policy="learned", attention="sdpa")
@@ -131,6 +131,11 @@ def test_a_round_is_priced_against_the_steps_beside_it_in_the_profiles_ms():
                 _round(15.0, 1, 0.1), _round(15.0)]
     assert round_prices.beyond(grafting, costs, False) == pytest.approx([0.4])
     assert round_prices.beyond([_round(15.0, 3)] * 4, costs, False) == []     # no plain step to price against
+
+
+def test_the_quietest_pass_gives_the_figure():
+    assert round_prices.quietest([[1.0, 2.0, 3.0], [0.5, 0.6, 10.0], []]) == 0.6
+    assert round_prices.quietest([[], []]) is None
 
 
 def test_the_context_gate_hears_a_graft_at_its_rounds_price():

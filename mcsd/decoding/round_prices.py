@@ -42,8 +42,7 @@ from ..costs import store
 PROMPT_TOKENS = 96                 # a fixed pseudo-random prompt: the prefix a measured round reads
 NEW_TOKENS = 128                   # tokens generated; every other round drafts: about 15-45 drafted rounds
 CONTEXT_TOKENS = 128               # ... where every other round looks up: about 60 lookups, some grafting
-PASSES = 3                         # generations of each kind, their rounds pooled: a burst of another
-                                   # process's work lands in a minority of the rounds a median reads
+PASSES = 3                         # generations of each kind, the quietest one's figures kept (`quietest`)
 VERSION = 5                        # of what is measured; a cached figure of another version is measured again
 FIGURES = ("round_ms", "round_ms_sampled", "graft_ms", "context_round_ms", "context_round_ms_sampled")
 
@@ -132,12 +131,12 @@ def measure(decoder, costs) -> dict:
     graft alternating with plain steps, each priced against the steps beside it (`beyond`):
     - a drafted round's figure (every other round drafting its levels, as a shut gate's probe follows
       a plain step): beyond its levels' prices, its graft's and its extra rows' verify price, the
-      median over the generation's drafted rounds; a graft's, the mean of its grafts (most find
-      little, a few build a deep trie);
+      median over a generation's drafted rounds, the least of `PASSES` generations' (`quietest`); a
+      graft's, the mean of its grafts (most find little, a few build a deep trie);
     - with context drafting, rounds that draft nothing (the policy kept from drafting), every other
       one looking up, on the prompt's first third repeated, so that the lookups find continuations:
       a round that grafts, beyond its lookup and merge and its extra rows' verify price; the median
-      of those.
+      of those, likewise the least of `PASSES` generations'.
     """
     policy = decoder.policy
     vocab = decoder.target.model.get_input_embeddings().weight.shape[0]
@@ -187,12 +186,12 @@ def measure(decoder, costs) -> dict:
         drafted, grafts, rounds = [], [], []
         for _ in range(PASSES):
             generation(prompt, NEW_TOKENS, _drafting_every_other, sampling)
-            drafted += beyond(timed, costs, True)
+            drafted.append(beyond(timed, costs, True))
             grafts += [r["graft_ms"] for r in timed if r["graft_ms"]]
             if context is not None:
                 generation(repeated, CONTEXT_TOKENS, _drafting_nothing, sampling)
-                rounds += beyond(timed, costs, False)
-        return (statistics.median(drafted) if drafted else 0.0), grafts, rounds
+                rounds.append(beyond(timed, costs, False))
+        return quietest(drafted), grafts, quietest(rounds)
 
     shared = {id(c): c for c in (costs, getattr(policy, "costs", None), decoder.context_costs) if c is not None}
     decoder._round = timed_round                      # this decoder's own round and context drafter, for now
@@ -215,12 +214,21 @@ def measure(decoder, costs) -> dict:
             del context.graft, context.choose_under_root, context.grafted
     grafts += more
 
-    def figure(values: list[float], average=statistics.median) -> float:
-        return round(max(average(values), 0.0), 4) if values else 0.0
+    def figure(value: float | None) -> float:
+        return round(max(value, 0.0), 4) if value is not None else 0.0
 
-    return {"round_ms": figure([greedy]), "round_ms_sampled": figure([sampled]),
-            "graft_ms": figure(grafts, statistics.fmean),
+    return {"round_ms": figure(greedy), "round_ms_sampled": figure(sampled),
+            "graft_ms": figure(statistics.fmean(grafts) if grafts else None),
             "context_round_ms": figure(rounds), "context_round_ms_sampled": figure(sampled_rounds)}
+
+
+def quietest(passes: list[list[float]]) -> float | None:
+    """The least of the passes' medians (passes without a round left out; None where none has one):
+    another process's work on the machine slows a round that drafts or grafts more than the plain
+    steps beside it (it reads more memory), so a pass run while the machine was busy reads high,
+    and for seconds at a time, which pooling the rounds does not undo."""
+    medians = [statistics.median(p) for p in passes if p]
+    return min(medians) if medians else None
 
 
 def beyond(timed: list[dict], costs, drafted: bool) -> list[float]:
@@ -231,8 +239,8 @@ def beyond(timed: list[dict], costs, drafted: bool) -> list[float]:
     profile's ms (the generation's median plain step against the profile's `verify_ms(1)`: decoding runs
     slower than the profile's forwards where the host's own work or the memory traffic between forwards
     is larger, and the decisions weigh these figures against the profile's prices), less its priced
-    levels and its extra rows' verify price. The first round is no step before anything: a
-    generation's first rounds read the prompt's states."""
+    levels and its extra rows' verify price. A generation's first two rounds are left out (its first
+    drafted round reads the prompt's states, once a generation)."""
     plain = {id(r): r["ms"] for r in timed[1:] if r["size"] == 1 and not r["graft_ms"]}
     if not plain:
         return []
