@@ -92,6 +92,23 @@ def test_confident_model_grows_and_hopeless_model_stops(target):
     assert 1 <= b.draft_forwards <= len(probe_rounds(b.rounds)) < b.rounds // 4
 
 
+def test_a_verify_curve_as_flat_as_amx_tiles_grows_trees_the_vnni_curve_keeps_small(target):
+    """The policy sizes trees by the verify curve it is given, nothing hand-set: on AMX tiles' curve
+    (16 rows 1.15x one, docs/results.md) it verifies several times the nodes a round that it does on
+    AVX512-VNNI's (16 rows 3.8x one), for the same acceptance, and the text stays plain decoding's."""
+    ref = TreeDecoder(target, None, attention="sdpa").generate_baseline(PROMPT, max_new_tokens=40).tokens
+    curves = {"amx": {1: 7.35, 4: 7.56, 8: 7.93, 16: 8.47, 64: 20.0},
+              "avx512vnni": {1: 4.49, 2: 4.85, 4: 5.55, 9: 10.79, 16: 17.08, 64: 60.0}}
+    nodes = {}
+    for isa, verify in curves.items():
+        costs = fixed(Costs(verify=verify, draft={1: 0.3, 16: 0.4}, source="measured"))
+        policy = LearnedPolicy(TreeTopology.from_spec("4,3,2,2,1"), model=constant_model(0.6), costs=costs)
+        out = TreeDecoder(target, target, policy=policy, attention="sdpa").generate(PROMPT, max_new_tokens=40)
+        assert out.tokens == ref
+        nodes[isa] = out.stats.tree_nodes / out.stats.rounds
+    assert nodes["amx"] >= 2 * nodes["avx512vnni"] > 0
+
+
 def test_draft_gate_skips_rounds_and_stays_exact(target):
     """With a costly draft, losing rounds switch drafting off for a while; the
     draft catches up on the tokens it skipped and the output stays exact."""
