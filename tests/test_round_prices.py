@@ -117,9 +117,8 @@ def test_a_round_is_priced_against_the_steps_beside_it_in_the_profiles_ms():
     """On a machine whose plain steps run 1.5x the profile's (15 ms against 10), a drafted round that
     took its priced levels, its extra rows and 0.8 profile ms more (all 1.5x), plus its graft's own
     0.3 ms, and made the step after it 0.6 ms slower, is worth 0.8 + 0.6 / 1.5 beyond (the next, timed
-    against that slower step, 0.8 - 1.2 / 1.5); the first
-    round (the prompt's catch-up), rounds not between two plain steps and, priced as drafted,
-    rounds that only grafted are left out."""
+    against that slower step, 0.8 - 1.2 / 1.5); the first round (the prompt's catch-up), rounds not
+    between two plain steps and, priced as drafted, rounds that only grafted are left out."""
     costs = Costs({1: 10.0, 3: 11.0}, {1: 1.0})
     drafted = 15.0 + 1.5 * (2.0 + 1.0 + 0.8) + 0.3              # priced 2.0, extra rows 11 - 10
     timed = [_round(99.0, 3, priced=2.0), _round(15.0), _round(drafted, 3, 0.3, 2.0), _round(15.6),

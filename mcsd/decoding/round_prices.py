@@ -144,7 +144,7 @@ def measure(decoder, costs) -> dict:
     repeated = prompt[:PROMPT_TOKENS // 3].repeat(3)               # the same length: a plain step's price holds
     context = decoder.context
     timed = []                                                      # per round
-    looking = []                                                    # [its gate] while rounds draft nothing
+    looking = []                                                    # [the every-other gate] in a timed generation
     lone_round = decoder._round
 
     def timing(method):
