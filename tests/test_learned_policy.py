@@ -289,6 +289,36 @@ def test_exported_sklearn_models_predict_like_sklearn(kind, tmp_path):
     assert np.mean(np.abs(ours - theirs) < 1e-4) > 0.99
 
 
+@pytest.mark.parametrize("kind", ["logistic", "logistic on a subset", "gbt"])
+def test_a_levels_acceptance_is_the_models_prediction_on_its_features(kind):
+    """`level_proba` (a logistic model's score summed column by column, its scaler folded into the
+    weights) predicts what `predict_proba` does on `level_features`, for every column a model may read
+    or leave out, on flat, peaked and filtered distributions, with and without a temperature's shift."""
+    from sklearn.ensemble import GradientBoostingClassifier
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+    from mcsd.drafting.policies.acceptance import level_features
+    rng = np.random.default_rng(1)
+    names = list(FEATURE_NAMES) if kind != "logistic on a subset" else ["entropy", "rank", "q_rank", "depth"]
+    x = rng.normal(size=(600, len(names))).astype(np.float32)
+    y = (x[:, 0] - 0.7 * x[:, 2] + rng.normal(scale=0.5, size=600) > 0).astype(int)
+    est = (GradientBoostingClassifier(n_estimators=10, max_depth=3) if kind == "gbt"
+           else make_pipeline(StandardScaler(), LogisticRegression()))
+    model = AcceptanceModel(export_sklearn(est.fit(x, y), feature_names=names))
+    g = torch.Generator().manual_seed(0)
+    for trial in range(12):
+        f, k, v = 1 + trial % 3, 1 + trial % 4, (50, 8192)[trial % 2]
+        probs = (torch.randn(f, v, generator=g) * (1 + trial)).softmax(-1)
+        if trial % 3 == 0:
+            probs[:, v // 3:] = 0                                          # a filtered distribution
+        logp, parent = -5 * torch.rand(f, generator=g), torch.rand(f, generator=g)
+        shift = 0.0 if trial % 2 else -0.43
+        want = model.predict_proba(level_features(probs, logp, trial % 3, k, parent, 0.37), shift)
+        got = model.level_proba(probs, logp, trial % 3, k, parent, 0.37, shift)
+        assert got.shape == (f, k) and torch.allclose(got, want, rtol=0, atol=2e-6)
+
+
 @pytest.mark.parametrize("edit, fragment", [
     (lambda s: s.update(format="pickle"), "not an mcsd acceptance model"),
     (lambda s: s.update(version=99), "not an mcsd acceptance model"),

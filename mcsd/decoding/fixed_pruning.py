@@ -4,7 +4,7 @@ The loop asks `LearnedPolicy` level by level which children to grow (`expand`, a
 while the expected tokens per millisecond rise) and whether to run the next draft level
 (`continue_drafting`); both read the draft's probabilities on the host. Here the fixed-shape round
 drafts the policy's whole topology (at most 64 nodes) and the same decisions are made on the device
-over it: a level's candidates get the same features (`level_features`), the same acceptance model
+over it: a level's candidates get the same acceptance (`AcceptanceModel.level_proba`), the same model
 (its parameters moved to the device once), the same best-first choice (`choose_best_first`, float64
 sums from the left as `_choose` adds them) and the same stop rule, with costs from tables of the
 policy's fixed costs. A node the policy would not grow is *pruned*: it stays in the buffers (drafted
@@ -27,7 +27,6 @@ from __future__ import annotations
 import torch
 
 from ..core.static_tree import StaticTree
-from ..drafting.policies.acceptance import level_features
 from ..drafting.policies.learned import LearnedPolicy, choose_best_first
 
 
@@ -89,10 +88,10 @@ class DevicePruning:
         tree, dev = self.tree, self.device
         parent_row, rank, k = tree.parent_row[depth], tree.rank[depth], tree.fan_out[depth]
         kept_parent, pred_parent, logp_parent = self.kept[-1], self.path_pred[-1], self.logp[-1]
-        x = level_features(probs, logp_parent, depth - 1, k, pred_parent, self.recent)          # (F, k, D)
         allowed = torch.arange(k, device=dev)[None] < self.max_children[depth - 1][:, None]    # (F, k)
         allowed &= kept_parent[:, None]
-        accept = self.model.predict_proba(x, self.policy.shift)                                # (F, k)
+        accept = self.model.level_proba(probs, logp_parent, depth - 1, k, pred_parent, self.recent,
+                                        self.policy.shift)                                      # (F, k)
         path = torch.where(allowed, accept * pred_parent[:, None], 0.0)                          # (F, k)
         counts = choose_best_first(path, self.tokens, self.spent_ms + self._verify(0), self.size,
                                    self.verify_ms)                                              # (F,)

@@ -113,6 +113,8 @@ class AcceptanceModel:
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{source}: malformed acceptance model ({exc})") from None
         self.sampled = _sampled_shifts(spec.get("sampled"), source)
+        self._folded = _folded(self) if self.kind == "logistic" else None
+        self._ranks: dict = {}                       # (k, device) -> (k,) the rank column's term, made once
 
     def logit_shift(self, temperature: float) -> float:
         """What sampling at `temperature` (0: greedy) adds to the model's logit, from the model's
@@ -139,11 +141,40 @@ class AcceptanceModel:
         out.columns = self.columns.to(device)
         if self.kind == "logistic":
             out.mean, out.scale, out.coef = (t.to(device) for t in (self.mean, self.scale, self.coef))
+            out._folded = (self._folded[0], self._folded[1].to(device), self._folded[2])
+            out._ranks = {}
         else:
             out.forest = copy.copy(self.forest)
             for name in ("left", "right", "feature", "threshold", "value", "offset"):
                 setattr(out.forest, name, getattr(self.forest, name).to(device))
         return out
+
+    def level_proba(self, probs: torch.Tensor, logp: torch.Tensor, depth: int, k: int, parent_pred: torch.Tensor,
+                    recent: float, shift: float = 0.0) -> torch.Tensor:
+        """`predict_proba(level_features(probs, logp, depth, k, parent_pred, recent), shift)`: (F, k) one
+        level's candidates' acceptance. A logistic model's score is a weighted sum of the columns, so it
+        is summed here column by column with the weights folded (the scaler's mean and scale in them),
+        each node's own columns once a node and the level's constants on the host: a third of the tensor
+        operations a level (the same values to float32 rounding)."""
+        if self._folded is None:
+            return self.predict_proba(level_features(probs, logp, depth, k, parent_pred, recent), shift)
+        weights, row_weights, bias = self._folded
+        w = dict(zip(FEATURE_NAMES, weights))
+        probs = probs.float()
+        top = torch.topk(probs, max(k, 2), dim=-1).values                                  # (F, k')
+        plogp = (probs * probs.clamp_min(1e-12).log()).sum(-1)                              # (F,) -entropy
+        top1 = top[:, 0]
+        per_node = torch.stack([top1, top1 - top[:, 1], plogp, parent_pred.float()], dim=1)  # (F, 4)
+        const = bias + w["depth"] * (depth + 1) + w["recent_accept"] * recent + shift
+        node = per_node @ row_weights.to(probs.device) + const                              # (F,)
+        q = top[:, :k]                                                                      # (F, k)
+        path_logp = logp.float()[:, None] + q.clamp_min(1e-12).log()
+        key = (k, probs.device)
+        ranks = self._ranks.get(key)
+        if ranks is None:
+            ranks = self._ranks[key] = torch.arange(k, dtype=torch.float32, device=probs.device) * w["rank"]
+        logit = (q * w["q_rank"] + path_logp * w["path_logp"]) + ranks + node[:, None]
+        return torch.sigmoid(logit)
 
     def predict_proba(self, x: torch.Tensor, shift: float = 0.0) -> torch.Tensor:
         """x: (..., len(FEATURE_NAMES)) -> (...) probabilities, `shift` (`logit_shift`) added to the logit."""
@@ -153,6 +184,21 @@ class AcceptanceModel:
         else:
             logit = self.init + self.learning_rate * self.forest(z)
         return torch.sigmoid(logit + shift if shift else logit)
+
+
+def _folded(model: "AcceptanceModel") -> tuple[tuple[float, ...], torch.Tensor, float]:
+    """A logistic model's weights per `FEATURE_NAMES` column with the scaler folded in, coef / scale
+    (0 for a column it does not read), the per-node columns' as a (4,) tensor (top1, margin, minus the
+    entropy, parent_pred), and its bias, intercept - sum(coef x mean / scale)."""
+    coef, mean, scale = (t.double().tolist() for t in (model.coef, model.mean, model.scale))
+    weights = [0.0] * len(FEATURE_NAMES)
+    bias = model.intercept
+    for column, c, m, s in zip(model.columns.tolist(), coef, mean, scale):
+        weights[column] = c / s
+        bias -= c * m / s
+    w = dict(zip(FEATURE_NAMES, weights))
+    rows = torch.tensor([w["top1"], w["margin"], -w["entropy"], w["parent_pred"]], dtype=torch.float32)
+    return tuple(weights), rows, bias
 
 
 def _sampled_shifts(table, source: str) -> tuple[tuple[float, ...], tuple[float, ...]] | None:

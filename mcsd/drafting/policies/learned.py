@@ -32,7 +32,6 @@ from ...core.tree import DraftTree, TreeTopology
 from ...costs.cost_model import Costs
 from .acceptance import (
     AcceptanceModel,
-    candidate_features,
     default_model_path,
     drafter_model_path,
 )
@@ -221,8 +220,9 @@ class LearnedPolicy(TreePolicy):
         t0 = time.perf_counter()
         k = int(frontier.max_children.max())
         parent_pred = self._path_pred[frontier.nodes]                                  # (F,)
-        x = candidate_features(frontier, k, parent_pred, self.recent)                 # (F, k, D)
-        path = self.model.predict_proba(x, self.shift) * parent_pred[:, None]          # (F, k)
+        accept = self.model.level_proba(frontier.probs, frontier.tree.logp[frontier.nodes], frontier.depth, k,
+                                        parent_pred, self.recent, self.shift)          # (F, k)
+        path = accept * parent_pred[:, None]
         allowed = torch.arange(k, device=path.device)[None] < frontier.max_children[:, None]
         path = torch.where(allowed, path, torch.zeros_like(path))
         counts = self._choose(path, frontier.tree.size)
