@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import statistics
 
 from ..forward.kernels import interpolate
 from .profile import DeviceProfile
@@ -148,21 +147,27 @@ class Costs:
         self._overall[kind] = (1 - a) * self._overall[kind] + a * ratio
 
     def _check_stale(self, n: int | None, ratio: float) -> None:
-        checks = [(self._any, STALE_ROUNDS_ANY, STALE_RATIO_ANY, "rounds")]
+        self._slide(self._any, STALE_ROUNDS_ANY, STALE_RATIO_ANY, "rounds", ratio)
         if n == 1:
-            checks.append((self._plain, STALE_ROUNDS, STALE_RATIO, "plain steps"))
-        for window, size, bound, what in checks:
-            window.append(ratio)
-            del window[:-size]
-            if self.stale is None and len(window) == size:
-                mid = statistics.median(window)
-                # off both the profile's own figures and the ratio measuring again confirmed: a machine
-                # whose speed drifts between runs (a VM's) then moves between the two without measuring
-                if all(not 1 / bound < mid / r < bound for r in {1.0, self.expected_ratio}):
-                    self.stale_ratio = mid
-                    way = 'faster' if mid < self.expected_ratio else 'slower'
-                    self.stale = (f"the last {size} {what} took {mid:.2f}x the profile's time (measured {way}"
-                                  + (f" than the {self.expected_ratio:.2f}x expected)" if self.expected_ratio != 1
-                                     else ")"))
-                    if self.on_stale is not None:
-                        self.on_stale(self.stale)
+            self._slide(self._plain, STALE_ROUNDS, STALE_RATIO, "plain steps", ratio)
+
+    def _slide(self, window: list[float], size: int, bound: float, what: str, ratio: float) -> None:
+        """`ratio` into `window` (the last `size`), and the verdict on their median: stale when it is off
+        both the profile's own figures and the ratio measuring again confirmed (a machine whose speed
+        drifts between runs, a VM's, then moves between the two without measuring). Run every round,
+        the plain steps included, so kept to a sort of the window and a few comparisons."""
+        window.append(ratio)
+        if len(window) > size:
+            del window[0]
+        if self.stale is not None or len(window) < size:
+            return
+        ordered = sorted(window)
+        mid = (ordered[(size - 1) // 2] + ordered[size // 2]) / 2          # the median
+        if 1 / bound < mid < bound or 1 / bound < mid / self.expected_ratio < bound:
+            return
+        self.stale_ratio = mid
+        way = 'faster' if mid < self.expected_ratio else 'slower'
+        self.stale = (f"the last {size} {what} took {mid:.2f}x the profile's time (measured {way}"
+                      + (f" than the {self.expected_ratio:.2f}x expected)" if self.expected_ratio != 1 else ")"))
+        if self.on_stale is not None:
+            self.on_stale(self.stale)

@@ -141,7 +141,7 @@ class Proposer:
         depth = min(policy.begin_round(), remaining - (0 if self.lossy else 1)) if drafter is not None else 0
         if self.lossy:
             depth = max(depth, 1)                           # the candidate roots are this round's level 1
-        elif self.hidden and self.drafter.unfed:
+        elif depth and self.hidden and self.drafter.unfed:
             # the policy drafts sooner than `rounds_to_draft` said (its gate reset from outside, say): the
             # drafter has no features since it skipped them, so this round is a plain step that takes them
             depth = 0
