@@ -154,12 +154,11 @@ class AcceptanceModel:
         """`predict_proba(level_features(probs, logp, depth, k, parent_pred, recent), shift)`: (F, k) one
         level's candidates' acceptance. A logistic model's score is a weighted sum of the columns, so it
         is summed here column by column with the weights folded (the scaler's mean and scale in them),
-        each node's own columns once a node and the level's constants on the host: a third of the tensor
-        operations a level (the same values to float32 rounding)."""
+        each node's own columns once a node and the level's constants on the host: about two thirds of
+        the tensor operations a level (the same values to float32 rounding)."""
         if self._folded is None:
             return self.predict_proba(level_features(probs, logp, depth, k, parent_pred, recent), shift)
-        weights, row_weights, bias = self._folded
-        w = dict(zip(FEATURE_NAMES, weights))
+        w, row_weights, bias = self._folded
         probs = probs.float()
         top = torch.topk(probs, max(k, 2), dim=-1).values                                  # (F, k')
         plogp = (probs * probs.clamp_min(1e-12).log()).sum(-1)                              # (F,) -entropy
@@ -186,9 +185,9 @@ class AcceptanceModel:
         return torch.sigmoid(logit + shift if shift else logit)
 
 
-def _folded(model: "AcceptanceModel") -> tuple[tuple[float, ...], torch.Tensor, float]:
-    """A logistic model's weights per `FEATURE_NAMES` column with the scaler folded in, coef / scale
-    (0 for a column it does not read), the per-node columns' as a (4,) tensor (top1, margin, minus the
+def _folded(model: "AcceptanceModel") -> tuple[dict[str, float], torch.Tensor, float]:
+    """A logistic model's weight per `FEATURE_NAMES` column (by name) with the scaler folded in, coef /
+    scale (0 for a column it does not read), the per-node columns' as a (4,) tensor (top1, margin, minus the
     entropy, parent_pred), and its bias, intercept - sum(coef x mean / scale)."""
     coef, mean, scale = (t.double().tolist() for t in (model.coef, model.mean, model.scale))
     weights = [0.0] * len(FEATURE_NAMES)
@@ -198,7 +197,7 @@ def _folded(model: "AcceptanceModel") -> tuple[tuple[float, ...], torch.Tensor, 
         bias -= c * m / s
     w = dict(zip(FEATURE_NAMES, weights))
     rows = torch.tensor([w["top1"], w["margin"], -w["entropy"], w["parent_pred"]], dtype=torch.float32)
-    return tuple(weights), rows, bias
+    return w, rows, bias
 
 
 def _sampled_shifts(table, source: str) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
