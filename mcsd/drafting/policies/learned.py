@@ -1,9 +1,9 @@
 """A learned tree policy: scikit-learn acceptance models decide which branches to grow and when to stop.
 
-For every candidate child (frontier node f, sibling rank r) the policy builds
-one feature row (`candidate_features`, columns `FEATURE_NAMES`) and asks an
-acceptance model, in one batched call per level, for P(accepted | parent
-accepted). Multiplying along the path gives each candidate's probability of
+For every candidate child (frontier node f, sibling rank r) the policy asks an
+acceptance model, in one batched call per level (`AcceptanceModel.level_proba`),
+for P(accepted | parent accepted) from the candidate's features (the columns
+`FEATURE_NAMES`, as `candidate_features` builds them). Multiplying along the path gives each candidate's probability of
 being on the accepted path, i.e. its expected contribution to the tokens a
 round emits. Candidates are added best first while they raise the expected
 tokens per second of the round, with costs from the device profile (verify
