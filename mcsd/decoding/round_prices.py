@@ -40,7 +40,7 @@ import torch
 from ..costs import store
 
 PROMPT_TOKENS = 96                 # a fixed pseudo-random prompt: the prefix a measured round reads
-NEW_TOKENS = 128                   # tokens generated; every other round drafts: about 15-45 drafted rounds
+NEW_TOKENS = 128                   # tokens generated; every other round drafts: ~10 rounds timed greedy, ~50 sampled
 CONTEXT_TOKENS = 128               # ... where every other round looks up: about 60 lookups, some grafting
 PASSES = 3                         # generations of each kind, the quietest one's figures kept (`quietest`)
 VERSION = 5                        # of what is measured; a cached figure of another version is measured again

@@ -368,7 +368,7 @@ class FeatureDrafter:
         from the next drafted round): what the head read and was given is dropped, and its next round
         starts over from the features observed after them, as a generation's first round does (at
         most `window` of them)."""
-        if self._restart and not self._pending and not self._features.shape[0]:
+        if self.unfed:
             self._first += n                            # already dropped: a shut gate's steps, one by one
             return
         self._first = self._observed_to + n

@@ -45,6 +45,15 @@ def candidate_features(frontier: Frontier, k: int, parent_pred: torch.Tensor, re
     return level_features(frontier.probs, frontier.tree.logp[frontier.nodes], frontier.depth, k, parent_pred, recent)
 
 
+def _level_columns(probs: torch.Tensor, logp: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """What a level's features are made of: (the nodes' top max(k, 2) draft probabilities (F, k'), each
+    node's sum of p log p (F,), minus its entropy, and each candidate's path log-probability (F, k))."""
+    probs = probs.float()
+    top = torch.topk(probs, max(k, 2), dim=-1).values
+    plogp = (probs * probs.clamp_min(1e-12).log()).sum(-1)
+    return top, plogp, logp.float()[:, None] + top[:, :k].clamp_min(1e-12).log()
+
+
 def level_features(probs: torch.Tensor, logp: torch.Tensor, depth: int, k: int, parent_pred: torch.Tensor,
                    recent: float) -> torch.Tensor:
     """`candidate_features` from tensors alone (the fixed-shape round has no `Frontier`).
@@ -59,19 +68,15 @@ def level_features(probs: torch.Tensor, logp: torch.Tensor, depth: int, k: int, 
     Returns:
         (F, k, len(FEATURE_NAMES)) float32.
     """
-    probs = probs.float()
-    top = torch.topk(probs, max(k, 2), dim=-1).values                                  # (F, k')
-    entropy = -(probs * probs.clamp_min(1e-12).log()).sum(-1)                          # (F,)
+    top, plogp, path_logp = _level_columns(probs, logp, k)
     f, kk = probs.shape[0], k
-    q_rank = top[:, :k]                                                                 # (F, k)
-    logp = logp.float()                                                                 # (F,)
     cols = [
-        q_rank,
+        top[:, :k],
         top[:, :1].expand(f, kk),
         (top[:, 0] - top[:, 1])[:, None].expand(f, kk),
-        entropy[:, None].expand(f, kk),
+        (-plogp)[:, None].expand(f, kk),
         torch.full((f, kk), float(depth + 1), device=probs.device),
-        logp[:, None] + q_rank.clamp_min(1e-12).log(),
+        path_logp,
         torch.arange(kk, device=probs.device, dtype=torch.float32)[None].expand(f, kk),
         parent_pred.float()[:, None].expand(f, kk),
         torch.full((f, kk), float(recent), device=probs.device),
@@ -159,15 +164,12 @@ class AcceptanceModel:
         if self._folded is None:
             return self.predict_proba(level_features(probs, logp, depth, k, parent_pred, recent), shift)
         w, row_weights, bias = self._folded
-        probs = probs.float()
-        top = torch.topk(probs, max(k, 2), dim=-1).values                                  # (F, k')
-        plogp = (probs * probs.clamp_min(1e-12).log()).sum(-1)                              # (F,) -entropy
+        top, plogp, path_logp = _level_columns(probs, logp, k)                              # (F, k'), (F,), (F, k)
         top1 = top[:, 0]
         per_node = torch.stack([top1, top1 - top[:, 1], plogp, parent_pred.float()], dim=1)  # (F, 4)
         const = bias + w["depth"] * (depth + 1) + w["recent_accept"] * recent + shift
         node = per_node @ row_weights.to(probs.device) + const                              # (F,)
         q = top[:, :k]                                                                      # (F, k)
-        path_logp = logp.float()[:, None] + q.clamp_min(1e-12).log()
         key = (k, probs.device)
         ranks = self._ranks.get(key)
         if ranks is None:

@@ -3,9 +3,9 @@
 For every candidate child (frontier node f, sibling rank r) the policy asks an
 acceptance model, in one batched call per level (`AcceptanceModel.level_proba`),
 for P(accepted | parent accepted) from the candidate's features (the columns
-`FEATURE_NAMES`, as `candidate_features` builds them). Multiplying along the path gives each candidate's probability of
-being on the accepted path, i.e. its expected contribution to the tokens a
-round emits. Candidates are added best first while they raise the expected
+`FEATURE_NAMES`, as `candidate_features` builds them). Multiplying along the
+path gives each candidate's probability of being on the accepted path, i.e.
+its expected contribution to the tokens a round emits. Candidates are added best first while they raise the expected
 tokens per second of the round, with costs from the device profile (verify
 time against tree size, draft time per level). When none pays, drafting stops.
 
