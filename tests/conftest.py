@@ -133,10 +133,10 @@ def fixed_costs(request, monkeypatch):
         monkeypatch.setattr("mcsd.decoding.round_prices.measure", lambda decoder, costs: dict(FIXED_ROUND_PRICES))
 
 
-# Made-up figures of what a drafted round, a graft and a round of the root and its graft cost beyond the
+# Made-up figures of what a drafted round, a graft, an empty lookup and a round of the root and its graft cost beyond the
 # forwards (`round_prices.measure`).
-FIXED_ROUND_PRICES = {"round_ms": 0.4, "round_ms_sampled": 0.6, "graft_ms": 0.05, "context_round_ms": 0.3,
-                      "context_round_ms_sampled": 0.5}
+FIXED_ROUND_PRICES = {"round_ms": 0.4, "round_ms_sampled": 0.6, "graft_ms": 0.05, "lookup_ms": 0.02,
+                      "context_round_ms": 0.3, "context_round_ms_sampled": 0.5}
 
 
 def write_tiny_gguf(path, vocab: int = 64, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,

@@ -561,13 +561,14 @@ def test_build_context_store_tool(model_dirs, tmp_path, capsys):
 
 def test_context_drafting_sits_out_while_it_loses_and_is_tried_again():
     """The context gate: rounds whose grafted nodes are rejected make its value negative, then it
-    skips rounds, probing at doubling gaps; a probe whose node is accepted opens it again."""
+    skips rounds, probing every `CONTEXT_PROBE_EVERY` + 1 (no doubling: only a budget lengthens the
+    wait, below); a probe whose node is accepted opens it again."""
     from mcsd.decoding import propose
     from mcsd.drafting.policies import make_policy
     costs = Costs({1: 10.0, 8: 20.0}, {1: 1.0})
     proposer = propose.Proposer(make_policy("static", "1"), None, ContextDrafter(), context_costs=costs)
     assert proposer.context_gate.budget == propose.CONTEXT_BUDGET
-    proposer.context_gate.budget = None                                # the doubling alone (budget: below)
+    proposer.context_gate.budget = None                                # the probes' own gap alone
 
     def round_with(grafted: int, accepted: int):
         """One grafting round's outcome: `grafted` context nodes beneath the root, `accepted` of them taken."""
@@ -581,7 +582,7 @@ def test_context_drafting_sits_out_while_it_loses_and_is_tried_again():
             round_with(grafted=3, accepted=0)
     assert schedule[0] and proposer.context_value < 0
     gaps = [len(run) for run in "".join("x" if g else "." for g in schedule).split("x")[1:-1]]
-    assert gaps == [3, 6, 12] and not any(schedule[-(gaps[-1]):])      # waits twice as long after each loss
+    assert len(gaps) >= 5 and set(gaps) == {propose.CONTEXT_PROBE_EVERY}
     while not proposer.context_gate.opens():
         pass
     round_with(grafted=1, accepted=1)                                   # a probe that pays opens the gate
@@ -590,6 +591,36 @@ def test_context_drafting_sits_out_while_it_loses_and_is_tried_again():
     assert proposer.context_value > 0 and proposer.context_gate.opens()
     proposer.reset()
     assert proposer.context_value == 0 and proposer.context_gate.opens()
+
+
+def test_lookups_that_find_nothing_move_the_rate_not_what_grafts_are_worth():
+    """Between the bursts of a repeated span, lookups that find nothing (a fraction of a step each) leave
+    open a gate whose grafts gain: its value is the share of lookups that found a graft times what a
+    graft was worth, less the other lookups' price. On text that never repeats, misses alone shut it,
+    and then its lookups cost at most the budget's share of the rounds."""
+    from mcsd.decoding import propose
+    from mcsd.drafting.policies import make_policy
+    costs = Costs({1: 10.0, 8: 20.0}, {1: 1.0})
+    costs.lookup_ms = 0.05                                              # half a percent of a step
+    proposer = propose.Proposer(make_policy("static", "1"), None, ContextDrafter(), context_costs=costs)
+    gate = proposer.context_gate
+    proposer._value_context(1, 1, 2)                                    # a graft that paid
+    paid = gate.graft_value
+    assert paid > 0
+    for _ in range(20):
+        assert gate.opens()
+        proposer._value_context(0, 1, 1)                                # nothing found
+    assert gate.graft_value == paid and gate.opens()
+    assert gate.value == pytest.approx(gate.found * paid - (1 - gate.found) * costs.lookup_ms)
+    proposer.reset()                                                    # a text that never repeats
+    looked = []
+    for _ in range(400):
+        looked.append(gate.opens())
+        if looked[-1]:
+            proposer._value_context(0, 1, 1)
+    assert gate.value < 0 and gate.graft_value == 0
+    late = looked[-200:]
+    assert sum(late) * costs.lookup_ms <= propose.CONTEXT_BUDGET * costs.verify_ms(1) * len(late) + costs.lookup_ms
 
 
 def test_losing_lookups_cost_at_most_the_context_budget():

@@ -73,7 +73,7 @@ def test_rounds_that_draft_nothing_are_plain_steps_and_the_text_is_plain_decodin
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "seed": 3}])
 def test_a_lookup_that_finds_nothing_is_a_plain_step(target, monkeypatch, sampling):
     """Context drafting alone, every lookup coming back empty: each round is the plain loop's step (no
-    tree verified, one forward a round), the context gate hears each lookup's price, and the text is the
+    tree verified, one forward a round), the context gate hears each empty lookup's price, and the text is the
     plain loop's (greedy; and seeded sampling's, drawn as the plain step draws)."""
     from mcsd.core.tree import DraftTree
     from mcsd.drafting.context import ContextDrafter
@@ -85,10 +85,10 @@ def test_a_lookup_that_finds_nothing_is_a_plain_step(target, monkeypatch, sampli
     reference = dec.generate_baseline(PROMPT, max_new_tokens=30, **sampling).tokens
     verified = count_calls(monkeypatch, decoder_module.TreeDecoder, "_verify")
     values = []
-    from mcsd.drafting.policies.base import Gate
-    original = Gate.observe
-    monkeypatch.setattr(Gate, "observe", lambda self, value, step_ms=None: (values.append(value),
-                                                                            original(self, value, step_ms))[1])
+    from mcsd.drafting.policies.base import LookupGate
+    original = LookupGate.missed
+    monkeypatch.setattr(LookupGate, "missed", lambda self, cost, step_ms=None: (values.append(cost),
+                                                                               original(self, cost, step_ms))[1])
     out = dec.generate(PROMPT, max_new_tokens=30, **sampling)
     assert out.tokens == reference
     assert not verified and out.stats.plain_rounds == out.stats.rounds
@@ -96,7 +96,7 @@ def test_a_lookup_that_finds_nothing_is_a_plain_step(target, monkeypatch, sampli
     assert out.stats.target_forwards == out.stats.rounds + 1
     assert lookups and len(values) == len(lookups)                  # each empty lookup priced in the gate
     if dec.context_costs is not None:
-        assert all(v == -dec.context_costs.graft_ms for v in values)
+        assert all(v == dec.context_costs.lookup_ms for v in values)
 
 
 def test_the_plain_loop_makes_no_tree(target, monkeypatch):

@@ -28,6 +28,7 @@ def test_the_figures_reach_the_policys_and_the_context_gates_costs(target, fresh
     dec = TreeDecoder(target, head_and_context(target), policy="learned", attention="sdpa")
     for costs in (dec.policy.costs, dec.context_costs):
         assert (costs.round_ms, costs.graft_ms) == (FIXED_ROUND_PRICES["round_ms"], FIXED_ROUND_PRICES["graft_ms"])
+        assert costs.lookup_ms == FIXED_ROUND_PRICES["lookup_ms"]
         assert costs.context_round_ms == FIXED_ROUND_PRICES["context_round_ms"]
     assert "measured in this run" in dec.round_prices
     # priced into the round: the policy's draft time starts with the round's own work
@@ -140,13 +141,16 @@ def test_the_quietest_pass_gives_the_figure():
 def test_the_context_gate_hears_a_graft_at_its_rounds_price():
     """A graft beneath a root alone is worth its accepted nodes less its rows, its lookup and the round
     of the root and its graft (`context_round_ms`); beneath a drafted tree, whose round is made anyway,
-    and where the lookup found nothing, no such round is charged."""
+    no such round is charged; a lookup that found nothing is a miss at its own price (`lookup_ms`)."""
     costs = Costs({1: 10.0, 2: 10.5, 64: 41.5}, {1: 1.0})
-    costs.graft_ms, costs.context_round_ms = 0.2, 1.5
+    costs.graft_ms, costs.lookup_ms, costs.context_round_ms = 0.2, 0.03, 1.5
     proposer = Proposer(StaticPolicy(TreeTopology.from_spec("")), None, ContextDrafter(), 0, costs)
-    heard = []
+    heard, missed = [], []
     proposer.context_gate.observe = lambda value, step_ms=None: heard.append(value)
+    proposer.context_gate.missed = lambda cost, step_ms=None: missed.append(cost)
     proposer._value_context(1, 1, 3)                    # the root alone and two grafted nodes, one accepted
     proposer._value_context(1, 3, 5)                    # the same beneath a drafted tree of three
-    proposer._value_context(0, 1, 1)                    # nothing found
-    assert heard == pytest.approx([10.0 - 1.0 - 0.2 - 1.5, 10.0 - 1.0 - 0.2, -0.2])
+    proposer._value_context(0, 1, 1)                    # nothing found beneath the root alone
+    proposer._value_context(0, 3, 3)                    # ... or beneath a drafted tree
+    assert heard == pytest.approx([10.0 - 1.0 - 0.2 - 1.5, 10.0 - 1.0 - 0.2])
+    assert missed == [0.03, 0.03]

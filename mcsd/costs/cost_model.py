@@ -31,9 +31,9 @@ class Costs:
     makes the costs, and so the trees a policy grows, depend on this run's
     timings; the learned policy leaves it off unless asked (`online_costs`).
 
-    `round_ms`, `graft_ms` and `context_round_ms` are what a drafted round, a context graft and a
-    round of the root and its graft cost in decoding beyond the forwards the profile times
-    (measured on the decoder's own rounds, fixed for a run).
+    `round_ms`, `graft_ms`, `lookup_ms` and `context_round_ms` are what a drafted round, a context
+    graft, a context lookup that finds nothing and a round of the root and its graft cost in decoding
+    beyond the forwards the profile times (measured on the decoder's own rounds, fixed for a run).
 
     Whether or not it corrects, every observed verify round is checked against
     the profile: when the median of the last `STALE_ROUNDS` plain (1-row)
@@ -50,6 +50,7 @@ class Costs:
         # what decoding adds beyond the forwards (`mcsd.decoding.round_prices`), 0 until measured:
         self.round_ms = 0.0                         # a drafted round's drafting beyond its levels
         self.graft_ms = 0.0                         # a context graft's lookups and merge
+        self.lookup_ms = 0.0                        # a context lookup that finds nothing
         self.context_round_ms = 0.0                 # a round of the root and its graft's own work
         self.stale: str | None = None
         self.on_stale = None
@@ -73,7 +74,7 @@ class Costs:
         staleness windows and verdict as they were, and `on_stale` not called."""
         kept = {name: copy.deepcopy(getattr(self, name)) for name in
                 ("stale", "stale_ratio", "_plain", "_any", "_factor", "_overall", "round_ms", "graft_ms",
-                 "context_round_ms")}
+                 "lookup_ms", "context_round_ms")}
         hook, self.on_stale = self.on_stale, None
         try:
             yield self

@@ -11,13 +11,14 @@ After verification the proposers hear how the round went: the drafter's cache ke
 path, context drafting counts its accepted nodes, the policy sees the drafted part's acceptance and
 the round's timings.
 
-Context drafting has a gate of its own (`policies.base.Gate`, as the learned policy has for the
-model drafter): a running value of the rounds it grafted into (its accepted nodes' worth in one-token
-steps, less its nodes' verify time, both from the costs, not this run's clock); while that is
-negative it sits out, and is tried again after `CONTEXT_PROBE_EVERY` rounds, waiting twice as long
-after each probe that lost, up to `CONTEXT_MAX_GAP`. Where context candidates are rarely the
-target's draw (sampling at high temperature) its rounds are then plain steps, without the lookups
-and their verify rows.
+Context drafting has a gate of its own (`policies.base.LookupGate`; the learned policy has a `Gate`
+for the model drafter): what a lookup is expected to be worth, from the share of lookups that found a
+graft, the running value of the rounds it grafted into (its accepted nodes' worth in one-token steps,
+less its nodes' verify time and the graft's work) and the price of a lookup that finds nothing, all
+from the costs, not this run's clock; while that is negative it sits out, and is tried again after
+`CONTEXT_PROBE_EVERY` rounds or as long as keeps its probes within `CONTEXT_BUDGET`, up to
+`CONTEXT_MAX_GAP`. Where context candidates are rarely the target's draw its rounds are then plain
+steps, without the lookups and their verify rows.
 """
 
 from __future__ import annotations
@@ -32,11 +33,11 @@ from ..core.verify import Acceptance
 from ..drafting.context import ContextDrafter, Graft
 from ..drafting.draft import Drafter, GrownTree, grow_tree
 from ..drafting.policies import TreePolicy
-from ..drafting.policies.base import Gate
+from ..drafting.policies.base import LookupGate
 from .row_budget import BesideCosts
 
 CONTEXT_PROBE_EVERY = 3             # rounds without context drafting before it is tried again
-CONTEXT_MAX_GAP = 48                # the longest wait after probes that kept losing
+CONTEXT_MAX_GAP = 48                # the longest wait after a probe that lost
 CONTEXT_MEMORY = 0.125              # weight of the latest grafting round in the gate's running value
 CONTEXT_BUDGET = 0.0025             # lookups that lose cost at most this share of the plain steps they wait
 # plain steps before a drafted round whose target features a feature drafter reads; a step further from
@@ -95,8 +96,7 @@ class Proposer:
         self._sampling: SamplingConfig | None = None     # the settings the policy was last told
         # context is right in bursts (a repeated span) and wrong in between: a long memory while it
         # grafts, and a probe judged on its own round, so one that pays opens the gate again
-        self.context_gate = Gate(CONTEXT_PROBE_EVERY, CONTEXT_MAX_GAP, memory=CONTEXT_MEMORY, probe_alone=True,
-                                 budget=CONTEXT_BUDGET)
+        self.context_gate = LookupGate(CONTEXT_PROBE_EVERY, CONTEXT_MAX_GAP, CONTEXT_MEMORY, CONTEXT_BUDGET)
 
     def reset(self) -> None:
         """Before the prefill: the policy and the drafter start a new sequence."""
@@ -108,7 +108,7 @@ class Proposer:
 
     @property
     def context_value(self) -> float:
-        """Running ms a grafting round gained; < 0: grafting loses (the context gate's value)."""
+        """Ms a lookup is expected to gain (the context gate's value, `LookupGate`); < 0: looking up loses."""
         return self.context_gate.value
 
     def start(self, prompt_ids: torch.Tensor, logits: torch.Tensor, prompt_hidden=None) -> None:
@@ -257,13 +257,16 @@ class Proposer:
     def _value_context(self, accepted: int, base: int, size: int) -> None:
         """What a grafting round was worth, into the context gate (needs costs): its `accepted` grafted
         nodes at a step each, less the verify of the nodes it grafted (the tree of `base` nodes grown to
-        `size`; none where the lookup found nothing) and the lookup, and for a tree of the root alone
-        and its graft that round's own work."""
+        `size`) and the graft's lookup and merge, and for a tree of the root alone and its graft that
+        round's own work; a lookup that found nothing (`size` == `base`) costs its own price."""
         costs = self.context_costs
         if costs is None:
             return
         step = costs.verify_ms(1)
-        own = costs.context_round_ms if base == 1 < size else 0.0
+        if size == base:
+            self.context_gate.missed(costs.lookup_ms, step)
+            return
+        own = costs.context_round_ms if base == 1 else 0.0
         self.context_gate.observe(accepted * step - (costs.verify_ms(size) - costs.verify_ms(base))
                                   - costs.graft_ms - own, step)
 

@@ -15,6 +15,9 @@ profile's ms (`beyond`), and returns
   levels' prices, its extra rows' verify price and its graft (under sampling the draws and the
   acceptance over every node cost more than under greedy matching);
 - `graft_ms`: per graft, the context drafter's lookup and merge;
+- `lookup_ms`: a lookup beneath a root alone that finds nothing worth grafting (most of a lookup's
+  time goes to building the trie of a continuation found: one that finds none costs a fraction of
+  a graft, and is what the context gate pays for trying);
 - `context_round_ms` (greedy) and `context_round_ms_sampled`: a round that drafts nothing but
   grafts, beyond a plain step, its lookup and merge, and its extra rows' verify price (the tree of
   the root and its graft made, verified and accepted where a plain step makes none).
@@ -43,8 +46,8 @@ PROMPT_TOKENS = 96                 # a fixed pseudo-random prompt: the prefix a 
 NEW_TOKENS = 128                   # tokens generated; every other round drafts: ~10 rounds timed greedy, ~50 sampled
 CONTEXT_TOKENS = 128               # ... where every other round looks up: about 60 lookups, some grafting
 PASSES = 3                         # generations of each kind, the quietest one's figures kept (`quietest`)
-VERSION = 5                        # of what is measured; a cached figure of another version is measured again
-FIGURES = ("round_ms", "round_ms_sampled", "graft_ms", "context_round_ms", "context_round_ms_sampled")
+VERSION = 6                        # of what is measured; a cached figure of another version is measured again
+FIGURES = ("round_ms", "round_ms_sampled", "graft_ms", "lookup_ms", "context_round_ms", "context_round_ms_sampled")
 
 
 def cache_path(decoder) -> Path:
@@ -103,7 +106,7 @@ def apply(decoder, calibrate: bool | None = None) -> tuple[dict | None, str | No
         return None, "not measured (calibrate=False and none cached)"
     return figures, (f"a drafted round {figures['round_ms']:.2f} ms beyond a plain step and its levels' and "
                      f"rows' prices greedy, {figures['round_ms_sampled']:.2f} ms sampled, a context graft "
-                     f"{figures['graft_ms']:.2f} ms, "
+                     f"{figures['graft_ms']:.2f} ms, a lookup that finds nothing {figures['lookup_ms']:.2f} ms, "
                      f"a round of the root and its graft {figures['context_round_ms']:.2f} / "
                      f"{figures['context_round_ms_sampled']:.2f} ms ({how})")
 
@@ -117,7 +120,7 @@ def use(decoder, greedy: bool) -> None:
     for c in (getattr(decoder.policy, "costs", None), decoder.context_costs):
         if c is not None:
             c.round_ms = figures["round_ms" if greedy else "round_ms_sampled"]
-            c.graft_ms = figures["graft_ms"]
+            c.graft_ms, c.lookup_ms = figures["graft_ms"], figures["lookup_ms"]
             c.context_round_ms = figures["context_round_ms" if greedy else "context_round_ms_sampled"]
 
 
@@ -144,6 +147,7 @@ def measure(decoder, costs) -> dict:
     repeated = prompt[:PROMPT_TOKENS // 3].repeat(3)               # the same length: a plain step's price holds
     context = decoder.context
     timed = []                                                      # per round
+    misses = []                                                     # ms of each lookup that found nothing
     looking = []                                                    # [the every-other gate] in a timed generation
     lone_round = decoder._round
 
@@ -155,6 +159,16 @@ def measure(decoder, costs) -> dict:
                 return method(*args, **kwargs)
             finally:
                 timed[-1]["graft_ms"] += (time.perf_counter() - t0) * 1000
+        return timed_call
+
+    def missing(method):
+        """The lookup beneath a root alone, each call that finds nothing kept in `misses`."""
+        def timed_call(*args, **kwargs):
+            t0 = time.perf_counter()
+            choice = method(*args, **kwargs)
+            if choice is None:
+                misses.append((time.perf_counter() - t0) * 1000)
+            return choice
         return timed_call
 
     def timed_round(sequence, cfg, gen, proposer, *args, **kwargs):
@@ -197,12 +211,13 @@ def measure(decoder, costs) -> dict:
     decoder._round = timed_round                      # this decoder's own round and context drafter, for now
     if context is not None:
         context.graft = timing(context.graft)
-        context.choose_under_root, context.grafted = timing(context.choose_under_root), timing(context.grafted)
+        context.choose_under_root = timing(missing(context.choose_under_root))
+        context.grafted = timing(context.grafted)
     try:
         with contextlib.ExitStack() as stack:
             for held in shared.values():
                 stack.enter_context(held.held())
-                held.round_ms = held.graft_ms = held.context_round_ms = 0.0
+                held.round_ms = held.graft_ms = held.lookup_ms = held.context_round_ms = 0.0
             decoder.generate(prompt, max_new_tokens=8, ignore_eos=True)          # first-call costs out of it
             greedy, grafts, rounds = figures()
             # sampled with a nucleus (what a chat client sends): each extra node's filtering and draw
@@ -219,6 +234,7 @@ def measure(decoder, costs) -> dict:
 
     return {"round_ms": figure(greedy), "round_ms_sampled": figure(sampled),
             "graft_ms": figure(statistics.fmean(grafts) if grafts else None),
+            "lookup_ms": figure(statistics.median(misses) if misses else None),
             "context_round_ms": figure(rounds), "context_round_ms_sampled": figure(sampled_rounds)}
 
 
@@ -271,6 +287,9 @@ class _EveryOther:
 
     def observe(self, value: float, step_ms: float | None = None) -> None:
         """What a round was worth: not needed to decide anything here."""
+
+    def missed(self, cost_ms: float, step_ms: float | None = None) -> None:
+        """A lookup that found nothing: likewise."""
 
     def reset(self) -> None:
         self.rounds = 0

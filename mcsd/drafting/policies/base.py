@@ -115,9 +115,54 @@ class Gate:
             self.gap = self.probe_every
             return
         gap = min(2 * self.gap, self.max_gap) if was_losing else self.gap   # a probe that lost: wait longer
+        self.gap = self._budget_gap(gap, step_ms)
+
+    def _budget_gap(self, gap: int, step_ms: float | None) -> int:
+        """`gap`, or with a budget, at least the wait that keeps a probe losing `-value` ms within it."""
         if self.budget and step_ms:
             gap = max(gap, min(math.ceil(-self.value / (self.budget * step_ms)), self.max_gap))
-        self.gap = gap
+        return gap
+
+
+class LookupGate(Gate):
+    """Context drafting's gate: whether a round looks up the context, from what a lookup is expected to
+    be worth. A lookup either finds a graft, worth what its round gained (its accepted nodes less their
+    rows and the graft's work), or finds nothing and costs its own time; the two are kept apart: the
+    share of lookups that found a graft (`found`, a running rate) and what a graft has been worth
+    (`graft_value`, a running mean judged on its own after losing, as `Gate`'s with `probe_alone`), so
+    `value` = found x graft_value - (1 - found) x a miss's cost. A lookup that finds nothing then moves
+    the rate, not what grafts are worth: on text that repeats in bursts, misses between the bursts
+    (a twentieth of a step each) no longer shut a gate whose grafts gain several steps.
+
+    While `value` is negative the gate sits out `probe_every` rounds, and with `budget` long enough
+    that its probes cost at most that share of the rounds it waits (`Gate`), without doubling: the
+    budget alone bounds what lookups that keep missing, or grafts that keep losing, cost.
+    """
+
+    def __init__(self, probe_every: int, max_gap: int, memory: float, budget: float | None = None):
+        super().__init__(probe_every, max_gap, memory, probe_alone=True, budget=budget)
+
+    def reset(self) -> None:
+        super().reset()
+        self.found = 1.0                # share of lookups that found a graft (a new text: as if all did)
+        self.graft_value = 0.0          # running ms a grafting round gained
+        self.miss_ms = 0.0              # what a lookup that found nothing cost
+
+    def observe(self, value: float, step_ms: float | None = None) -> None:
+        """A round that grafted was worth `value` ms; `step_ms`: a plain step's price (for `budget`)."""
+        losing = self.value < 0
+        self.graft_value = value if losing else (1 - self.memory) * self.graft_value + self.memory * value
+        self._weigh(1.0, step_ms)
+
+    def missed(self, cost_ms: float, step_ms: float | None = None) -> None:
+        """A lookup found nothing, at `cost_ms`."""
+        self.miss_ms = cost_ms
+        self._weigh(0.0, step_ms)
+
+    def _weigh(self, found: float, step_ms: float | None) -> None:
+        self.found = (1 - self.memory) * self.found + self.memory * found
+        self.value = self.found * self.graft_value - (1 - self.found) * self.miss_ms
+        self.gap = self.probe_every if self.value >= 0 else self._budget_gap(self.probe_every, step_ms)
 
 
 class TreePolicy:
