@@ -132,7 +132,7 @@ class LookupGate(Gate):
     (`graft_value`, a running mean judged on its own after losing, as `Gate`'s with `probe_alone`), so
     `value` = found x graft_value - (1 - found) x a miss's cost. A lookup that finds nothing then moves
     the rate, not what grafts are worth: on text that repeats in bursts, misses between the bursts
-    (a twentieth of a step each) no longer shut a gate whose grafts gain several steps.
+    (about a hundredth of a step each) no longer shut a gate whose grafts gain several steps.
 
     While `value` is negative the gate sits out `probe_every` rounds, and with `budget` long enough
     that its probes cost at most that share of the rounds it waits (`Gate`), without doubling: the
@@ -151,7 +151,8 @@ class LookupGate(Gate):
     def observe(self, value: float, step_ms: float | None = None) -> None:
         """A round that grafted was worth `value` ms; `step_ms`: a plain step's price (for `budget`)."""
         losing = self.value < 0
-        self.graft_value = value if losing else (1 - self.memory) * self.graft_value + self.memory * value
+        self.graft_value = value if losing and self.probe_alone else \
+            (1 - self.memory) * self.graft_value + self.memory * value
         self._weigh(1.0, step_ms)
 
     def missed(self, cost_ms: float, step_ms: float | None = None) -> None:
