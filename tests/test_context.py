@@ -639,3 +639,79 @@ def test_losing_lookups_cost_at_most_the_context_budget():
         waited += 1
     assert waited == min(math.ceil(loss / (propose.CONTEXT_BUDGET * costs.verify_ms(1))), propose.CONTEXT_MAX_GAP)
     assert waited > propose.CONTEXT_PROBE_EVERY
+
+
+# ---------------------------------------------------------------------------- the target's noise, known ahead
+
+def test_a_candidate_given_its_noise_wins_as_often_as_its_probability_on_average():
+    """`given_noise(p, g)` is the chance a token of probability p wins the Gumbel-max draw when its own
+    noise is g: checked against draws over a whole distribution, and averaging to p over g."""
+    from mcsd.drafting.context import given_noise
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.tensor([0.3, 0.25, 0.2, 0.15, 0.1])
+    gumbel = -torch.log(-torch.log(torch.rand(200_000, 5, generator=gen)))
+    wins = (probs.log() + gumbel).argmax(-1) == 0
+    g = gumbel[:, 0]
+    for lo, hi in ((-1.0, -0.5), (0.0, 0.5), (1.0, 1.5), (2.5, 3.0)):
+        band = (g >= lo) & (g < hi)
+        predicted = torch.tensor([given_noise(0.3, float(x)) for x in g[band][:4000]]).mean()
+        assert float(wins[band].float().mean()) == pytest.approx(float(predicted), abs=0.02)
+    assert sum(given_noise(0.3, float(x)) for x in g[:20_000]) / 20_000 == pytest.approx(0.3, abs=0.01)
+    assert given_noise(1.0, -5.0) == 1.0
+
+
+def test_the_host_noise_is_the_draws_noise():
+    from mcsd.core.sampling import PositionNoise
+    noise = PositionNoise(123, 1000, "cpu")
+    positions, ids = torch.tensor([0, 7, 300]), torch.tensor([0, 5, 999])
+    table = noise.gumbel(positions, ids)
+    for i, p in enumerate(positions.tolist()):
+        for j, t in enumerate(ids.tolist()):
+            assert noise.host_gumbel(p, t) == pytest.approx(float(table[i, j]), abs=1e-5)
+
+
+class _Noise:
+    """A stand-in for `PositionNoise` whose every token has noise `g`, recording what it was asked."""
+
+    def __init__(self, g: float):
+        self.g, self.asked = g, []
+
+    def host_gumbel(self, position: int, token: int) -> float:
+        self.asked.append((position, token))
+        return self.g
+
+
+def test_a_candidates_estimate_reads_the_noise_it_will_be_drawn_with():
+    """Sampled, a context candidate that its noise says will win is grafted, one that it says will lose
+    is not, and the noise is read at the position the candidate is drawn at (the committed length for
+    the root's children, one more a level deeper)."""
+    ctx = ContextDrafter(sources=("ngram",), recycle_widths=(), min_score=0.05)
+    ctx.bind(16, "cpu")
+    seq = torch.tensor([1, 2, 3, 4, 5, 6, 7, 1, 2, 3])
+    ctx.reset(seq)
+    costs = Costs({1: 10.0, 2: 11.0, 64: 73.0}, {1: 1.0})          # a row a tenth of a step
+    plain = ctx.choose_under_root(seq, 10.0, costs)
+    assert plain is not None and plain[0][0] == 4
+    high, low = _Noise(4.0), _Noise(-2.0)
+    favoured = ctx.choose_under_root(seq, 10.0, costs, noise=high)
+    assert favoured is not None and favoured[0][:len(plain[0])] == plain[0] and favoured[4] > plain[4]
+    assert ctx.choose_under_root(seq, 10.0, costs, noise=low) is None
+    assert high.asked[0] == (seq.numel(), 4) and (seq.numel() + 1, 5) in high.asked
+
+
+def test_sampled_context_drafting_reads_the_noise_and_keeps_the_seeds_text(pair, monkeypatch):
+    """Sampled with a seed, context drafting that chooses its candidates by the target's noise emits the
+    plain loop's text for that seed."""
+    from mcsd.core.sampling import PositionNoise
+    target, _ = pair
+    asked = []
+    original = PositionNoise.host_gumbel
+    monkeypatch.setattr(PositionNoise, "host_gumbel", lambda self, p, t: (asked.append(p), original(self, p, t))[1])
+    ref = _reference(target, REPEATING, 30)
+    prompt = torch.cat([REPEATING, torch.tensor(ref), REPEATING])
+    dec = TreeDecoder(target, "context", attention="sdpa", calibrate=False)
+    for seed in range(3):
+        plain = dec.generate_baseline(prompt, max_new_tokens=30, temperature=0.8, seed=seed, ignore_eos=True)
+        out = dec.generate(prompt, max_new_tokens=30, temperature=0.8, seed=seed, ignore_eos=True)
+        assert out.tokens == plain.tokens
+    assert asked and out.stats.context_nodes > 0                   # the choice read the noise, and grafted

@@ -23,6 +23,7 @@ Two ways to draw (`SamplingConfig.method`):
 
 from __future__ import annotations
 
+import math
 import secrets
 
 import torch
@@ -300,6 +301,16 @@ class PositionNoise:
     def __init__(self, seed: int | None, vocab: int, device):
         self.seed = secrets.randbits(63) if seed is None else int(seed) & _MASK64
         self.vocab, self.device = int(vocab), torch.device(device)
+
+    def host_gumbel(self, position: int, token: int) -> float:
+        """The standard Gumbel noise of one (position, token), on the host in double precision: what the
+        draws add to that token's score at that position (`_uniform`'s bits; the draws' float32 rounding
+        aside). For estimates made before a draw, never for a draw itself."""
+        z = (_mix(self.seed, position) + (token + 1) * _GOLDEN) & _MASK64
+        z = ((z ^ (z >> 30)) * _MIX1) & _MASK64
+        z = ((z ^ (z >> 27)) * _MIX2) & _MASK64
+        z ^= z >> 31
+        return -math.log(-math.log((2 * (z >> 41) + 1) * 2.0 ** -24))
 
     def position_keys(self, positions: torch.Tensor) -> torch.Tensor:
         """(M,) positions -> (M,) int64 keys on the CPU (one host read of the positions)."""

@@ -149,7 +149,7 @@ class Proposer:
         if depth == 0 and not grafting and beside is None:
             return None
         if depth == 0 and beside is None:                   # context alone: chosen on the host, tree after
-            return self._context_round(sequence, context_nodes)
+            return self._context_round(sequence, context_nodes, noise)
         grown = (grow_tree(drafter, policy, sequence, depth, sampling, gen, root_children=self.roots, scores=scores,
                            noise=noise)
                  if depth > 0 else GrownTree(DraftTree.root_only(policy.topology, sequence[-1]), None))
@@ -168,7 +168,7 @@ class Proposer:
             probs = policy.node_probabilities()
             graft = self.context.graft(drafted, sequence, expected + others, spent_ms, costs,
                                        probs if probs is not None and probs.numel() == drafted.size else None,
-                                       max_nodes=context_nodes)
+                                       max_nodes=context_nodes, noise=noise)
             if left and graft.tree.size == drafted.size:
                 # left after its first level and nothing found: the lookup's price into the gate, and the
                 # round is the plain loop's step (a tree of the root alone would cost its verify machinery)
@@ -179,13 +179,14 @@ class Proposer:
             expected += graft.gain
         return Proposal(grown, drafted, graft, depth, expected)
 
-    def _context_round(self, sequence: torch.Tensor, context_nodes: int | None) -> Proposal | None:
+    def _context_round(self, sequence: torch.Tensor, context_nodes: int | None, noise=None) -> Proposal | None:
         """A round that drafts nothing but grafts (the context gate open): the graft's choice beneath the
         root, priced as `propose` prices a tree of the root alone, is made on the host first; a lookup that
         finds nothing that pays goes into the gate at its price and the round is the plain loop's step
         (None), with no tree made; else the root's tree with the chosen nodes."""
         costs = self.context_costs
-        choice = self.context.choose_under_root(sequence, round_ms(None, costs), costs, max_nodes=context_nodes)
+        choice = self.context.choose_under_root(sequence, round_ms(None, costs), costs, max_nodes=context_nodes,
+                                                noise=noise)
         if choice is None:
             self._value_context(0, 1, 1)
             return None

@@ -25,7 +25,10 @@ each node's probability of being accepted from each source's *measured*
 acceptance (by match length or rank, and depth; updated every round), and
 grafts the nodes best first while they pay for their verify time under this
 machine's costs. Grafted nodes are deterministic proposals: see
-`mcsd.core.verify.accept_sampling` for why sampling stays exact.
+`mcsd.core.verify.accept_sampling` for why sampling stays exact. Sampled with
+the target's seeded noise, a candidate's estimate also reads the noise its
+token will be drawn with (`given_noise`): which candidates are tried changes,
+never what the target draws.
 
 Limitations: one sequence at a time; lookup is over token ids (a repeat that
 tokenises differently is not found); the store's index is built in memory when
@@ -277,6 +280,16 @@ class _Node:
         return node
 
 
+def given_noise(p: float, g: float) -> float:
+    """The probability that a token the target draws with probability `p` wins the Gumbel-max draw, given
+    that its own noise at that position is `g`: the other tokens' best key is Gumbel-distributed about
+    log(1 - p), so it wins with probability exp(-(1 - p) / p x e^-g). Averaged over g this is p again;
+    known before the draw, the noise tells a candidate that will lose from one that will win."""
+    if p >= 1.0:
+        return 1.0
+    return math.exp(-(1.0 - p) / p * math.exp(-g))
+
+
 def _depth_bucket(depth: int) -> int:
     return min(depth, 4)
 
@@ -444,7 +457,8 @@ class ContextDrafter:
                     break
 
     def graft(self, tree: DraftTree, sequence: torch.Tensor, expected_tokens: float, round_ms: float,
-              costs=None, node_probs: torch.Tensor | None = None, max_nodes: int | None = None) -> Graft:
+              costs=None, node_probs: torch.Tensor | None = None, max_nodes: int | None = None,
+              noise=None) -> Graft:
         """Merge this round's candidates into `tree` and append the ones that pay.
 
         Candidates are looked up beneath the root and beneath every drafted node
@@ -462,6 +476,8 @@ class ContextDrafter:
             node_probs: (N,) each drafted node's probability of being accepted, where the
                 policy estimates it; default: its draft path probability exp(logp).
             max_nodes: at most this many nodes this round (a batch's share), within `config.max_nodes`.
+            noise: the generation's `PositionNoise` where the target draws by it (sampling): each
+                candidate's estimate then reads the noise its token will be drawn with (`given_noise`).
         Returns:
             Graft. Nodes are chosen best first by path probability (the product of
             their and their ancestors' acceptance estimates); a node joins while
@@ -470,17 +486,18 @@ class ContextDrafter:
         self._sync(sequence)
         est = (node_probs if node_probs is not None else tree.logp.float().exp()).tolist()
         return self.grafted(tree, self._choose(tree.tokens.tolist(), tree.parents.tolist(), est, tree.logp.tolist(),
-                                               expected_tokens, round_ms, costs, self._budget(max_nodes)))
+                                               expected_tokens, round_ms, costs, self._budget(max_nodes),
+                                               noise=noise, first=sequence.numel()))
 
     def choose_under_root(self, sequence: torch.Tensor, round_ms: float, costs=None,
-                          max_nodes: int | None = None) -> tuple | None:
+                          max_nodes: int | None = None, noise=None) -> tuple | None:
         """`graft`'s choice for a round that drafts nothing (a tree of the root `sequence[-1]` alone, expected
         to emit its one token in `round_ms`), made on the host before any tree or tensor exists: None where
         no candidate pays, so that a lookup that finds nothing costs the lookup alone; else the choice, which
-        `grafted` puts on the root's tree."""
+        `grafted` puts on the root's tree; `noise` as in `graft`."""
         self._sync(sequence)
         choice = self._choose_under(self.history.tokens[-1], round_ms, costs, self._budget(max_nodes),
-                                    costs.context_round_ms if costs is not None else 0.0)
+                                    costs.context_round_ms if costs is not None else 0.0, noise, sequence.numel())
         return choice if choice[0] else None
 
     def grafted(self, tree: DraftTree, choice: tuple) -> Graft:
@@ -499,9 +516,10 @@ class ContextDrafter:
     def _budget(self, max_nodes: int | None) -> int:
         return self.config.max_nodes if max_nodes is None else min(self.config.max_nodes, max_nodes)
 
-    def _choose_under(self, root: int, round_ms: float, costs, budget: int, fixed_ms: float = 0.0) -> tuple:
+    def _choose_under(self, root: int, round_ms: float, costs, budget: int, fixed_ms: float = 0.0,
+                      noise=None, first: int = 0) -> tuple:
         """`_choose` beneath the root token alone (a tree of one node, certain, emitting one token)."""
-        return self._choose([root], [-1], [1.0], [0.0], 1.0, round_ms, costs, budget, fixed_ms)
+        return self._choose([root], [-1], [1.0], [0.0], 1.0, round_ms, costs, budget, fixed_ms, noise, first)
 
     def graft_under_root(self, root: int, budget: int) -> tuple[list[int], list[int], dict[int, list[tuple]]]:
         """The fixed-shape round's graft, on the host alone: up to `budget` nodes beneath the root token
@@ -544,12 +562,14 @@ class ContextDrafter:
                     _defer(child, (src, going, depth + 1))
 
     def _choose(self, toks: list[int], pars: list[int], est: list[float], base_logp: list[float],
-                expected_tokens: float, round_ms: float, costs, max_nodes: int, fixed_ms: float = 0.0):
+                expected_tokens: float, round_ms: float, costs, max_nodes: int, fixed_ms: float = 0.0,
+                noise=None, first: int = 0):
         """`graft`'s choice over host lists (the tree's tokens, parents, acceptance estimates and draft
         log-probabilities): (tokens, parents, logp of the new nodes; proposed; their expected tokens).
         `fixed_ms`: what grafting anything costs the round besides its rows (a tree where there would be
         a plain step): charged from the first node on, and the graft kept only where, with it, the round
-        still emits more a millisecond than without."""
+        still emits more a millisecond than without. With `noise`, a node at depth d is drawn at
+        position `first` + d - 1 (`first`: the committed length), and its estimate reads its noise there."""
         cfg = self.config
         n_tree = len(toks)
         est = list(est)
@@ -580,27 +600,29 @@ class ContextDrafter:
                 miss *= 1.0 - min(c, 0.99)
             return 1.0 - miss
 
-        def push_kids(node: _Node, path: float) -> None:
+        def push_kids(node: _Node, path: float, depth: int) -> None:
             nonlocal tie
             if node.pending is not None:
                 self._expand(node, evidence)
             for kid in node.kids.values():
                 kid.cond = cond(kid)
+                if noise is not None and kid.cond > 0.0:    # drawn after `node`, at its position + 1
+                    kid.cond = given_noise(kid.cond, noise.host_gumbel(first + depth, kid.token))
                 s = path * kid.cond
                 if 0 <= kid.tree_idx < n_tree:            # a drafted node: free; look beneath it
                     if kid.keys:
                         proposed[kid.tree_idx] = kid.keys
-                    push_kids(kid, max(s, est[kid.tree_idx]))
+                    push_kids(kid, max(s, est[kid.tree_idx]), depth + 1)
                 elif s >= cfg.min_score:
                     tie += 1
-                    heapq.heappush(heap, (-s, tie, kid, node.tree_idx, s))
+                    heapq.heappush(heap, (-s, tie, kid, node.tree_idx, s, depth + 1))
 
-        push_kids(nodes[0], 1.0)
+        push_kids(nodes[0], 1.0, 0)
         tokens, parents, logp = [], [], []
         tokens_base, ms_base = max(expected_tokens, 1.0), max(round_ms, 1e-3)
         tokens_now, ms_now, n_now = tokens_base, ms_base + (fixed_ms if costs is not None else 0.0), n_tree
         while heap and len(tokens) < max_nodes:
-            _, _, kid, parent, s = heapq.heappop(heap)
+            _, _, kid, parent, s, depth = heapq.heappop(heap)
             if costs is not None:
                 dt = costs.marginal_verify_ms(n_now)
                 if s * ms_now <= tokens_now * dt:
@@ -614,7 +636,7 @@ class ContextDrafter:
             logp.append((base_logp[parent] if parent < n_tree else logp[parent - n_tree])
                         + math.log(max(kid.cond, 1e-6)))
             proposed[kid.tree_idx] = kid.keys
-            push_kids(kid, s)
+            push_kids(kid, s, depth)
         if tokens and costs is not None and tokens_now * ms_base <= tokens_base * ms_now:   # not with fixed_ms
             return [], [], [], {i: keys for i, keys in proposed.items() if i < n_tree}, 0.0
         return tokens, parents, logp, proposed, tokens_now - tokens_base
