@@ -246,10 +246,15 @@ _GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111
 def _mix(seed: int, position: int) -> int:
     """A 63-bit key from (seed, position): splitmix64's finaliser over both, so that neighbouring
     seeds and positions give unrelated streams."""
-    z = (seed * _GOLDEN + (position + 1) * _MIX1) & _MASK64
+    return _finalise(seed * _GOLDEN + (position + 1) * _MIX1) >> 1
+
+
+def _finalise(z: int) -> int:
+    """splitmix64's finaliser of a host integer, as 64 bits."""
+    z &= _MASK64
     z = ((z ^ (z >> 30)) * _MIX1) & _MASK64
     z = ((z ^ (z >> 27)) * _MIX2) & _MASK64
-    return (z ^ (z >> 31)) >> 1
+    return z ^ (z >> 31)
 
 
 def _as_int64(c: int) -> int:
@@ -306,10 +311,7 @@ class PositionNoise:
         """The standard Gumbel noise of one (position, token), on the host in double precision: what the
         draws add to that token's score at that position (`_uniform`'s bits; the draws' float32 rounding
         aside). For estimates made before a draw, never for a draw itself."""
-        z = (_mix(self.seed, position) + (token + 1) * _GOLDEN) & _MASK64
-        z = ((z ^ (z >> 30)) * _MIX1) & _MASK64
-        z = ((z ^ (z >> 27)) * _MIX2) & _MASK64
-        z ^= z >> 31
+        z = _finalise(_mix(self.seed, position) + (token + 1) * _GOLDEN)
         return -math.log(-math.log((2 * (z >> 41) + 1) * 2.0 ** -24))
 
     def position_keys(self, positions: torch.Tensor) -> torch.Tensor:
