@@ -151,24 +151,17 @@ def measure(decoder, costs) -> dict:
     looking = []                                                    # [the every-other gate] in a timed generation
     lone_round = decoder._round
 
-    def timing(method):
-        """`method` of the context drafter, its time added to the round's lookups and merges."""
+    def timing(method, misses_into: list | None = None):
+        """`method` of the context drafter, its time added to the round's lookups and merges; with
+        `misses_into`, each call that finds nothing (None) also kept there."""
         def timed_call(*args, **kwargs):
             t0 = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                timed[-1]["graft_ms"] += (time.perf_counter() - t0) * 1000
-        return timed_call
-
-    def missing(method):
-        """The lookup beneath a root alone, each call that finds nothing kept in `misses`."""
-        def timed_call(*args, **kwargs):
-            t0 = time.perf_counter()
-            choice = method(*args, **kwargs)
-            if choice is None:
-                misses.append((time.perf_counter() - t0) * 1000)
-            return choice
+            result = method(*args, **kwargs)
+            ms = (time.perf_counter() - t0) * 1000
+            timed[-1]["graft_ms"] += ms
+            if misses_into is not None and result is None:
+                misses_into.append(ms)
+            return result
         return timed_call
 
     def timed_round(sequence, cfg, gen, proposer, *args, **kwargs):
@@ -211,8 +204,7 @@ def measure(decoder, costs) -> dict:
     decoder._round = timed_round                      # this decoder's own round and context drafter, for now
     if context is not None:
         context.graft = timing(context.graft)
-        context.choose_under_root = timing(missing(context.choose_under_root))
-        context.grafted = timing(context.grafted)
+        context.choose_under_root, context.grafted = timing(context.choose_under_root, misses), timing(context.grafted)
     try:
         with contextlib.ExitStack() as stack:
             for held in shared.values():

@@ -5,9 +5,10 @@ acceptance model, in one batched call per level (`AcceptanceModel.level_proba`),
 for P(accepted | parent accepted) from the candidate's features (the columns
 `FEATURE_NAMES`, as `candidate_features` builds them). Multiplying along the
 path gives each candidate's probability of being on the accepted path, i.e.
-its expected contribution to the tokens a round emits. Candidates are added best first while they raise the expected
-tokens per second of the round, with costs from the device profile (verify
-time against tree size, draft time per level). When none pays, drafting stops.
+its expected contribution to the tokens a round emits. Candidates are added
+best first while they raise the expected tokens per second of the round, with
+costs from the device profile (verify time against tree size, draft time per
+level). When none pays, drafting stops.
 
 Models are stored as plain JSON parameters (logistic regression coefficients,
 or gradient-boosted regression trees as arrays), evaluated here with torch;
