@@ -60,7 +60,9 @@ class Gate:
     """Whether a proposer runs this round, from what its rounds have been worth.
 
     `value` is a running mean of each run round's worth in ms (what it gained less what it cost, the
-    caller's arithmetic); while it is negative the proposer sits out and is tried again after
+    caller's arithmetic), the first round's its own worth (a new text's gate is open with no worth
+    yet, not with a round worth 0 that would halve its first loss and so its wait); while it is
+    negative the proposer sits out and is tried again after
     `probe_every` rounds, each probe that loses doubling the wait up to `max_gap`, and one that wins
     resetting it. `memory` weighs the latest round in the mean; with `probe_alone` a probe is judged
     on its own round, so one that pays opens the gate at once.
@@ -81,6 +83,7 @@ class Gate:
     def reset(self) -> None:
         """Open: the next round runs."""
         self.value = 0.0
+        self.rounds = 0                 # rounds observed since the reset
         self.skipped = 0                # rounds in a row sat out (0: the last round asked ran)
         self.gap = self.probe_every     # rounds to sit out before the next probe
 
@@ -109,8 +112,9 @@ class Gate:
     def observe(self, value: float, step_ms: float | None = None) -> None:
         """What a round that ran was worth, in ms; `step_ms`: a plain step's price (for `budget`)."""
         was_losing = self.value < 0
-        self.value = value if was_losing and self.probe_alone else \
+        self.value = value if (was_losing and self.probe_alone) or not self.rounds else \
             (1 - self.memory) * self.value + self.memory * value
+        self.rounds += 1
         if self.value >= 0:
             self.gap = self.probe_every
             return
