@@ -35,7 +35,7 @@ from ..drafting.context import ContextDrafter
 from ..drafting.draft import GrownTree
 from ..drafting.pearl import PearlMode
 from ..drafting.policies import TreePolicy, make_policy
-from ..forward import kernels
+from ..forward import hugepages, kernels
 from ..forward.lm import CachedLM
 from . import fixed_round, prompts, round_prices
 from .accept import judge
@@ -134,6 +134,7 @@ class TreeDecoder:
         parts = resolve(target, draft, tree, policy, attention, self.lossy_roots, cuda_graphs,
                         fixed_round=round != "loop" and fixed_round.default_on(self.target.device))
         self.drafter, self.context, self.attention = parts.drafter, parts.context, parts.attention
+        self._huge_pages()                            # before any timing: costs measured as decoding runs
         self.calibration = Calibration(self.target, self.drafter, parts.draft, calibrate, release_weights)
         self.policy = make_policy(parts.policy, parts.tree, **self.calibration.policy_options(parts.policy,
                                                                                               policy_options))
@@ -147,6 +148,7 @@ class TreeDecoder:
             if self.context_costs is None:
                 self.context_costs = self.calibration.costs()
         self.calibration.choose_kernels(target_alone=self.drafter is None and self.context is None)
+        self._huge_pages()                            # the prepacked copies made since
         # Trees live where the target's inputs live (its embedding's device under a device_map).
         for pol in (self.policy, self._baseline_policy):
             pol.topology = pol.topology.to(self.target.device)
@@ -155,6 +157,12 @@ class TreeDecoder:
         self.round_figures = None
         self.round_figures, self.round_prices = round_prices.apply(self, calibrate)
         round_prices.use(self, greedy=True)
+
+    def _huge_pages(self) -> None:
+        """The target's and the drafter's weights on transparent huge pages (`mcsd.forward.hugepages`)."""
+        drafter = self.drafter
+        models = [self.target.model, getattr(drafter, "module", None) or getattr(drafter, "model", None)]
+        hugepages.advise(t for m in models if isinstance(m, torch.nn.Module) for t in hugepages.module_tensors(m))
 
     costs_source = property(lambda self: self.calibration.source)
     calibration_s = property(lambda self: self.calibration.seconds)

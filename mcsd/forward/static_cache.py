@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from . import hugepages
+
 HEADROOM = 256            # positions reserved beyond what is needed when the buffers are (re)allocated
 
 
@@ -68,6 +70,7 @@ class StaticCache:
             keys[:, :, :, :self.length].copy_(self.keys[:, :, :, :self.length])
             values[:, :, :, :self.length].copy_(self.values[:, :, :, :self.length])
         self.keys, self.values, self.capacity = keys, values, capacity
+        hugepages.advise((keys, values))
         self.layer_keys, self.layer_values = list(keys.unbind(0)), list(values.unbind(0))
 
     def zero_unwritten(self) -> None:

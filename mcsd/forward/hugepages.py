@@ -1,0 +1,135 @@
+"""The models' weights and the target's cache on transparent huge pages, where Linux lends them.
+
+Every decoding step streams the whole target through the CPU (76 MB of q4 codes for SmolLM2-135M, an
+L3 of 32 MB): on 4 KiB pages that is some 19,000 pages a step, more than a core's TLB holds, and where
+they lie in physical memory differs from one allocation to the next. Measured on a 2-core AMD EPYC
+(docs/results.md): four decoders running the same plain loop on one target in one process spread
+10-12% in time on 4 KiB pages, 1-2.5% once the weights sat on 2 MiB pages; the spread between
+processes, which decides any comparison of two engines, moved with it.
+
+Where the kernel's transparent huge pages are on `madvise` (the common default), memory is huge only
+where asked: `advise` asks for the 2 MiB-aligned interior of each large tensor's memory
+(`MADV_HUGEPAGE`) and has the pages already written gathered into huge ones now (`MADV_COLLAPSE`,
+Linux 6.1 and later; before, the kernel's own scanner gathers them over time). Nothing changes in the
+values; a kernel that refuses either (THP off, an older kernel, another OS) leaves the memory as it
+was. `MCSD_HUGEPAGES=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import ctypes.util
+import os
+import sys
+
+import torch
+
+HUGE = 2 << 20                      # a transparent huge page on x86-64 and most arm64 kernels
+_MADV_HUGEPAGE, _MADV_COLLAPSE = 14, 25
+_libc = None
+
+
+def enabled() -> bool:
+    """Asked for on Linux unless `MCSD_HUGEPAGES` is 0 (or off / false / no)."""
+    return sys.platform.startswith("linux") and \
+        os.environ.get("MCSD_HUGEPAGES", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def _madvise():
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            _libc.madvise.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            _libc = False
+    return _libc.madvise if _libc else None
+
+
+def anonymous_areas(maps: str | None = None) -> list[tuple[int, int]]:
+    """The process's private writable memory not backed by a file ([heap] and unnamed mappings), as
+    sorted [start, end) address ranges, neighbours joined; from `maps` (/proc/self/maps' text) or the
+    process's own (empty where it cannot be read)."""
+    if maps is None:
+        try:
+            with open("/proc/self/maps") as f:
+                maps = f.read()
+        except OSError:
+            return []
+    areas: list[tuple[int, int]] = []
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) < 5 or not fields[1].startswith("rw") or fields[1][3:4] != "p":
+            continue
+        name = fields[5].strip() if len(fields) > 5 else ""
+        if name not in ("", "[heap]"):
+            continue
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        if areas and areas[-1][1] == lo:                 # one area the kernel keeps in parts
+            areas[-1] = (areas[-1][0], hi)
+        else:
+            areas.append((lo, hi))
+    return areas
+
+
+def spans(tensors, areas: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The huge pages the memory of the CPU tensors given touches, each within the anonymous area
+    (`anonymous_areas`) it lies in (memory a file backs, as a checkpoint read in place, cannot be made
+    huge and is left out), as merged 2 MiB-aligned [start, end) ranges. Small tensors count: a model's
+    layers are many allocations of a few hundred KiB lying side by side on the heap."""
+    starts = [lo for lo, _ in areas]
+    out, seen = [], set()
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.is_meta:
+            continue
+        storage = t.untyped_storage()
+        start, size = storage.data_ptr(), storage.nbytes()
+        if not start or not size or start in seen:
+            continue
+        seen.add(start)
+        i = bisect.bisect_right(starts, start) - 1
+        if i < 0 or areas[i][1] < start + size:
+            continue
+        area_lo, area_hi = areas[i]
+        lo = max(start // HUGE * HUGE, -(-area_lo // HUGE) * HUGE)
+        hi = min(-(-(start + size) // HUGE) * HUGE, area_hi // HUGE * HUGE)
+        if hi > lo:
+            out.append((lo, hi))
+    merged: list[tuple[int, int]] = []
+    for lo, hi in sorted(out):
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def advise(tensors) -> int:
+    """Ask for huge pages under the CPU tensors given (see the module); returns the bytes the kernel
+    accepted the request for (0 where it was not asked or refused)."""
+    madvise = _madvise() if enabled() else None
+    if madvise is None:
+        return 0
+    accepted = 0
+    for lo, hi in spans(tensors, anonymous_areas()):
+        if madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0:
+            accepted += hi - lo
+            madvise(lo, hi - lo, _MADV_COLLAPSE)      # best effort: refused before Linux 6.1, or short of memory
+    return accepted
+
+
+def module_tensors(module: torch.nn.Module):
+    """The tensors `module` computes with: its parameters and buffers, and those its layers hold beside
+    them (q4 / Q8_0 codes and scales, prepacked copies: tensors in a submodule's attributes, or in the
+    attributes of an object held there)."""
+    yield from module.parameters()
+    yield from module.buffers()
+    for sub in module.modules():
+        for value in vars(sub).values():
+            if isinstance(value, torch.Tensor):
+                yield value
+            elif not isinstance(value, (torch.nn.Module, dict, list, tuple, str, int, float, bool, type(None))) \
+                    and hasattr(value, "__dict__"):
+                yield from (v for v in vars(value).values() if isinstance(v, torch.Tensor))
