@@ -22,7 +22,7 @@ class Span:
 
     def __init__(self, start, size):
         self._start, self._size = start, size
-        self.device, self.is_meta = torch.device("cpu"), False
+        self.device, self.is_meta, self.layout, self.is_mkldnn = torch.device("cpu"), False, torch.strided, False
 
     def untyped_storage(self):
         return self
@@ -56,7 +56,8 @@ def test_spans_cover_the_huge_pages_tensors_touch_within_their_area(monkeypatch)
 def test_advising_changes_no_value_and_can_be_turned_off(monkeypatch):
     t = torch.randn(3 * MB)                                                  # 12 MiB of float32
     before = t.clone()
-    assert hugepages.advise([t]) >= 0
+    packed = [torch.randn(64, 64).to_mkldnn()] if torch.backends.mkldnn.is_available() else []
+    assert hugepages.advise([t, torch.randn(4)[:2], *packed]) >= 0          # a packed copy is passed over
     assert torch.equal(t, before)
     monkeypatch.setenv("MCSD_HUGEPAGES", "0")
     assert not hugepages.enabled() and hugepages.advise([t]) == 0

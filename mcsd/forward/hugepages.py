@@ -1,11 +1,11 @@
 """The models' weights and the target's cache on transparent huge pages, where Linux lends them.
 
-Every decoding step streams the whole target through the CPU (76 MB of q4 codes for SmolLM2-135M, an
-L3 of 32 MB): on 4 KiB pages that is some 19,000 pages a step, more than a core's TLB holds, and where
-they lie in physical memory differs from one allocation to the next. Measured on a 2-core AMD EPYC
-(docs/results.md): four decoders running the same plain loop on one target in one process spread
-10-12% in time on 4 KiB pages, 1-2.5% once the weights sat on 2 MiB pages; the spread between
-processes, which decides any comparison of two engines, moved with it.
+Every decoding step streams the whole target through the CPU (88 MiB of q4 codes and scales for
+SmolLM2-135M, an L3 of 32 MB): on 4 KiB pages that is some 22,000 pages a step, more than a core's TLB
+holds, and where they lie in physical memory differs from one allocation to the next. Measured on a
+2-core AMD EPYC (docs/results.md): four decoders running the same plain loop on one target in one
+process spread 10-12% in time on 4 KiB pages, 1-2.5% once the process's large regions sat on 2 MiB
+pages; a plain loop's blocks ran 0.85-0.98x their time once its pages were gathered.
 
 Where the kernel's transparent huge pages are on `madvise` (the common default), memory is huge only
 where asked: `advise` asks for the 2 MiB-aligned interior of each large tensor's memory
@@ -82,8 +82,9 @@ def spans(tensors, areas: list[tuple[int, int]]) -> list[tuple[int, int]]:
     starts = [lo for lo, _ in areas]
     out, seen = [], set()
     for t in tensors:
-        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.is_meta:
-            continue
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.is_meta or t.layout != torch.strided \
+                or t.is_mkldnn:
+            continue                                # oneDNN's prepacked copies hold no storage one can read
         storage = t.untyped_storage()
         start, size = storage.data_ptr(), storage.nbytes()
         if not start or not size or start in seen:
