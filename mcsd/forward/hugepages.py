@@ -8,11 +8,12 @@ process spread 10-12% in time on 4 KiB pages, 1-2.5% once the process's large re
 pages; a plain loop's blocks ran 0.85-0.98x their time once its pages were gathered.
 
 Where the kernel's transparent huge pages are on `madvise` (the common default), memory is huge only
-where asked: `advise` asks for the 2 MiB-aligned interior of each large tensor's memory
-(`MADV_HUGEPAGE`) and has the pages already written gathered into huge ones now (`MADV_COLLAPSE`,
-Linux 6.1 and later; before, the kernel's own scanner gathers them over time). Nothing changes in the
-values; a kernel that refuses either (THP off, an older kernel, another OS) leaves the memory as it
-was. `MCSD_HUGEPAGES=0` turns it off.
+where asked: `advise` asks for every 2 MiB page the tensors' memory touches within the anonymous area
+it lies in (`spans`: the heap's neighbours in those pages come along; memory a file backs, a checkpoint
+read in place or edited there, is never asked for) (`MADV_HUGEPAGE`), and has the pages already
+written gathered into huge ones now (`MADV_COLLAPSE`, Linux 6.1 and later; before, the kernel's own
+scanner gathers them over time). Nothing changes in the values; a kernel that refuses either (THP
+off, an older kernel, another OS) leaves the memory as it was. `MCSD_HUGEPAGES=0` turns it off.
 """
 
 from __future__ import annotations
