@@ -148,7 +148,6 @@ class TreeDecoder:
             if self.context_costs is None:
                 self.context_costs = self.calibration.costs()
         self.calibration.choose_kernels(target_alone=self.drafter is None and self.context is None)
-        self._huge_pages()                            # the prepacked copies made since
         # Trees live where the target's inputs live (its embedding's device under a device_map).
         for pol in (self.policy, self._baseline_policy):
             pol.topology = pol.topology.to(self.target.device)

@@ -19,16 +19,15 @@ off, an older kernel, another OS) leaves the memory as it was. `MCSD_HUGEPAGES=0
 from __future__ import annotations
 
 import bisect
-import ctypes
-import ctypes.util
 import os
 import sys
 
 import torch
 
+from . import mapped
+
 HUGE = 2 << 20                      # a transparent huge page on x86-64 and most arm64 kernels
 _MADV_HUGEPAGE, _MADV_COLLAPSE = 14, 25
-_libc = None
 
 
 def enabled() -> bool:
@@ -37,37 +36,14 @@ def enabled() -> bool:
         os.environ.get("MCSD_HUGEPAGES", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
-def _madvise():
-    global _libc
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            _libc.madvise.restype = ctypes.c_int
-        except (OSError, AttributeError):
-            _libc = False
-    return _libc.madvise if _libc else None
-
-
 def anonymous_areas(maps: str | None = None) -> list[tuple[int, int]]:
     """The process's private writable memory not backed by a file ([heap] and unnamed mappings), as
     sorted [start, end) address ranges, neighbours joined; from `maps` (/proc/self/maps' text) or the
     process's own (empty where it cannot be read)."""
-    if maps is None:
-        try:
-            with open("/proc/self/maps") as f:
-                maps = f.read()
-        except OSError:
-            return []
     areas: list[tuple[int, int]] = []
-    for line in maps.splitlines():
-        fields = line.split(maxsplit=5)
-        if len(fields) < 5 or not fields[1].startswith("rw") or fields[1][3:4] != "p":
+    for lo, hi, perms, _, path in mapped.mappings(maps):
+        if not perms.startswith("rw") or perms[3:4] != "p" or path not in ("", "[heap]"):
             continue
-        name = fields[5].strip() if len(fields) > 5 else ""
-        if name not in ("", "[heap]"):
-            continue
-        lo, hi = (int(x, 16) for x in fields[0].split("-"))
         if areas and areas[-1][1] == lo:                 # one area the kernel keeps in parts
             areas[-1] = (areas[-1][0], hi)
         else:
@@ -111,8 +87,11 @@ def spans(tensors, areas: list[tuple[int, int]]) -> list[tuple[int, int]]:
 def advise(tensors) -> int:
     """Ask for huge pages under the CPU tensors given (see the module); returns the bytes the kernel
     accepted the request for (0 where it was not asked or refused)."""
-    madvise = _madvise() if enabled() else None
-    if madvise is None:
+    if not enabled():
+        return 0
+    try:
+        madvise = mapped._c_library().madvise
+    except OSError:                                   # no C library to ask
         return 0
     accepted = 0
     for lo, hi in spans(tensors, anonymous_areas()):

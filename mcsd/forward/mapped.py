@@ -47,19 +47,28 @@ def _c_library() -> ctypes.CDLL:
     return _libc
 
 
+def mappings(maps: str | None = None) -> list[tuple[int, int, str, str, str]]:
+    """(start, end, perms, inode, path) of every mapping in `maps` (/proc/self/maps' text) or this
+    process's own (empty where /proc is not there); path "" for an anonymous one."""
+    if maps is None:
+        try:
+            with open("/proc/self/maps") as f:
+                maps = f.read()
+        except OSError:
+            return []
+    out = []
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)            # address perms offset device inode [path]
+        if len(fields) >= 5:
+            start, end = fields[0].split("-")
+            out.append((int(start, 16), int(end, 16), fields[1], fields[4],
+                        fields[5].strip() if len(fields) == 6 else ""))
+    return out
+
+
 def file_ranges() -> list[tuple[int, int]]:
     """(start, end) of every file-backed mapping of this process (empty where /proc is not there)."""
-    ranges = []
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                fields = line.split(maxsplit=5)    # address perms offset device inode [path]
-                if len(fields) == 6 and fields[4] != "0" and fields[5].startswith("/"):
-                    start, end = fields[0].split("-")
-                    ranges.append((int(start, 16), int(end, 16)))
-    except OSError:
-        return []
-    return ranges
+    return [(lo, hi) for lo, hi, _, inode, path in mappings() if inode != "0" and path.startswith("/")]
 
 
 def mapped_bytes(tensor: torch.Tensor, ranges: list[tuple[int, int]]) -> tuple[int, int] | None:

@@ -83,7 +83,7 @@ class Gate:
     def reset(self) -> None:
         """Open: the next round runs."""
         self.value = 0.0
-        self.rounds = 0                 # rounds observed since the reset
+        self.observed = False           # a round observed since the reset
         self.skipped = 0                # rounds in a row sat out (0: the last round asked ran)
         self.gap = self.probe_every     # rounds to sit out before the next probe
 
@@ -112,9 +112,9 @@ class Gate:
     def observe(self, value: float, step_ms: float | None = None) -> None:
         """What a round that ran was worth, in ms; `step_ms`: a plain step's price (for `budget`)."""
         was_losing = self.value < 0
-        self.value = value if (was_losing and self.probe_alone) or not self.rounds else \
+        self.value = value if (was_losing and self.probe_alone) or not self.observed else \
             (1 - self.memory) * self.value + self.memory * value
-        self.rounds += 1
+        self.observed = True
         if self.value >= 0:
             self.gap = self.probe_every
             return

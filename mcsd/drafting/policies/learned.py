@@ -200,7 +200,7 @@ class LearnedPolicy(TreePolicy):
 
     @draft_value.setter
     def draft_value(self, value: float) -> None:
-        self.gate.value, self.gate.rounds = value, max(self.gate.rounds, 1)     # a worth held, as if observed
+        self.gate.value, self.gate.observed = value, True        # a worth held, as if observed
 
     def begin_round(self) -> int:
         if self._root is None or self._root.device != self.topology.parents.device:
