@@ -273,11 +273,12 @@ def test_best_first_choice_on_the_device_is_the_policys():
         if trial % 5 == 0:
             path[:] = path[0, 0]                                  # all tied
         n_now = int(torch.randint(1, 20, (1,), generator=g))
-        policy._path_pred = torch.rand(n_now, generator=g)
+        policy._path_pred = torch.rand(n_now, generator=g).tolist()
         policy._draft_ms = 2.2 + float(torch.rand(1, generator=g))
         time_ms = torch.tensor(policy._draft_ms, dtype=torch.float64) + table[n_now]
-        on_device = choose_best_first(path, policy._path_pred.sum().double(), time_ms, torch.tensor(n_now), table)
-        assert torch.equal(on_device, policy._choose(path, n_now))
+        tokens = torch.tensor(sum(policy._path_pred), dtype=torch.float64)
+        on_device = choose_best_first(path, tokens, time_ms, torch.tensor(n_now), table)
+        assert on_device.tolist() == policy._choose(path.tolist(), n_now)
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))

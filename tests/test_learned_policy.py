@@ -218,8 +218,8 @@ def test_a_first_level_that_cannot_beat_a_plain_step_drafts_nothing(round_ms, dr
     probs = torch.tensor([[0.4, 0.3, 0.2, 0.1]])
     counts = policy.expand(Frontier(0, torch.tensor([0]), torch.tensor([3]), probs, tree))
     chosen = policy._choose(policy._last, 1)                  # what the nodes' own prices keep
-    assert int(chosen.sum()) >= 2
-    assert int(counts.sum()) == (int(chosen.sum()) if drafts else 0)
+    assert sum(chosen) >= 2
+    assert int(counts.sum()) == (sum(chosen) if drafts else 0)
     if not drafts:
         policy.observe(0, tree)
         assert policy.draft_value == pytest.approx(-(costs.draft_ms(1) + round_ms))
@@ -308,8 +308,9 @@ def test_exported_sklearn_models_predict_like_sklearn(kind, tmp_path):
 @pytest.mark.parametrize("kind", ["logistic", "logistic on a subset", "gbt"])
 def test_a_levels_acceptance_is_the_models_prediction_on_its_features(kind):
     """`level_proba` (a logistic model's score summed column by column, its scaler folded into the
-    weights) predicts what `predict_proba` does on `level_features`, for every column a model may read
-    or leave out, on flat, peaked and filtered distributions, with and without a temperature's shift."""
+    weights) and `level_rows` (the same on the host, in Python floats) predict what `predict_proba` does
+    on `level_features`, for every column a model may read or leave out, on flat, peaked and filtered
+    distributions, with and without a temperature's shift."""
     from sklearn.ensemble import GradientBoostingClassifier
     from sklearn.linear_model import LogisticRegression
     from sklearn.pipeline import make_pipeline
@@ -333,6 +334,8 @@ def test_a_levels_acceptance_is_the_models_prediction_on_its_features(kind):
         want = model.predict_proba(level_features(probs, logp, trial % 3, k, parent, 0.37), shift)
         got = model.level_proba(probs, logp, trial % 3, k, parent, 0.37, shift)
         assert got.shape == (f, k) and torch.allclose(got, want, rtol=0, atol=2e-6)
+        rows = model.level_rows(probs, logp, trial % 3, k, parent.tolist(), 0.37, shift)
+        assert torch.allclose(torch.tensor(rows, dtype=torch.float32), want, rtol=0, atol=2e-6)
 
 
 @pytest.mark.parametrize("edit, fragment", [

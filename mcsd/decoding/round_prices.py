@@ -46,7 +46,7 @@ PROMPT_TOKENS = 96                 # a fixed pseudo-random prompt: the prefix a 
 NEW_TOKENS = 128                   # tokens generated; every other round drafts: ~10 rounds timed greedy, ~50 sampled
 CONTEXT_TOKENS = 128               # ... where every other round looks up: about 60 lookups, some grafting
 PASSES = 3                         # generations of each kind, the quietest one's figures kept (`quietest`)
-VERSION = 6                        # of what is measured; a cached figure of another version is measured again
+VERSION = 7                        # of what is measured; a cached figure of another version is measured again
 FIGURES = ("round_ms", "round_ms_sampled", "graft_ms", "lookup_ms", "context_round_ms", "context_round_ms_sampled")
 
 

@@ -7,6 +7,7 @@ never runs code from the file), where it is installed, and its export from a fit
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -177,6 +178,35 @@ class AcceptanceModel:
         logit = (q * w["q_rank"] + path_logp * w["path_logp"]) + ranks + node[:, None]
         return torch.sigmoid(logit)
 
+    def level_rows(self, probs: torch.Tensor, logp: torch.Tensor, depth: int, k: int, parent_pred: list[float],
+                   recent: float, shift: float = 0.0) -> list[list[float]]:
+        """`level_proba` for a level grown on the host (the learned policy's own loop): its columns
+        read from the device once, and a logistic model's score summed in Python floats (float64),
+        which for a level of a few nodes and ranks costs less than the two dozen small tensor
+        operations it replaces (the policy's decision per level in decoding 0.34 -> 0.16 ms at T 1.0
+        on a 2-core EPYC). `parent_pred` is a list; returns F lists of k probabilities. Other kinds of
+        model run `level_proba`."""
+        if self._folded is None:
+            parent = torch.tensor(parent_pred, dtype=torch.float32, device=probs.device)
+            return self.level_proba(probs, logp, depth, k, parent, recent, shift).tolist()
+        w, _, bias = self._folded
+        probs = probs.float()
+        top = torch.topk(probs, max(k, 2), dim=-1).values                                   # (F, k')
+        plogp = (probs * probs.clamp_min(1e-12).log()).sum(-1)                              # (F,)
+        width = top.shape[1]
+        flat = torch.cat([top.flatten(), plogp, logp.float()]).tolist()
+        f = len(parent_pred)
+        tops, plogps, logps = flat[:f * width], flat[f * width:f * width + f], flat[f * width + f:]
+        const = bias + w["depth"] * (depth + 1) + w["recent_accept"] * recent + shift
+        rows = []
+        for i in range(f):
+            q = tops[i * width:(i + 1) * width]
+            node = (const + w["top1"] * q[0] + w["margin"] * (q[0] - q[1]) - w["entropy"] * plogps[i]
+                    + w["parent_pred"] * parent_pred[i])
+            rows.append([_sigmoid(node + w["q_rank"] * q[r] + w["path_logp"] * (logps[i] + math.log(max(q[r], 1e-12)))
+                                  + w["rank"] * r) for r in range(k)])
+        return rows
+
     def predict_proba(self, x: torch.Tensor, shift: float = 0.0) -> torch.Tensor:
         """x: (..., len(FEATURE_NAMES)) -> (...) probabilities, `shift` (`logit_shift`) added to the logit."""
         z = x.float()[..., self.columns.to(x.device)]
@@ -185,6 +215,14 @@ class AcceptanceModel:
         else:
             logit = self.init + self.learning_rate * self.forest(z)
         return torch.sigmoid(logit + shift if shift else logit)
+
+
+def _sigmoid(x: float) -> float:
+    """The logistic function of a host float, without overflow for large negative x."""
+    if x >= 0:
+        return 1.0 / (1.0 + math.exp(-x))
+    e = math.exp(x)
+    return e / (1.0 + e)
 
 
 def _folded(model: "AcceptanceModel") -> tuple[dict[str, float], torch.Tensor, float]:

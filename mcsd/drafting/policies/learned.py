@@ -1,7 +1,8 @@
 """A learned tree policy: scikit-learn acceptance models decide which branches to grow and when to stop.
 
 For every candidate child (frontier node f, sibling rank r) the policy asks an
-acceptance model, in one batched call per level (`AcceptanceModel.level_proba`),
+acceptance model, in one call per level (`AcceptanceModel.level_rows`: the level's
+columns read from the device once, the score summed on the host),
 for P(accepted | parent accepted) from the candidate's features (the columns
 `FEATURE_NAMES`, as `candidate_features` builds them). Multiplying along the
 path gives each candidate's probability of being on the accepted path, i.e.
@@ -155,7 +156,8 @@ class LearnedPolicy(TreePolicy):
             raise ConfigError(f"online_costs must be true or false, got {online_costs!r}")
         self.costs.online = online_costs
         self.predict_s = 0.0          # feature building + prediction time, for the overhead report
-        self._root: torch.Tensor | None = None           # (1,) ones: each round's root, made once
+        self._path_pred: list[float] = [1.0]             # each node's path probability, this round's tree
+        self._last: list[list[float]] | None = None     # the level just expanded: its candidates' path probabilities
         self._every = False                              # inside `every_round`
         self.shift = self.model.logit_shift(0.0)         # the acceptance model's logit shift (`decoding`)
         self.reset()
@@ -203,9 +205,7 @@ class LearnedPolicy(TreePolicy):
         self.gate.value, self.gate.observed = value, True        # a worth held, as if observed
 
     def begin_round(self) -> int:
-        if self._root is None or self._root.device != self.topology.parents.device:
-            self._root = torch.ones(1, device=self.topology.parents.device)   # the root is certain
-        self._path_pred, self._last = self._root, None                       # (replaced, never written)
+        self._path_pred, self._last = [1.0], None                           # the root is certain
         if self._every:
             self.gate.reset()
         if not self.gate.opens():
@@ -219,30 +219,29 @@ class LearnedPolicy(TreePolicy):
 
     def expand(self, frontier: Frontier) -> torch.Tensor:
         t0 = time.perf_counter()
-        k = int(frontier.max_children.max())
-        parent_pred = self._path_pred[frontier.nodes]                                  # (F,)
-        accept = self.model.level_proba(frontier.probs, frontier.tree.logp[frontier.nodes], frontier.depth, k,
-                                        parent_pred, self.recent, self.shift)          # (F, k)
-        path = accept * parent_pred[:, None]
-        allowed = torch.arange(k, device=path.device)[None] < frontier.max_children[:, None]
-        path = torch.where(allowed, path, torch.zeros_like(path))
+        limits = frontier.max_children.tolist()
+        k = max(limits)
+        parents = [self._path_pred[i] for i in frontier.nodes.tolist()]
+        accept = self.model.level_rows(frontier.probs, frontier.tree.logp[frontier.nodes], frontier.depth, k,
+                                       parents, self.recent, self.shift)                # F lists of k
+        path = [[a * parent if r < limit else 0.0 for r, a in enumerate(row)]
+                for row, parent, limit in zip(accept, parents, limits)]
         counts = self._choose(path, frontier.tree.size)
         if frontier.depth == 0 and self.leave_unpaying and not self._every \
                 and not self._first_level_pays(path, counts):
-            counts = torch.zeros_like(counts)       # the round is a plain step, priced as a drafted round's start
+            counts = [0] * len(counts)    # the round is a plain step, priced as a drafted round's start
         self._last = path
         self.predict_s += time.perf_counter() - t0
-        return counts
+        return torch.tensor(counts, device=frontier.max_children.device)
 
-    def _first_level_pays(self, path: torch.Tensor, counts: torch.Tensor) -> bool:
+    def _first_level_pays(self, path: list[list[float]], counts: list[int]) -> bool:
         """Whether the round the first level's chosen nodes begin can gain on a plain step: their
         path probabilities, with the likeliest continued at the running acceptance rate to the
         topology's depth (an optimistic deeper part), each worth a step, against what drafting on
         costs beyond a step (the round's own work, the verify of the chosen nodes, one more draft
         level where the topology has one). A round that cannot is left after its first head forward,
         and the decoder runs the plain step instead of verifying a tree of the root alone."""
-        k = path.shape[1]
-        chosen = path[torch.arange(k, device=path.device)[None] < counts[:, None]].tolist()
+        chosen = [v for row, n in zip(path, counts) for v in row[:n]]
         if not chosen:
             return False
         depth, n, step = self.topology.max_depth, len(chosen), self.costs.verify_ms(1)
@@ -250,32 +249,38 @@ class LearnedPolicy(TreePolicy):
         rest = self.costs.round_ms + self.costs.verify_ms(1 + n) - step + (self.costs.draft_ms(n) if depth > 1 else 0.0)
         return (sum(chosen) + deeper) * step > rest
 
-    def _choose(self, path: torch.Tensor, n_now: int) -> torch.Tensor:
-        """Best first, while expected tokens per ms increase; ranks stay contiguous per node."""
-        tokens = float(self._path_pred.sum())
+    def _choose(self, path: list[list[float]], n_now: int) -> list[int]:
+        """Best first, while expected tokens per ms increase; ranks stay contiguous per node. `path`: each
+        frontier node's candidates' path probabilities (0: not a candidate); returns the children per node."""
+        tokens = sum(self._path_pred)
         time_now = self._draft_ms + self.costs.verify_ms(n_now)
-        flat = path.flatten()
-        take = torch.zeros(flat.numel(), dtype=torch.bool)
-        values = flat.tolist()
+        values = [v for row in path for v in row]
+        take = [False] * len(values)
         for i in sorted(range(len(values)), key=values.__getitem__, reverse=True):
             dt = self.costs.verify_ms(n_now + 1) - self.costs.verify_ms(n_now)
             if values[i] <= 0 or (tokens + values[i]) * time_now <= tokens * (time_now + dt):
                 break
             take[i] = True
             tokens, time_now, n_now = tokens + values[i], time_now + dt, n_now + 1
-        return take.view(path.shape).long().cumprod(dim=1).sum(dim=1).to(path.device)
+        counts, width = [], len(path[0]) if path else 0
+        for row in range(len(path)):
+            n = 0
+            while n < width and take[row * width + n]:
+                n += 1
+            counts.append(n)
+        return counts
 
     def level_added(self, kept: torch.Tensor) -> None:
-        k = kept.shape[1]
-        self._path_pred = torch.cat([self._path_pred, self._last[:, :k][kept]])
+        for row, flags in zip(self._last, kept.tolist()):
+            self._path_pred.extend(v for v, flag in zip(row, flags) if flag)
 
     def given_level(self, n: int) -> None:
-        self._path_pred = torch.cat([self._path_pred, self._path_pred.new_ones(n)])
+        self._path_pred.extend([1.0] * n)
 
     def continue_drafting(self, tree: DraftTree, new_nodes: torch.Tensor) -> bool:
         width = new_nodes.numel()
-        gain = float(self._path_pred[new_nodes].max()) * self.recent         # best next child, roughly
-        tokens = float(self._path_pred.sum())
+        gain = max(self._path_pred[i] for i in new_nodes.tolist()) * self.recent    # best next child, roughly
+        tokens = sum(self._path_pred)
         time_now = self._draft_ms + self.costs.verify_ms(tree.size)
         extra = self.costs.draft_ms(width) + self.costs.verify_ms(tree.size + 1) - self.costs.verify_ms(tree.size)
         if (tokens + gain) * time_now <= tokens * (time_now + extra):
@@ -285,11 +290,10 @@ class LearnedPolicy(TreePolicy):
         return True
 
     def node_probabilities(self) -> torch.Tensor | None:
-        return getattr(self, "_path_pred", None)
+        return torch.tensor(self._path_pred, device=self.topology.parents.device)
 
     def expected_tokens(self) -> float | None:
-        path = getattr(self, "_path_pred", None)
-        return None if path is None else float(path.sum())
+        return sum(self._path_pred)
 
     def observe(self, n_accepted: int, tree: DraftTree, shared: int = 0) -> None:
         self.observe_round(n_accepted, int(tree.depth.max()), tree.size, self._draft_ms, shared)
