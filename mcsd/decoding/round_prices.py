@@ -45,7 +45,10 @@ from ..costs import store
 PROMPT_TOKENS = 96                 # a fixed pseudo-random prompt: the prefix a measured round reads
 NEW_TOKENS = 128                   # tokens generated; every other round drafts: ~10 rounds timed greedy, ~50 sampled
 CONTEXT_TOKENS = 128               # ... where every other round looks up: about 60 lookups, some grafting
-PASSES = 3                         # generations of each kind, the quietest one's figures kept (`quietest`)
+PASSES = 5                         # generations of each kind, the quietest one's figures kept (`quietest`)
+# sampled with a nucleus (what a chat client sends): each extra node's filtering and draw lands in the
+# round's figure, a price on the safe side for plain temperature sampling
+SAMPLED = {"temperature": 1.0, "top_p": 0.95, "seed": 0}
 VERSION = 7                        # of what is measured; a cached figure of another version is measured again
 FIGURES = ("round_ms", "round_ms_sampled", "graft_ms", "lookup_ms", "context_round_ms", "context_round_ms_sampled")
 
@@ -188,17 +191,20 @@ def measure(decoder, costs) -> dict:
         finally:
             looking.clear()
 
-    def figures(**sampling) -> tuple[float, list[float], list[float]]:
-        """Under `sampling`: (a drafted round's figure, the grafts' times, the grafting rounds' own work)."""
-        drafted, grafts, rounds = [], [], []
+    def figures() -> tuple[dict, dict, list[float]]:
+        """Greedy and sampled: ({greedy: a drafted round's figure}, {greedy: the grafting rounds' own
+        work}, the grafts' times). The passes take turns, greedy then sampled, so that a busy spell of
+        the machine lands on passes of both kinds rather than on all of one kind's."""
+        drafted, rounds, grafts = {True: [], False: []}, {True: [], False: []}, []
         for _ in range(PASSES):
-            generation(prompt, NEW_TOKENS, _drafting_every_other, sampling)
-            drafted.append(beyond(timed, costs, True))
-            grafts += [r["graft_ms"] for r in timed if r["graft_ms"]]
-            if context is not None:
-                generation(repeated, CONTEXT_TOKENS, _drafting_nothing, sampling)
-                rounds.append(beyond(timed, costs, False))
-        return quietest(drafted), grafts, quietest(rounds)
+            for greedy, sampling in ((True, {}), (False, SAMPLED)):
+                generation(prompt, NEW_TOKENS, _drafting_every_other, sampling)
+                drafted[greedy].append(beyond(timed, costs, True))
+                grafts += [r["graft_ms"] for r in timed if r["graft_ms"]]
+                if context is not None:
+                    generation(repeated, CONTEXT_TOKENS, _drafting_nothing, sampling)
+                    rounds[greedy].append(beyond(timed, costs, False))
+        return ({g: quietest(p) for g, p in drafted.items()}, {g: quietest(p) for g, p in rounds.items()}, grafts)
 
     shared = {id(c): c for c in (costs, getattr(policy, "costs", None), decoder.context_costs) if c is not None}
     decoder._round = timed_round                      # this decoder's own round and context drafter, for now
@@ -211,23 +217,19 @@ def measure(decoder, costs) -> dict:
                 stack.enter_context(held.held())
                 held.round_ms = held.graft_ms = held.lookup_ms = held.context_round_ms = 0.0
             decoder.generate(prompt, max_new_tokens=8, ignore_eos=True)          # first-call costs out of it
-            greedy, grafts, rounds = figures()
-            # sampled with a nucleus (what a chat client sends): each extra node's filtering and draw
-            # lands in the round's figure, a price on the safe side for plain temperature sampling
-            sampled, more, sampled_rounds = figures(temperature=1.0, top_p=0.95, seed=0)
+            drafted, rounds, grafts = figures()
     finally:
         del decoder._round
         if context is not None:
             del context.graft, context.choose_under_root, context.grafted
-    grafts += more
 
     def figure(value: float | None) -> float:
         return round(max(value, 0.0), 4) if value is not None else 0.0
 
-    return {"round_ms": figure(greedy), "round_ms_sampled": figure(sampled),
+    return {"round_ms": figure(drafted[True]), "round_ms_sampled": figure(drafted[False]),
             "graft_ms": figure(statistics.fmean(grafts) if grafts else None),
             "lookup_ms": figure(statistics.median(misses) if misses else None),
-            "context_round_ms": figure(rounds), "context_round_ms_sampled": figure(sampled_rounds)}
+            "context_round_ms": figure(rounds[True]), "context_round_ms_sampled": figure(rounds[False])}
 
 
 def quietest(passes: list[list[float]]) -> float | None:
