@@ -190,21 +190,18 @@ class AcceptanceModel:
             parent = torch.tensor(parent_pred, dtype=torch.float32, device=probs.device)
             return self.level_proba(probs, logp, depth, k, parent, recent, shift).tolist()
         w, _, bias = self._folded
-        probs = probs.float()
-        top = torch.topk(probs, max(k, 2), dim=-1).values                                   # (F, k')
-        plogp = (probs * probs.clamp_min(1e-12).log()).sum(-1)                              # (F,)
-        width = top.shape[1]
-        flat = torch.cat([top.flatten(), plogp, logp.float()]).tolist()
-        f = len(parent_pred)
-        tops, plogps, logps = flat[:f * width], flat[f * width:f * width + f], flat[f * width + f:]
+        top, plogp, path_logp = _level_columns(probs, logp, k)                              # (F, k'), (F,), (F, k)
+        f, width = top.shape
+        flat = torch.cat([top.flatten(), plogp, path_logp.flatten()]).tolist()
+        tops, plogps, paths = flat[:f * width], flat[f * width:f * width + f], flat[f * width + f:]
         const = bias + w["depth"] * (depth + 1) + w["recent_accept"] * recent + shift
         rows = []
         for i in range(f):
-            q = tops[i * width:(i + 1) * width]
+            q, path = tops[i * width:(i + 1) * width], paths[i * k:(i + 1) * k]
             node = (const + w["top1"] * q[0] + w["margin"] * (q[0] - q[1]) - w["entropy"] * plogps[i]
                     + w["parent_pred"] * parent_pred[i])
-            rows.append([_sigmoid(node + w["q_rank"] * q[r] + w["path_logp"] * (logps[i] + math.log(max(q[r], 1e-12)))
-                                  + w["rank"] * r) for r in range(k)])
+            rows.append([_sigmoid(node + w["q_rank"] * q[r] + w["path_logp"] * path[r] + w["rank"] * r)
+                         for r in range(k)])
         return rows
 
     def predict_proba(self, x: torch.Tensor, shift: float = 0.0) -> torch.Tensor:
@@ -337,8 +334,6 @@ def export_sklearn(estimator, feature_names=FEATURE_NAMES, meta: dict | None = N
     LogisticRegression) and a binary `GradientBoostingClassifier` with its
     default prior initialisation.
     """
-    import math
-
     import numpy as np
     import sklearn
     from sklearn.ensemble import GradientBoostingClassifier

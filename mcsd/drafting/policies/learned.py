@@ -12,7 +12,8 @@ costs from the device profile (verify time against tree size, draft time per
 level). When none pays, drafting stops.
 
 Models are stored as plain JSON parameters (logistic regression coefficients,
-or gradient-boosted regression trees as arrays), evaluated here with torch;
+or gradient-boosted regression trees as arrays), evaluated here with torch (a
+logistic model's level in Python floats on its columns read once);
 loading never runs code from the file. scikit-learn is only needed to *fit*
 them (tools/train_decision_models.py).
 
