@@ -167,7 +167,7 @@ class Proposer:
             spent_ms = round_ms(drafted, costs)             # from costs, not this run's clock
             probs = policy.node_probabilities()
             graft = self.context.graft(drafted, sequence, expected + others, spent_ms, costs,
-                                       probs if probs is not None and probs.numel() == drafted.size else None,
+                                       probs if probs is not None and len(probs) == drafted.size else None,
                                        max_nodes=context_nodes, noise=noise)
             if left and graft.tree.size == drafted.size:
                 # left after its first level and nothing found: the lookup's price into the gate, and the

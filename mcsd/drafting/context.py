@@ -457,7 +457,7 @@ class ContextDrafter:
                     break
 
     def graft(self, tree: DraftTree, sequence: torch.Tensor, expected_tokens: float, round_ms: float,
-              costs=None, node_probs: torch.Tensor | None = None, max_nodes: int | None = None,
+              costs=None, node_probs: list[float] | None = None, max_nodes: int | None = None,
               noise=None) -> Graft:
         """Merge this round's candidates into `tree` and append the ones that pay.
 
@@ -473,7 +473,7 @@ class ContextDrafter:
             round_ms: the round's time so far (draft time spent + verify of `tree`) in ms.
             costs: `mcsd.costs.cost_model.Costs` for the marginal verify time of a node, or None
                 (then only `max_nodes` and `min_score` bound the graft).
-            node_probs: (N,) each drafted node's probability of being accepted, where the
+            node_probs: each drafted node's probability of being accepted (N host floats), where the
                 policy estimates it; default: its draft path probability exp(logp).
             max_nodes: at most this many nodes this round (a batch's share), within `config.max_nodes`.
             noise: the generation's `PositionNoise` where the target draws by it (sampling): each
@@ -484,7 +484,7 @@ class ContextDrafter:
             its expected tokens pay for its verify time: s * round_ms > tokens * dt.
         """
         self._sync(sequence)
-        est = (node_probs if node_probs is not None else tree.logp.float().exp()).tolist()
+        est = node_probs if node_probs is not None else tree.logp.float().exp().tolist()
         return self.grafted(tree, self._choose(tree.tokens.tolist(), tree.parents.tolist(), est, tree.logp.tolist(),
                                                expected_tokens, round_ms, costs, self._budget(max_nodes),
                                                noise=noise, first=sequence.numel()))

@@ -235,9 +235,9 @@ class TreePolicy:
         drafting ended; None when the policy has no estimate. Prices context proposals."""
         return None
 
-    def node_probabilities(self) -> torch.Tensor | None:
-        """(N,) each node of this round's tree's probability of being accepted, where the policy
-        estimates it (None otherwise). Prices context proposals beneath drafted nodes."""
+    def node_probabilities(self) -> list[float] | None:
+        """Each node of this round's tree's probability of being accepted (N host floats), where the
+        policy estimates it (None otherwise). Prices context proposals beneath drafted nodes."""
         return None
 
     def decoding(self, sampling) -> None:

@@ -290,8 +290,8 @@ class LearnedPolicy(TreePolicy):
         self._draft_base_ms += self.costs.base_draft_ms(width)
         return True
 
-    def node_probabilities(self) -> torch.Tensor | None:
-        return torch.tensor(self._path_pred, device=self.topology.parents.device)
+    def node_probabilities(self) -> list[float] | None:
+        return list(self._path_pred)
 
     def expected_tokens(self) -> float | None:
         return sum(self._path_pred)
