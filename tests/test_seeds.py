@@ -164,8 +164,10 @@ def test_the_native_draw_is_the_processed_scores_draw(temperature, top_p):
     cfg = SamplingConfig(temperature=temperature, top_p=top_p)
     for seed in range(25):
         noise, positions = PositionNoise(seed, 5000, "cpu"), torch.arange(6) + 10 * seed
-        assert torch.equal(noise.draw_logits(logits, cfg, positions),
-                           noise.draw_scores(processed_scores(logits, cfg), positions))
+        drawn = noise.draw_logits(logits, cfg, positions)
+        assert torch.equal(drawn, noise.draw_scores(processed_scores(logits, cfg), positions))
+        for r, p in enumerate(positions.tolist()):                          # one row, its key a host int
+            assert noise.draw_at(logits[r:r + 1], cfg, p).tolist() == [drawn[r].item()]
 
 
 @pytest.mark.skipif(native.library() is None, reason="the native library is not built here")

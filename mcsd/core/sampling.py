@@ -70,7 +70,12 @@ def _scaled(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     inf - inf = nan in the softmax. Below 1e-30 (which float32 would round to 0, making the top 0 / 0)
     every gap is already -inf: the same distribution."""
     scores = logits.float()
-    return (scores - scores.amax(-1, keepdim=True)) / max(cfg.temperature, 1e-30)
+    return (scores - scores.amax(-1, keepdim=True)) / _temperature(cfg)
+
+
+def _temperature(cfg: SamplingConfig) -> float:
+    """What `_scaled` divides by (the native draw divides by the same, in float32 as torch does)."""
+    return max(cfg.temperature, 1e-30)
 
 
 PARTIAL_SORTS = ("cpu",)          # device types where top-p tries partial sorts (each checked on the host)
@@ -198,7 +203,7 @@ def choose(scores: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator
         # the Gumbel draw needs no softmax: the distribution is made only to sample from it or to report it
         dist = processed_scores(scores, cfg).softmax(-1) if noise is None or logprob else None
         if noise is not None:            # the position's key made where the scores are: no host read
-            token = noise.draw_keyed(scores[None], cfg, noise.key_at(position, scores.device))[0]
+            token = noise.draw_at(scores[None], cfg, position)[0]
         else:
             token = sample(dist, generator)
     if not logprob:
@@ -340,11 +345,18 @@ class PositionNoise:
         cols = torch.arange(scores.shape[-1], device=scores.device) if ids is None else ids.long()
         return scores.float() + self._at(keys, cols).to(scores.device)
 
+    def draw_at(self, logits: torch.Tensor, cfg: SamplingConfig, position: int) -> torch.Tensor:
+        """`draw_logits` of one row (1, V) at a position given as a host int: the native draw takes the
+        position's key as an int (no tensor made), elsewhere `draw_keyed` with `key_at`'s."""
+        if _native_draw(logits, cfg):
+            return native.draw(logits.float(), _temperature(cfg), cfg.top_p, _mix(self.seed, position))
+        return self.draw_keyed(logits, cfg, self.key_at(position, logits.device))
+
     def draw_keyed(self, logits: torch.Tensor, cfg: SamplingConfig, keys: torch.Tensor) -> torch.Tensor:
         """`draw_logits` with position keys (M,) int64 already made (`device_keys`): the same draws, no
         host read."""
         if _native_draw(logits, cfg):
-            return native.draw(_scaled(logits, cfg), cfg.top_p, keys)
+            return native.draw(logits.float(), _temperature(cfg), cfg.top_p, keys)
         return greedy_tokens(self.keyed(processed_scores(logits, cfg), keys))
 
     def gumbel(self, positions: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -393,7 +405,7 @@ class PositionNoise:
         otherwise the processed scores and a whole noise row each. A process takes one of the two for
         a given setting throughout, so a seed's text does not depend on the trees."""
         if _native_draw(logits, cfg):
-            return native.draw(_scaled(logits, cfg), cfg.top_p, self.position_keys(positions))
+            return native.draw(logits.float(), _temperature(cfg), cfg.top_p, self.position_keys(positions))
         return self.draw_scores(processed_scores(logits, cfg), positions)
 
 

@@ -259,7 +259,7 @@ def _load():
     lib.mcsd_layers_slots.restype = ctypes.c_int
     lib.mcsd_top_p.argtypes = [p, i64, i64, ctypes.c_float, p, ctypes.c_int]
     lib.mcsd_top_p.restype = ctypes.c_int
-    lib.mcsd_draw.argtypes = [p, i64, i64, ctypes.c_float, p, p, ctypes.c_int]
+    lib.mcsd_draw.argtypes = [p, i64, i64, ctypes.c_float, ctypes.c_float, p, p, ctypes.c_int]
     lib.mcsd_draw.restype = ctypes.c_int
     lib.mcsd_gumbel.argtypes = [p, i64, p, i64, i64, p]
     lib.mcsd_gumbel.restype = None
@@ -389,13 +389,22 @@ def top_p(scores: torch.Tensor, mass: float) -> torch.Tensor:
     return out
 
 
-def draw(scaled: torch.Tensor, mass: float, keys: torch.Tensor) -> torch.Tensor:
-    """Gumbel-max draws from float32 `scaled` scores (R, V) on the CPU (temperature applied, top token
-    0), nucleus-filtered with `mass` (none at 1), row r under position key `keys[r]` ((R,) int64,
-    the bits of a uint64): (R,) long, the kept token with the largest score + noise (see `mcsd_draw`)."""
-    x, k = scaled.contiguous(), keys.contiguous()
+def draw(logits: torch.Tensor, temperature: float, mass: float, keys: torch.Tensor | int) -> torch.Tensor:
+    """Gumbel-max draws from raw float32 `logits` (R, V) on the CPU, each row scaled as sampling scales
+    it ((x - max) / temperature, the values of `mcsd.core.sampling.processed_scores` before its
+    filters) and nucleus-filtered with `mass` (none at 1), row r under position key `keys[r]` ((R,)
+    int64, the bits of a uint64; for one row, its key as a host int: no tensor made for it, which
+    right after a forward costs tens of microseconds): (R,) long, the kept token with the largest
+    score + noise (see `mcsd_draw`)."""
+    x = logits.contiguous()
+    if isinstance(keys, int):
+        one = ctypes.c_uint64(keys & 0xFFFFFFFFFFFFFFFF)
+        k, key_ptr = None, ctypes.addressof(one)
+    else:
+        k = keys.contiguous()
+        key_ptr = k.data_ptr()
     out = torch.empty(x.shape[0], dtype=torch.long)
-    if _lib().mcsd_draw(x.data_ptr(), x.shape[0], x.shape[1], mass, k.data_ptr(), out.data_ptr(),
+    if _lib().mcsd_draw(x.data_ptr(), x.shape[0], x.shape[1], temperature, mass, key_ptr, out.data_ptr(),
                         torch.get_num_threads()):
         raise MemoryError("the native draw could not allocate its scratch rows")
     return out

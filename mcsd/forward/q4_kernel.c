@@ -1580,8 +1580,17 @@ typedef struct { float mx; int crossing; int64_t kept; } tp_sel;
 /* A row's maximum, and e[i] = exp(s[i] - max) (exp8, the tail through the same polynomial); e is left
    alone where the maximum is -INFINITY. */
 static float row_exp(const float *s, int64_t V, float *e) {
-    float mx = -INFINITY;
-    for (int64_t i = 0; i < V; i++) mx = s[i] > mx ? s[i] : mx;
+    /* the scalar `mx = s[i] > mx ? s[i] : mx` 8 lanes at a time: max_ps returns its second operand (the
+       running lane) where the new value is NaN, so a NaN is passed over as the comparison passes it; the
+       lanes' maxima are then folded the same way (only the sign of a zero maximum can differ, and no
+       caller tells the two zeros apart) */
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 8 <= V; j += 8) mv = _mm256_max_ps(_mm256_loadu_ps(s + j), mv);
+    float lanes[8], mx = -INFINITY;
+    _mm256_storeu_ps(lanes, mv);
+    for (int l = 0; l < 8; l++) mx = lanes[l] > mx ? lanes[l] : mx;
+    for (; j < V; j++) mx = s[j] > mx ? s[j] : mx;
     if (mx == -INFINITY) return mx;
     const __m256 mxv = _mm256_set1_ps(mx);
     int64_t i = 0;
@@ -1595,14 +1604,32 @@ static float row_exp(const float *s, int64_t V, float *e) {
     return mx;
 }
 
-static tp_sel tp_select(const float *s, int64_t V, double mass, float *e, tp_cand *cand) {
+/* bin[i] = tp_bin(mx, s[i]) for a whole row, 8 at a time: the same float product, the same truncation
+   of the depths below the last bin, the last bin for the rest (-inf, NaN). */
+static void row_bins(const float *s, int64_t V, float mx, uint16_t *bin) {
+    const __m256 mxv = _mm256_set1_ps(mx), scale = _mm256_set1_ps(TP_SCALE), top = _mm256_set1_ps((float)(TP_BINS - 1));
+    const __m256i last = _mm256_set1_epi32(TP_BINS - 1);
+    int64_t i = 0;
+    for (; i + 8 <= V; i += 8) {
+        const __m256 depth = _mm256_mul_ps(_mm256_sub_ps(mxv, _mm256_loadu_ps(s + i)), scale);
+        const __m256 below = _mm256_cmp_ps(depth, top, _CMP_LT_OQ);
+        const __m256i b = _mm256_blendv_epi8(last, _mm256_cvttps_epi32(_mm256_and_ps(depth, below)),
+                                             _mm256_castps_si256(below));
+        const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+        _mm_storeu_si128((__m128i *)(bin + i), packed);
+    }
+    for (; i < V; i++) bin[i] = (uint16_t)tp_bin(mx, s[i]);
+}
+
+static tp_sel tp_select(const float *s, int64_t V, double mass, float *e, uint16_t *bin, tp_cand *cand) {
     tp_sel sel = { -INFINITY, 0, 0 };
     const float mx = row_exp(s, V, e);
     if (mx == -INFINITY) return sel;
+    row_bins(s, V, mx, bin);
     double total = 0.0, bins[TP_BINS] = {0};
     int64_t i;
     for (i = 0; i < V; i++) {
-        bins[tp_bin(mx, s[i])] += e[i];
+        bins[bin[i]] += e[i];
         total += e[i];
     }
     const double target = mass * total;
@@ -1616,7 +1643,7 @@ static tp_sel tp_select(const float *s, int64_t V, double mass, float *e, tp_can
     int last = crossing + 1 < TP_BINS - 1 ? crossing + 1 : TP_BINS - 1;
     int64_t n = 0, kept;
     for (i = 0; i < V; i++) {
-        const int b = tp_bin(mx, s[i]);
+        const int b = bin[i];
         if (b >= crossing && b <= last) { cand[n].s = s[i]; cand[n].i = (int32_t)i; n++; }
     }
     for (;;) {
@@ -1627,7 +1654,7 @@ static tp_sel tp_select(const float *s, int64_t V, double mass, float *e, tp_can
         if (kept < n || before >= target || last == TP_BINS - 1) break;
         last = TP_BINS - 1;                             /* rounding left it short: every lower bin too */
         for (i = 0; i < V; i++)
-            if (tp_bin(mx, s[i]) > crossing + 1) { cand[n].s = s[i]; cand[n].i = (int32_t)i; n++; }
+            if (bin[i] > crossing + 1) { cand[n].s = s[i]; cand[n].i = (int32_t)i; n++; }
     }
     sel.mx = mx;
     sel.crossing = crossing;
@@ -1635,28 +1662,48 @@ static tp_sel tp_select(const float *s, int64_t V, double mass, float *e, tp_can
     return sel;
 }
 
-static void top_p_row(const float *s, int64_t V, double mass, float *out, float *e, tp_cand *cand) {
-    const tp_sel sel = tp_select(s, V, mass, e, cand);
+static void top_p_row(const float *s, int64_t V, double mass, float *out, float *e, uint16_t *bin,
+                      tp_cand *cand) {
+    const tp_sel sel = tp_select(s, V, mass, e, bin, cand);
     if (sel.mx == -INFINITY) {                          /* nothing to rank: the row as it is */
         for (int64_t i = 0; i < V; i++) out[i] = s[i];
         return;
     }
-    for (int64_t i = 0; i < V; i++) out[i] = tp_bin(sel.mx, s[i]) < sel.crossing ? s[i] : -INFINITY;
+    for (int64_t i = 0; i < V; i++) out[i] = bin[i] < sel.crossing ? s[i] : -INFINITY;
     for (int64_t j = 0; j < sel.kept; j++) out[cand[j].i] = s[cand[j].i];
+}
+
+/* A thread's scratch rows for the filters and draws, kept for the thread's life and grown as asked:
+   they run once a token or more, and rows of 0.2-1.2 MB had from malloc each call came back from the
+   system each time, every page faulted in again (about as long as the draw's own passes). */
+typedef struct { float *e, *s; uint16_t *bin; tp_cand *cand; int64_t v; } tp_scratch;
+static _Thread_local tp_scratch tl_scratch;
+
+static tp_scratch *tp_scratch_for(int64_t V) {
+    tp_scratch *t = &tl_scratch;
+    if (t->v < V) {
+        free(t->e);
+        free(t->s);
+        free(t->bin);
+        free(t->cand);
+        t->e = malloc((size_t)V * sizeof(float));
+        t->s = malloc((size_t)V * sizeof(float));
+        t->bin = malloc((size_t)V * sizeof(uint16_t));
+        t->cand = malloc((size_t)(2 * V) * sizeof(tp_cand));       /* candidates, then the sort's room */
+        t->v = t->e && t->s && t->bin && t->cand ? V : 0;
+    }
+    return t->v ? t : NULL;
 }
 
 int mcsd_top_p(const float *s, int64_t R, int64_t V, float mass, float *out, int threads) {
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(|:failed) if(R > 1)
     {
-        float *e = malloc((size_t)V * sizeof(float));                  /* scratch, once per thread */
-        tp_cand *cand = malloc((size_t)(2 * V) * sizeof(tp_cand));     /* candidates, then the sort's room */
-        failed = !e || !cand;
+        tp_scratch *t = tp_scratch_for(V);
+        failed = !t;
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < R; r++)
-            if (e && cand) top_p_row(s + r * V, V, (double)mass, out + r * V, e, cand);
-        free(e);
-        free(cand);
+            if (t) top_p_row(s + r * V, V, (double)mass, out + r * V, t->e, t->bin, t->cand);
     }
     return failed ? -1 : 0;
 }
@@ -1727,10 +1774,11 @@ void mcsd_gumbel(const uint64_t *keys, int64_t R, const int64_t *ids, int64_t K,
    E[i] / e[i], E[i] = -log u(key, i) and e[i] = exp(x[i] - max) (the same order up to rounding), which
    needs noise only for the kept tokens, and for those only where the bound E >= 1 - u leaves them a
    chance: a draw costs about a filter's passes, not a noise row. Ties go to the lower index. */
-static int64_t draw_row(const float *x, int64_t V, double mass, uint64_t key, float *e, tp_cand *cand) {
+static int64_t draw_row(const float *x, int64_t V, double mass, uint64_t key, float *e, uint16_t *bin,
+                        tp_cand *cand) {
     tp_sel sel;
     if (mass < 1.0) {
-        sel = tp_select(x, V, mass, e, cand);
+        sel = tp_select(x, V, mass, e, bin, cand);
     } else {                                            /* every token with a finite score is kept */
         sel.mx = row_exp(x, V, e);
         sel.crossing = TP_BINS;
@@ -1742,7 +1790,7 @@ static int64_t draw_row(const float *x, int64_t V, double mass, uint64_t key, fl
     float best_r = -logf(noise_u(key, best)) / e[best];
     for (int64_t t = 0; t < V + sel.kept; t++) {
         const int64_t i = t < V ? t : cand[t - V].i;
-        if (t < V && tp_bin(sel.mx, x[i]) >= sel.crossing) continue;
+        if (t < V && sel.crossing < TP_BINS && bin[i] >= sel.crossing) continue;
         if (e[i] <= 0.0f) continue;
         const float u = noise_u(key, i);
         if ((1.0f - u) * 0.999f > best_r * e[i]) continue;     /* -log u >= 1 - u: it cannot win */
@@ -1752,18 +1800,49 @@ static int64_t draw_row(const float *x, int64_t V, double mass, uint64_t key, fl
     return best;
 }
 
-int mcsd_draw(const float *x, int64_t R, int64_t V, float mass, const uint64_t *keys, int64_t *out, int threads) {
+/* A row of raw logits x as sampling scales it: s[i] = (x[i] - max) / t in float32, the same values as
+   torch's (x - x.amax()) / t (true division; a NaN anywhere makes every entry NaN, as amax's does). */
+static void scale_row(const float *x, int64_t V, float t, float *s) {
+    __m256 mv = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= V; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        mv = _mm256_max_ps(mv, v);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    float lanes[8], flags[8], mx = -INFINITY;
+    int any_nan = 0;
+    _mm256_storeu_ps(lanes, mv);
+    _mm256_storeu_ps(flags, nan);
+    for (int j = 0; j < 8; j++) {
+        mx = lanes[j] > mx ? lanes[j] : mx;
+        any_nan |= flags[j] != 0.0f;
+    }
+    for (; i < V; i++) {
+        mx = x[i] > mx ? x[i] : mx;
+        any_nan |= x[i] != x[i];
+    }
+    if (any_nan) mx = NAN;
+    const __m256 mxv = _mm256_set1_ps(mx), tv = _mm256_set1_ps(t);
+    for (i = 0; i + 8 <= V; i += 8) _mm256_storeu_ps(s + i, _mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), mxv), tv));
+    for (; i < V; i++) s[i] = (x[i] - mx) / t;
+}
+
+/* Gumbel-max draws from raw float32 logits x (R, V): row r scaled by the temperature t (`scale_row`),
+   then `draw_row` under keys[r]. Returns 0, or -1 where scratch memory could not be had. */
+int mcsd_draw(const float *x, int64_t R, int64_t V, float t, float mass, const uint64_t *keys, int64_t *out,
+              int threads) {
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(|:failed) if(R > 1)
     {
-        float *e = malloc((size_t)V * sizeof(float));
-        tp_cand *cand = mass < 1.0f ? malloc((size_t)(2 * V) * sizeof(tp_cand)) : NULL;
-        failed = !e || (mass < 1.0f && !cand);
+        tp_scratch *sc = tp_scratch_for(V);
+        failed = !sc;
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < R; r++)
-            if (!failed) out[r] = draw_row(x + r * V, V, (double)mass, keys[r], e, cand);
-        free(e);
-        free(cand);
+            if (sc) {
+                scale_row(x + r * V, V, t, sc->s);
+                out[r] = draw_row(sc->s, V, (double)mass, keys[r], sc->e, sc->bin, sc->cand);
+            }
     }
     return failed ? -1 : 0;
 }
