@@ -202,7 +202,7 @@ def choose(scores: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator
     else:
         # the Gumbel draw needs no softmax: the distribution is made only to sample from it or to report it
         dist = processed_scores(scores, cfg).softmax(-1) if noise is None or logprob else None
-        if noise is not None:            # the position's key made where the scores are: no host read
+        if noise is not None:            # the position's own draw (`draw_at`: no host read of the scores)
             token = noise.draw_at(scores[None], cfg, position)[0]
         else:
             token = sample(dist, generator)

@@ -398,11 +398,11 @@ def draw(logits: torch.Tensor, temperature: float, mass: float, keys: torch.Tens
     score + noise (see `mcsd_draw`)."""
     x = logits.contiguous()
     if isinstance(keys, int):
-        one = ctypes.c_uint64(keys & 0xFFFFFFFFFFFFFFFF)
-        k, key_ptr = None, ctypes.addressof(one)
+        key = ctypes.c_uint64(keys & 0xFFFFFFFFFFFFFFFF)             # held here until the call returns
+        key_ptr = ctypes.addressof(key)
     else:
-        k = keys.contiguous()
-        key_ptr = k.data_ptr()
+        key = keys.contiguous()
+        key_ptr = key.data_ptr()
     out = torch.empty(x.shape[0], dtype=torch.long)
     if _lib().mcsd_draw(x.data_ptr(), x.shape[0], x.shape[1], temperature, mass, key_ptr, out.data_ptr(),
                         torch.get_num_threads()):
