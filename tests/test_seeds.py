@@ -147,6 +147,12 @@ def test_position_noise_is_a_hash_of_the_position_and_the_token():
     filtered = torch.full((3, 3000), float("-inf"))
     filtered[:, ids] = torch.tensor([0.5, -1.0, 2.0, 0.0])
     assert torch.equal(noise.keys(filtered, positions), filtered + dense)   # noise for the kept entries only
+    sub = torch.tensor([7, 0, 2999, 5, 1200])                                # a sub-vocabulary's ids, filtered
+    scores = torch.full((3, 5), float("-inf"))
+    scores[:, 1:3] = torch.tensor([0.25, -2.0])
+    assert torch.equal(noise.keys(scores, positions, sub), scores + dense[:, sub])
+    scores[:, :] = 1.5                                                       # nothing filtered: the whole rows
+    assert torch.equal(noise.keys(scores, positions, sub), scores + dense[:, sub])
     assert torch.allclose(dense[:, ids], -torch.log(-torch.log(u)), atol=1e-6, rtol=0)
     many = PositionNoise(3, 200_000, "cpu").gumbel(torch.tensor([5]))[0].double()
     assert abs(many.mean() - 0.5772) < 0.01 and abs(many.var() - 1.6449) < 0.03   # standard Gumbel

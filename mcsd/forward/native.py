@@ -263,6 +263,8 @@ def _load():
     lib.mcsd_draw.restype = ctypes.c_int
     lib.mcsd_gumbel.argtypes = [p, i64, p, i64, i64, p]
     lib.mcsd_gumbel.restype = None
+    lib.mcsd_keys.argtypes = [p, i64, i64, p, p, p]
+    lib.mcsd_keys.restype = None
     lib.mcsd_topk.argtypes = [p, i64, i64, ctypes.c_int, p, ctypes.c_int]
     lib.mcsd_topk.restype = None
     return lib, "built from mcsd/forward/q4_kernel.c with " + Path(cc).name + left
@@ -418,6 +420,18 @@ def gumbel(keys: torch.Tensor, ids: torch.Tensor, pairs: bool = False) -> torch.
     out = torch.empty(k.numel(), cols, dtype=torch.float32)
     _lib().mcsd_gumbel(k.data_ptr(), k.numel(), i.data_ptr(), cols, 1 if pairs else 0, out.data_ptr())
     return out.view(-1) if pairs else out
+
+
+def keys(scores: torch.Tensor, ids: torch.Tensor | None, position_keys: torch.Tensor) -> torch.Tensor:
+    """Gumbel keys of float32 `scores` (R, K) on the CPU, row r under position key `position_keys[r]`
+    ((R,) int64): scores + noise where a score is finite, -inf elsewhere, the noise of token `ids[c]`
+    ((K,) int64; None: token c) as `gumbel` makes it, for the finite entries only (see `mcsd_keys`)."""
+    x, k = scores.contiguous(), position_keys.contiguous()
+    i = ids.long().contiguous() if ids is not None else None
+    out = torch.empty_like(x)
+    _lib().mcsd_keys(x.data_ptr(), x.shape[0], x.shape[1], i.data_ptr() if i is not None else None, k.data_ptr(),
+                     out.data_ptr())
+    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1768,6 +1768,37 @@ void mcsd_gumbel(const uint64_t *keys, int64_t R, const int64_t *ids, int64_t K,
     }
 }
 
+/* Gumbel keys over the finite entries of R rows of scores s (R, K): out[r, c] = s[r, c] + g(keys[r],
+   ids[c]) where s[r, c] is finite (ids NULL: the token is c), else -inf; g is `mcsd_gumbel`'s noise
+   for that (key, token), the same float (its logarithms 8 at a time, lane by lane, as there). A draft's
+   nucleus keeps a few dozen of its 8,192 entries: noise for those alone, in one pass. */
+void mcsd_keys(const float *s, int64_t R, int64_t K, const int64_t *ids, const uint64_t *keys, float *out) {
+    const __m256 zero = _mm256_setzero_ps();
+    for (int64_t r = 0; r < R; r++) {
+        const float *row = s + r * K;
+        float *dst = out + r * K;
+        int64_t at[8];
+        float u[8];
+        int m = 0;
+        for (int64_t c = 0; c <= K; c++) {
+            if (c < K) {
+                const float v = row[c];
+                dst[c] = -INFINITY;
+                if (v - v != 0.0f) continue;                    /* -inf, inf, NaN: not a candidate */
+                at[m] = c;
+                u[m++] = noise_u(keys[r], ids ? ids[c] : c);
+                if (m < 8) continue;
+            }
+            if (m == 0) continue;
+            for (int i = m; i < 8; i++) u[i] = 0.5f;
+            float g[8];
+            _mm256_storeu_ps(g, _mm256_sub_ps(zero, log8(_mm256_sub_ps(zero, log8(_mm256_loadu_ps(u))))));
+            for (int i = 0; i < m; i++) dst[at[i]] = row[at[i]] + g[i];
+            m = 0;
+        }
+    }
+}
+
 /* One Gumbel-max draw from a row of scaled scores x (the temperature applied; -inf where a processor
    dropped a token) after nucleus filtering with `mass` (none when mass >= 1), under the row's position
    key: the kept token i with the largest x[i] + g[i], g[i] = -log(-log u(key, i)). Made as the smallest
