@@ -177,6 +177,30 @@ def test_the_native_draw_is_the_processed_scores_draw(temperature, top_p):
 
 
 @pytest.mark.skipif(native.library() is None, reason="the native library is not built here")
+def test_the_native_draw_is_the_same_from_threads_that_come_and_go():
+    """Each thread draws with scratch rows of its own, freed when it ends: draws from short-lived threads,
+    on rows of other widths first, are the main thread's."""
+    import threading
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(4, 3000, generator=gen) * 3
+    keys = torch.tensor([11, 12, 13, 14])
+    want = native.draw(logits, 0.8, 0.9, keys)
+    got = []
+
+    def work():
+        native.draw(torch.randn(2, 500, generator=torch.Generator().manual_seed(3)), 1.0, 0.5, keys[:2])
+        got.append(native.draw(logits, 0.8, 0.9, keys))
+
+    for _ in range(3):
+        threads = [threading.Thread(target=work) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert len(got) == 12 and all(torch.equal(g, want) for g in got)
+
+
+@pytest.mark.skipif(native.library() is None, reason="the native library is not built here")
 def test_noise_and_draws_without_the_native_library_are_the_same(monkeypatch):
     """Where the native library is not in use (another CPU, a GPU), torch makes the same noise from the
     same hash and the whole-row draw picks the same tokens."""

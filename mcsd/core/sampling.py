@@ -380,7 +380,7 @@ class PositionNoise:
         positions -> (M, V) Gumbel keys scores + g; -inf outside the kept set. With `ids` (K,), the
         scores are (M, K) over those tokens and so are the keys (each token's own noise). On a CPU with
         the native library one call makes noise for the finite entries alone (a draft's nucleus keeps a
-        few dozen of its sub-vocabulary's 8,192: 0.1 ms a row for a whole row's noise before); elsewhere
+        few dozen of its sub-vocabulary's 8,192 entries; a whole row's noise takes 0.1 ms); elsewhere
         on a CPU, rows filtered down to under half their entries get noise for their finite entries only."""
         scores = scores.float()
         if scores.device.type == "cpu" and native.library() is not None and scores.dim() == 2:

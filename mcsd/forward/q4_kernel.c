@@ -26,6 +26,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1673,14 +1674,33 @@ static void top_p_row(const float *s, int64_t V, double mass, float *out, float 
     for (int64_t j = 0; j < sel.kept; j++) out[cand[j].i] = s[cand[j].i];
 }
 
-/* A thread's scratch rows for the filters and draws, kept for the thread's life and grown as asked:
-   they run once a token or more, and rows of 0.2-1.2 MB had from malloc each call came back from the
-   system each time, every page faulted in again (about as long as the draw's own passes). */
+/* A thread's scratch rows for the filters and draws, kept while the thread lives and grown as asked (the
+   draws run once a token or more: no allocation on that path), freed when it ends. */
 typedef struct { float *e, *s; uint16_t *bin; tp_cand *cand; int64_t v; } tp_scratch;
-static _Thread_local tp_scratch tl_scratch;
+static pthread_key_t tp_scratch_key;
+static pthread_once_t tp_scratch_once = PTHREAD_ONCE_INIT;
+
+static void tp_scratch_free(void *p) {
+    tp_scratch *t = p;
+    free(t->e);
+    free(t->s);
+    free(t->bin);
+    free(t->cand);
+    free(t);
+}
+
+static void tp_scratch_init(void) { pthread_key_create(&tp_scratch_key, tp_scratch_free); }
 
 static tp_scratch *tp_scratch_for(int64_t V) {
-    tp_scratch *t = &tl_scratch;
+    pthread_once(&tp_scratch_once, tp_scratch_init);
+    tp_scratch *t = pthread_getspecific(tp_scratch_key);
+    if (!t) {
+        t = calloc(1, sizeof *t);
+        if (!t || pthread_setspecific(tp_scratch_key, t)) {
+            free(t);
+            return NULL;
+        }
+    }
     if (t->v < V) {
         free(t->e);
         free(t->s);
