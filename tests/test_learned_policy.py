@@ -427,7 +427,7 @@ def test_the_sampled_shift_fit_finds_the_shift_that_matches_acceptance():
     tree = DraftTree.root_only(topo, torch.tensor(0))
     tree.append_level(torch.tensor([5, 6]), torch.tensor([0, 0]), torch.zeros(2), topo.child_table[0, :2])
     tree.append_level(torch.tensor([7]), torch.tensor([1]), torch.zeros(1), topo.child_table[1, :1])
-    path = torch.tensor([1.0, 0.8, 0.1, 0.8 * 0.5])
+    path = [1.0, 0.8, 0.1, 0.8 * 0.5]
     parents, logits, accepted = round_record(tree, path, 0.0, 1)
     assert parents == [-1, 0, 0, 1] and accepted == 1
     assert logits[1:] == pytest.approx([math.log(4), math.log(1 / 9), 0.0], abs=1e-6)

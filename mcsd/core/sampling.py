@@ -346,15 +346,14 @@ class PositionNoise:
         return scores.float() + self._at(keys, cols).to(scores.device)
 
     def draw_at(self, logits: torch.Tensor, cfg: SamplingConfig, position: int) -> torch.Tensor:
-        """`draw_logits` of one row (1, V) at a position given as a host int: the native draw takes the
-        position's key as an int (no tensor made), elsewhere `draw_keyed` with `key_at`'s."""
-        if _native_draw(logits, cfg):
-            return native.draw(logits.float(), _temperature(cfg), cfg.top_p, _mix(self.seed, position))
-        return self.draw_keyed(logits, cfg, self.key_at(position, logits.device))
+        """`draw_logits` of one row (1, V) at a position given as a host int: `draw_keyed` with the
+        position's key as an int where the draw is native (no tensor made), else `key_at`'s."""
+        key = _mix(self.seed, position) if _native_draw(logits, cfg) else self.key_at(position, logits.device)
+        return self.draw_keyed(logits, cfg, key)
 
-    def draw_keyed(self, logits: torch.Tensor, cfg: SamplingConfig, keys: torch.Tensor) -> torch.Tensor:
-        """`draw_logits` with position keys (M,) int64 already made (`device_keys`): the same draws, no
-        host read."""
+    def draw_keyed(self, logits: torch.Tensor, cfg: SamplingConfig, keys: torch.Tensor | int) -> torch.Tensor:
+        """`draw_logits` with position keys (M,) int64 already made (`device_keys`; for one row drawn
+        natively, its key as a host int): the same draws, no host read."""
         if _native_draw(logits, cfg):
             return native.draw(logits.float(), _temperature(cfg), cfg.top_p, keys)
         return greedy_tokens(self.keyed(processed_scores(logits, cfg), keys))
@@ -409,7 +408,7 @@ class PositionNoise:
         otherwise the processed scores and a whole noise row each. A process takes one of the two for
         a given setting throughout, so a seed's text does not depend on the trees."""
         if _native_draw(logits, cfg):
-            return native.draw(logits.float(), _temperature(cfg), cfg.top_p, self.position_keys(positions))
+            return self.draw_keyed(logits, cfg, self.position_keys(positions))
         return self.draw_scores(processed_scores(logits, cfg), positions)
 
 

@@ -28,14 +28,13 @@ import torch
 GRID = (0.0, 0.3, 0.5, 0.7, 0.85, 1.0, 1.2, 1.5)
 
 
-def round_record(tree, path_pred, shift: float, accepted: int) -> tuple[list, list, int] | None:
+def round_record(tree, pred: list[float], shift: float, accepted: int) -> tuple[list, list, int] | None:
     """One drafted round as (parents, raw logits, accepted drafted tokens): each node's conditional
     probability (its path probability over its parent's) turned back into the logit before `shift`;
-    `path_pred`: each node's path probability (`node_probabilities`, or a tensor of them)."""
+    `pred`: each node's path probability (`node_probabilities`)."""
     if tree.size < 2:
         return None
     parents = tree.parents.tolist()
-    pred = [float(p) for p in path_pred]
     logits = [0.0]
     for i in range(1, tree.size):
         parent = pred[parents[i]]
