@@ -182,6 +182,37 @@ def test_last_logits_is_the_last_row(family):
     assert last.shape == (1, full.shape[-1]) and torch.allclose(last, full[-1:], atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_rows_are_the_modules_own_bits(family, dtype):
+    """The CPU's rotary table gives, for any positions up to twice the context window, exactly the
+    module's cos and signed sin (the sign moved off rotate_half), and is made again when the
+    frequencies change; past its reach, an index error."""
+    _, model = family
+    lean = llama.LeanForward(copy.deepcopy(model))
+    x = torch.zeros(1, 1, model.config.hidden_size, dtype=dtype)
+    half = lean.head_dim // 2
+    sign = torch.cat([-torch.ones(half), torch.ones(lean.head_dim - half)]).to(dtype)
+    g = torch.Generator().manual_seed(0)
+
+    def check(positions):
+        cos, sin = lean._rotary(x, positions)
+        want_cos, want_sin = lean.rotary(x, positions)
+        assert cos.dtype == dtype and cos.shape == (*positions.shape, 1, lean.head_dim)
+        assert torch.equal(cos[:, :, 0], want_cos) and torch.equal(sin[:, :, 0], want_sin * sign)
+
+    window = model.config.max_position_embeddings
+    for rows, reach in ((1, 40), (7, 40), (3, window), (5, 2 * window)):
+        check(torch.randint(0, reach, (1, rows), generator=g))
+    check(torch.randint(0, 300, (3, 4), generator=g))                       # a batch's (S, R) positions
+    length = lean._table[0].shape[0]
+    assert length >= 2 * window
+    with pytest.raises(IndexError):
+        lean._rotary(x, torch.tensor([[length]]))
+    with torch.no_grad():
+        lean.rotary.inv_freq.mul_(0.5)                                     # new frequencies, new table
+    check(torch.randint(0, 300, (1, 6), generator=g))
+
+
 @pytest.mark.parametrize("tree,policy", [("4,2,2", "static"), (None, "auto")])
 def test_greedy_output_equals_generate(family, tree, policy):
     name, model = family
@@ -252,7 +283,7 @@ class _Reads(TorchDispatchMode):
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
 def test_no_weight_is_copied(name):
     """The forward reads the transformers model's own parameter tensors, and nothing made before the
-    block apart from them, the model's buffers, the cache and the block's inputs."""
+    block apart from them, the model's buffers, the cache, its rotary table and the block's inputs."""
     model = _family(name)
     lm = CachedLM(model, lean=True)
     lm.reset()
@@ -267,7 +298,7 @@ def test_no_weight_is_copied(name):
     assert params <= reads.foreign                             # every weight read where it lives
     allowed_reads = params | {b.untyped_storage().data_ptr() for b in model.buffers()} | {
         lm.cache.keys.untyped_storage().data_ptr(), lm.cache.values.untyped_storage().data_ptr(),
-        lm._own._sign.untyped_storage().data_ptr()}
+        lm._own._sign.untyped_storage().data_ptr()} | {t.untyped_storage().data_ptr() for t in lm._own._table[:2]}
     extra = reads.foreign - allowed_reads
     # what else is read are the block's own small inputs (tokens, positions, visibility), made outside
     assert len(extra) <= 3

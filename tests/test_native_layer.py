@@ -212,8 +212,11 @@ def test_a_feature_drafter_beside_a_native_q4_target_drafts_on_q8_0_and_stays_ex
     packed_wins = DeviceProfile(verify_ms={1: 10.0, 8: 12.0}, verify_packed_ms={1: 8.0, 8: 9.0},
                                 draft_ms={1: 2.0, 8: 3.0}, draft_packed_ms={1: 1.5, 8: 2.5})
     monkeypatch.setattr(calibration, "device_profile", lambda *a, **k: (packed_wins, "cached"))
-    note = TreeDecoder(model, drafter, tree="3,2,2,1", policy="static").kernels_note
+    packed_dec = TreeDecoder(model, drafter, tree="3,2,2,1", policy="static")
+    note = packed_dec.kernels_note
     assert "draft: 9 linear layers on Q8_0 codes" in note and "draft (the rest)" not in note
+    # a forward switches matmul paths only where some layer runs on them: the draft's never does
+    assert packed_dec.drafter.kernels is None and packed_dec.target.kernels is not None
     assert "target (the rest): prepacked" in note and "LM head on its Q8_0" not in note
     dense = FeatureDrafter(_feature_head(model.config.hidden_size, model.config.vocab_size), _family("llama"))
     assert dense.q8_layers == 0                    # beside a dense target the head stays on its float32 weights

@@ -110,15 +110,16 @@ class Calibration:
         if self.drafter is not None and hasattr(self.drafter, "kernels"):
             runners.append(("draft", "draft", self.drafter, profile.drafter_module(self.drafter)))
         for label, role, runner, module in runners:
-            runner.kernels = table = prof.kernel_table(role)
+            table = prof.kernel_table(role)
             if label == "draft" and q8:
                 notes.append(f"draft: {q8} linear layers on Q8_0 codes of its weights (mcsd's native kernel) "
                              f"at every block size")
+            rest = (label == "target" and q4_note) or (label == "draft" and q8)
+            if table is not None and rest and module is not None and not kernels.governed(module):
+                table = None           # every linear layer runs on its codes: no path to switch a forward
+            runner.kernels = table
             if table is None:
                 continue
-            rest = (label == "target" and q4_note) or (label == "draft" and q8)
-            if rest and module is not None and not kernels.governed(module):
-                continue                                        # every linear layer runs on its codes
             notes.append(f"{label}{' (the rest)' if rest else ''}: {table.describe()}")
             if table.uses_packed and module is not None:       # prepacked weights are made once, here
                 kernels.pack(module, release=table.packed_only and self.release_weights)

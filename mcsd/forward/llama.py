@@ -156,7 +156,8 @@ class LeanForward:
     up again by `refresh`, which `CachedLM.reset` calls before each sequence, so
     a module replaced in between is the one that runs); the modules' weights
     are read when they run, so a weight swapped or a layer repacked is what
-    runs. Its only tensor of its own is a sign vector for the rotary embedding.
+    runs. Its only tensors of its own are a sign vector and a table of the rotary embedding
+    (`_rotary`).
 
     Args:
         model: a transformers causal LM that `supports` accepts, on one device, in eval mode; or its
@@ -173,6 +174,7 @@ class LeanForward:
         self.heads = cfg.num_attention_heads
         self.grouped = {"enable_gqa": True} if self.heads != self.kv_heads else {}
         self._sign: torch.Tensor | None = None           # (D,) -1 on the first half, +1 on the second
+        self._table: tuple | None = None                 # `_rotary_table`'s (cos, signed sin, key)
         self.refresh()
 
     def refresh(self) -> None:
@@ -274,13 +276,43 @@ class LeanForward:
         return cache
 
     def _rotary(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin (1, Q, 1, D): transformers' rotation of a (1, Q, H, D) tensor t is
-        t * cos + roll(t, D/2) * sin_signed (rotate_half's negation moved onto sin: exact)."""
-        cos, sin = self.rotary(x, positions)                                   # (1, Q, D) each
-        if self._sign is None or self._sign.dtype != sin.dtype or self._sign.device != sin.device:
+        """cos and signed sin (B, Q, 1, D) for (B, Q) positions: transformers' rotation of a (B, Q, H, D)
+        tensor t is t * cos + roll(t, D/2) * sin_signed (rotate_half's negation moved onto sin: exact).
+        On a CPU the rows are looked up in a table the module itself made (`_rotary_table`; every rope
+        type run here, `ROPE_TYPES`, computes each position on its own, so the same bits; the module's
+        call took ~0.1 ms a forward in decoding); elsewhere the module runs on the positions."""
+        table = self._rotary_table(x)
+        if table is not None:
+            flat = positions.reshape(-1)
+            shape = (*positions.shape, 1, self.head_dim)
+            return table[0].index_select(0, flat).view(shape), table[1].index_select(0, flat).view(shape)
+        cos, sin = self.rotary(x, positions)                                   # (B, Q, D) each
+        return cos[:, :, None], (sin * self._signs(sin))[:, :, None]
+
+    def _signs(self, like: torch.Tensor) -> torch.Tensor:
+        if self._sign is None or self._sign.dtype != like.dtype or self._sign.device != like.device:
             half = self.head_dim // 2
-            self._sign = torch.cat([-torch.ones(half), torch.ones(self.head_dim - half)]).to(sin.device, sin.dtype)
-        return cos[:, :, None], (sin * self._sign)[:, :, None]
+            self._sign = torch.cat([-torch.ones(half), torch.ones(self.head_dim - half)]).to(like.device, like.dtype)
+        return self._sign
+
+    def _rotary_table(self, x: torch.Tensor):
+        """(cos, signed sin) (L, D) each for positions 0..L-1, L twice the model's context window (the
+        engine refuses prompts and lengths past the window; a position past L is an index error, never
+        a wrong number), made again when the dtype or the module's frequencies change: nothing read
+        from a tensor's values. None off the CPU, where the table would exceed 2^20 entries, or without
+        the usual `inv_freq` buffer."""
+        inv = getattr(self.rotary, "inv_freq", None)
+        window = getattr(self.model.config, "max_position_embeddings", None)
+        if x.device.type != "cpu" or not isinstance(inv, torch.Tensor) or not window:
+            return None
+        length = 1 << (2 * int(window) - 1).bit_length()
+        if length * self.head_dim > 1 << 20:
+            return None
+        key = (x.dtype, inv.data_ptr(), inv._version, getattr(self.rotary, "attention_scaling", 1.0))
+        if self._table is None or self._table[2] != key:
+            cos, sin = self.rotary(x[..., :1], torch.arange(length, device=x.device)[None])  # (1, L, D)
+            self._table = (cos[0].contiguous(), (sin[0] * self._signs(sin)).contiguous(), key)
+        return self._table
 
     def _in_one_call(self, plan, h, cos, sin, rows, cache, slots, wanted: set, kept: dict) -> torch.Tensor:
         """Every decoder layer in one native call (see `native_layers`, `native.layers`); the states
