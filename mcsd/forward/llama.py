@@ -290,6 +290,7 @@ class LeanForward:
         return cos[:, :, None], (sin * self._signs(sin))[:, :, None]
 
     def _signs(self, like: torch.Tensor) -> torch.Tensor:
+        """(D,) -1 on the first half, +1 on the second, in `like`'s dtype and on its device."""
         if self._sign is None or self._sign.dtype != like.dtype or self._sign.device != like.device:
             half = self.head_dim // 2
             self._sign = torch.cat([-torch.ones(half), torch.ones(self.head_dim - half)]).to(like.device, like.dtype)
@@ -308,7 +309,7 @@ class LeanForward:
         length = 1 << (2 * int(window) - 1).bit_length()
         if length * self.head_dim > 1 << 20:
             return None
-        key = (x.dtype, inv.data_ptr(), inv._version, getattr(self.rotary, "attention_scaling", 1.0))
+        key = (length, x.dtype, inv.data_ptr(), inv._version, getattr(self.rotary, "attention_scaling", 1.0))
         if self._table is None or self._table[2] != key:
             cos, sin = self.rotary(x[..., :1], torch.arange(length, device=x.device)[None])  # (1, L, D)
             self._table = (cos[0].contiguous(), (sin[0] * self._signs(sin)).contiguous(), key)
