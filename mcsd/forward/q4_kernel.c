@@ -1774,48 +1774,51 @@ static inline __m256 log8(__m256 x) {
    (stride 0: the same K tokens for every key; 1 with K = 1: R (key, token) pairs). The hashes one at a
    time, then the logarithms 8 at a time over the whole block (lane by lane, so a token's noise does not
    depend on the tokens beside it). */
+/* u[0..m) (m <= 8) uniforms -> their Gumbel noise -log(-log u), in place: the logarithms 8 lanes at a
+   time (the unused lanes at 0.5), so every caller makes the same float for the same uniform. */
+static void gumbel_lanes(float *u, int m) {
+    const __m256 zero = _mm256_setzero_ps();
+    float t[8];
+    for (int i = 0; i < 8; i++) t[i] = i < m ? u[i] : 0.5f;
+    _mm256_storeu_ps(t, _mm256_sub_ps(zero, log8(_mm256_sub_ps(zero, log8(_mm256_loadu_ps(t))))));
+    for (int i = 0; i < m; i++) u[i] = t[i];
+}
+
 void mcsd_gumbel(const uint64_t *keys, int64_t R, const int64_t *ids, int64_t K, int64_t stride, float *out) {
     for (int64_t r = 0; r < R; r++)
         for (int64_t k = 0; k < K; k++) out[r * K + k] = noise_u(keys[r], ids[r * stride + k]);
-    const __m256 zero = _mm256_setzero_ps();
     const int64_t n = R * K;
-    for (int64_t j = 0; j < n; j += 8) {
-        float t[8];
-        const int m = n - j < 8 ? (int)(n - j) : 8;
-        for (int i = 0; i < 8; i++) t[i] = i < m ? out[j + i] : 0.5f;
-        _mm256_storeu_ps(t, _mm256_sub_ps(zero, log8(_mm256_sub_ps(zero, log8(_mm256_loadu_ps(t))))));
-        for (int i = 0; i < m; i++) out[j + i] = t[i];
-    }
+    for (int64_t j = 0; j < n; j += 8) gumbel_lanes(out + j, n - j < 8 ? (int)(n - j) : 8);
 }
 
 /* Gumbel keys over the finite entries of R rows of scores s (R, K): out[r, c] = s[r, c] + g(keys[r],
    ids[c]) where s[r, c] is finite (ids NULL: the token is c), else -inf; g is `mcsd_gumbel`'s noise
-   for that (key, token), the same float (its logarithms 8 at a time, lane by lane, as there). A draft's
-   nucleus keeps a few dozen of its 8,192 entries: noise for those alone, in one pass. */
+   for that (key, token), the same float (`gumbel_lanes`, as there). A draft's nucleus keeps a few dozen
+   of its 8,192 entries: noise for those alone, in one pass. */
+static void keyed_lanes(float *dst, const float *row, const int64_t *at, float *u, int m) {
+    gumbel_lanes(u, m);                                         /* u[i]: the noise of entry at[i] */
+    for (int i = 0; i < m; i++) dst[at[i]] = row[at[i]] + u[i];
+}
+
 void mcsd_keys(const float *s, int64_t R, int64_t K, const int64_t *ids, const uint64_t *keys, float *out) {
-    const __m256 zero = _mm256_setzero_ps();
     for (int64_t r = 0; r < R; r++) {
         const float *row = s + r * K;
         float *dst = out + r * K;
         int64_t at[8];
-        float u[8];
+        float g[8];
         int m = 0;
-        for (int64_t c = 0; c <= K; c++) {
-            if (c < K) {
-                const float v = row[c];
-                dst[c] = -INFINITY;
-                if (v - v != 0.0f) continue;                    /* -inf, inf, NaN: not a candidate */
-                at[m] = c;
-                u[m++] = noise_u(keys[r], ids ? ids[c] : c);
-                if (m < 8) continue;
+        for (int64_t c = 0; c < K; c++) {
+            const float v = row[c];
+            dst[c] = -INFINITY;
+            if (v - v != 0.0f) continue;                        /* -inf, inf, NaN: not a candidate */
+            at[m] = c;
+            g[m++] = noise_u(keys[r], ids ? ids[c] : c);
+            if (m == 8) {
+                keyed_lanes(dst, row, at, g, m);
+                m = 0;
             }
-            if (m == 0) continue;
-            for (int i = m; i < 8; i++) u[i] = 0.5f;
-            float g[8];
-            _mm256_storeu_ps(g, _mm256_sub_ps(zero, log8(_mm256_sub_ps(zero, log8(_mm256_loadu_ps(u))))));
-            for (int i = 0; i < m; i++) dst[at[i]] = row[at[i]] + g[i];
-            m = 0;
         }
+        keyed_lanes(dst, row, at, g, m);
     }
 }
 
