@@ -713,9 +713,9 @@ def test_each_slot_is_given_its_own_drafting_time_not_the_rounds(eos_target, mon
         now[0] += seconds.get(id(self), 0.0)
         return propose(self, *args, **kwargs)
 
-    def heard_observe(self, proposal, acc, hidden, last, draft_ms, verify_ms, forward_ms=None):
+    def heard_observe(self, proposal, acc, hidden, last, draft_ms, verify_ms, forward_ms=None, context=None):
         heard.setdefault(id(self), []).append(draft_ms)
-        return observe(self, proposal, acc, hidden, last, draft_ms, verify_ms, forward_ms)
+        return observe(self, proposal, acc, hidden, last, draft_ms, verify_ms, forward_ms, context)
 
     monkeypatch.setattr(Proposer, "propose", timed_propose)
     monkeypatch.setattr(Proposer, "observe", heard_observe)

@@ -219,6 +219,37 @@ def test_the_staleness_check_reads_the_forward_not_the_sampling_around_it(target
     assert lm.forward_ms > 0                                    # the last forward's time, on a CPU
 
 
+def test_a_step_over_a_cache_far_from_the_profiles_is_not_checked_against_it(target):
+    """The profile times forwards over a cache of `prefix_len` positions; a step over four times as many
+    reads four times the keys and values, and takes longer without the machine having changed: a long
+    prompt's steps leave the profile alone, those over a cache like the profile's still flag it."""
+    from mcsd.forward.lm import CachedLM
+    costs = Costs(verify={1: 10.0, 8: 20.0}, draft={1: 2.0}, source="cached")
+    costs.prefix_len = 200
+    for context in (800, 1000, 60):
+        for _ in range(16):
+            costs.observe("verify", 1, 10.0, 15.0, forward_ms=15.0, context=context)
+    assert costs.stale is None
+    for _ in range(8):
+        costs.observe("verify", 1, 10.0, 15.0, forward_ms=15.0, context=300)
+    assert costs.stale and "slower" in costs.stale
+    unknown = Costs(verify={1: 10.0}, draft={1: 2.0}, source="cached")
+    unknown.prefix_len = 200
+    for _ in range(8):
+        unknown.observe("verify", 1, 10.0, 15.0, forward_ms=15.0)          # the cache it read unknown: checked
+    assert unknown.stale
+    lm = CachedLM(target)
+    lm.reset()
+    lm.extend(torch.tensor([3, 5, 7]))
+    lm.extend(torch.tensor([9]))
+    assert lm.forward_context == 4                              # the positions the last forward read
+
+
+def test_costs_from_a_profile_know_the_cache_its_forwards_read(target, random_draft, fresh_cache):
+    dec = TreeDecoder(target, random_draft, policy="learned", attention="sdpa")
+    assert dec.policy.costs.prefix_len == dec.calibration.profile().prefix_len > 0
+
+
 def test_a_ratio_that_measuring_again_confirmed_is_expected_from_then_on(target, random_draft, fresh_cache,
                                                                           monkeypatch):
     """Decoding's plain steps may take a steady multiple of the profile's 1-row time (work around a

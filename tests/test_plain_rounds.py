@@ -31,7 +31,7 @@ class EveryOther(StaticPolicy):
         self.calls += 1
         return self.topology.max_depth if self.calls % self.period == 0 else 0
 
-    def observe_step(self, ms, forward_ms=None) -> None:
+    def observe_step(self, ms, forward_ms=None, context=None) -> None:
         self.steps.append(ms)
 
 

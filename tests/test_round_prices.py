@@ -53,7 +53,7 @@ def test_a_cached_figure_is_what_decides(target, fresh_cache, monkeypatch):
     cheap = dec.generate(PROMPT, max_new_tokens=40)
     path = round_prices.cache_path(dec)
     entries = json.loads(path.read_text())
-    entries[round_prices.key(dec)] = dict.fromkeys(round_prices.FIGURES, 1e6)
+    entries[round_prices.key(dec)].update(dict.fromkeys(round_prices.FIGURES, 1e6))   # the same prices
     path.write_text(json.dumps(entries))
     dear = TreeDecoder(target, head_and_context(target), policy="learned", attention="sdpa")
     assert dear.policy.costs.round_ms == 1e6
@@ -61,6 +61,44 @@ def test_a_cached_figure_is_what_decides(target, fresh_cache, monkeypatch):
     assert out.tokens == cheap.tokens == reference
     assert out.stats.plain_rounds > cheap.stats.plain_rounds
     assert out.stats.plain_rounds >= out.stats.rounds - 4          # probes only
+
+
+def test_figures_hold_for_the_prices_they_were_measured_against(target, fresh_cache, monkeypatch):
+    """A figure is what a round took beyond the profile's prices: cached with their fingerprint, read
+    back while the profile is the same, measured again for a profile measured again (at the next
+    start, or by `recalibrate` within the run), and a cache entry without a fingerprint is measured
+    again."""
+    measured = []
+
+    def measure(decoder, costs):
+        measured.append(dict(costs.verify))
+        return dict.fromkeys(round_prices.FIGURES, 0.1 * len(measured))
+    monkeypatch.setattr(round_prices, "measure", measure)
+    dec = TreeDecoder(target, head_and_context(target), policy="learned", attention="sdpa")
+    prices = dict(dec.policy.costs.verify)
+    again = TreeDecoder(target, head_and_context(target), policy="learned", attention="sdpa")
+    assert "cached" in again.round_prices and len(measured) == 1
+    entry = json.loads(round_prices.cache_path(dec).read_text())[round_prices.key(dec)]
+    assert entry["prices"] == round_prices.prices_key(dec.policy.costs)
+    # the same profile measured again, its prices not the same: the figures beyond them are measured again
+    other = Costs({n: ms * 1.5 for n, ms in prices.items()}, dec.policy.costs.draft, source="measured")
+    assert round_prices.prices_key(other) != entry["prices"]
+    assert round_prices.cached(dec, other) is None and round_prices.cached(dec, dec.policy.costs) is not None
+
+    def remeasure(costs, force=False):
+        costs.rebase(other)
+        return True
+    monkeypatch.setattr(dec.calibration, "remeasure", remeasure)
+    assert dec.recalibrate(force=True)
+    assert measured[-1] == other.verify and "measured in this run" in dec.round_prices
+    assert dec.policy.costs.round_ms == dec.context_costs.round_ms == 0.2          # the new figures, in use
+    # an entry cached without the prices it was measured against is measured again
+    path = round_prices.cache_path(dec)
+    entries = json.loads(path.read_text())
+    del entries[round_prices.key(dec)]["prices"]
+    path.write_text(json.dumps(entries))
+    third = TreeDecoder(target, head_and_context(target), policy="learned", attention="sdpa")
+    assert "measured in this run" in third.round_prices and len(measured) == 3
 
 
 def test_nothing_is_measured_without_calibration(target, fresh_cache, monkeypatch):

@@ -16,6 +16,11 @@ STALE_RATIO = 1.3            # plain steps this much slower or faster than the p
 STALE_ROUNDS = 8             # ... over this many plain (1-row) steps in a row (the median of them)
 STALE_RATIO_ANY = 1.6        # rounds of any size, a looser bound (per-round work the profile leaves out)
 STALE_ROUNDS_ANY = 24
+# the profile times forwards over a cache of `prefix_len` positions; a step over a cache this many times
+# longer or shorter reads that many more or fewer keys and values (on a 2-core EPYC a 135M target's
+# step took 1.41x the profile's at 900-1000 positions, 0.99-1.08x at 0-300), which is not a change of
+# machine: such steps are not checked against it
+STALE_CONTEXT_SPAN = 2.0
 
 
 class Costs:
@@ -35,7 +40,8 @@ class Costs:
     graft, a context lookup that finds nothing and a round of the root and its graft cost in decoding
     beyond the forwards the profile times (measured on the decoder's own rounds, fixed for a run).
 
-    Whether or not it corrects, every observed verify round is checked against
+    Whether or not it corrects, every observed verify round whose forward read a
+    cache within `STALE_CONTEXT_SPAN` of the profile's `prefix_len` is checked against
     the profile: when the median of the last `STALE_ROUNDS` plain (1-row)
     steps is off by `STALE_RATIO` or more either way (or of the last
     `STALE_ROUNDS_ANY` rounds of any size by `STALE_RATIO_ANY`), the profile is
@@ -52,6 +58,7 @@ class Costs:
         self.graft_ms = 0.0                         # a context graft's lookups and merge
         self.lookup_ms = 0.0                        # a context lookup that finds nothing
         self.context_round_ms = 0.0                 # a round of the root and its graft's own work
+        self.prefix_len: int | None = None          # the cache the profile's forwards read (None: any)
         self.stale: str | None = None
         self.on_stale = None
         self.expected_ratio = 1.0                   # measured / profile that rounds are checked against
@@ -64,7 +71,7 @@ class Costs:
         """Take `other`'s measured costs and source (a profile measured again), keeping this one's
         settings and hook; corrections and the staleness check start over."""
         self.verify, self.draft, self.source = dict(other.verify), dict(other.draft), other.source
-        self.expected_ratio, self.stale_ratio = other.expected_ratio, None
+        self.expected_ratio, self.stale_ratio, self.prefix_len = other.expected_ratio, None, other.prefix_len
         self.stale, self._plain, self._any = None, [], []
         self.reset_corrections()
 
@@ -98,6 +105,7 @@ class Costs:
         """Costs on the faster matmul path per size, which is the one the engine runs."""
         costs = cls(verify=profile.best_ms("verify"), draft=profile.best_ms("draft") or cls.default().draft,
                     source=source)
+        costs.prefix_len = profile.prefix_len
         observed = (profile.meta.get("confirmed") or {}).get("observed")
         if observed:                # a flag that measuring again did not confirm: that ratio is expected
             costs.expected_ratio = float(observed)
@@ -128,17 +136,18 @@ class Costs:
         return self.base_draft_ms(width) * self._corr("draft", width)
 
     def observe(self, kind: str, n: int | None, predicted_ms: float, measured_ms: float,
-                forward_ms: float | None = None) -> None:
+                forward_ms: float | None = None, context: int | None = None) -> None:
         """Fold one measured round into the correction (when `online`) and the staleness check:
         "verify" with n tree tokens, or "draft" with n None (a round's draft levels of several
         widths, corrected as a whole; predicted_ms is their uncorrected sum). `forward_ms`, the
         verify's target forward alone, is what the staleness check compares with the profile (which
         times forwards) where given: the sampling work around a sampled round's forward is not a
-        change of machine."""
+        change of machine. `context`, the cache positions the forward read, where known: a forward
+        over a cache far longer or shorter than the profile's is not checked (`comparable`)."""
         if predicted_ms <= 0 or measured_ms <= 0:
             return
         ratio, a = measured_ms / predicted_ms, self.adapt
-        if kind == "verify" and self.source != "default":
+        if kind == "verify" and self.source != "default" and self.comparable(context):
             self._check_stale(n, forward_ms / predicted_ms if forward_ms else ratio)
         if not self.online:
             return
@@ -146,6 +155,13 @@ class Costs:
             bucket, b = self._factor[kind], int(n).bit_length()
             bucket[b] = (1 - a) * bucket.get(b, self._overall[kind]) + a * ratio
         self._overall[kind] = (1 - a) * self._overall[kind] + a * ratio
+
+    def comparable(self, context: int | None) -> bool:
+        """Whether a forward over a cache of `context` positions (None: unknown) is checked against the
+        profile: within `STALE_CONTEXT_SPAN` of the cache its forwards read."""
+        if context is None or not self.prefix_len:
+            return True
+        return self.prefix_len / STALE_CONTEXT_SPAN <= context <= self.prefix_len * STALE_CONTEXT_SPAN
 
     def _check_stale(self, n: int | None, ratio: float) -> None:
         self._slide(self._any, STALE_ROUNDS_ANY, STALE_RATIO_ANY, "rounds", ratio)

@@ -153,6 +153,11 @@ class TreeDecoder:
             pol.topology = pol.topology.to(self.target.device)
         self.context_window = getattr(target.config, "max_position_embeddings", None)
         # what a drafted round and a graft cost in decoding beyond the forwards, fixed for the run
+        self._price_rounds(calibrate)
+
+    def _price_rounds(self, calibrate: bool | None = None) -> None:
+        """What a drafted round and a graft cost in decoding beyond the profile's prices, fixed for the
+        run (`round_prices`): none while they are measured, the decoder's own rounds measuring them."""
         self.round_figures = None
         self.round_figures, self.round_prices = round_prices.apply(self, calibrate)
         round_prices.use(self, greedy=True)
@@ -263,8 +268,12 @@ class TreeDecoder:
         generations run on the new costs and matmul paths. A generation never measures: a stale
         profile is flagged in the cache and measured again by the next decoder built (at the next
         start), or here, where the caller chooses the moment (the server does not: it measures at
-        start-up only). Returns whether it measured."""
-        return self.calibration.remeasure(getattr(self.policy, "costs", None) or self.context_costs, force)
+        start-up only); a drafted round's figures beyond the new prices are measured again with them.
+        Returns whether it measured."""
+        if not self.calibration.remeasure(getattr(self.policy, "costs", None) or self.context_costs, force):
+            return False
+        self._price_rounds()
+        return True
 
     def _check_dtype(self) -> None:
         """The models still have the dtype this decoder was built for: its caches, kernels and drafter
@@ -352,7 +361,7 @@ class TreeDecoder:
         t2 = time.perf_counter()
         # 5. commit the path to the drafter's cache; the proposers observe how the round went
         proposer.observe(proposal, acc, path_hidden, last, (t1 - t0) * 1000, (t2 - t1) * 1000,
-                         self.target.forward_ms)
+                         self.target.forward_ms, self.target.forward_context)
         stats.record_round(proposal.grown.tree, acc.n_accepted, t1 - t0, t2 - t1)
         if on_round is not None:
             on_round(proposal.grown.tree, acc)
@@ -399,7 +408,7 @@ class TreeDecoder:
         scores = logits[-1] if proc is None else proc.at_prefix(sequence, logits[-1])
         token, new_lp = choose(scores, cfg.sampling, gen, cfg.return_logprobs, noise, sequence.numel())
         proposer.observe_step(sequence[-1:], logits, states, (time.perf_counter() - t0) * 1000,
-                              self.target.forward_ms)
+                              self.target.forward_ms, self.target.forward_context)
         return token, new_lp
 
     def _verify(self, grown: GrownTree, sequence: torch.Tensor, cfg: DecodeConfig, gen, policy: TreePolicy,

@@ -202,11 +202,12 @@ class Proposer:
 
     def observe(self, proposal: Proposal, acc: Acceptance, path_hidden: torch.Tensor | None,
                 last_logits: torch.Tensor, draft_ms: float, verify_ms: float,
-                forward_ms: float | None = None) -> None:
+                forward_ms: float | None = None, context: int | None = None) -> None:
         """After verification: commit the accepted path to the drafter's cache and tell the proposers
         how the round went. `path_hidden` holds the target's hidden states along the committed path
         (where the drafter reads them), `last_logits` (V,) the target's after the deepest accepted node;
-        `verify_ms` is the whole verification, `forward_ms` the target forward's part of it, if known."""
+        `verify_ms` is the whole verification, `forward_ms` the target forward's part of it, if known,
+        over a cache of `context` positions."""
         if self.hidden:
             self.drafter.observe_target(path_hidden)                 # features of root .. deepest accepted
         if self.drafter is not None and proposal.depth > 0:
@@ -220,7 +221,7 @@ class Proposer:
         # context drafting proposed too
         self._drafted_accepts.append(int((acc.path < proposal.drafted.size).sum()) - 1)
         self.policy.observe(self._drafted_accepts[-1], proposal.drafted, shared_prefix(proposal, acc))
-        self.policy.observe_timing(proposal.grown.tree, draft_ms, verify_ms, forward_ms)
+        self.policy.observe_timing(proposal.grown.tree, draft_ms, verify_ms, forward_ms, context)
         if self.lossy:
             self.roots = last_logits.topk(self.lossy).indices
 
@@ -234,11 +235,12 @@ class Proposer:
         return self.hidden
 
     def observe_step(self, root: torch.Tensor, logits: torch.Tensor, states: torch.Tensor | None,
-                     ms: float, forward_ms: float | None = None) -> None:
+                     ms: float, forward_ms: float | None = None, context: int | None = None) -> None:
         """After a plain step (`propose` gave None): the drafter's features of the root (the target's
         hidden states `states` (1, H), fused when it next drafts; None where `step_hidden` left them
         out), the target's top-k after the root (`logits` (1, V)) recycled only where the next round
-        grafts, and the policy hears the step's time (`ms`, `forward_ms` its target forward)."""
+        grafts, and the policy hears the step's time (`ms`, `forward_ms` its target forward, over a cache
+        of `context` positions)."""
         if self.hidden:
             if states is None:
                 self.drafter.skip_target(1)
@@ -247,7 +249,7 @@ class Proposer:
         if self.context is not None and self.context_gate.will_open():
             self.context.observe_logits(root, logits)
         self._drafted_accepts.append(0)
-        self.policy.observe_step(ms, forward_ms)
+        self.policy.observe_step(ms, forward_ms, context)
 
     def recycles(self, proposal: Proposal) -> bool:
         """Whether a round's verify records the target's predictions along its path for context

@@ -24,7 +24,11 @@ profile's ms (`beyond`), and returns
 
 They are measured once per (profile, policy, drafters) and cached beside the profile, so a
 command's trees, and its text in bfloat16, repeat from run to run on the same machine: decisions
-read these fixed figures, never this run's clock. `Costs.round_ms`, `graft_ms` and `context_round_ms`
+read these fixed figures, never this run's clock. Each figure is what a round took beyond the
+profile's prices, so it holds for the prices it was measured against alone: the cache entry keeps
+their fingerprint (`prices_key`), and a profile measured again (a stale one, at the next start or
+by `TreeDecoder.recalibrate`) has its figures measured again too. (Read against another profile's
+prices, a round of the root and one graft was priced at 0.7 ms beyond a step where it took 1.8.) `Costs.round_ms`, `graft_ms` and `context_round_ms`
 carry them to the learned policy's gate and tree growth, to the context gate and
 to the context drafter's choice beneath a root alone.
 """
@@ -32,6 +36,7 @@ to the context drafter's choice beneath a root alone.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import json
 import statistics
@@ -66,23 +71,33 @@ def key(decoder) -> str:
             f"tree={decoder.policy.topology.size}|threads={torch.get_num_threads()}")
 
 
-def cached(decoder) -> dict | None:
-    """The cached figures for the decoder (`FIGURES`), or None."""
+def prices_key(costs) -> str:
+    """A fingerprint of the profile's prices the figures are measured beyond (`costs`' verify and draft
+    tables, to 0.1 us): figures measured against other prices do not hold for these."""
+    tables = {kind: sorted((int(n), round(float(ms), 4)) for n, ms in getattr(costs, kind).items())
+              for kind in ("verify", "draft")}
+    return hashlib.sha256(json.dumps(tables).encode()).hexdigest()[:16]
+
+
+def cached(decoder, costs) -> dict | None:
+    """The cached figures for the decoder (`FIGURES`), measured against `costs`' prices, or None."""
     try:
         entry = json.loads(cache_path(decoder).read_text()).get(key(decoder))
     except (OSError, ValueError, AttributeError):
         return None
-    if isinstance(entry, dict) and all(isinstance(entry.get(k), (int, float)) for k in FIGURES):
+    if isinstance(entry, dict) and entry.get("prices") == prices_key(costs) \
+            and all(isinstance(entry.get(k), (int, float)) for k in FIGURES):
         return {k: float(entry[k]) for k in FIGURES}
     return None
 
 
-def save(decoder, figures: dict) -> bool:
-    """Cache `figures` beside the profile; False where the cache cannot be written (read-only)."""
+def save(decoder, figures: dict, costs) -> bool:
+    """Cache `figures`, measured against `costs`' prices, beside the profile; False where the cache
+    cannot be written (read-only)."""
     path = cache_path(decoder)
     try:
         entries = json.loads(path.read_text()) if path.exists() else {}
-        entries[key(decoder)] = figures
+        entries[key(decoder)] = {**figures, "prices": prices_key(costs)}
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
         tmp.replace(path)
@@ -92,18 +107,19 @@ def save(decoder, figures: dict) -> bool:
 
 
 def apply(decoder, calibrate: bool | None = None) -> tuple[dict | None, str | None]:
-    """This machine's figures for the decoder (`FIGURES`): cached, else measured now (not with
-    `calibrate=False`, nor where the costs are the generic defaults or nothing drafts), else None;
-    with a line for `--stats` (None where nothing prices trees). `use` gives them to the costs."""
+    """This machine's figures for the decoder (`FIGURES`): cached against its profile's prices, else
+    measured now (not with `calibrate=False`, nor where the costs are the generic defaults or nothing
+    drafts), else None; with a line for `--stats` (None where nothing prices trees). `use` gives them
+    to the costs."""
     costs = [c for c in (getattr(decoder.policy, "costs", None), decoder.context_costs) if c is not None]
     if not costs or (decoder.drafter is None and decoder.context is None):
         return None, None
     if costs[0].source == "default":
         return None, "not measured (generic costs)"
-    figures, how = cached(decoder), "cached"
+    figures, how = cached(decoder, costs[0]), "cached"
     if figures is None and calibrate is not False:
         figures, how = measure(decoder, costs[0]), "measured in this run"
-        if not save(decoder, figures):
+        if not save(decoder, figures, costs[0]):
             how += ", not cached (the cache cannot be written)"
     if figures is None:
         return None, "not measured (calibrate=False and none cached)"

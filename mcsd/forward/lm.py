@@ -70,6 +70,7 @@ class CachedLM:
         kernels: which CPU matmul path each block size runs on (`mcsd.forward.kernels`;
             None leaves torch's setting alone).
         forward_ms: how long the last `forward` took, in ms, on a CPU; None elsewhere or before one.
+        forward_context: the cache positions that forward read (its block's included), or None.
     """
 
     def __init__(self, model: torch.nn.Module, in_place: bool = True, lean: bool | None = None,
@@ -84,6 +85,7 @@ class CachedLM:
         self.cache = None
         self.kernels: kernels.KernelTable | None = None
         self.forward_ms: float | None = None
+        self.forward_context: int | None = None
         # transformers' causal LMs can project only the last rows onto the vocabulary
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._cache_kw = kv_cache.cache_keyword(model)
@@ -177,6 +179,7 @@ class CachedLM:
         t0 = time.perf_counter()
         out = self._forward(tokens, positions, allowed, hidden, last_logits)
         self.forward_ms = (time.perf_counter() - t0) * 1000 if self.device.type == "cpu" else None
+        self.forward_context = self.length
         return out
 
     def _forward(self, tokens, positions, allowed, hidden, last_logits):

@@ -10,9 +10,9 @@ built once) and decides, round by round, how much of it to use:
   call), each with the draft distribution its children would be drawn from,
   and returns how many children each gets; all zeros stops drafting;
 - `observe(n_accepted, tree)` hears how the round went, and
-  `observe_timing(tree, draft_ms, verify_ms, forward_ms)` what it took;
+  `observe_timing(tree, draft_ms, verify_ms, forward_ms, context)` what it took;
   a round it drafted nothing for (and no context was grafted into) runs as
-  the plain loop's step, and `observe_step(ms, forward_ms)` hears of it alone.
+  the plain loop's step, and `observe_step(ms, forward_ms, context)` hears of it alone.
 
 Why decide per *parent* and not per drawn child: under sampling, a child's
 own token must not decide whether it is verified (keeping only the children
@@ -220,15 +220,16 @@ class TreePolicy:
         first, context drafting proposed too (they would have been accepted without this tree)."""
 
     def observe_timing(self, tree: DraftTree, draft_ms: float, verify_ms: float,
-                       forward_ms: float | None = None) -> None:
+                       forward_ms: float | None = None, context: int | None = None) -> None:
         """Called after each round with its measured draft time (policy decisions included), verify
-        time and, where known, the target forward's part of it, in milliseconds; cost-aware
-        policies correct their costs with it."""
+        time and, where known, the target forward's part of it, in milliseconds, and the cache
+        positions that forward read (`context`); cost-aware policies correct their costs with it."""
 
-    def observe_step(self, ms: float, forward_ms: float | None = None) -> None:
+    def observe_step(self, ms: float, forward_ms: float | None = None, context: int | None = None) -> None:
         """Called after a round this policy drafted nothing for (`begin_round` gave 0 and no context
         was grafted), run as a plain step of `ms` milliseconds (`forward_ms` the target forward's
-        part, where known); `observe` and `observe_timing` are not called for it."""
+        part, where known, over a cache of `context` positions); `observe` and `observe_timing` are
+        not called for it."""
 
     def expected_tokens(self) -> float | None:
         """Tokens this round's tree is expected to emit (the target's own included), once

@@ -321,15 +321,16 @@ class LearnedPolicy(TreePolicy):
         return total
 
     def observe_timing(self, tree: DraftTree, draft_ms: float, verify_ms: float,
-                       forward_ms: float | None = None) -> None:
-        self.costs.observe("verify", tree.size, self.costs.base_verify_ms(tree.size), verify_ms, forward_ms)
+                       forward_ms: float | None = None, context: int | None = None) -> None:
+        self.costs.observe("verify", tree.size, self.costs.base_verify_ms(tree.size), verify_ms, forward_ms,
+                           context)
         if self.gate.ran:
             self.costs.observe("draft", None, self._draft_base_ms, draft_ms)
 
-    def observe_step(self, ms: float, forward_ms: float | None = None) -> None:
+    def observe_step(self, ms: float, forward_ms: float | None = None, context: int | None = None) -> None:
         # a plain step: the staleness check's own measure of a 1-row verify (nothing drafted, so the
         # running acceptance and the gate's value are as they were)
-        self.costs.observe("verify", 1, self.costs.base_verify_ms(1), ms, forward_ms)
+        self.costs.observe("verify", 1, self.costs.base_verify_ms(1), ms, forward_ms, context)
 
 
 def recent_acceptance(recent: float, n_accepted: int, tree: DraftTree) -> float:
