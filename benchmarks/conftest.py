@@ -43,9 +43,17 @@ def pytest_addoption(parser):
     g.addoption("--bench-interleave", action="store_true",
                 help="run the selected methods prompt by prompt in rotation (one interleaved run) instead of "
                      "one method after another; each test then reports its share of that run")
+    g.addoption("--bench-turns", type=int, default=1,
+                help="with --bench-interleave: each prompt runs this many turns of the rotation, and a "
+                     "method's time on it is its quickest turn (a busy spell of the machine only adds time); "
+                     "the figures over every turn are recorded beside it")
 
 
 def pytest_configure(config):
+    if config.getoption("--bench-turns") < 1:
+        raise pytest.UsageError("--bench-turns must be 1 or more")
+    if config.getoption("--bench-turns") > 1 and not config.getoption("--bench-interleave"):
+        raise pytest.UsageError("--bench-turns needs --bench-interleave (turns of one rotation)")
     weights = config.getoption("--bench-weights")
     from mcsd.forward import quant
     if weights in quant.ON_CODES and not quant.dtypes(weights):        # before any model loads
@@ -87,6 +95,9 @@ class Bench:
         self.smoke = opt("--bench-smoke")
         self.interleave = opt("--bench-interleave")
         self.interleaved: dict | None = None         # method -> question_id -> Run, once computed
+        self.turns = opt("--bench-turns")
+        self.every_turn: dict = {}                   # method -> question_id -> [seconds of each turn]
+        self.turns_differ: dict = {}                 # method -> question_ids whose turns wrote different text
         self.max_new_tokens = 16 if self.smoke else opt("--bench-max-new-tokens")
         self.temperature, self.top_p = opt("--bench-temperature"), opt("--bench-top-p")
         self.dtype, self.device, self.weights = opt("--bench-dtype"), opt("--bench-device"), opt("--bench-weights")
@@ -143,6 +154,7 @@ class Bench:
             "transformers": __import__("transformers").__version__,
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "prompts": len(self.prompts), "max_new_tokens": self.max_new_tokens, "smoke": self.smoke,
+            "turns": self.turns,
             "temperature": self.temperature, "top_p": self.top_p,
             "llama_cpp": "in its own process",           # see methods.llama_cpp_worker
             "drafter": "model" if self.draft_is_model else type(self.draft).__name__,

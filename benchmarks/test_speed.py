@@ -10,7 +10,11 @@ By default one method runs on every prompt, then the next. With
 `--bench-interleave` the selected methods run prompt by prompt in rotation,
 every other prompt backwards (one interleaved run, as comparisons on a noisy machine want); the first test
 then carries the whole run in pytest-benchmark's own timing and the others
-none, so read the figures from `extra_info` (tools/bench_report.py does).
+none, so read the figures from `extra_info` (tools/bench_report.py does). With `--bench-turns N`
+each prompt runs N turns of that rotation and a method's time on it is its quickest turn: a
+busy spell of the machine only ever adds time (on a 2-core VM, rounds forced to be the plain
+loop's own steps read 0.90-1.04x the plain loop over 12-24 prompts with one turn); the tokens/s of
+every turn together are recorded beside it (`tokens_per_s_every_turn`).
 """
 
 from __future__ import annotations
@@ -62,26 +66,39 @@ def skip_reason(bench, method) -> str | None:
 
 
 def run_order(methods: list, i: int) -> list:
-    """The order of `methods` on the i-th prompt of an interleaved run: rotated by one place from one
-    prompt to the next (each method takes every place in turn), and run backwards on every other
-    prompt, so that a method does not always follow the same one: the same plain loop through two
-    decoders in one process read 0.991x / 0.998x each other in a fixed rotation at T 1.0 and 1.003x /
-    1.002x in this one (docs/results.md, 2026-12-06 (night))."""
-    shift = i % max(len(methods), 1)
+    """The order of `methods` on the i-th turn of an interleaved run (a prompt's, or one of a prompt's
+    turns): rotated by one place every other turn, and run backwards on every other turn, so that over
+    twice as many turns as methods each takes every place in each direction and follows more than one
+    other (the same plain loop through two decoders in one process read 0.991x / 0.998x each other in
+    a fixed rotation at T 1.0, 1.003x / 1.002x with the order run backwards on every other prompt:
+    docs/results.md, 2026-12-06 (night)). Two methods take turns at going first."""
+    shift = (i // 2) % max(len(methods), 1)
     turn = methods[shift:] + methods[:shift]
     return turn if i % 2 == 0 else turn[::-1]
 
 
 def interleaved_runs(bench, selected) -> dict[str, dict]:
     """Every runnable selected method on every prompt, prompt by prompt, in `run_order`, so a slow
-    spell of the machine is shared out rather than landing on whichever methods happened to run then.
+    spell of the machine is shared out rather than landing on whichever methods happened to run then;
+    `bench.turns` turns of the rotation per prompt, each method's quickest turn kept (its every turn's
+    time in `bench.every_turn`, a prompt whose turns wrote different text in `bench.turns_differ`).
     Computed once per session."""
     if bench.interleaved is None:
         methods = [m for m in METHODS if m.name in selected and skip_reason(bench, m) is None]
         results: dict[str, dict] = {m.name: {} for m in methods}
+        bench.every_turn = {m.name: {} for m in methods}
+        bench.turns_differ = {m.name: [] for m in methods}
         for i, (prompt, ids) in enumerate(bench.prompts):
-            for m in run_order(methods, i):
-                results[m.name][prompt.question_id] = m.run(bench, ids)
+            q = prompt.question_id
+            for turn in range(bench.turns):
+                for m in run_order(methods, i * bench.turns + turn):
+                    run = m.run(bench, ids)
+                    bench.every_turn[m.name].setdefault(q, []).append(run.seconds)
+                    kept = results[m.name].get(q)
+                    if kept is not None and kept.tokens != run.tokens and q not in bench.turns_differ[m.name]:
+                        bench.turns_differ[m.name].append(q)
+                    if kept is None or run.seconds < kept.seconds:
+                        results[m.name][q] = run
         bench.interleaved = results
     return bench.interleaved
 
@@ -119,8 +136,14 @@ def test_method(benchmark, bench, method, request):
     by_group: dict[str, list] = {}
     for prompt, _ in bench.prompts:
         by_group.setdefault(prompt.group, []).append(prompt.question_id)
+    every_turn = bench.every_turn.get(method.name, {})
+    if bench.interleave and every_turn:
+        every_s = sum(sum(t) for t in every_turn.values())
+        info["tokens_per_s_every_turn"] = bench.turns * info["tokens"] / every_s if every_s else 0.0
+        info["turns_differ"] = bench.turns_differ.get(method.name, [])
     info.update({
         "method": method.name, "family": method.family, "tree": method.tree, "interleaved": bench.interleave,
+        "turns": bench.turns if bench.interleave else 1,
         "accept_by_depth": [a / o if o else 0.0 for a, o in zip(accepted, offered)],
         "context_nodes": sum(r.context_nodes for r in runs.values()),
         "context_accepted": sum(r.context_accepted for r in runs.values()),

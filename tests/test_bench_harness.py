@@ -37,6 +37,47 @@ def test_an_interleaved_run_moves_each_method_through_every_place_and_neighbour(
         before = {order[order.index(m) - 1] for order in orders if order.index(m) > 0}
         assert len(before) > 1
     assert run_order(["only"], 3) == ["only"] and run_order([], 1) == []
+    assert [run_order(["a", "b"], i)[0] for i in range(4)] == ["a", "b", "b", "a"]    # two take turns first
+    for n in (2, 4, 5):                                                 # even counts too: every place, both ways
+        names = methods[:n]
+        orders = [run_order(names, i) for i in range(2 * n)]
+        assert all(sorted(order.index(m) for order in orders) == sorted(2 * list(range(n))) for m in names)
+
+
+def test_turns_keep_each_methods_quickest_and_record_every_one(monkeypatch):
+    """`--bench-turns N`: each prompt runs N turns of the rotation; a method's run on it is its
+    quickest turn, every turn's time is kept beside it, and a prompt whose turns wrote different text
+    is named."""
+    import runpy
+    import types
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    interleaved_runs = runpy.run_path(str(ROOT / "benchmarks" / "test_speed.py"))["interleaved_runs"]
+    seconds = {"a": iter([3.0, 1.0, 2.0, 5.0, 4.0, 6.0]), "b": iter([2.0, 2.5, 1.5, 1.0, 1.2, 0.9])}
+    order = []
+
+    def method(name, texts):
+        def run(bench, ids):
+            order.append(name)
+            return types.SimpleNamespace(seconds=next(seconds[name]), tokens=next(texts))
+        return types.SimpleNamespace(name=name, run=run)
+    same, drifting = iter([[1, 2]] * 6), iter([[1], [1], [1], [7], [7], [7]])
+    monkeypatch.setitem(interleaved_runs.__globals__, "METHODS", [method("a", same), method("b", drifting)])
+    monkeypatch.setitem(interleaved_runs.__globals__, "skip_reason", lambda bench, m: None)
+    prompts = [(types.SimpleNamespace(question_id=q), None) for q in (10, 20)]
+    bench = types.SimpleNamespace(interleaved=None, turns=3, prompts=prompts, every_turn={}, turns_differ={})
+    runs = interleaved_runs(bench, {"a", "b"})
+    assert len(order) == 12 and order[:4] == ["a", "b", "b", "a"]      # a prompt's turns take turns too
+    assert {q: r.seconds for q, r in runs["a"].items()} == {10: 1.0, 20: 4.0}
+    assert {q: r.seconds for q, r in runs["b"].items()} == {10: 1.5, 20: 0.9}
+    assert bench.every_turn == {"a": {10: [3.0, 1.0, 2.0], 20: [5.0, 4.0, 6.0]},
+                                "b": {10: [2.0, 2.5, 1.5], 20: [1.0, 1.2, 0.9]}}
+    assert bench.turns_differ == {"a": [], "b": []}
+    seconds.update(a=iter([1.0] * 6), b=iter([1.0] * 6))
+    drifting = iter([[1], [2], [1], [7], [7], [7]])
+    monkeypatch.setitem(interleaved_runs.__globals__, "METHODS", [method("a", iter([[1, 2]] * 6)), method("b", drifting)])
+    bench.interleaved = None
+    interleaved_runs(bench, {"a", "b"})
+    assert bench.turns_differ == {"a": [], "b": [10]}
 
 
 def _report():
