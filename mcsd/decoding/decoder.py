@@ -152,7 +152,6 @@ class TreeDecoder:
         for pol in (self.policy, self._baseline_policy):
             pol.topology = pol.topology.to(self.target.device)
         self.context_window = getattr(target.config, "max_position_embeddings", None)
-        # what a drafted round and a graft cost in decoding beyond the forwards, fixed for the run
         self._price_rounds(calibrate)
 
     def _price_rounds(self, calibrate: bool | None = None) -> None:

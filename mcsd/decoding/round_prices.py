@@ -28,9 +28,9 @@ read these fixed figures, never this run's clock. Each figure is what a round to
 profile's prices, so it holds for the prices it was measured against alone: the cache entry keeps
 their fingerprint (`prices_key`), and a profile measured again (a stale one, at the next start or
 by `TreeDecoder.recalibrate`) has its figures measured again too. (Read against another profile's
-prices, a round of the root and one graft was priced at 0.7 ms beyond a step where it took 1.8.) `Costs.round_ms`, `graft_ms` and `context_round_ms`
-carry them to the learned policy's gate and tree growth, to the context gate and
-to the context drafter's choice beneath a root alone.
+prices, a round of the root and one graft was priced at 0.7 ms beyond a step where it took 1.8.)
+`Costs.round_ms`, `graft_ms` and `context_round_ms` carry them to the learned policy's gate and tree
+growth, to the context gate and to the context drafter's choice beneath a root alone.
 """
 
 from __future__ import annotations
