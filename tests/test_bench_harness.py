@@ -98,7 +98,7 @@ def test_the_report_names_the_weights_dtype_and_decoding_first(tmp_path):
     text = report["markdown"](*report["load"](path))
     assert text.splitlines()[0] == ("## q4 weights, float32, sampled at T 0.7, top-p 0.95, interleaved prompt by "
                                     "prompt; llama.cpp in its own process")
-    turns = report["header"]([{**row, "turns": 2}], env)
+    turns = report["header"]([row], {**env, "turns": 2})
     assert "interleaved prompt by prompt, each prompt's quickest of 2 turns" in turns
     # a JSON from before the weights were recorded (dense then) and before llama.cpp had its own process
     old = report["header"]([{**row, "family": "llama_cpp", "interleaved": False}], {"dtype": "bfloat16"})

@@ -68,14 +68,11 @@ def tree_size(spec: str | None) -> int:
 
 
 def header(rows: list[dict], env: dict) -> str:
-    """The run's settings in one line: weights, dtype, greedy or sampled, interleaved or not (and in
-    how many turns a prompt), and where llama.cpp ran. JSON from before `--bench-weights` existed ran dense weights."""
+    """One line of the run's settings: weights (dense in JSON older than them), dtype, decoding, order, llama.cpp."""
     temperature = env.get("temperature") or 0.0
     decoding = "greedy" if not temperature else f"sampled at T {temperature:g}, top-p {env.get('top_p', 1.0):g}"
     order = "interleaved prompt by prompt" if any(r.get("interleaved") for r in rows) else "one method after another"
-    turns = max((r.get("turns") or 1 for r in rows), default=1)
-    if turns > 1:
-        order += f", each prompt's quickest of {turns} turns"
+    order += f", each prompt's quickest of {env['turns']} turns" if (env.get("turns") or 1) > 1 else ""
     line = f"## {env.get('weights') or 'dense'} weights, {env.get('dtype')}, {decoding}, {order}"
     if any(r.get("family") == "llama_cpp" for r in rows):
         line += f"; llama.cpp {env.get('llama_cpp', 'in the benchmark process (before it had its own)')}"
