@@ -27,8 +27,8 @@ command's trees, and its text in bfloat16, repeat from run to run on the same ma
 read these fixed figures, never this run's clock. Each figure is what a round took beyond the
 profile's prices, so it holds for the prices it was measured against alone: the cache entry keeps
 their fingerprint (`prices_key`), and a profile measured again (a stale one, at the next start or
-by `TreeDecoder.recalibrate`) has its figures measured again too. (Read against another profile's
-prices, a round of the root and one graft was priced at 0.7 ms beyond a step where it took 1.8.)
+by `TreeDecoder.recalibrate`) has its figures measured again too (a profile's price of a second
+row ranged from 0.15 to 0.80 ms above a step between measurements on one machine).
 `Costs.round_ms`, `graft_ms` and `context_round_ms` carry them to the learned policy's gate and tree
 growth, to the context gate and to the context drafter's choice beneath a root alone.
 """
