@@ -176,6 +176,19 @@ def test_the_native_draw_is_the_processed_scores_draw(temperature, top_p):
             assert noise.draw_at(logits[r:r + 1], cfg, p).tolist() == [drawn[r].item()]
 
 
+@pytest.mark.parametrize("top_k", [0, 50])                                   # native, and not (top-k)
+def test_drawing_chosen_rows_at_host_positions_is_drawing_them_together(top_k):
+    """`draw_rows` (a verify level's accepted nodes): the rows' draws as `draw_logits` makes them,
+    whether each row is drawn on its own (native) or all in one draw."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(7, 3000, generator=gen) * 3
+    cfg = SamplingConfig(temperature=0.8, top_p=0.9, top_k=top_k)
+    noise, rows, positions = PositionNoise(5, 3000, "cpu"), [6, 1, 3], [40, 41, 43]
+    drawn = noise.draw_logits(logits[rows], cfg, torch.tensor(positions))
+    assert noise.draw_rows(logits, cfg, rows, positions) == drawn.tolist()
+    assert noise.draw_rows(logits, cfg, [], []) == []
+
+
 @pytest.mark.skipif(native.library() is None, reason="the native library is not built here")
 def test_the_native_draw_is_the_same_from_threads_that_come_and_go():
     """Each thread draws with scratch rows of its own, freed when it ends: draws from short-lived threads,

@@ -351,6 +351,14 @@ class PositionNoise:
         key = _mix(self.seed, position) if _native_draw(logits, cfg) else self.key_at(position, logits.device)
         return self.draw_keyed(logits, cfg, key)
 
+    def draw_rows(self, logits: torch.Tensor, cfg: SamplingConfig, rows: list[int], positions: list[int]) -> list[int]:
+        """`draw_logits` of the given rows of logits (N, V) at host positions, as host ints: where the
+        draw is native, each row on its own at its position (`draw_at`: no tensor of keys or rows
+        made, no row copied); elsewhere one draw of the rows and one read, not a read a row."""
+        if _native_draw(logits, cfg):
+            return [int(self.draw_at(logits[r:r + 1], cfg, p)) for r, p in zip(rows, positions)]
+        return self.draw_logits(logits[rows], cfg, torch.tensor(positions, device=logits.device)).tolist()
+
     def draw_keyed(self, logits: torch.Tensor, cfg: SamplingConfig, keys: torch.Tensor | int) -> torch.Tensor:
         """`draw_logits` with position keys (M,) int64 already made (`device_keys`; for one row drawn
         natively, its key as a host int): the same draws, no host read."""

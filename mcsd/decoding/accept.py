@@ -70,11 +70,10 @@ def judge(grown: GrownTree, sequence: torch.Tensor, logits: torch.Tensor, cfg: D
         argmax = torch.cat([logits.new_full((1,), -1, dtype=torch.long), greedy_tokens(logits)])
         acc = accept_greedy(tree.tokens, tree.parents, tree.depth, tree.mask(), argmax, given=tree.depth == 1)
     elif noise is not None:                  # the target's own seeded draw after each node, matched
-        # drawn only where a node is accepted so far, a level at a time (node at depth d draws T + d), each
-        # row on its own at its position as a host int (`draw_at`: no tensor of keys or rows made)
+        # drawn only where a node is accepted so far, a level at a time (node at depth d draws T + d)
         base, depth = sequence.numel(), tree.depth.tolist()
         acc = accept_drawn(tree.tokens, tree.parents,
-                           lambda nodes: [int(noise.draw_at(logits[n:n + 1], sampling, base + depth[n])) for n in nodes])
+                           lambda nodes: noise.draw_rows(logits, sampling, nodes, [base + depth[n] for n in nodes]))
     else:
         p_target = logits_to_probs(logits, sampling)
         q_draft = grown.q_draft.to(p_target.device) if grown.q_draft is not None else None

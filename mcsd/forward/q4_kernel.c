@@ -1818,7 +1818,7 @@ void mcsd_keys(const float *s, int64_t R, int64_t K, const int64_t *ids, const u
                 m = 0;
             }
         }
-        keyed_lanes(dst, row, at, g, m);
+        if (m) keyed_lanes(dst, row, at, g, m);
     }
 }
 
