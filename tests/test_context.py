@@ -38,6 +38,30 @@ def test_match_of_the_query_itself_is_excluded_and_incremental_extend_indexes_ne
     assert idx.continuations(idx.tokens[-3:], 4, 4)[0] == ([4, 1, 2, 3], 3)
 
 
+@pytest.mark.parametrize("min_n,max_n", [(1, 6), (2, 4), (3, 3)])
+def test_a_prompt_indexed_at_once_matches_one_indexed_token_by_token(min_n, max_n):
+    """A prompt or a document (`BULK_EXTEND` tokens or more) is indexed n by n: the same n-grams at
+    the same end positions, in the same order, as indexing it a token at a time, documents kept apart,
+    and lookups after it alike."""
+    gen = torch.Generator().manual_seed(min_n * 10 + max_n)
+    docs = [torch.randint(0, 5, (n,), generator=gen).tolist() for n in (40, 2, 17, 90)]
+    at_once, one_by_one = NGramIndex(min_n, max_n), NGramIndex(min_n, max_n)
+    for doc in docs:
+        at_once.extend(doc)
+        for t in doc:
+            one_by_one.extend([t])
+        at_once.end_document()
+        one_by_one.end_document()
+    tail = torch.randint(0, 5, (20,), generator=gen).tolist()
+    at_once.extend(tail)
+    for t in tail:
+        one_by_one.extend([t])
+    assert at_once.tokens == one_by_one.tokens
+    for n in range(max_n + 1):
+        assert list(at_once.ends[n].items()) == list(one_by_one.ends[n].items())
+    assert at_once.continuations(tail, 8, 5) == one_by_one.continuations(tail, 8, 5)
+
+
 def test_a_full_length_match_is_measured_back_to_where_the_copy_began():
     idx = NGramIndex(1, 3)
     idx.extend([1, 2, 3, 4, 5, 9, 7, 2, 3, 4, 5])

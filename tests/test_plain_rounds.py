@@ -254,3 +254,28 @@ def test_a_round_drafted_sooner_than_announced_takes_the_features_first(target):
     out = dec.generate(PROMPT, max_new_tokens=40)
     assert out.tokens == reference
     assert out.stats.rounds > out.stats.plain_rounds > 0                # some rounds drafted all the same
+
+
+@pytest.mark.parametrize("policy,prompt_features", [(Unannounced, False), (LongShut, True)])
+def test_the_prompts_features_are_taken_only_where_the_policy_may_draft_soon(target, monkeypatch, policy,
+                                                                             prompt_features):
+    """The prompt's forward asks the target for its hidden states as a step does (`step_hidden`): not
+    where the policy will draft nothing for longer than the resume window from the start (a gate shut
+    for good takes no features at all; the head starts over from the steps' when it drafts), and
+    where it may draft at once; the text is plain decoding's either way."""
+    head = FeatureDrafter(random_head(target), target)
+    dec = TreeDecoder(target, head, policy=policy(TreeTopology.from_spec("2,2"), 12), attention="sdpa")
+    asked = []
+    extend = type(dec.target).extend
+
+    def recorded(self, tokens, hidden=False, last_logits=False):
+        if tokens.numel() > 1:
+            asked.append(bool(hidden))
+        return extend(self, tokens, hidden=hidden, last_logits=last_logits)
+
+    monkeypatch.setattr(type(dec.target), "extend", recorded)
+    reference = dec.generate_baseline(PROMPT, max_new_tokens=40).tokens
+    asked.clear()
+    out = dec.generate(PROMPT, max_new_tokens=40)
+    assert asked == [prompt_features]
+    assert out.tokens == reference and out.stats.rounds > out.stats.plain_rounds > 0

@@ -382,8 +382,9 @@ class TreeDecoder:
         """
         proposer.reset()
         self.target.reset()
-        if proposer.hidden:                                     # the target layers the drafter reads
-            logits, prompt_hidden = self.target.extend(prompt_ids, hidden=proposer.hidden, last_logits=True)
+        hidden = proposer.step_hidden()     # the target layers the drafter reads, unless it drafts nothing soon
+        if hidden:
+            logits, prompt_hidden = self.target.extend(prompt_ids, hidden=hidden, last_logits=True)
         else:
             logits, prompt_hidden = self.target.extend(prompt_ids, last_logits=True), None
         proposer.start(prompt_ids, logits, prompt_hidden)

@@ -112,9 +112,13 @@ class Proposer:
         return self.context_gate.value
 
     def start(self, prompt_ids: torch.Tensor, logits: torch.Tensor, prompt_hidden=None) -> None:
-        """After the prefill: the proposers read the prompt (T,) and the target's last logits (1, V)."""
-        if self.hidden:
-            self.drafter.observe_target(prompt_hidden)             # features of every prompt position
+        """After the prefill: the proposers read the prompt (T,) and the target's last logits (1, V), the
+        drafter the target's features of every prompt position (`prompt_hidden`), or skips them where
+        `step_hidden` left them out."""
+        if self.hidden and prompt_hidden is None:
+            self.drafter.skip_target(prompt_ids.numel())
+        elif self.hidden:
+            self.drafter.observe_target(prompt_hidden)
         if self.context is not None:
             self.context.reset(prompt_ids)
             self.context.observe_logits(prompt_ids[-1:], logits[-1:])   # the prompt's last token's, recycled
@@ -226,10 +230,10 @@ class Proposer:
             self.roots = last_logits.topk(self.lossy).indices
 
     def step_hidden(self) -> bool | tuple[int, ...]:
-        """The target layers a plain step returns for the drafter (as `hidden`), or False: none where
-        it reads none, and none where the policy will draft nothing for more than `RESUME_WINDOW`
-        rounds after this one (the head then starts over from the steps' features that follow:
-        `FeatureDrafter.skip_target`). Ask after `propose` gave None."""
+        """The target layers a plain step (or the prefill) returns for the drafter (as `hidden`), or
+        False: none where it reads none, and none where the policy will draft nothing for more than
+        `RESUME_WINDOW` rounds after this one (the head then starts over from the steps' features that
+        follow: `FeatureDrafter.skip_target`). Ask after `propose` gave None, or after `reset`."""
         if self.hidden and self.policy.rounds_to_draft() >= RESUME_WINDOW:
             return False
         return self.hidden

@@ -91,6 +91,8 @@ class ContextConfig:
 
 # ---------------------------------------------------------------------------- n-gram index
 
+BULK_EXTEND = 16        # tokens from which `NGramIndex.extend` indexes n by n (a prompt, a document)
+
 class NGramIndex:
     """End positions of every n-gram (n = min_n .. max_n) of a growing token list.
 
@@ -112,11 +114,22 @@ class NGramIndex:
 
     def extend(self, new: list[int]) -> None:
         toks = self.tokens
-        for t in new:
-            toks.append(t)
-            i = len(toks) - 1
-            for n in range(self.min_n, min(self.max_n, i - self._doc_start + 1) + 1):
-                self.ends[n].setdefault(tuple(toks[i - n + 1:i + 1]), []).append(i)
+        if len(new) < BULK_EXTEND:
+            for t in new:
+                toks.append(t)
+                i = len(toks) - 1
+                for n in range(self.min_n, min(self.max_n, i - self._doc_start + 1) + 1):
+                    self.ends[n].setdefault(tuple(toks[i - n + 1:i + 1]), []).append(i)
+            return
+        # a prompt or a document: each n's grams made by zip over shifted slices, not token by token
+        # (the same keys, each dict filled in position order as above)
+        start = len(toks)
+        toks.extend(new)
+        for n in range(self.min_n, self.max_n + 1):
+            first = max(start, self._doc_start + n - 1)            # the first end with a whole n-gram
+            ends = self.ends[n]
+            for i, gram in enumerate(zip(*(toks[first - n + 1 + k:] for k in range(n))), first):
+                ends.setdefault(gram, []).append(i)
 
     def end_document(self) -> None:
         """The next tokens start a new document: no n-gram spans the boundary."""
