@@ -115,10 +115,8 @@ class Proposer:
         """After the prefill: the proposers read the prompt (T,) and the target's last logits (1, V), the
         drafter the target's features of every prompt position (`prompt_hidden`), or skips them where
         `step_hidden` left them out."""
-        if self.hidden and prompt_hidden is None:
-            self.drafter.skip_target(prompt_ids.numel())
-        elif self.hidden:
-            self.drafter.observe_target(prompt_hidden)
+        if self.hidden:
+            self._feed(prompt_hidden, prompt_ids.numel())
         if self.context is not None:
             self.context.reset(prompt_ids)
             self.context.observe_logits(prompt_ids[-1:], logits[-1:])   # the prompt's last token's, recycled
@@ -246,14 +244,19 @@ class Proposer:
         grafts, and the policy hears the step's time (`ms`, `forward_ms` its target forward, over a cache
         of `context` positions)."""
         if self.hidden:
-            if states is None:
-                self.drafter.skip_target(1)
-            else:
-                self.drafter.observe_target(states)
+            self._feed(states, 1)
         if self.context is not None and self.context_gate.will_open():
             self.context.observe_logits(root, logits)
         self._drafted_accepts.append(0)
         self.policy.observe_step(ms, forward_ms, context)
+
+    def _feed(self, states: torch.Tensor | None, n: int) -> None:
+        """The drafter's features of the next `n` committed positions: the target's states (n, L*H), or
+        None where `step_hidden` left them out (the drafter skips them)."""
+        if states is None:
+            self.drafter.skip_target(n)
+        else:
+            self.drafter.observe_target(states)
 
     def recycles(self, proposal: Proposal) -> bool:
         """Whether a round's verify records the target's predictions along its path for context
