@@ -213,6 +213,22 @@ def test_rotary_rows_are_the_modules_own_bits(family, dtype):
     check(torch.randint(0, 300, (1, 6), generator=g))
 
 
+def test_rotary_rows_of_a_model_made_under_inference_mode(family):
+    """A model whose buffers were made under `torch.inference_mode` (no version counter) gets its table,
+    and a new one when its frequencies are edited in place there."""
+    _, model = family
+    with torch.inference_mode():
+        lean = llama.LeanForward(copy.deepcopy(model))
+        lean.rotary.inv_freq = lean.rotary.inv_freq.clone()
+        assert lean.rotary.inv_freq.is_inference()
+        x = torch.zeros(1, 1, model.config.hidden_size)
+        positions = torch.arange(5)[None]
+        for _ in range(2):
+            cos, _ = lean._rotary(x, positions)
+            assert torch.equal(cos[:, :, 0], lean.rotary(x, positions)[0])
+            lean.rotary.inv_freq.mul_(0.5)
+
+
 @pytest.mark.parametrize("tree,policy", [("4,2,2", "static"), (None, "auto")])
 def test_greedy_output_equals_generate(family, tree, policy):
     name, model = family

@@ -299,8 +299,9 @@ class LeanForward:
     def _rotary_table(self, x: torch.Tensor):
         """(cos, signed sin) (L, D) each for positions 0..L-1, L twice the model's context window (the
         engine refuses prompts and lengths past the window; a position past L is an index error, never
-        a wrong number), made again when the dtype or the module's frequencies change: nothing read
-        from a tensor's values. None off the CPU, where the table would exceed 2^20 entries, or without
+        a wrong number), made again when the dtype or the module's frequencies change: their version
+        counter, or, for a tensor made under `torch.inference_mode` (which keeps none), their values
+        (a few dozen floats). None off the CPU, where the table would exceed 2^20 entries, or without
         the usual `inv_freq` buffer."""
         inv = getattr(self.rotary, "inv_freq", None)
         window = getattr(self.model.config, "max_position_embeddings", None)
@@ -309,7 +310,8 @@ class LeanForward:
         length = 1 << (2 * int(window) - 1).bit_length()
         if length * self.head_dim > 1 << 20:
             return None
-        key = (length, x.dtype, inv.data_ptr(), inv._version, getattr(self.rotary, "attention_scaling", 1.0))
+        edits = tuple(inv.tolist()) if inv.is_inference() else inv._version
+        key = (length, x.dtype, inv.data_ptr(), edits, getattr(self.rotary, "attention_scaling", 1.0))
         if self._table is None or self._table[2] != key:
             cos, sin = self.rotary(x[..., :1], torch.arange(length, device=x.device)[None])  # (1, L, D)
             self._table = (cos[0].contiguous(), (sin[0] * self._signs(sin)).contiguous(), key)
