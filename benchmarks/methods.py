@@ -142,16 +142,14 @@ def _mcsd(bench, ids, tree: str | None, policy: str = "static", baseline: bool =
 
 
 class _ShutGates(POLICIES["learned"]):
-    """The learned policy with its gate shut for good: every round drafts nothing (a plain step through
-    the round's machinery), and says so (`rounds_to_draft`), so the steps take no target features for a
-    draft that never comes, as a shut gate's steps far from its next probe take none."""
+    """The learned policy with its gate shut for good: a gate that lost and waits longer than any
+    generation before its next probe, so every round runs a shut gate's own path (no draft priced, a
+    plain step through the round's machinery) and says so (`rounds_to_draft`): the steps take no target
+    features for a draft that never comes, as a shut gate's steps far from its next probe take none."""
 
-    def begin_round(self) -> int:
-        super().begin_round()
-        return 0
-
-    def rounds_to_draft(self) -> int:
-        return 2 ** 31
+    def forget(self) -> None:
+        super().forget()
+        self.gate.value, self.gate.observed, self.gate.gap = -1.0, True, 2 ** 31
 
 
 def _gates_shut(bench, ids) -> Run:
