@@ -149,7 +149,7 @@ class _ShutGates(POLICIES["learned"]):
 
     def forget(self) -> None:
         super().forget()
-        self.gate.value, self.gate.observed, self.gate.gap = -1.0, True, 2 ** 31
+        self.draft_value, self.gate.gap = -1.0, 2 ** 31
 
 
 def _gates_shut(bench, ids) -> Run:

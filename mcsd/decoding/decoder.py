@@ -383,10 +383,8 @@ class TreeDecoder:
         proposer.reset()
         self.target.reset()
         hidden = proposer.step_hidden()     # the target layers the drafter reads, unless it drafts nothing soon
-        if hidden:
-            logits, prompt_hidden = self.target.extend(prompt_ids, hidden=hidden, last_logits=True)
-        else:
-            logits, prompt_hidden = self.target.extend(prompt_ids, last_logits=True), None
+        out = self.target.extend(prompt_ids, hidden=hidden, last_logits=True)
+        logits, prompt_hidden = out if hidden else (out, None)
         proposer.start(prompt_ids, logits, prompt_hidden)
         if proposer.lossy:              # the target's top-W are the next round's candidate roots; nothing emitted
             return prompt_ids, [], None
