@@ -167,6 +167,38 @@ def test_the_layers_go_back_to_one_op_at_a_time_once_the_codes_are_detached(tmp_
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
 
 
+def test_the_layer_plan_is_kept_between_sequences_until_what_it_reads_changes(tmp_path):
+    """The whole-layer plan is made once, not once a sequence; a bias edited in place (the plan copies
+    biases; through `.data`, which moves no version counter), a norm weight replaced and a module
+    swapped each make it again at the next sequence, and the one-call forward then computes what the
+    op-by-op one and transformers' forward do on the edited model (the joined q / k / v product adds
+    each sibling's bias as it is now, not a copy made when the codes were attached)."""
+    model = _on_q4_codes(_family("qwen2"), tmp_path / "qwen2.gguf")
+    lm = CachedLM(model, lean=True)
+    lm.reset()
+    plan = lm._running.native_layers()
+    assert plan is not None
+    lm.reset()
+    assert lm._running.native_layers() is plan                  # nothing changed: kept
+    layer = model.model.layers[1]
+    edits = [lambda: layer.self_attn.v_proj.bias.data.add_(0.25),
+             lambda: setattr(layer.input_layernorm, "weight", torch.nn.Parameter(layer.input_layernorm.weight * 1.5)),
+             lambda: setattr(layer.mlp, "act_fn", copy.deepcopy(layer.mlp.act_fn))]
+    for edit in edits:
+        with torch.no_grad():
+            edit()
+        lm.reset()
+        again = lm._running.native_layers()
+        assert again is not None and again is not plan
+        plan = again
+        with torch.inference_mode():
+            got, by_op = _run(lm), _run(_one_op_at_a_time(CachedLM(model, lean=True)))
+            want = _run(CachedLM(model, lean=False))
+        for a, b, c in zip(got, by_op, want):
+            assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+            assert torch.allclose(a, c, atol=1e-4, rtol=1e-4)
+
+
 def test_a_model_in_bfloat16_runs_one_op_at_a_time(q4_gguf_file):
     from mcsd.drafting.pair import load_model
     model = load_model(str(q4_gguf_file), dtype="bfloat16", weights="q4")

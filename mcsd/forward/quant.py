@@ -355,9 +355,8 @@ def _q4_forward(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     q4 = layer.__dict__.get(_ATTR)
     if q4 is not None and x.dtype in q4.dtypes and not x.requires_grad and not _local.dense:
         joined = layer.__dict__.get(_JOINED)
-        if joined is not None:                                     # siblings share one product
-            return joined[0].part(x, joined[1])
-        out = q4(x)
+        # siblings share one product; each adds its own bias as it is now (edited in place or replaced)
+        out = joined[0].part(x, joined[1]) if joined is not None else q4(x)
         return out if layer.bias is None else out + layer.bias
     weight = layer.weight
     if weight.is_meta:          # let go by `attach`: another dtype, or autograd, reads it dequantised
@@ -654,12 +653,10 @@ def _join(group: list[torch.nn.Linear], group_codes: list[Codes], act8: bool = F
 
 
 def _share(group: list[torch.nn.Linear], whole, shared: bool = True) -> None:
-    """Sibling layers on one coded weight `whole` (their rows one after another), their biases added
-    after its product; `shared`: a copied model shares it (the codes are the weights' only copy, or
-    read-only codes of their own)."""
-    bias = None if group[0].bias is None else torch.cat([layer.bias.detach() for layer in group])
-    product = (_SharedProduct if shared else fused.Product)(
-        [layer.out_features for layer in group], lambda x: whole(x) if bias is None else whole(x) + bias)
+    """Sibling layers on one coded weight `whole` (their rows one after another), each adding its own
+    bias to its slice of the product (`_q4_forward`); `shared`: a copied model shares it (the codes are
+    the weights' only copy, or read-only codes of their own)."""
+    product = (_SharedProduct if shared else fused.Product)([layer.out_features for layer in group], whole)
     start = 0
     for i, layer in enumerate(group):
         layer.__dict__[_ATTR] = whole                  # the marker `attached` counts; the product reads it
