@@ -195,7 +195,7 @@ class LeanForward:
         # float32, its attention use it too (one call each, not several operations)
         self.one_call = bool(quant.attached(self.model)) and quant.kernel_name() == "native" \
             and self.head_dim % 8 == 0
-        looked_up = self._looked_up()
+        looked_up = self._looked_up() if self.one_call else ()       # without one call there is no plan
         if looked_up != self._plan_for:
             # the plan (30 layers of SmolLM2-135M: ~1.3 ms on a 2-core Xeon, once a sequence before) is
             # kept while every module, norm weight, bias and setting it reads is the one it was made from
@@ -219,8 +219,7 @@ class LeanForward:
                 return m
             params = m._parameters
             return id(m), id(params.get("weight")), bias(params.get("bias")), m.__dict__.get("variance_epsilon")
-        return self.one_call, self.head_dim, self.heads, self.kv_heads, \
-            tuple(tuple(part(m) for m in layer) for layer in self.layers)
+        return self.head_dim, self.heads, self.kv_heads, tuple(tuple(part(m) for m in layer) for layer in self.layers)
 
     def native_layers(self) -> list[tuple] | None:
         """Per decoder layer, its weights as the native library's whole-layer call reads them
