@@ -134,9 +134,10 @@ def fixed_costs(request, monkeypatch):
 
 
 # Made-up figures of what a drafted round, a graft, an empty lookup and a round of the root and its graft cost beyond the
-# forwards (`round_prices.measure`).
+# forwards (`round_prices.measure`), and what a drafted round was worth (none: the draft gate starts open).
 FIXED_ROUND_PRICES = {"round_ms": 0.4, "round_ms_sampled": 0.6, "graft_ms": 0.05, "lookup_ms": 0.02,
-                      "context_round_ms": 0.3, "context_round_ms_sampled": 0.5}
+                      "context_round_ms": 0.3, "context_round_ms_sampled": 0.5,
+                      "draft_value": 0.0, "draft_value_sampled": 0.0}
 
 
 def write_tiny_gguf(path, vocab: int = 64, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,

@@ -171,7 +171,6 @@ def test_the_draft_gate_credits_only_what_drafting_alone_brought():
     a round whose accepted tokens were all shared is worth what a round that accepted nothing is."""
     from types import SimpleNamespace
 
-    from mcsd.core.verify import Acceptance
     from mcsd.decoding.propose import shared_prefix
 
     topo = TreeTopology.from_spec("2,1")
@@ -194,7 +193,7 @@ def test_the_draft_gate_credits_only_what_drafting_alone_brought():
     def proposal(proposed, drafted_size=4):
         return SimpleNamespace(graft=SimpleNamespace(proposed=proposed), drafted=SimpleNamespace(size=drafted_size))
 
-    path = Acceptance(torch.tensor([0, 1, 3, 5]), torch.tensor(2))  # two drafted nodes, then a grafted one
+    path = [0, 1, 3, 5]                                               # two drafted nodes, then a grafted one
     assert shared_prefix(proposal({1: ["k"], 3: ["k"], 5: ["k"]}), path) == 2
     assert shared_prefix(proposal({3: ["k"]}), path) == 0              # beneath a node only the draft proposed
     assert shared_prefix(proposal({1: ["k"]}), path) == 1
@@ -237,6 +236,25 @@ def test_draft_gate_starts_afresh_each_generation(target):
     assert 1 <= first.stats.draft_forwards <= len(probe_rounds(first.stats.rounds))   # the first round, probes
     assert second.stats.draft_forwards == first.stats.draft_forwards
     assert second.stats.accepted_per_round == first.stats.accepted_per_round
+
+
+def test_a_gate_started_from_a_loss_waits_as_a_probe_that_lost_it_would():
+    """`Gate.start_from`: a prior loss of L ms sits out at least L / (budget x step) rounds (within the
+    longest wait), then a round runs and its own worth moves the mean; a prior gain leaves it open."""
+    gate = Gate(3, 256, budget=0.0025)
+    gate.start_from(-1.0, 8.0)                          # 1 ms / (0.0025 x 8 ms) = 50 rounds
+    shut = 0
+    while not gate.opens():
+        shut += 1
+    assert shut == gate.gap == 50 and gate.value == -1.0
+    gate.observe(3.0, 8.0)                              # a round that gained: the mean of the two
+    assert gate.value == pytest.approx(1.0) and gate.opens()
+    gate.reset()
+    gate.start_from(2.0, 8.0)
+    assert gate.opens() and gate.value == 2.0
+    gate.reset()
+    gate.start_from(-100.0, 8.0)
+    assert gate.rounds_shut() == 256
 
 
 def test_learned_policy_sampling_is_exact():

@@ -139,7 +139,8 @@ def test_measuring_runs_drafted_rounds_and_prices_what_the_levels_leave_out(targ
         patch.setattr(ContextDrafter, "choose_under_root", counted)
         figures = round_prices.measure(dec, costs)
     assert set(figures) == set(round_prices.FIGURES)
-    assert all(0 <= v < 1e4 for v in figures.values())
+    assert all(0 <= v < 1e4 for k, v in figures.items() if not k.startswith("draft_value"))
+    assert figures["draft_value"] == figures["draft_value_sampled"] == 0.0      # no tokenizer: no text to answer
     assert (costs.round_ms, costs.graft_ms, costs._plain, costs._any) == before   # its rounds left no trace
     assert context_costs.context_round_ms == 9.0
     assert costs.stale is None and not stale_flags
@@ -192,3 +193,85 @@ def test_the_context_gate_hears_a_graft_at_its_rounds_price():
     proposer._value_context(0, 3, 3)                    # ... or beneath a drafted tree
     assert heard == pytest.approx([10.0 - 1.0 - 0.2 - 1.5, 10.0 - 1.0 - 0.2])
     assert missed == [0.03, 0.03]
+
+
+class _Letters:
+    """A stand-in tokenizer (no chat template): each letter of a text one id, within the tiny vocabulary."""
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+
+    def __call__(self, text, add_special_tokens=False, return_tensors=None):
+        ids = torch.tensor([[3 + ord(c) % (self.vocab - 3) for c in text]])
+        return {"input_ids": ids}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(65 + i % 26) for i in ids)
+
+
+def test_a_probes_worth_is_measured_on_the_fixed_text(target, fresh_cache):
+    """`worth` answers the fixed text greedy and sampled, every other round a probe that keeps the
+    first-level test; the decoder's costs, figures, round, policy and context drafter are left as they
+    were; without a tokenizer nothing is measured."""
+    dec = TreeDecoder(target, head_and_context(target), policy="learned", attention="sdpa")
+    dec.tokenizer = _Letters(target.config.vocab_size)
+    tested = []
+    first_level = dec.policy._first_level_pays
+    costs = [dec.policy.costs, dec.context_costs]
+    before = [(c.round_ms, c.graft_ms, c.lookup_ms, c.context_round_ms, list(c._plain)) for c in costs]
+    figures_before = dict(dec.round_figures)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dec.policy, "_first_level_pays", lambda path, counts: tested.append(1) or first_level(path, counts))
+        values = round_prices.worth(dec, dict(FIXED_ROUND_PRICES), costs[0], costs)
+    assert set(values) == {"draft_value", "draft_value_sampled"} and all(abs(v) < 1e4 for v in values.values())
+    assert tested
+    assert [(c.round_ms, c.graft_ms, c.lookup_ms, c.context_round_ms, list(c._plain)) for c in costs] == before
+    assert dec.round_figures == figures_before and "_round" not in vars(dec)
+    assert not {"begin_round", "rounds_to_draft", "_first_level_pays", "observe"} & set(vars(dec.policy))
+    assert not {"graft", "choose_under_root", "grafted"} & set(vars(dec.context))
+    dec.tokenizer = None
+    assert round_prices.worth(dec, dict(FIXED_ROUND_PRICES), costs[0], costs) == \
+        {"draft_value": 0.0, "draft_value_sampled": 0.0}
+
+
+def _probe(ms, accepted=0, shared=0, size=1, drafted=1, graft_ms=0.0):
+    return {"ms": ms, "accepted": accepted, "shared": shared, "size": size, "drafted": drafted, "graft_ms": graft_ms}
+
+
+def test_a_probe_is_worth_what_the_drafter_added_to_its_round():
+    """On a machine whose plain steps run 1.5x the profile's (15 ms against 10; a lookup's 0.5 ms left
+    out): a probe that took 9 ms more than the step before it (its graft's 1 ms aside), made the next
+    1.5 ms slower, had 2 drafted tokens accepted, one of them proposed by context drafting too, and
+    grafted a node (rows 3 of 4, priced 1) is worth 10 - 10.5 / 1.5 + 1 = 4 profile ms; the next, left
+    after its first level (3 ms more than that slower step, nothing accepted, the step after it 15
+    again), -1; a probe beside a round that grafted is not timed; the figure is their mean."""
+    costs = Costs({1: 10.0, 3: 11.0, 4: 12.0}, {1: 1.0})
+    rounds = [_probe(15.5, graft_ms=0.5), _probe(25.0, 2, 1, size=4, drafted=3, graft_ms=1.0), _probe(16.5),
+              _probe(19.5), _probe(15.0), _probe(30.0, 3, size=3, drafted=3), _probe(20.0, size=2, drafted=1),
+              _probe(15.0, 1, size=2, drafted=2), _probe(15.0)]
+    assert round_prices._probes_worth(rounds, costs) == pytest.approx((4.0 - 1.0) / 2)
+    assert round_prices._probes_worth([_probe(15.0, size=2)] * 3, costs) == 0.0
+
+
+def test_a_machine_where_drafted_rounds_lose_starts_each_text_with_the_draft_gate_shut(target, fresh_cache,
+                                                                                     monkeypatch):
+    """A cached worth below 0 reaches the policy as its prior (greedy or sampled, as decoded): each
+    generation's gate starts shut for the wait a probe that lost that much would sit out, so the
+    generation's first rounds draft nothing (context drafting goes on), and the text is plain decoding's;
+    at 0 it starts open."""
+    lose = {**FIXED_ROUND_PRICES, "draft_value": -3.0, "draft_value_sampled": -5.0}
+    monkeypatch.setattr(round_prices, "measure", lambda decoder, costs: dict(lose))
+    dec = TreeDecoder(target, head_and_context(target), policy="learned", attention="sdpa")
+    reference = dec.generate_baseline(PROMPT, max_new_tokens=24).tokens
+    out = dec.generate(PROMPT, max_new_tokens=24)
+    assert dec.policy.prior == -3.0 and out.tokens == reference
+    assert out.stats.draft_forwards == 0                              # the wait outlasts 24 tokens
+    step = dec.policy.costs.verify_ms(1)
+    dec.policy.reset()
+    assert dec.policy.rounds_to_draft() == dec.policy.gate.gap >= 3.0 / (dec.policy.probe_budget * step) - 1
+    assert dec.policy.begin_round() == 0
+    dec.generate(PROMPT, max_new_tokens=4, temperature=0.8, seed=3)
+    assert dec.policy.prior == -5.0
+    dec.policy.prior = 0.0
+    dec.policy.reset()
+    assert dec.policy.rounds_to_draft() == 0 and dec.policy.begin_round() > 0

@@ -281,33 +281,36 @@ class DraftTree:
         self.logp = torch.cat([self.logp, logp.to(self.logp.dtype)])
         self.topo_ids = torch.cat([self.topo_ids, topo_ids])
 
-    def graft(self, tokens: torch.Tensor, parents: torch.Tensor, logp: torch.Tensor) -> "DraftTree":
+    def graft(self, tokens, parents, logp) -> "DraftTree":
         """A new tree with nodes appended that are not in the topology (context proposals).
 
         Args:
-            tokens, parents, logp: (M,) the new nodes; each parent indexes this tree or an
-                earlier new node (parents come before children, so paths stay in index order).
+            tokens, parents, logp: the M new nodes, as (M,) tensors or host lists; each parent indexes
+                this tree or an earlier new node (parents come before children, so paths stay in
+                index order).
         Returns:
             DraftTree whose mask is the sliced topology mask extended by the new rows (each
             sees its parent's ancestors and itself: one vectorised step per depth). The new
-            nodes have topo_ids -1; no more levels can be drafted beneath them.
+            nodes have topo_ids -1; no more levels can be drafted beneath them. Its fields are made
+            from host lists, one tensor each: a round's graft is a few nodes, and the tensor
+            operations of appending them cost more than the lists.
         """
-        n, m = self.size, tokens.numel()
+        new_tokens, new_parents, new_logp = (x.tolist() if isinstance(x, torch.Tensor) else list(x)
+                                             for x in (tokens, parents, logp))
+        n, m = self.size, len(new_tokens)
         dev = self.tokens.device
         if m == 0:
             return self
-        new_parents = parents.tolist()                                   # M is small (the graft budget)
         if any(not 0 <= p < n + i for i, p in enumerate(new_parents)):
             raise ValueError("graft() needs every new node's parent to come before it")
-        all_parents = torch.cat([self.parents, parents])
+        all_parents = self.parents.tolist() + new_parents
         depths = self.depth.tolist()
         for p in new_parents:
             depths.append(depths[p] + 1)
-        depth = torch.tensor(depths, dtype=self.depth.dtype, device=dev)
         if n + m <= _HOST_MASK_NODES and self.grafted_mask is None:
             # a small tree: each node's ancestors (itself included) as the bits of one host integer
             seen = []
-            for i, p in enumerate(self.parents.tolist() + new_parents):
+            for i, p in enumerate(all_parents):
                 seen.append((seen[p] if p >= 0 else 0) | (1 << i))
             bits = torch.tensor(seen, device=dev)[:, None] >> torch.arange(n + m, device=dev)
             mask = (bits & 1).bool()
@@ -316,13 +319,17 @@ class DraftTree:
             mask[:n, :n] = self.mask()
             new = torch.arange(n, n + m, device=dev)
             mask[new, new] = True
-            new_depth = depth[n:]
+            new_depth = torch.tensor(depths[n:], device=dev)
+            parents_of = torch.tensor(all_parents, device=dev)
             for d in range(min(depths[n:]), max(depths[n:]) + 1):
                 rows = new[new_depth == d]                               # their parents' rows are complete
-                mask[rows] |= mask[all_parents[rows]]
-        return DraftTree(self.topology, torch.cat([self.tokens, tokens]), all_parents, depth,
-                         torch.cat([self.logp, logp.to(self.logp.dtype)]),
-                         torch.cat([self.topo_ids, torch.full((m,), -1, dtype=torch.long, device=dev)]), mask)
+                mask[rows] |= mask[parents_of[rows]]
+        def field(values: list, like: torch.Tensor) -> torch.Tensor:
+            return torch.tensor(values, dtype=like.dtype, device=dev)
+        return DraftTree(self.topology, field(self.tokens.tolist() + new_tokens, self.tokens),
+                         field(all_parents, self.parents), field(depths, self.depth),
+                         field(self.logp.tolist() + new_logp, self.logp),
+                         field(self.topo_ids.tolist() + [-1] * m, self.topo_ids), mask)
 
     def leaf_paths(self) -> torch.Tensor:
         """Root-to-leaf paths, Medusa style.

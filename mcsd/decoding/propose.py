@@ -214,15 +214,15 @@ class Proposer:
             self.drafter.observe_target(path_hidden)                 # features of root .. deepest accepted
         if self.drafter is not None and proposal.depth > 0:
             self.drafter.commit(acc.path)
+        path, base = acc.path.tolist(), proposal.drafted.size
         if proposal.graft is not None:
-            self.context.observe(proposal.graft, acc.path)
-            base = proposal.drafted.size
-            accepted = int((acc.path >= base).sum())                   # grafted nodes on the accepted path
+            self.context.observe(proposal.graft, path)
+            accepted = sum(node >= base for node in path)              # grafted nodes on the accepted path
             self._value_context(accepted, base, proposal.grown.tree.size)
         # the policy hears about its own tree: the accepted path's drafted part, and how much of it
         # context drafting proposed too
-        self._drafted_accepts.append(int((acc.path < proposal.drafted.size).sum()) - 1)
-        self.policy.observe(self._drafted_accepts[-1], proposal.drafted, shared_prefix(proposal, acc))
+        self._drafted_accepts.append(sum(node < base for node in path) - 1)
+        self.policy.observe(self._drafted_accepts[-1], proposal.drafted, shared_prefix(proposal, path))
         self.policy.observe_timing(proposal.grown.tree, draft_ms, verify_ms, forward_ms, context)
         if self.lossy:
             self.roots = last_logits.topk(self.lossy).indices
@@ -289,14 +289,15 @@ class Proposer:
         stats.policy_s = getattr(self.policy, "predict_s", 0.0)
 
 
-def shared_prefix(proposal: Proposal, acc: Acceptance) -> int:
-    """How many accepted drafted nodes, from the root down, context drafting proposed as well (each
-    beneath one it proposed too, so it would have reached them without the drafted tree)."""
+def shared_prefix(proposal: Proposal, path: list[int]) -> int:
+    """How many accepted drafted nodes, from the root down (`path`: the accepted path's node indices,
+    root first), context drafting proposed as well (each beneath one it proposed too, so it would have
+    reached them without the drafted tree)."""
     graft = proposal.graft
     if graft is None or not graft.proposed:
         return 0
     shared, base = 0, proposal.drafted.size
-    for node in acc.path.tolist()[1:]:
+    for node in path[1:]:
         if node >= base or node not in graft.proposed:
             break
         shared += 1

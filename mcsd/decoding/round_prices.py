@@ -20,7 +20,17 @@ profile's ms (`beyond`), and returns
   a graft, and is what the context gate pays for trying);
 - `context_round_ms` (greedy) and `context_round_ms_sampled`: a round that drafts nothing but
   grafts, beyond a plain step, its lookup and merge, and its extra rows' verify price (the tree of
-  the root and its graft made, verified and accepted where a plain step makes none).
+  the root and its graft made, verified and accepted where a plain step makes none);
+- `draft_value` (greedy) and `draft_value_sampled`: what a round the drafter probes was worth in
+  decoding, in the profile's ms: the drafted tokens it had accepted that context drafting did not
+  propose too, at a plain step each, less what it took beyond the plain step before it and added to
+  the one after (its head forwards, the first of a generation reading the prompt's states, its rows
+  and draws; the context drafter's own work and rows left out), on a fixed English text, every other
+  round a probe with the first-level test. Where it is a loss the learned policy's gate starts each
+  generation shut (`LearnedPolicy.prior`), for the wait a probe that lost that much would sit out: a
+  drafter that does not pay on this machine beside context drafting (its forwards or its rows dear
+  beside the target's step) is then not tried at every text's start. 0 where there is no drafter,
+  policy gate or tokenizer for the text.
 
 They are measured once per (profile, policy, drafters) and cached beside the profile, so a
 command's trees, and its text in bfloat16, repeat from run to run on the same machine: decisions
@@ -46,6 +56,7 @@ from pathlib import Path
 import torch
 
 from ..costs import store
+from ..loading.data import chat_ids
 
 PROMPT_TOKENS = 96                 # a fixed pseudo-random prompt: the prefix a measured round reads
 NEW_TOKENS = 128                   # tokens generated; every other round drafts: ~10 rounds timed greedy, ~50 sampled
@@ -54,8 +65,14 @@ PASSES = 5                         # generations of each kind, the quietest one'
 # sampled with a nucleus (what a chat client sends): each extra node's filtering and draw lands in the
 # round's figure, a price on the safe side for plain temperature sampling
 SAMPLED = {"temperature": 1.0, "top_p": 0.95, "seed": 0}
-VERSION = 7                        # of what is measured; a cached figure of another version is measured again
-FIGURES = ("round_ms", "round_ms_sampled", "graft_ms", "lookup_ms", "context_round_ms", "context_round_ms_sampled")
+VERSION = 8                        # of what is measured; a cached figure of another version is measured again
+FIGURES = ("round_ms", "round_ms_sampled", "graft_ms", "lookup_ms", "context_round_ms", "context_round_ms_sampled",
+           "draft_value", "draft_value_sampled")
+# the fixed text a drafted round's worth is measured on (the drafter's acceptance needs language, not the
+# timing prompt's random ids), answered for `WORTH_TOKENS`
+WORTH_TEXT = ("Explain, in a few short paragraphs, how a bicycle stays upright while it is moving, and why "
+              "it falls over when it stops. Mention the role of the rider, the front wheel and the speed.")
+WORTH_TOKENS = 128
 
 
 def cache_path(decoder) -> Path:
@@ -127,7 +144,8 @@ def apply(decoder, calibrate: bool | None = None) -> tuple[dict | None, str | No
                      f"rows' prices greedy, {figures['round_ms_sampled']:.2f} ms sampled, a context graft "
                      f"{figures['graft_ms']:.2f} ms, a lookup that finds nothing {figures['lookup_ms']:.2f} ms, "
                      f"a round of the root and its graft {figures['context_round_ms']:.2f} / "
-                     f"{figures['context_round_ms_sampled']:.2f} ms ({how})")
+                     f"{figures['context_round_ms_sampled']:.2f} ms; a drafted round worth "
+                     f"{figures['draft_value']:+.2f} / {figures['draft_value_sampled']:+.2f} ms ({how})")
 
 
 def use(decoder, greedy: bool) -> None:
@@ -141,6 +159,8 @@ def use(decoder, greedy: bool) -> None:
             c.round_ms = figures["round_ms" if greedy else "round_ms_sampled"]
             c.graft_ms, c.lookup_ms = figures["graft_ms"], figures["lookup_ms"]
             c.context_round_ms = figures["context_round_ms" if greedy else "context_round_ms_sampled"]
+    if hasattr(decoder.policy, "prior"):           # where this machine's drafted rounds lost, the gate starts shut
+        decoder.policy.prior = figures["draft_value" if greedy else "draft_value_sampled"]
 
 
 def measure(decoder, costs) -> dict:
@@ -242,10 +262,99 @@ def measure(decoder, costs) -> dict:
     def figure(value: float | None) -> float:
         return round(max(value, 0.0), 4) if value is not None else 0.0
 
-    return {"round_ms": figure(drafted[True]), "round_ms_sampled": figure(drafted[False]),
-            "graft_ms": figure(statistics.fmean(grafts) if grafts else None),
-            "lookup_ms": figure(statistics.median(misses) if misses else None),
-            "context_round_ms": figure(rounds[True]), "context_round_ms_sampled": figure(rounds[False])}
+    out = {"round_ms": figure(drafted[True]), "round_ms_sampled": figure(drafted[False]),
+           "graft_ms": figure(statistics.fmean(grafts) if grafts else None),
+           "lookup_ms": figure(statistics.median(misses) if misses else None),
+           "context_round_ms": figure(rounds[True]), "context_round_ms_sampled": figure(rounds[False])}
+    return {**out, **worth(decoder, out, costs, list(shared.values()))}
+
+
+def worth(decoder, figures: dict, costs, held: list) -> dict:
+    """`draft_value` and `draft_value_sampled` (see the module): the decoder answers `WORTH_TEXT` (as a
+    chat turn where the tokenizer has a template) greedy and sampled (`SAMPLED`) with `figures` in use
+    and context drafting as it runs, the `held` costs each left as it was, every other round drafting
+    as a probe would (the first-level test kept); each figure is the mean over the probes of what the
+    drafter added to its round (`_probes_worth`, in the profile's ms of `costs`). Both 0 where nothing
+    measures it."""
+    policy, tok, context = decoder.policy, decoder.tokenizer, decoder.context
+    if decoder.drafter is None or tok is None or not hasattr(policy, "prior"):
+        return {"draft_value": 0.0, "draft_value_sampled": 0.0}
+    prompt = decoder.encode(chat_ids(tok, WORTH_TEXT) if getattr(tok, "chat_template", None) else WORTH_TEXT)
+    window = decoder.context_window
+    tokens = WORTH_TOKENS if window is None else min(WORTH_TOKENS, window - prompt.numel())
+    if tokens < 16:                                    # a context window too small for the text and an answer
+        return {"draft_value": 0.0, "draft_value_sampled": 0.0}
+    rounds: list[dict] = []
+    lone_round, kept, heard = decoder._round, decoder.round_figures, policy.observe
+
+    def timed_round(*args, **kwargs):
+        rounds.append({"accepted": 0, "shared": 0, "size": 1, "drafted": 1, "graft_ms": 0.0})
+        t0 = time.perf_counter()
+        out = lone_round(*args, **kwargs)
+        rounds[-1]["ms"] = (time.perf_counter() - t0) * 1000
+        return out
+
+    def looked(method):
+        def timed_call(*args, **kwargs):
+            t0 = time.perf_counter()
+            result = method(*args, **kwargs)
+            rounds[-1]["graft_ms"] += (time.perf_counter() - t0) * 1000
+            return result
+        return timed_call
+
+    def observed(n_accepted, tree, shared=0):
+        rounds[-1]["shared"] = shared
+        return heard(n_accepted, tree, shared)
+
+    def on_round(tree, acc) -> None:
+        topo = tree.topo_ids.tolist()
+        rounds[-1].update(accepted=sum(topo[n] >= 0 for n in acc.path.tolist()[1:]), size=len(topo),
+                          drafted=sum(t >= 0 for t in topo))
+
+    out = {}
+    with contextlib.ExitStack() as stack:
+        for c in held:
+            stack.enter_context(c.held())
+        decoder._round, policy.observe = timed_round, observed
+        if context is not None:
+            context.graft = looked(context.graft)
+            context.choose_under_root, context.grafted = looked(context.choose_under_root), looked(context.grafted)
+        decoder.round_figures = {**figures, "draft_value": 0.0, "draft_value_sampled": 0.0}   # what `use` gives
+        try:
+            for name, sampling in (("draft_value", {}), ("draft_value_sampled", SAMPLED)):
+                rounds.clear()
+                with _drafting_every_other(policy, first_level_test=True):
+                    decoder.generate(prompt, max_new_tokens=tokens, on_round=on_round, **sampling)
+                out[name] = _probes_worth(rounds, costs)
+        finally:
+            del decoder._round, policy.observe
+            if context is not None:
+                del context.graft, context.choose_under_root, context.grafted
+            decoder.round_figures = kept
+    return out
+
+
+def _probes_worth(rounds: list[dict], costs) -> float:
+    """The mean worth, in the profile's ms, of a generation's probes (its even rounds, 1-based), each
+    between two rounds that drafted and grafted nothing: its accepted drafted tokens that context
+    drafting did not propose too (`shared`) at a plain step each, less what it took beyond the step
+    before it and added to the one after, the context drafter's lookups and merges left out of all
+    three and the rows it grafted priced out, as the draft gate credits a drafted round. The median
+    plain step stands for the profile's `verify_ms(1)`. Each round: {"ms", "graft_ms", "accepted",
+    "shared", "size", "drafted"}; 0 where no probe sits between two plain steps."""
+    plain = [r["ms"] - r["graft_ms"] for r in rounds if r["size"] == 1]
+    if not plain:
+        return 0.0
+    step = costs.verify_ms(1)
+    scale = statistics.median(plain) / step
+    values = []
+    for before, r, after in zip(rounds[0::2], rounds[1::2], rounds[2::2]):
+        if before["size"] == 1 and after["size"] == 1:
+            base = before["ms"] - before["graft_ms"]
+            took = (r["ms"] - r["graft_ms"] - base) + (after["ms"] - after["graft_ms"] - base)
+            values.append((r["accepted"] - r["shared"]) * step - took / scale
+                          + costs.verify_ms(r["size"]) - costs.verify_ms(r["drafted"]))
+    return round(statistics.fmean(values), 4) if values else 0.0
 
 
 def quietest(passes: list[list[float]]) -> float | None:
@@ -306,16 +415,16 @@ class _EveryOther:
 
 
 @contextlib.contextmanager
-def _drafting_every_other(policy):
+def _drafting_every_other(policy, first_level_test: bool = False):
     """Within (one generation): `policy` drafts its levels on every other round (`every_round` where it
-    has it: no gate, no first-level test) and says the next round may draft (`rounds_to_draft`), so the
+    has it: no gate, the first-level test only with `first_level_test`) and says the next round may draft (`rounds_to_draft`), so the
     plain steps between take the target's features: each drafted round follows a plain step, as a
     probe of a shut gate does, and is timed against it."""
     own, rounds = policy.begin_round, itertools.count(1)
     policy.begin_round = lambda: own() if next(rounds) % 2 == 0 else 0
     policy.rounds_to_draft = lambda: 0
     try:
-        with getattr(policy, "every_round", contextlib.nullcontext)():
+        with (policy.every_round(first_level_test) if hasattr(policy, "every_round") else contextlib.nullcontext()):
             yield policy
     finally:
         del policy.begin_round, policy.rounds_to_draft

@@ -516,13 +516,9 @@ class ContextDrafter:
     def grafted(self, tree: DraftTree, choice: tuple) -> Graft:
         """The Graft of `choice` (`_choose`'s: tokens, parents, logp, proposed, gain) on `tree`."""
         tokens, parents, logp, proposed, gain = choice
-        n_tree, n_now = tree.size, tree.size + len(tokens)
-        det = torch.zeros(n_now, dtype=torch.bool, device=tree.tokens.device)
-        det[n_tree:] = True
+        det = torch.tensor([False] * tree.size + [True] * len(tokens), device=tree.tokens.device)
         if tokens:
-            dev = tree.tokens.device
-            tree = tree.graft(torch.tensor(tokens, device=dev), torch.tensor(parents, device=dev),
-                              torch.tensor(logp, device=dev))
+            tree = tree.graft(tokens, parents, logp)
             self.proposed_nodes += len(tokens)
         return Graft(tree, det, proposed, gain)
 
@@ -656,15 +652,16 @@ class ContextDrafter:
 
     # ---------------------------------------------------------------- learning
 
-    def observe(self, graft: Graft, path: torch.Tensor) -> None:
+    def observe(self, graft: Graft, path: torch.Tensor | list[int]) -> None:
         """Update each source's measured acceptance from the verified round.
 
         A proposed node counts when its parent was accepted (root included): it is
-        accepted iff it is on `path` (the accepted root-to-node path).
+        accepted iff it is on `path` (the accepted root-to-node path, a tensor or host list).
         """
         if not graft.proposed:
             return
-        self.observe_path(graft.proposed, graft.tree.parents.tolist(), path.tolist(), graft.deterministic.tolist())
+        self.observe_path(graft.proposed, graft.tree.parents.tolist(),
+                          path.tolist() if isinstance(path, torch.Tensor) else path, graft.deterministic.tolist())
 
     def observe_path(self, proposed: dict[int, list[tuple]], parents, path: list[int], grafted) -> None:
         """`observe` over host values: the round's proposed nodes, each node's parent and whether it was

@@ -87,6 +87,14 @@ class Gate:
         self.skipped = 0                # rounds in a row sat out (0: the last round asked ran)
         self.gap = self.probe_every     # rounds to sit out before the next probe
 
+    def start_from(self, value: float, step_ms: float | None = None) -> None:
+        """After a reset: start from a worth measured before this text (`value` ms a round, a prior), as
+        if observed: a negative one sits out the wait a probe that lost that much would (`budget` with
+        `step_ms`, a plain step's price), and the first round of the text's own decides from there."""
+        self.value, self.observed = value, True
+        if value < 0:
+            self.gap = self._budget_gap(self.probe_every, step_ms)
+
     def opens(self) -> bool:
         """Whether this round runs; call once a round."""
         skip = self.value < 0 and self.skipped < self.gap

@@ -105,8 +105,12 @@ class LearnedPolicy(TreePolicy):
     plain target step; the draft catches up on the skipped tokens in its
     next forward, a feature head from the steps just before it
     (`rounds_to_draft`, `mcsd.decoding.propose.RESUME_WINDOW`). The gate
-    opens again at each generation's `reset`, so a request's trees never
-    depend on the requests before it.
+    starts again at each generation's `reset`, so a request's trees never
+    depend on the requests before it: open, or where this machine's own
+    drafted rounds on a fixed text lost (`prior`, measured with the round
+    prices, `mcsd.decoding.round_prices`), shut for the wait a probe that
+    lost that much would sit out, so that a drafter that does not pay here
+    is not tried at the start of every text.
 
     Costs come from this machine's calibrated profile, fixed for the run,
     so that the trees grown (and in bfloat16, where a tree's size changes
@@ -160,6 +164,8 @@ class LearnedPolicy(TreePolicy):
         self._path_pred: list[float] = [1.0]             # each node's path probability, this round's tree
         self._last: list[list[float]] | None = None     # the level just expanded: its candidates' path probabilities
         self._every = False                              # inside `every_round`
+        self._every_tests = False                        # ... keeping the first-level test
+        self.prior: float | None = None                  # ms a drafted round was worth here (`reset`)
         self.shift = self.model.logit_shift(0.0)         # the acceptance model's logit shift (`decoding`)
         self.reset()
 
@@ -182,19 +188,24 @@ class LearnedPolicy(TreePolicy):
         self.forget()
 
     def forget(self) -> None:
-        """Forget what drafting has been worth (the next round drafts)."""
+        """Forget what drafting has been worth in this text: the gate starts again, from `prior` where
+        that is a loss, else open (the next round drafts)."""
         self.gate = Gate(self.probe_every, self.max_probe_gap, budget=self.probe_budget)
+        if self.prior is not None and self.prior < 0:
+            self.gate.start_from(self.prior, self.costs.verify_ms(1))
 
     @contextlib.contextmanager
-    def every_round(self):
-        """Within: every round drafts its levels (the gate opened afresh each round, no first-level
-        test), and says so (`rounds_to_draft` 0): for measuring drafted rounds (`round_prices`, the
-        sampled table's fit)."""
-        before, self._every = self._every, True
+    def every_round(self, first_level_test: bool = False):
+        """Within: every round drafts (the gate opened afresh each round), and says so (`rounds_to_draft`
+        0); its levels all, or with `first_level_test` as a probe would (a first level that cannot pay
+        is left, the round a plain step): for measuring drafted rounds (`round_prices`, the sampled
+        table's fit)."""
+        before, self._every, tests = self._every, True, self._every_tests
+        self._every_tests = first_level_test
         try:
             yield self
         finally:
-            self._every = before
+            self._every, self._every_tests = before, tests
 
     @property
     def draft_value(self) -> float:
@@ -228,7 +239,7 @@ class LearnedPolicy(TreePolicy):
         path = [[a * parent if r < limit else 0.0 for r, a in enumerate(row)]
                 for row, parent, limit in zip(accept, parents, limits)]
         counts = self._choose(path, frontier.tree.size)
-        if frontier.depth == 0 and self.leave_unpaying and not self._every \
+        if frontier.depth == 0 and self.leave_unpaying and (not self._every or self._every_tests) \
                 and not self._first_level_pays(path, counts):
             counts = [0] * len(counts)    # the round is a plain step, priced as a drafted round's start
         self._last = path
