@@ -190,19 +190,6 @@ def measure(decoder, costs) -> dict:
     looking = []                                                    # [the every-other gate] in a timed generation
     lone_round = decoder._round
 
-    def timing(method, misses_into: list | None = None):
-        """`method` of the context drafter, its time added to the round's lookups and merges; with
-        `misses_into`, each call that finds nothing (None) also kept there."""
-        def timed_call(*args, **kwargs):
-            t0 = time.perf_counter()
-            result = method(*args, **kwargs)
-            ms = (time.perf_counter() - t0) * 1000
-            timed[-1]["graft_ms"] += ms
-            if misses_into is not None and result is None:
-                misses_into.append(ms)
-            return result
-        return timed_call
-
     def timed_round(sequence, cfg, gen, proposer, *args, **kwargs):
         if looking:
             proposer.context_gate = looking[0]                      # every other round looks up
@@ -245,8 +232,7 @@ def measure(decoder, costs) -> dict:
     shared = {id(c): c for c in (costs, getattr(policy, "costs", None), decoder.context_costs) if c is not None}
     decoder._round = timed_round                      # this decoder's own round and context drafter, for now
     if context is not None:
-        context.graft = timing(context.graft)
-        context.choose_under_root, context.grafted = timing(context.choose_under_root, misses), timing(context.grafted)
+        _time_lookups(context, timed, misses)
     try:
         with contextlib.ExitStack() as stack:
             for held in shared.values():
@@ -285,7 +271,7 @@ def worth(decoder, figures: dict, costs, held: list) -> dict:
     if tokens < 16:                                    # a context window too small for the text and an answer
         return {"draft_value": 0.0, "draft_value_sampled": 0.0}
     rounds: list[dict] = []
-    lone_round, kept, heard = decoder._round, decoder.round_figures, policy.observe
+    lone_round, kept, own_observe = decoder._round, decoder.round_figures, policy.observe
 
     def timed_round(*args, **kwargs):
         rounds.append({"accepted": 0, "shared": 0, "size": 1, "drafted": 1, "graft_ms": 0.0})
@@ -294,17 +280,9 @@ def worth(decoder, figures: dict, costs, held: list) -> dict:
         rounds[-1]["ms"] = (time.perf_counter() - t0) * 1000
         return out
 
-    def looked(method):
-        def timed_call(*args, **kwargs):
-            t0 = time.perf_counter()
-            result = method(*args, **kwargs)
-            rounds[-1]["graft_ms"] += (time.perf_counter() - t0) * 1000
-            return result
-        return timed_call
-
     def observed(n_accepted, tree, shared=0):
         rounds[-1]["shared"] = shared
-        return heard(n_accepted, tree, shared)
+        return own_observe(n_accepted, tree, shared)
 
     def on_round(tree, acc) -> None:
         topo = tree.topo_ids.tolist()
@@ -317,8 +295,7 @@ def worth(decoder, figures: dict, costs, held: list) -> dict:
             stack.enter_context(c.held())
         decoder._round, policy.observe = timed_round, observed
         if context is not None:
-            context.graft = looked(context.graft)
-            context.choose_under_root, context.grafted = looked(context.choose_under_root), looked(context.grafted)
+            _time_lookups(context, rounds)
         decoder.round_figures = {**figures, "draft_value": 0.0, "draft_value_sampled": 0.0}   # what `use` gives
         try:
             for name, sampling in (("draft_value", {}), ("draft_value_sampled", SAMPLED)):
@@ -334,6 +311,24 @@ def worth(decoder, figures: dict, costs, held: list) -> dict:
     return out
 
 
+def _time_lookups(context, rounds: list[dict], misses: list | None = None) -> None:
+    """The context drafter's lookups and merges (`graft`, `choose_under_root`, `grafted`), each call's
+    time added to the last of `rounds`' "graft_ms" until the methods are deleted again; with `misses`,
+    each lookup beneath a root alone that finds nothing (None) also kept there."""
+    def timing(method, misses_into: list | None = None):
+        def timed_call(*args, **kwargs):
+            t0 = time.perf_counter()
+            result = method(*args, **kwargs)
+            ms = (time.perf_counter() - t0) * 1000
+            rounds[-1]["graft_ms"] += ms
+            if misses_into is not None and result is None:
+                misses_into.append(ms)
+            return result
+        return timed_call
+    context.graft, context.grafted = timing(context.graft), timing(context.grafted)
+    context.choose_under_root = timing(context.choose_under_root, misses)
+
+
 def _probes_worth(rounds: list[dict], costs) -> float:
     """The mean worth, in the profile's ms, of a generation's probes (its even rounds, 1-based), each
     between two rounds that drafted and grafted nothing: its accepted drafted tokens that context
@@ -342,7 +337,7 @@ def _probes_worth(rounds: list[dict], costs) -> float:
     three and the rows it grafted priced out, as the draft gate credits a drafted round. The median
     plain step stands for the profile's `verify_ms(1)`. Each round: {"ms", "graft_ms", "accepted",
     "shared", "size", "drafted"}; 0 where no probe sits between two plain steps."""
-    plain = [r["ms"] - r["graft_ms"] for r in rounds if r["size"] == 1]
+    plain = [r["ms"] - r["graft_ms"] for r in rounds[0::2] if r["size"] == 1]
     if not plain:
         return 0.0
     step = costs.verify_ms(1)
