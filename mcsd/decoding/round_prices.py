@@ -73,6 +73,7 @@ FIGURES = ("round_ms", "round_ms_sampled", "graft_ms", "lookup_ms", "context_rou
 WORTH_TEXT = ("Explain, in a few short paragraphs, how a bicycle stays upright while it is moving, and why "
               "it falls over when it stops. Mention the role of the rider, the front wheel and the speed.")
 WORTH_TOKENS = 128
+NO_WORTH = {"draft_value": 0.0, "draft_value_sampled": 0.0}     # where nothing measures a drafter's worth
 
 
 def cache_path(decoder) -> Path:
@@ -231,10 +232,8 @@ def measure(decoder, costs) -> dict:
 
     shared = {id(c): c for c in (costs, getattr(policy, "costs", None), decoder.context_costs) if c is not None}
     decoder._round = timed_round                      # this decoder's own round and context drafter, for now
-    if context is not None:
-        _time_lookups(context, timed, misses)
     try:
-        with contextlib.ExitStack() as stack:
+        with contextlib.ExitStack() as stack, _lookups_timed(context, timed, misses):
             for held in shared.values():
                 stack.enter_context(held.held())
                 held.round_ms = held.graft_ms = held.lookup_ms = held.context_round_ms = 0.0
@@ -242,8 +241,6 @@ def measure(decoder, costs) -> dict:
             drafted, rounds, grafts = figures()
     finally:
         del decoder._round
-        if context is not None:
-            del context.graft, context.choose_under_root, context.grafted
 
     def figure(value: float | None) -> float:
         return round(max(value, 0.0), 4) if value is not None else 0.0
@@ -264,12 +261,12 @@ def worth(decoder, figures: dict, costs, held: list) -> dict:
     measures it."""
     policy, tok, context = decoder.policy, decoder.tokenizer, decoder.context
     if decoder.drafter is None or tok is None or not hasattr(policy, "prior"):
-        return {"draft_value": 0.0, "draft_value_sampled": 0.0}
+        return dict(NO_WORTH)
     prompt = decoder.encode(chat_ids(tok, WORTH_TEXT) if getattr(tok, "chat_template", None) else WORTH_TEXT)
     window = decoder.context_window
     tokens = WORTH_TOKENS if window is None else min(WORTH_TOKENS, window - prompt.numel())
     if tokens < 16:                                    # a context window too small for the text and an answer
-        return {"draft_value": 0.0, "draft_value_sampled": 0.0}
+        return dict(NO_WORTH)
     rounds: list[dict] = []
     lone_round, kept, own_observe = decoder._round, decoder.round_figures, policy.observe
 
@@ -294,9 +291,8 @@ def worth(decoder, figures: dict, costs, held: list) -> dict:
         for c in held:
             stack.enter_context(c.held())
         decoder._round, policy.observe = timed_round, observed
-        if context is not None:
-            _time_lookups(context, rounds)
-        decoder.round_figures = {**figures, "draft_value": 0.0, "draft_value_sampled": 0.0}   # what `use` gives
+        stack.enter_context(_lookups_timed(context, rounds))
+        decoder.round_figures = {**figures, **NO_WORTH}                              # what `use` gives
         try:
             for name, sampling in (("draft_value", {}), ("draft_value_sampled", SAMPLED)):
                 rounds.clear()
@@ -305,16 +301,15 @@ def worth(decoder, figures: dict, costs, held: list) -> dict:
                 out[name] = _probes_worth(rounds, costs)
         finally:
             del decoder._round, policy.observe
-            if context is not None:
-                del context.graft, context.choose_under_root, context.grafted
             decoder.round_figures = kept
     return out
 
 
-def _time_lookups(context, rounds: list[dict], misses: list | None = None) -> None:
-    """The context drafter's lookups and merges (`graft`, `choose_under_root`, `grafted`), each call's
-    time added to the last of `rounds`' "graft_ms" until the methods are deleted again; with `misses`,
-    each lookup beneath a root alone that finds nothing (None) also kept there."""
+@contextlib.contextmanager
+def _lookups_timed(context, rounds: list[dict], misses: list | None = None):
+    """Within: the context drafter's lookups and merges (`graft`, `choose_under_root`, `grafted`; none
+    where `context` is None) add each call's time to the last of `rounds`' "graft_ms"; with `misses`,
+    each lookup beneath a root alone that finds nothing (None) is also kept there."""
     def timing(method, misses_into: list | None = None):
         def timed_call(*args, **kwargs):
             t0 = time.perf_counter()
@@ -325,8 +320,15 @@ def _time_lookups(context, rounds: list[dict], misses: list | None = None) -> No
                 misses_into.append(ms)
             return result
         return timed_call
+    if context is None:
+        yield
+        return
     context.graft, context.grafted = timing(context.graft), timing(context.grafted)
     context.choose_under_root = timing(context.choose_under_root, misses)
+    try:
+        yield
+    finally:
+        del context.graft, context.choose_under_root, context.grafted
 
 
 def _probes_worth(rounds: list[dict], costs) -> float:
