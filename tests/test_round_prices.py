@@ -11,7 +11,7 @@ from test_feature_draft import random_head
 from mcsd import TreeDecoder
 from mcsd.core.tree import TreeTopology
 from mcsd.costs.cost_model import Costs
-from mcsd.decoding import round_prices
+from mcsd.decoding import propose as propose_module, round_prices
 from mcsd.decoding.propose import Proposer
 from mcsd.drafting.context import ContextDrafter
 from mcsd.drafting.feature_draft import FeatureDrafter
@@ -251,6 +251,35 @@ def test_a_probe_is_worth_what_the_drafter_added_to_its_round():
               _probe(15.0, 1, size=2, drafted=2), _probe(15.0)]
     assert round_prices._probes_worth(rounds, costs) == pytest.approx((4.0 - 1.0) / 2)
     assert round_prices._probes_worth([_probe(15.0, size=2)] * 3, costs) == 0.0
+
+
+def test_probes_spaced_as_a_shut_gate_spaces_them():
+    """Every `every`-th round drafts and the rounds between say how far the next one is, so the steps
+    further than `RESUME_WINDOW` from it leave the head's features out (it starts over from the
+    window's, as after a shut gate's wait); outside, the policy's own methods are back."""
+    class Policy:
+        def begin_round(self):
+            return 3
+    policy = Policy()
+    with round_prices._drafting_every_other(policy, every=5):
+        asked = []
+        for _ in range(10):
+            asked.append((policy.begin_round(), policy.rounds_to_draft()))
+    assert asked == [(0, 3), (0, 2), (0, 1), (0, 0), (3, 4)] * 2
+    assert not {"begin_round", "rounds_to_draft"} & set(vars(policy))
+    assert round_prices.WORTH_SPACING > propose_module.RESUME_WINDOW
+
+
+def test_spaced_probes_are_each_weighed_against_their_neighbours():
+    """With a probe every 3rd round, each is weighed against the rounds before and after it alone: a
+    probe that took 6 ms more than the step before it (steps 15 ms against a 10 ms profile) and had one
+    drafted token accepted is worth 10 - 6 / 1.5 = 6 profile ms; the steps around are not probes."""
+    costs = Costs({1: 10.0, 2: 11.0}, {1: 1.0})
+    rounds = [_probe(15.0), _probe(15.0), _probe(21.0, 1, size=2, drafted=2), _probe(15.0), _probe(15.0),
+              _probe(15.0)]
+    assert round_prices._probes_worth(rounds, costs, every=3) == pytest.approx(6.0)
+    assert round_prices._probes_worth(rounds + [_probe(15.0)], costs, every=3) == pytest.approx(3.0)   # and a probe
+    # left after its first level at no cost: worth 0
 
 
 def test_a_machine_where_drafted_rounds_lose_starts_each_text_with_the_draft_gate_shut(target, fresh_cache,

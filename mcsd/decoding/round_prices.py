@@ -24,12 +24,15 @@ profile's ms (`beyond`), and returns
 - `draft_value` (greedy) and `draft_value_sampled`: what a round the drafter probes was worth in
   decoding, in the profile's ms: the drafted tokens it had accepted that context drafting did not
   propose too, at a plain step each, less what it took beyond the plain step before it and added to
-  the one after (its head forwards, the first of a generation reading the prompt's states, its rows
-  and draws; the context drafter's own work and rows left out), on a fixed English text, every other
-  round a probe with the first-level test. Where it is a loss the learned policy's gate starts each
-  generation shut (`LearnedPolicy.prior`), for the wait a probe that lost that much would sit out: a
-  drafter that does not pay on this machine beside context drafting (its forwards or its rows dear
-  beside the target's step) is then not tried at every text's start. 0 where there is no drafter,
+  the one after (its head forwards, the catch-up on the features of the steps before it, its rows
+  and draws; the context drafter's own work and rows left out), on a fixed English text, every
+  `WORTH_SPACING`-th round a probe with the first-level test (spaced as a shut gate's probes are, the
+  head starting over from the last `RESUME_WINDOW` steps' features: probes on every other round, with
+  every feature fed, read 2-3 ms a probe cheaper than decoding runs them on a 2-core Xeon). Where it
+  is a loss the learned policy's gate starts each generation shut (`LearnedPolicy.prior`), for the
+  wait a probe that lost that much would sit out: a drafter that does not pay on this machine beside
+  context drafting (its forwards or its rows dear beside the target's step) is then not tried at
+  every text's start. 0 where there is no drafter,
   policy gate or tokenizer for the text.
 
 They are measured once per (profile, policy, drafters) and cached beside the profile, so a
@@ -57,6 +60,7 @@ import torch
 
 from ..costs import store
 from ..loading.data import chat_ids
+from .propose import RESUME_WINDOW
 
 PROMPT_TOKENS = 96                 # a fixed pseudo-random prompt: the prefix a measured round reads
 NEW_TOKENS = 128                   # tokens generated; every other round drafts: ~10 rounds timed greedy, ~50 sampled
@@ -65,7 +69,7 @@ PASSES = 5                         # generations of each kind, the quietest one'
 # sampled with a nucleus (what a chat client sends): each extra node's filtering and draw lands in the
 # round's figure, a price on the safe side for plain temperature sampling
 SAMPLED = {"temperature": 1.0, "top_p": 0.95, "seed": 0}
-VERSION = 8                        # of what is measured; a cached figure of another version is measured again
+VERSION = 9                        # of what is measured; a cached figure of another version is measured again
 FIGURES = ("round_ms", "round_ms_sampled", "graft_ms", "lookup_ms", "context_round_ms", "context_round_ms_sampled",
            "draft_value", "draft_value_sampled")
 # the fixed text a drafted round's worth is measured on (the drafter's acceptance needs language, not the
@@ -73,6 +77,10 @@ FIGURES = ("round_ms", "round_ms_sampled", "graft_ms", "lookup_ms", "context_rou
 WORTH_TEXT = ("Explain, in a few short paragraphs, how a bicycle stays upright while it is moving, and why "
               "it falls over when it stops. Mention the role of the rider, the front wheel and the speed.")
 WORTH_TOKENS = 128
+# a probe's spacing there: a shut gate's probe follows a wait longer than `RESUME_WINDOW`, so the head
+# starts over from the window's features, as it does in decoding; a probe every other round would have
+# them all fed and read cheaper than it runs
+WORTH_SPACING = RESUME_WINDOW + 2
 NO_WORTH = {"draft_value": 0.0, "draft_value_sampled": 0.0}     # where nothing measures a drafter's worth
 
 
@@ -255,8 +263,8 @@ def measure(decoder, costs) -> dict:
 def worth(decoder, figures: dict, costs, held: list) -> dict:
     """`draft_value` and `draft_value_sampled` (see the module): the decoder answers `WORTH_TEXT` (as a
     chat turn where the tokenizer has a template) greedy and sampled (`SAMPLED`) with `figures` in use
-    and context drafting as it runs, the `held` costs each left as it was, every other round drafting
-    as a probe would (the first-level test kept); each figure is the mean over the probes of what the
+    and context drafting as it runs, the `held` costs each left as it was, every `WORTH_SPACING`-th
+    round drafting as a shut gate's probe would (the first-level test kept); each figure is the mean over the probes of what the
     drafter added to its round (`_probes_worth`, in the profile's ms of `costs`). Both 0 where nothing
     measures it."""
     policy, tok, context = decoder.policy, decoder.tokenizer, decoder.context
@@ -296,9 +304,9 @@ def worth(decoder, figures: dict, costs, held: list) -> dict:
         try:
             for name, sampling in (("draft_value", {}), ("draft_value_sampled", SAMPLED)):
                 rounds.clear()
-                with _drafting_every_other(policy, first_level_test=True):
+                with _drafting_every_other(policy, first_level_test=True, every=WORTH_SPACING):
                     decoder.generate(prompt, max_new_tokens=tokens, on_round=on_round, **sampling)
-                out[name] = _probes_worth(rounds, costs)
+                out[name] = _probes_worth(rounds, costs, WORTH_SPACING)
         finally:
             del decoder._round, policy.observe
             decoder.round_figures = kept
@@ -331,21 +339,22 @@ def _lookups_timed(context, rounds: list[dict], misses: list | None = None):
         del context.graft, context.choose_under_root, context.grafted
 
 
-def _probes_worth(rounds: list[dict], costs) -> float:
-    """The mean worth, in the profile's ms, of a generation's probes (its even rounds, 1-based), each
-    between two rounds that drafted and grafted nothing: its accepted drafted tokens that context
+def _probes_worth(rounds: list[dict], costs, every: int = 2) -> float:
+    """The mean worth, in the profile's ms, of a generation's probes (every `every`-th round, 1-based),
+    each between two rounds that drafted and grafted nothing: its accepted drafted tokens that context
     drafting did not propose too (`shared`) at a plain step each, less what it took beyond the step
     before it and added to the one after, the context drafter's lookups and merges left out of all
     three and the rows it grafted priced out, as the draft gate credits a drafted round. The median
     plain step stands for the profile's `verify_ms(1)`. Each round: {"ms", "graft_ms", "accepted",
     "shared", "size", "drafted"}; 0 where no probe sits between two plain steps."""
-    plain = [r["ms"] - r["graft_ms"] for r in rounds[0::2] if r["size"] == 1]
+    probes = range(every - 1, len(rounds) - 1, every)
+    plain = [r["ms"] - r["graft_ms"] for i, r in enumerate(rounds) if r["size"] == 1 and (i + 1) % every]
     if not plain:
         return 0.0
     step = costs.verify_ms(1)
     scale = statistics.median(plain) / step
     values = []
-    for before, r, after in zip(rounds[0::2], rounds[1::2], rounds[2::2]):
+    for before, r, after in ((rounds[i - 1], rounds[i], rounds[i + 1]) for i in probes):
         if before["size"] == 1 and after["size"] == 1:
             base = before["ms"] - before["graft_ms"]
             took = (r["ms"] - r["graft_ms"] - base) + (after["ms"] - after["graft_ms"] - base)
@@ -412,14 +421,20 @@ class _EveryOther:
 
 
 @contextlib.contextmanager
-def _drafting_every_other(policy, first_level_test: bool = False):
-    """Within (one generation): `policy` drafts its levels on every other round (`every_round` where it
-    has it: no gate, the first-level test only with `first_level_test`) and says the next round may draft (`rounds_to_draft`), so the
-    plain steps between take the target's features: each drafted round follows a plain step, as a
-    probe of a shut gate does, and is timed against it."""
-    own, rounds = policy.begin_round, itertools.count(1)
-    policy.begin_round = lambda: own() if next(rounds) % 2 == 0 else 0
-    policy.rounds_to_draft = lambda: 0
+def _drafting_every_other(policy, first_level_test: bool = False, every: int = 2):
+    """Within (one generation): `policy` drafts its levels on every other round, or every `every`-th
+    (`every_round` where it has it: no gate, the first-level test only with `first_level_test`), and
+    says how many rounds until the next (`rounds_to_draft`), so that the plain steps between take the
+    target's features as a shut gate's do: each drafted round follows a plain step, as a probe of a
+    shut gate does, and is timed against it."""
+    own, count = policy.begin_round, itertools.count(1)
+    rounds = [0]                                    # the round asked last
+
+    def begin_round() -> int:
+        rounds[0] = next(count)
+        return own() if rounds[0] % every == 0 else 0
+    policy.begin_round = begin_round
+    policy.rounds_to_draft = lambda: every - 1 - rounds[0] % every
     try:
         with (policy.every_round(first_level_test) if hasattr(policy, "every_round") else contextlib.nullcontext()):
             yield policy
