@@ -146,6 +146,9 @@ class LongShut(EveryOther):
     def rounds_to_draft(self) -> int:
         return (self.period - self.calls % self.period) % self.period
 
+    def sit_out(self, rounds: int) -> None:
+        self.calls += rounds
+
 
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "seed": 5}])
 def test_steps_far_from_a_drafted_round_take_no_features_and_the_head_starts_over(target, monkeypatch, sampling):
@@ -164,14 +167,42 @@ def test_steps_far_from_a_drafted_round_take_no_features_and_the_head_starts_ove
         return extend(self, tokens, hidden=hidden, last_logits=last_logits)
 
     monkeypatch.setattr(type(dec.target), "extend", recorded)
-    skipped = count_calls(monkeypatch, FeatureDrafter, "skip_target")
+    skipped = []
+    skip = FeatureDrafter.skip_target
+    monkeypatch.setattr(FeatureDrafter, "skip_target", lambda self, n=1: skipped.append(n) or skip(self, n))
     reference = dec.generate_baseline(PROMPT, max_new_tokens=60, **sampling).tokens
     asked.clear()
     out = dec.generate(PROMPT, max_new_tokens=60, **sampling)
     assert out.tokens == reference
     window = propose_module.RESUME_WINDOW
-    assert len(skipped) == asked.count(False) > 0 and asked.count(True) >= window
+    # every step without features is skipped by the head, a quiet run's at once when it ends (a run still
+    # going when the generation ends is not told)
+    assert 0 < sum(skipped) <= asked.count(False) and asked.count(True) >= window
     assert out.stats.rounds > out.stats.plain_rounds >= 2 * window                # it drafted after skipping
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "seed": 5}])
+def test_a_quiet_run_asks_no_proposer_and_changes_no_decision(target, monkeypatch, sampling):
+    """Rounds every gate is sure to sit out, far from the head's next round, run as a quiet run: the
+    policy, the context gate and the head are not asked in them and hear of them when it ends, and
+    every round's tree, the text and the gates' states are what asking each round gives."""
+    from mcsd.decoding.propose import Proposer
+
+    def run(quiet: bool):
+        head = FeatureDrafter(random_head(target), target)
+        dec = TreeDecoder(target, [head, "context"], policy=LongShut(TreeTopology.from_spec("2,2"), 24),
+                          attention="sdpa")
+        with pytest.MonkeyPatch.context() as patch:
+            if not quiet:
+                patch.setattr(Proposer, "_quiet_rounds", lambda self: 0)
+            asked = count_calls(patch, LongShut, "begin_round")
+            sizes = []
+            out = dec.generate(PROMPT, max_new_tokens=60, on_round=lambda tree, acc: sizes.append(tree.size),
+                               **sampling)
+        return out.tokens, sizes, len(asked), dec.policy.calls
+    tokens, sizes, asked, calls = run(quiet=True)
+    assert (tokens, sizes) == run(quiet=False)[:2]
+    assert asked < len(sizes) and calls <= len(sizes) and max(sizes) > 1     # it drafted, and sat quiet
 
 
 def test_a_head_with_no_features_since_it_skipped_says_so(target):
@@ -233,15 +264,18 @@ def test_a_round_left_after_its_first_draft_forward_is_a_plain_step(target, rand
 
 
 class Unannounced(EveryOther):
-    """Drafts every round from the `period`-th on while having said it would not draft for long (as a
-    gate reset from outside, `forget`, makes a learned policy do): the steps before skip the features."""
+    """Drafts every round from the `period`-th on while having said each round before it that it would
+    draft nothing for the resume window's rounds (as a gate reset from outside, `forget`, makes a
+    learned policy do): the steps before skip the features (and, asked every round, it runs none of
+    them as a quiet run)."""
 
     def begin_round(self) -> int:
         self.calls += 1
         return self.topology.max_depth if self.calls >= self.period else 0
 
     def rounds_to_draft(self) -> int:
-        return 1000 if self.calls < self.period else 0
+        from mcsd.decoding.propose import RESUME_WINDOW
+        return RESUME_WINDOW if self.calls < self.period else 0
 
 
 def test_a_round_drafted_sooner_than_announced_takes_the_features_first(target):

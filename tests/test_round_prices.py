@@ -210,7 +210,7 @@ class _Letters:
 
 
 def test_a_probes_worth_is_measured_on_the_fixed_text(target, fresh_cache):
-    """`worth` answers the fixed text greedy and sampled, every other round a probe that keeps the
+    """`worth` answers the fixed text greedy and sampled, every `WORTH_SPACING`-th round a probe keeping the
     first-level test; the decoder's costs, figures, round, policy and context drafter are left as they
     were; without a tokenizer nothing is measured."""
     dec = TreeDecoder(target, head_and_context(target), policy="learned", attention="sdpa")

@@ -43,6 +43,7 @@ CONTEXT_BUDGET = 0.0025             # lookups that lose cost at most this share 
 # plain steps before a drafted round whose target features a feature drafter reads; a step further from
 # the next round the policy may draft leaves them out (the head starts over from the last of these)
 RESUME_WINDOW = 8
+QUIET_MAX = 2 ** 31                 # a quiet run's bound where no policy gate bounds it (context drafting alone)
 
 
 @dataclass
@@ -97,11 +98,14 @@ class Proposer:
         # context is right in bursts (a repeated span) and wrong in between: a long memory while it
         # grafts, and a probe judged on its own round, so one that pays opens the gate again
         self.context_gate = LookupGate(CONTEXT_PROBE_EVERY, CONTEXT_MAX_GAP, CONTEXT_MEMORY, CONTEXT_BUDGET)
+        self._quiet = 0                 # rounds of the quiet run ahead (`_quiet_rounds`)
+        self._quiet_done = 0            # ... and run since its start, not yet told to the gates (`_settle`)
 
     def reset(self) -> None:
         """Before the prefill: the policy and the drafter start a new sequence."""
         self.policy.reset()
         self._sampling = None
+        self._quiet = self._quiet_done = 0
         if self.drafter is not None:
             self.drafter.reset()
         self.context_gate.reset()
@@ -135,7 +139,13 @@ class Proposer:
 
         Returns None where the round drafts nothing and grafts nothing (`plain`), the context's lookup
         included when it finds nothing: it is then the plain loop's step (`TreeDecoder._step`), with no
-        tree made."""
+        tree made; so is a round of a quiet run, which asks nothing of the proposers (`_quiet_rounds`)."""
+        if self._quiet and beside is None:
+            self._quiet -= 1
+            self._quiet_done += 1
+            return None
+        if self._quiet_done:
+            self._settle()
         policy, drafter = self.policy, self.drafter
         if sampling is not self._sampling:                 # the policy prices nodes for these settings
             self._sampling = sampling
@@ -149,6 +159,7 @@ class Proposer:
             depth = 0
         grafting = self.context is not None and self.context_gate.opens()
         if depth == 0 and not grafting and beside is None:
+            self._quiet = self._quiet_rounds()
             return None
         if depth == 0 and beside is None:                   # context alone: chosen on the host, tree after
             return self._context_round(sequence, context_nodes, noise)
@@ -196,6 +207,32 @@ class Proposer:
         graft = self.context.grafted(drafted, choice)
         return Proposal(GrownTree(drafted, None).with_graft(graft), drafted, graft, 0, 1.0 + graft.gain)
 
+    def _quiet_rounds(self) -> int:
+        """After a round every gate sat out: how many rounds after it are surely plain steps that need
+        nothing from the proposers, a quiet run: the policy drafts nothing (`rounds_to_draft`) and the
+        drafter takes no target features (further than `RESUME_WINDOW` from its next round), context
+        drafting looks nothing up and recycles nothing (its gate stays shut until after the run's last
+        step). Those rounds are the plain loop's steps with no proposer asked: the gates and the
+        drafter hear of them at once when the run ends (`_settle`), and the policy's staleness check
+        reads the rounds outside such runs (each probe's window of steps, drafted rounds)."""
+        rounds = self.policy.rounds_to_draft() if self.drafter is not None else QUIET_MAX
+        if self.hidden:
+            rounds -= RESUME_WINDOW
+        if self.context is not None:
+            rounds = min(rounds, self.context_gate.rounds_shut() - 1)
+        return max(rounds, 0)
+
+    def _settle(self) -> None:
+        """The rounds of a quiet run told at once: sat out by both gates (each would have been a shut
+        gate's `opens`), the drafter's features of their positions skipped, nothing drafted in them."""
+        rounds, self._quiet, self._quiet_done = self._quiet_done, 0, 0
+        self.policy.sit_out(rounds)
+        if self.context is not None:
+            self.context_gate.sit_out(rounds)
+        if self.hidden:
+            self.drafter.skip_target(rounds)
+        self._drafted_accepts.extend([0] * rounds)
+
     def _left(self, drafted: DraftTree) -> None:
         """A round the policy left after its first draft forward (`drafted`: the root alone) that runs
         as the plain loop's step: the drafter keeps the root's entry, and the policy hears of it."""
@@ -230,9 +267,8 @@ class Proposer:
     def step_hidden(self) -> bool | tuple[int, ...]:
         """The target layers a plain step (or the prefill) returns for the drafter (as `hidden`), or
         False: none where it reads none, and none where the policy will draft nothing for more than
-        `RESUME_WINDOW` rounds after this one (the head then starts over from the steps' features that
         follow: `FeatureDrafter.skip_target`). Ask after `propose` gave None, or after `reset`."""
-        if self.hidden and self.policy.rounds_to_draft() >= RESUME_WINDOW:
+        if self._quiet_done or (self.hidden and self.policy.rounds_to_draft() >= RESUME_WINDOW):
             return False
         return self.hidden
 
@@ -242,7 +278,9 @@ class Proposer:
         hidden states `states` (1, H), fused when it next drafts; None where `step_hidden` left them
         out), the target's top-k after the root (`logits` (1, V)) recycled only where the next round
         grafts, and the policy hears the step's time (`ms`, `forward_ms` its target forward, over a cache
-        of `context` positions)."""
+        of `context` positions); a quiet run's step is told when the run ends (`_settle`)."""
+        if self._quiet_done:
+            return
         if self.hidden:
             self._feed(states, 1)
         if self.context is not None and self.context_gate.will_open():

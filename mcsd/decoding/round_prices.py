@@ -32,8 +32,7 @@ profile's ms (`beyond`), and returns
   is a loss the learned policy's gate starts each generation shut (`LearnedPolicy.prior`), for the
   wait a probe that lost that much would sit out: a drafter that does not pay on this machine beside
   context drafting (its forwards or its rows dear beside the target's step) is then not tried at
-  every text's start. 0 where there is no drafter,
-  policy gate or tokenizer for the text.
+  every text's start. 0 where there is no drafter, policy gate or tokenizer for the text.
 
 They are measured once per (profile, policy, drafters) and cached beside the profile, so a
 command's trees, and its text in bfloat16, repeat from run to run on the same machine: decisions
@@ -264,9 +263,9 @@ def worth(decoder, figures: dict, costs, held: list) -> dict:
     """`draft_value` and `draft_value_sampled` (see the module): the decoder answers `WORTH_TEXT` (as a
     chat turn where the tokenizer has a template) greedy and sampled (`SAMPLED`) with `figures` in use
     and context drafting as it runs, the `held` costs each left as it was, every `WORTH_SPACING`-th
-    round drafting as a shut gate's probe would (the first-level test kept); each figure is the mean over the probes of what the
-    drafter added to its round (`_probes_worth`, in the profile's ms of `costs`). Both 0 where nothing
-    measures it."""
+    round drafting as a shut gate's probe would (the first-level test kept); each figure is the mean
+    over the probes of what the drafter added to its round (`_probes_worth`, in the profile's ms of
+    `costs`). Both 0 where nothing measures it."""
     policy, tok, context = decoder.policy, decoder.tokenizer, decoder.context
     if decoder.drafter is None or tok is None or not hasattr(policy, "prior"):
         return dict(NO_WORTH)
@@ -409,6 +408,12 @@ class _EveryOther:
 
     def will_open(self) -> bool:
         return (self.rounds + 1) % 2 == 0
+
+    def rounds_shut(self) -> int:
+        return 0 if self.will_open() else 1
+
+    def sit_out(self, rounds: int) -> None:
+        self.rounds += rounds
 
     def observe(self, value: float, step_ms: float | None = None) -> None:
         """What a round was worth: not needed to decide anything here."""

@@ -112,6 +112,11 @@ class Gate:
         its value)."""
         return 0 if self.will_open() else self.gap - self.skipped
 
+    def sit_out(self, rounds: int) -> None:
+        """`rounds` rounds sat out, counted at once (each a shut `opens`): only where `rounds_shut` said
+        at least that many would."""
+        self.skipped += rounds
+
     @property
     def ran(self) -> bool:
         """The round `opens` was last asked about runs."""
@@ -196,6 +201,10 @@ class TreePolicy:
         (0: the next may). A drafter that reads the target's features skips them for the plain steps
         further than its resume window from a drafted round (`mcsd.decoding.propose`)."""
         return 0
+
+    def sit_out(self, rounds: int) -> None:
+        """`rounds` rounds this policy was not asked about, each one `rounds_to_draft` said would draft
+        nothing (a quiet run's, told when it ends: `mcsd.decoding.propose`): counted as such rounds."""
 
     def expand(self, frontier: Frontier) -> torch.Tensor | None:
         """(F,) long children per frontier node (clamped to max_children), or None for the maximum."""

@@ -229,6 +229,9 @@ class LearnedPolicy(TreePolicy):
     def rounds_to_draft(self) -> int:
         return 0 if self._every else self.gate.rounds_shut()
 
+    def sit_out(self, rounds: int) -> None:
+        self.gate.sit_out(rounds)
+
     def expand(self, frontier: Frontier) -> torch.Tensor:
         t0 = time.perf_counter()
         limits = frontier.max_children.tolist()
