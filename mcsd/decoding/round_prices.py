@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
 import json
 import statistics
 import time
@@ -431,20 +430,22 @@ def _drafting_every_other(policy, first_level_test: bool = False, every: int = 2
     (`every_round` where it has it: no gate, the first-level test only with `first_level_test`), and
     says how many rounds until the next (`rounds_to_draft`), so that the plain steps between take the
     target's features as a shut gate's do: each drafted round follows a plain step, as a probe of a
-    shut gate does, and is timed against it."""
-    own, count = policy.begin_round, itertools.count(1)
-    rounds = [0]                                    # the round asked last
+    shut gate does, and is timed against it (a quiet run's rounds, `sit_out`, counted as rounds)."""
+    own, rounds = policy.begin_round, [0]          # the rounds so far
 
     def begin_round() -> int:
-        rounds[0] = next(count)
+        rounds[0] += 1
         return own() if rounds[0] % every == 0 else 0
-    policy.begin_round = begin_round
+
+    def sit_out(n: int) -> None:
+        rounds[0] += n
+    policy.begin_round, policy.sit_out = begin_round, sit_out
     policy.rounds_to_draft = lambda: every - 1 - rounds[0] % every
     try:
         with (policy.every_round(first_level_test) if hasattr(policy, "every_round") else contextlib.nullcontext()):
             yield policy
     finally:
-        del policy.begin_round, policy.rounds_to_draft
+        del policy.begin_round, policy.rounds_to_draft, policy.sit_out
 
 
 @contextlib.contextmanager
