@@ -212,9 +212,9 @@ class Proposer:
         nothing from the proposers, a quiet run: the policy drafts nothing (`rounds_to_draft`) and the
         drafter takes no target features (further than `RESUME_WINDOW` from its next round), context
         drafting looks nothing up and recycles nothing (its gate stays shut until after the run's last
-        step). Those rounds are the plain loop's steps with no proposer asked: the gates and the
-        drafter hear of them at once when the run ends (`_settle`), and the policy's staleness check
-        reads the rounds outside such runs (each probe's window of steps, drafted rounds)."""
+        step). Those rounds are the plain loop's steps with no proposer asked but the policy, which
+        hears each step's time for its staleness check: the gates and the drafter hear of them at once
+        when the run ends (`_settle`)."""
         rounds = self.policy.rounds_to_draft() if self.drafter is not None else QUIET_MAX
         if self.hidden:
             rounds -= RESUME_WINDOW
@@ -226,7 +226,8 @@ class Proposer:
         """The rounds of a quiet run told at once: sat out by both gates (each would have been a shut
         gate's `opens`), the drafter's features of their positions skipped, nothing drafted in them."""
         rounds, self._quiet, self._quiet_done = self._quiet_done, 0, 0
-        self.policy.sit_out(rounds)
+        if self.drafter is not None:                # the policy is asked only where there is a drafter
+            self.policy.sit_out(rounds)
         if self.context is not None:
             self.context_gate.sit_out(rounds)
         if self.hidden:
@@ -267,7 +268,9 @@ class Proposer:
     def step_hidden(self) -> bool | tuple[int, ...]:
         """The target layers a plain step (or the prefill) returns for the drafter (as `hidden`), or
         False: none where it reads none, and none where the policy will draft nothing for more than
-        follow: `FeatureDrafter.skip_target`). Ask after `propose` gave None, or after `reset`."""
+        `RESUME_WINDOW` rounds after this one (the head then starts over from the steps' features that
+        follow: `FeatureDrafter.skip_target`), a quiet run's step included. Ask after `propose` gave
+        None, or after `reset`."""
         if self._quiet_done or (self.hidden and self.policy.rounds_to_draft() >= RESUME_WINDOW):
             return False
         return self.hidden
@@ -278,8 +281,10 @@ class Proposer:
         hidden states `states` (1, H), fused when it next drafts; None where `step_hidden` left them
         out), the target's top-k after the root (`logits` (1, V)) recycled only where the next round
         grafts, and the policy hears the step's time (`ms`, `forward_ms` its target forward, over a cache
-        of `context` positions); a quiet run's step is told when the run ends (`_settle`)."""
+        of `context` positions); of a quiet run's step only its time, the rest told when the run ends
+        (`_settle`)."""
         if self._quiet_done:
+            self.policy.observe_step(ms, forward_ms, context)       # the staleness check's measure
             return
         if self.hidden:
             self._feed(states, 1)
