@@ -145,8 +145,33 @@ def test_measuring_runs_drafted_rounds_and_prices_what_the_levels_leave_out(targ
     assert context_costs.context_round_ms == 9.0
     assert costs.stale is None and not stale_flags
     assert looked                               # rounds that drafted nothing looked up on the repeated prompt
-    assert not {"graft", "choose_under_root", "grafted"} & set(vars(dec.context)) and "_round" not in vars(dec)
+    assert not {"graft", "choose_under_root", "grafted", "observe_logits"} & set(vars(dec.context))
+    assert "_round" not in vars(dec)
     assert not {"begin_round", "rounds_to_draft"} & set(vars(dec.policy))   # the policy's own methods again
+
+
+@pytest.mark.measures
+def test_a_lookup_that_finds_nothing_is_priced_with_the_recycling_before_it(target, fresh_cache, monkeypatch):
+    """A probe of a shut context gate costs decoding its lookup and the target's top-k recycled on the
+    step before it (a shut gate's steps skip it): `lookup_ms` holds both, so a recycling that takes 3 ms
+    makes a miss cost at least that, whatever the lookups themselves took."""
+    import time
+    monkeypatch.setattr(round_prices, "PASSES", 1)
+    dec = TreeDecoder(target, head_and_context(target), policy="learned", attention="sdpa")
+    recycle = ContextDrafter.observe_logits
+
+    def slow(self, *args, **kwargs):
+        time.sleep(0.003)
+        return recycle(self, *args, **kwargs)
+    monkeypatch.setattr(ContextDrafter, "observe_logits", slow)
+    looked = []
+    lookup = ContextDrafter.choose_under_root
+    monkeypatch.setattr(ContextDrafter, "choose_under_root",
+                        lambda self, *a, **k: looked.append(lookup(self, *a, **k)) or looked[-1])
+    figures = round_prices.measure(dec, dec.policy.costs)
+    assert None in looked                        # some lookups found nothing
+    assert figures["lookup_ms"] >= 3.0
+    assert "observe_logits" not in vars(dec.context)
 
 
 def _round(ms, size=1, graft_ms=0.0, priced=None):

@@ -15,9 +15,12 @@ profile's ms (`beyond`), and returns
   levels' prices, its extra rows' verify price and its graft (under sampling the draws and the
   acceptance over every node cost more than under greedy matching);
 - `graft_ms`: per graft, the context drafter's lookup and merge;
-- `lookup_ms`: a lookup beneath a root alone that finds nothing worth grafting (most of a lookup's
-  time goes to building the trie of a continuation found: one that finds none costs a fraction of
-  a graft, and is what the context gate pays for trying);
+- `lookup_ms`: a lookup beneath a root alone that finds nothing worth grafting, as decoding pays it
+  (what the context gate pays for trying): its own time, the mean over such lookups (one whose
+  continuations did not pay has built their trie, most cost a fraction of a graft), and the recycling
+  of the target's top-k on the step before it, which the steps of a shut gate skip (without it a miss
+  was priced at a third of what a probe added to decoding's rounds at T 1.0 on a 2-core Xeon, so a
+  shut gate probed three times as often as its budget allows);
 - `context_round_ms` (greedy) and `context_round_ms_sampled`: a round that drafts nothing but
   grafts, beyond a plain step, its lookup and merge, and its extra rows' verify price (the tree of
   the root and its graft made, verified and accepted where a plain step makes none);
@@ -67,7 +70,7 @@ PASSES = 5                         # generations of each kind, the quietest one'
 # sampled with a nucleus (what a chat client sends): each extra node's filtering and draw lands in the
 # round's figure, a price on the safe side for plain temperature sampling
 SAMPLED = {"temperature": 1.0, "top_p": 0.95, "seed": 0}
-VERSION = 9                        # of what is measured; a cached figure of another version is measured again
+VERSION = 10                       # of what is measured; a cached figure of another version is measured again
 FIGURES = ("round_ms", "round_ms_sampled", "graft_ms", "lookup_ms", "context_round_ms", "context_round_ms_sampled",
            "draft_value", "draft_value_sampled")
 # the fixed text a drafted round's worth is measured on (the drafter's acceptance needs language, not the
@@ -194,6 +197,7 @@ def measure(decoder, costs) -> dict:
     context = decoder.context
     timed = []                                                      # per round
     misses = []                                                     # ms of each lookup that found nothing
+    recycles = []                                                   # ms of each step's recycled top-k
     looking = []                                                    # [the every-other gate] in a timed generation
     lone_round = decoder._round
 
@@ -239,7 +243,7 @@ def measure(decoder, costs) -> dict:
     shared = {id(c): c for c in (costs, getattr(policy, "costs", None), decoder.context_costs) if c is not None}
     decoder._round = timed_round                      # this decoder's own round and context drafter, for now
     try:
-        with contextlib.ExitStack() as stack, _lookups_timed(context, timed, misses):
+        with contextlib.ExitStack() as stack, _lookups_timed(context, timed, misses, recycles):
             for held in shared.values():
                 stack.enter_context(held.held())
                 held.round_ms = held.graft_ms = held.lookup_ms = held.context_round_ms = 0.0
@@ -253,7 +257,8 @@ def measure(decoder, costs) -> dict:
 
     out = {"round_ms": figure(drafted[True]), "round_ms_sampled": figure(drafted[False]),
            "graft_ms": figure(statistics.fmean(grafts) if grafts else None),
-           "lookup_ms": figure(statistics.median(misses) if misses else None),
+           "lookup_ms": figure(statistics.fmean(misses) + (statistics.fmean(recycles) if recycles else 0.0)
+                               if misses else None),
            "context_round_ms": figure(rounds[True]), "context_round_ms_sampled": figure(rounds[False])}
     return {**out, **worth(decoder, out, costs, list(shared.values()))}
 
@@ -312,10 +317,11 @@ def worth(decoder, figures: dict, costs, held: list) -> dict:
 
 
 @contextlib.contextmanager
-def _lookups_timed(context, rounds: list[dict], misses: list | None = None):
+def _lookups_timed(context, rounds: list[dict], misses: list | None = None, recycles: list | None = None):
     """Within: the context drafter's lookups and merges (`graft`, `choose_under_root`, `grafted`; none
     where `context` is None) add each call's time to the last of `rounds`' "graft_ms"; with `misses`,
-    each lookup beneath a root alone that finds nothing (None) is also kept there."""
+    each lookup beneath a root alone that finds nothing (None) is also kept there; with `recycles`, the
+    time of each plain step's recycling (`observe_logits`) is kept there."""
     def timing(method, misses_into: list | None = None):
         def timed_call(*args, **kwargs):
             t0 = time.perf_counter()
@@ -331,10 +337,20 @@ def _lookups_timed(context, rounds: list[dict], misses: list | None = None):
         return
     context.graft, context.grafted = timing(context.graft), timing(context.grafted)
     context.choose_under_root = timing(context.choose_under_root, misses)
+    if recycles is not None:
+        recycle = context.observe_logits
+
+        def timed_recycle(*args, **kwargs):
+            t0 = time.perf_counter()
+            recycle(*args, **kwargs)
+            recycles.append((time.perf_counter() - t0) * 1000)
+        context.observe_logits = timed_recycle
     try:
         yield
     finally:
         del context.graft, context.choose_under_root, context.grafted
+        if recycles is not None:
+            del context.observe_logits
 
 
 def _probes_worth(rounds: list[dict], costs, every: int = 2) -> float:
