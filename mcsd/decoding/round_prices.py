@@ -322,29 +322,29 @@ def _lookups_timed(context, rounds: list[dict], misses: list | None = None, recy
     where `context` is None) add each call's time to the last of `rounds`' "graft_ms"; with `misses`,
     each lookup beneath a root alone that finds nothing (None) is also kept there; with `recycles`, the
     time of each plain step's recycling (`observe_logits`) is kept there."""
-    def timing(method, misses_into: list | None = None):
+    def timing(method, kept):
         def timed_call(*args, **kwargs):
             t0 = time.perf_counter()
             result = method(*args, **kwargs)
-            ms = (time.perf_counter() - t0) * 1000
-            rounds[-1]["graft_ms"] += ms
-            if misses_into is not None and result is None:
-                misses_into.append(ms)
+            kept((time.perf_counter() - t0) * 1000, result)
             return result
         return timed_call
+
+    def in_round(ms, result) -> None:
+        rounds[-1]["graft_ms"] += ms
+
+    def a_miss(ms, result) -> None:
+        in_round(ms, result)
+        if misses is not None and result is None:
+            misses.append(ms)
+
     if context is None:
         yield
         return
-    context.graft, context.grafted = timing(context.graft), timing(context.grafted)
-    context.choose_under_root = timing(context.choose_under_root, misses)
+    context.graft, context.grafted = timing(context.graft, in_round), timing(context.grafted, in_round)
+    context.choose_under_root = timing(context.choose_under_root, a_miss)
     if recycles is not None:
-        recycle = context.observe_logits
-
-        def timed_recycle(*args, **kwargs):
-            t0 = time.perf_counter()
-            recycle(*args, **kwargs)
-            recycles.append((time.perf_counter() - t0) * 1000)
-        context.observe_logits = timed_recycle
+        context.observe_logits = timing(context.observe_logits, lambda ms, result: recycles.append(ms))
     try:
         yield
     finally:
