@@ -2,6 +2,7 @@
 cached beside the profile, read by the gates; decisions read the cached figures, never the clock."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -22,6 +23,18 @@ PROMPT = torch.tensor([3, 17, 42, 5, 9, 11])
 
 def head_and_context(target):
     return [FeatureDrafter(random_head(target), target), "context"]
+
+
+def lookups_kept(patch) -> list:
+    """Within `patch` (a MonkeyPatch): every lookup beneath a root alone keeps its choice (None: it
+    found nothing) in the list returned."""
+    looked, lookup = [], ContextDrafter.choose_under_root
+
+    def kept(self, *args, **kwargs):
+        looked.append(lookup(self, *args, **kwargs))
+        return looked[-1]
+    patch.setattr(ContextDrafter, "choose_under_root", kept)
+    return looked
 
 
 def test_the_figures_reach_the_policys_and_the_context_gates_costs(target, fresh_cache):
@@ -128,15 +141,8 @@ def test_measuring_runs_drafted_rounds_and_prices_what_the_levels_leave_out(targ
     context_costs = dec.context_costs
     context_costs.context_round_ms = 9.0
     before = (costs.round_ms, costs.graft_ms, list(costs._plain), list(costs._any))
-    looked = []
-    lookup = ContextDrafter.choose_under_root
-
-    def counted(self, *args, **kwargs):
-        choice = lookup(self, *args, **kwargs)
-        looked.append(choice)
-        return choice
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ContextDrafter, "choose_under_root", counted)
+        looked = lookups_kept(patch)
         figures = round_prices.measure(dec, costs)
     assert set(figures) == set(round_prices.FIGURES)
     assert all(0 <= v < 1e4 for k, v in figures.items() if not k.startswith("draft_value"))
@@ -155,7 +161,6 @@ def test_a_lookup_that_finds_nothing_is_priced_with_the_recycling_before_it(targ
     """A probe of a shut context gate costs decoding its lookup and the target's top-k recycled on the
     step before it (a shut gate's steps skip it): `lookup_ms` holds both, so a recycling that takes 3 ms
     makes a miss cost at least that, whatever the lookups themselves took."""
-    import time
     monkeypatch.setattr(round_prices, "PASSES", 1)
     dec = TreeDecoder(target, head_and_context(target), policy="learned", attention="sdpa")
     recycle = ContextDrafter.observe_logits
@@ -164,10 +169,7 @@ def test_a_lookup_that_finds_nothing_is_priced_with_the_recycling_before_it(targ
         time.sleep(0.003)
         return recycle(self, *args, **kwargs)
     monkeypatch.setattr(ContextDrafter, "observe_logits", slow)
-    looked = []
-    lookup = ContextDrafter.choose_under_root
-    monkeypatch.setattr(ContextDrafter, "choose_under_root",
-                        lambda self, *a, **k: looked.append(lookup(self, *a, **k)) or looked[-1])
+    looked = lookups_kept(monkeypatch)
     figures = round_prices.measure(dec, dec.policy.costs)
     assert None in looked                        # some lookups found nothing
     assert figures["lookup_ms"] >= 3.0
